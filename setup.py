@@ -1,0 +1,37 @@
+"""Package metadata for torchfold (build settings and tool configuration live in pyproject.toml)."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "torchfold" / "_version.py").read_text()).group(1)  # type: ignore[union-attr]
+
+setup(
+    name="torchfold",
+    version=VERSION,
+    description="Dynamic batching for PyTorch models over trees, graphs and other variable structures, "
+    "and training with a batch size that changes step by step.",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    author="The torchfold developers",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["torchfold", "torchfold.*"]),
+    package_data={"torchfold": ["py.typed"]},
+    install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60", "matplotlib>=3.6"],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.80", "ruff>=0.5", "mypy>=1.8"],
+        "notebooks": ["torchvision>=0.16", "mlxtend>=0.23", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
+        "xla": ["torch_xla>=2.1"],
+    },
+    entry_points={"console_scripts": ["torchfold=torchfold.__main__:main"]},
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Science/Research",
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

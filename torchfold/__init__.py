@@ -1,0 +1,13 @@
+"""torchfold: dynamic batching for PyTorch, and training with a batch size that changes every step.
+
+Record deferred node operations on a :class:`Fold`, then run every group of same-op nodes at
+the same depth as one batched call with :meth:`Fold.apply`.
+"""
+
+from torchfold._errors import FoldError
+from torchfold._version import __version__
+
+__all__ = [
+    "FoldError",
+    "__version__",
+]

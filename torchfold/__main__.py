@@ -1,0 +1,45 @@
+"""Command line: ``python -m torchfold demo|trace ...`` (also installed as ``torchfold``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+USAGE = """usage: python -m torchfold COMMAND [ARGS...]
+
+commands:
+  demo     train a small Tree-LSTM with dynamic batching (SST trees from a path, or generated ones)
+  trace    check, convert and plot batch-size traces (python -m torchfold trace --help)
+"""
+
+
+def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
+    # Imported lazily so that `--help` and one subcommand do not pay for the others' imports.
+    def demo(argv: Sequence[str]) -> int:
+        from torchfold._demo import main
+
+        return main(argv)
+
+    def trace(argv: Sequence[str]) -> int:
+        from torchfold._trace_cli import main
+
+        return main(argv)
+
+    return {"demo": demo, "trace": trace}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = _commands()
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in commands:
+        print(f"torchfold: unknown command {name!r}; expected one of {sorted(commands)}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return commands[name](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,9 +5,16 @@ the same depth as one batched call with :meth:`Fold.apply`.
 """
 
 from torchfold._errors import FoldError
+from torchfold._fold import Fold
+from torchfold._node import Node
+from torchfold._unfold import Unfold, UnfoldNode
 from torchfold._version import __version__
 
 __all__ = [
+    "Fold",
     "FoldError",
+    "Node",
+    "Unfold",
+    "UnfoldNode",
     "__version__",
 ]

@@ -1,0 +1,242 @@
+"""Executing a fold: one batched call per group, arguments gathered from batched results.
+
+Every group's result stays one batched tensor (or tuple of them). A consumer's argument
+column is assembled with at most two tensor operations, whatever the number of nodes:
+
+* all its rows come, in order, from one whole earlier result: that tensor is passed through
+  with no copy;
+* otherwise the sources it reads (earlier results, and tensors given to ``add``) are
+  concatenated once, and one ``index_select`` picks the rows in call order (skipped when the
+  concatenation already is in call order).
+
+So ``apply`` costs O(groups) tensor operations, not O(nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchfold._errors import FoldError
+from torchfold._node import Group, Node
+from torchfold._plan import check_requests, module_device, resolve_ops
+
+if TYPE_CHECKING:
+    from torchfold._fold import Fold
+
+__all__ = ["execute"]
+
+_Tensor = torch.Tensor
+_SourceKey = tuple[Group, int | None]
+
+
+class _Results:
+    """Batched results of the groups run so far, and how many rows each call owns in them."""
+
+    __slots__ = ("rows", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: dict[_SourceKey, _Tensor] = {}
+        self.rows: dict[_SourceKey, int] = {}
+
+    def store(self, group: Group, out: Any) -> None:
+        calls = len(group.calls)
+        if isinstance(out, _Tensor):
+            outputs: Sequence[Any] = (out,)
+            keys: Sequence[int | None] = (None,)
+        elif isinstance(out, tuple | list):
+            outputs = out
+            keys = range(len(out))
+        else:
+            raise FoldError(
+                f"op {group.name!r} at depth {group.depth} returned a {type(out).__name__}; "
+                "ops must return a tensor or a tuple of tensors"
+            )
+        if group.num_outputs > len(outputs):
+            raise FoldError(
+                f"split index out of range: nodes of op {group.name!r} at depth {group.depth} were split into "
+                f"{group.num_outputs} outputs, but it returned {'a single tensor' if keys == (None,) else len(outputs)}"
+                f"; call .split({len(outputs) if keys != (None,) else 1}) or use the node whole"
+            )
+        for key, value in zip(keys, outputs, strict=True):
+            if not isinstance(value, _Tensor):
+                raise FoldError(
+                    f"op {group.name!r} at depth {group.depth} returned a {type(value).__name__} as output "
+                    f"{key}; ops must return a tensor or a tuple of tensors"
+                )
+            if value.dim() == 0 or value.shape[0] % calls:
+                raise FoldError(
+                    f"op {group.name!r} at depth {group.depth} ran {calls} calls batched and returned shape "
+                    f"{tuple(value.shape)}{'' if key is None else f' as output {key}'}: its leading dim must be "
+                    f"a multiple of {calls} (each call owns the same number of rows, in call order)"
+                )
+            self.tensors[(group, key)] = value
+            self.rows[(group, key)] = value.shape[0] // calls
+
+    def source(self, node: Node) -> tuple[_Tensor, int]:
+        """The batched tensor that holds ``node``'s rows, and how many rows each call owns in it."""
+        key = (node.group, node.output)
+        tensor = self.tensors.get(key)
+        if tensor is not None:
+            return tensor, self.rows[key]
+        group = node.group
+        if node.output is None:
+            count = sum(1 for k in self.tensors if k[0] is group)
+            raise FoldError(
+                f"{node!r} is used whole, but op {group.name!r} at depth {group.depth} returned {count} outputs; "
+                f"take them apart with .split({count})"
+            )
+        raise FoldError(
+            f"split index out of range: {node!r} asks for output {node.output} of op {group.name!r} at depth "
+            f"{group.depth}, which returned a single tensor; use the node without .split()"
+        )
+
+
+def _where(group: Group | None, position: int | None) -> str:
+    if group is None:
+        return f"apply request {position}"
+    return f"op {group.name!r} at depth {group.depth}, argument {position}"
+
+
+def _gather(column: Sequence[Any], results: _Results, group: Group | None, position: int) -> _Tensor:
+    """Batch one argument position of a group (or one apply request): nodes and tensors."""
+    pieces: list[_Tensor] = []
+    offsets: list[int] = []
+    piece_of: dict[Any, int] = {}
+    starts: list[int] = []
+    owners: list[Any] = []  # for error messages: who contributed each piece
+    rows = -1
+    total = 0
+    for item in column:
+        if item.__class__ is Node:
+            key: Any = (item.group, item.output)
+            piece = piece_of.get(key)
+            if piece is None:
+                tensor, k = results.source(item)
+                piece = piece_of[key] = len(pieces)
+                pieces.append(tensor)
+                offsets.append(total)
+                owners.append(item)
+                total += tensor.shape[0]
+            else:
+                k = results.rows[key]
+            start = offsets[piece] + item.index * k
+        else:  # a tensor passed to add: its rows are its leading dim
+            key = id(item)
+            piece = piece_of.get(key)
+            if item.dim() == 0:
+                raise FoldError(
+                    f"{_where(group, position)}: a 0-dim tensor ({item!r}) has no rows; "
+                    "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
+                )
+            k = item.shape[0]
+            if piece is None:
+                piece = piece_of[key] = len(pieces)
+                pieces.append(item)
+                offsets.append(total)
+                owners.append(f"a tensor of shape {tuple(item.shape)}")
+                total += k
+            start = offsets[piece]
+        if k != rows:
+            if rows != -1:
+                raise FoldError(
+                    f"{_where(group, position)}: rows disagree within the group: {owners[0]} gives {rows} rows "
+                    f"per call but {item if item.__class__ is Node else owners[piece]} gives {k}; every call of "
+                    "a group must pass the same number of rows at each position"
+                )
+            rows = k
+        starts.append(start)
+    first = pieces[0]
+    for piece, owner in zip(pieces[1:], owners[1:], strict=True):
+        if piece.shape[1:] != first.shape[1:] or piece.dtype != first.dtype or piece.device != first.device:
+            raise FoldError(
+                f"{_where(group, position)}: rows disagree in shape within the group: {owners[0]} gives rows of "
+                f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {owner} gives "
+                f"{tuple(piece.shape[1:])} {piece.dtype} on {piece.device}; calls of one group must pass "
+                "same-shaped rows at each position (use different ops for different shapes)"
+            )
+    source = first if len(pieces) == 1 else torch.cat(pieces, 0)
+    if rows == 1:
+        if starts == list(range(total)):
+            return source  # already in call order: no copy at all for a single source
+        index = torch.tensor(starts, dtype=torch.long, device=source.device)
+    else:
+        if starts == list(range(0, total, rows)):
+            return source
+        index = torch.tensor(starts, dtype=torch.long, device=source.device)
+        index = (index.unsqueeze(1) + torch.arange(rows, device=source.device)).reshape(-1)
+    return source.index_select(0, index)
+
+
+def _shared(column: Sequence[Any], results: _Results, group: Group, position: int) -> _Tensor:
+    """A ``nobatch`` position: one node's value, passed whole to the batched call."""
+    node = column[0]
+    for other in column:
+        if other.__class__ is not Node or other.key != node.key:
+            raise FoldError(
+                f"{_where(group, position)}: {node!r} is nobatch, so every call of the group must pass that same "
+                f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "
+                "calls of an op at a depth"
+            )
+    tensor, k = results.source(node)
+    if tensor.shape[0] == k:
+        return tensor
+    return tensor[node.index * k : (node.index + 1) * k]
+
+
+def _batch_arguments(group: Group, results: _Results, device: torch.device) -> list[_Tensor]:
+    args = []
+    for position, column in enumerate(zip(*group.calls, strict=True)):
+        kinds = set(map(type, column))
+        if kinds == {int}:
+            args.append(torch.tensor(column, dtype=torch.long, device=device))
+            continue
+        if kinds <= {int, float}:
+            args.append(torch.tensor(column, dtype=torch.get_default_dtype(), device=device))
+            continue
+        if int in kinds or float in kinds:
+            raise FoldError(
+                f"{_where(group, position)}: ints and nodes/tensors are mixed at one position "
+                f"({len(group.calls)} calls); pass either ints everywhere or tensors/nodes everywhere "
+                "(e.g. wrap the ints as tensors of the right shape)"
+            )
+        if Node in kinds and not all(n.batch for n in column if n.__class__ is Node):
+            args.append(_shared(column, results, group, position))
+        else:
+            args.append(_gather(column, results, group, position))
+    return args
+
+
+def _run_groups(fold: Fold, nn: object, device: torch.device) -> _Results:
+    groups = fold.groups()
+    fns: list[Callable[..., Any]] = resolve_ops(nn, groups)
+    results = _Results()
+    for group, fn in zip(groups, fns, strict=True):
+        args = _batch_arguments(group, results, device)
+        group.arg_shapes = [f"{str(a.dtype).removeprefix('torch.')}[{'x'.join(map(str, a.shape))}]" for a in args]
+        try:
+            out = fn(*args)
+        except FoldError:
+            raise
+        except Exception as error:
+            shapes = ", ".join(group.arg_shapes)
+            raise FoldError(
+                f"while applying {group.name!r} at depth {group.depth} to {len(group.calls)} nodes "
+                f"(batched argument shapes: {shapes}): {type(error).__name__}: {error}"
+            ) from error
+        results.store(group, out)
+    return results
+
+
+def execute(fold: Fold, nn: object, requests: Sequence[Sequence[Node]]) -> list[_Tensor]:
+    """Run ``fold``'s groups on ``nn`` and return one batched tensor per request."""
+    check_requests(fold, requests)
+    device = fold.device if fold.device is not None else module_device(nn)
+    results = _run_groups(fold, nn, device)
+    outputs = []
+    for i, request in enumerate(requests):
+        nodes = [node if node.batch else Node(fold, node.group, node.index, node.output) for node in request]
+        outputs.append(_gather(nodes, results, None, i))
+    return outputs

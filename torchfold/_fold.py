@@ -1,0 +1,176 @@
+"""Recording a fold: ``Fold.add`` stores deferred calls grouped by (depth, op, arity).
+
+Recording is the hot path of every dynamic model (one ``add`` per tree node), so it only
+appends to lists and dictionaries; all checks that can wait for ``apply`` do.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchfold._errors import FoldError
+from torchfold._node import Group, Node, Op, op_name
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["Fold"]
+
+_Tensor = torch.Tensor
+
+
+class Fold:
+    """Records deferred node operations and runs each (depth, op) group as one batched call.
+
+    ``add(op, *args)`` returns a :class:`~torchfold.Node` at depth ``1 + max(depth of node
+    arguments)`` (``0`` when no argument is a node). ``apply(module, [[nodes], ...])`` then calls
+    ``getattr(module, op)`` once per group, with each argument position batched along dim 0:
+
+    * a node argument becomes the rows that node's call produced;
+    * an ``int`` becomes one entry of a ``LongTensor`` of shape ``(calls,)`` (a ``float``, of a
+      float tensor), created on the fold's device;
+    * a tensor argument is passed as is: its leading dimension is its rows.
+
+    Identical calls (same op, same arguments; tensors compared by identity) are recorded once.
+
+    Args:
+        device: where int/float arguments are materialised. ``None`` (default) uses the device
+            of the module's first parameter or buffer at ``apply`` time, else the CPU.
+        cuda: legacy TorchFold flag, same as ``device="cuda"``.
+        volatile: legacy TorchFold flag, same as running ``apply`` under ``torch.no_grad()``.
+
+    Example:
+        >>> import torch, torchfold
+        >>> class Doubler(torch.nn.Module):
+        ...     def exp(self, x):
+        ...         return 2 * x
+        >>> f = torchfold.Fold()
+        >>> a = f.add("exp", 1)
+        >>> b = f.add("exp", a)
+        >>> f.apply(Doubler(), [[a, b]])
+        [tensor([2, 4])]
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        cuda: bool = False,
+        volatile: bool = False,
+    ) -> None:
+        if cuda or volatile:
+            warnings.warn(
+                "Fold(cuda=..., volatile=...) are TorchFold 0.x flags: use Fold(device='cuda') and "
+                "torch.no_grad() instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if cuda and device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"Fold(cuda=True) contradicts device={device!r}; pass only device=")
+        self.device: torch.device | None = torch.device("cuda") if cuda else None
+        if device is not None:
+            self.device = torch.device(device)
+        self.volatile = volatile
+        self._groups: dict[tuple[int, Op, int], Group] = {}
+        self._calls: dict[tuple[Any, ...], Node] = {}
+        self._num_nodes = 0
+
+    # -- recording --------------------------------------------------------------------------
+
+    def add(self, op: Op, *args: Any) -> Node:
+        """Record ``op(*args)`` for later batched execution and return its node.
+
+        Args:
+            op: the name of a method of the module given to ``apply``, or a callable.
+            *args: nodes of this fold, ints, floats or tensors (leading dim = rows).
+
+        Raises:
+            FoldError: an argument is a node of another fold, or of an unsupported type.
+        """
+        depth = 0
+        key: list[Any] = [op]
+        for arg in args:
+            cls = arg.__class__
+            if cls is Node:
+                if arg.fold is not self:
+                    raise FoldError(
+                        f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
+                        "in the Fold that created them (build the whole graph in one Fold)"
+                    )
+                if arg.group.depth >= depth:
+                    depth = arg.group.depth + 1
+                key.append(arg.key)
+            elif cls is int:
+                key.append(arg)
+            elif isinstance(arg, _Tensor):
+                key.append((id(arg),))
+            elif cls is float:
+                key.append(("float", arg))
+            else:
+                raise FoldError(
+                    f"argument {len(key)} of {op_name(op)!r} is a {type(arg).__name__} ({arg!r}); "
+                    "fold arguments must be nodes of this Fold, ints, floats or tensors"
+                )
+        call_key = tuple(key)
+        node = self._calls.get(call_key)
+        if node is not None:
+            return node
+        if op.__class__ is not str and not callable(op):
+            raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
+        group_key = (depth, op, len(args))
+        group = self._groups.get(group_key)
+        if group is None:
+            group = self._groups[group_key] = Group(op, depth, len(self._groups))
+        node = Node(self, group, len(group.calls))
+        group.calls.append(args)
+        self._calls[call_key] = node
+        self._num_nodes += 1
+        return node
+
+    # -- running ----------------------------------------------------------------------------
+
+    def apply(self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[Node]]) -> list[torch.Tensor]:
+        """Run every recorded group once, batched, and return one tensor per list of ``nodes``.
+
+        The rows of each returned tensor are the values of the listed nodes, in list order.
+        Every op name is looked up on ``nn`` before anything runs.
+
+        Raises:
+            FoldError: unknown op, rows that disagree within a group, a bad split, an empty
+                request, or an exception inside an op (re-raised with the op, depth and node).
+        """
+        from torchfold._execute import execute
+
+        if self.volatile:
+            with torch.no_grad():
+                return execute(self, nn, nodes)
+        return execute(self, nn, nodes)
+
+    # -- inspecting -------------------------------------------------------------------------
+
+    def groups(self) -> list[Group]:
+        """The recorded groups in execution order (by depth, then by first use)."""
+        return sorted(self._groups.values(), key=lambda g: (g.depth, g.order))
+
+    def __len__(self) -> int:
+        return self._num_nodes
+
+    def __repr__(self) -> str:
+        from torchfold._plan import describe
+
+        return describe(self)
+
+    def draw(self, path: str | Path | None = None, **kwargs: Any) -> Figure:
+        """Draw the graph by depth, one box per batched group; save it to ``path`` if given.
+
+        Keyword arguments go to :func:`torchfold._draw.draw_fold` (``max_nodes``, ``title``...).
+        """
+        from torchfold._draw import draw_fold
+
+        return draw_fold(self, path, **kwargs)
+

@@ -1,0 +1,112 @@
+"""Handles to deferred calls recorded on a :class:`~torchfold.Fold`.
+
+A :class:`Node` names one row block of one batched call: the call's group (same op, same
+depth, same number of arguments), its position in that group, which output of a
+multi-output op it stands for (``split``) and whether consumers take it batched or as one
+shared value (``nobatch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torchfold._errors import FoldError
+
+if TYPE_CHECKING:
+    from torchfold._fold import Fold
+
+__all__ = ["Group", "Node", "op_name"]
+
+Op = str | Callable[..., Any]
+
+
+def op_name(op: Op) -> str:
+    """A readable name for an op given as a method name or a callable."""
+    if isinstance(op, str):
+        return op
+    return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+
+
+class Group:
+    """All calls of one op at one depth with one arity: they run as one batched call."""
+
+    __slots__ = ("arg_shapes", "calls", "depth", "num_outputs", "op", "order")
+
+    def __init__(self, op: Op, depth: int, order: int) -> None:
+        self.op = op
+        self.depth = depth
+        self.order = order  # creation order: groups at the same depth run in this order
+        self.calls: list[tuple[Any, ...]] = []
+        self.num_outputs = 0  # how many outputs `split` promised; 0 = used as a single tensor
+        self.arg_shapes: list[str] | None = None  # filled in by apply, shown by repr
+
+    @property
+    def name(self) -> str:
+        return op_name(self.op)
+
+    def __repr__(self) -> str:
+        return f"<group {self.name!r} depth {self.depth} x{len(self.calls)}>"
+
+
+class Node:
+    """A deferred result of ``Fold.add``: use it as an argument to later ``add`` calls or ask for
+    its value in ``Fold.apply``.
+
+    Example:
+        >>> import torchfold
+        >>> f = torchfold.Fold()
+        >>> a = f.add("leaf", 3)
+        >>> a
+        Node('leaf', depth=0, index=0)
+        >>> b, c = f.add("pair", a).split(2)
+        >>> c
+        Node('pair', depth=1, index=0, output=1)
+    """
+
+    __slots__ = ("batch", "fold", "group", "index", "key", "output")
+
+    def __init__(self, fold: Fold, group: Group, index: int, output: int | None = None, batch: bool = True):
+        self.fold = fold
+        self.group = group
+        self.index = index
+        self.output = output
+        self.batch = batch
+        # What makes two handles the same value: used to deduplicate identical calls.
+        self.key = (group, index, output, batch)
+
+    @property
+    def depth(self) -> int:
+        return self.group.depth
+
+    @property
+    def op(self) -> Op:
+        return self.group.op
+
+    def split(self, num: int) -> tuple[Node, ...]:
+        """One handle per output of an op that returns a tuple of ``num`` tensors."""
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise ValueError(f"split(num) needs a positive int, got {num!r}")
+        if self.output is not None:
+            raise FoldError(f"{self} is already output {self.output} of a split; split the original node instead")
+        group = self.group
+        if group.num_outputs and group.num_outputs != num:
+            raise FoldError(
+                f"op {group.name!r} at depth {group.depth} was split into {group.num_outputs} outputs before, "
+                f"now into {num} (at {self}); an op must return the same number of outputs for every call"
+            )
+        group.num_outputs = num
+        return tuple(Node(self.fold, group, self.index, i, self.batch) for i in range(num))
+
+    def nobatch(self) -> Node:
+        """A handle whose value every consumer receives whole, instead of its rows being batched.
+
+        All calls of one group must then pass the same ``nobatch`` node at that argument position
+        (e.g. a memory or context shared by many calls).
+        """
+        return Node(self.fold, self.group, self.index, self.output, False)
+
+    def __repr__(self) -> str:
+        extra = "" if self.output is None else f", output={self.output}"
+        extra += "" if self.batch else ", nobatch"
+        return f"Node({self.group.name!r}, depth={self.group.depth}, index={self.index}{extra})"

@@ -1,0 +1,113 @@
+"""Planning a fold: resolving ops, checking requests, and describing the plan in words.
+
+Everything here runs before any op does, so a mistake in the graph (an unknown op, a
+malformed request) is reported before a single tensor is computed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchfold._errors import FoldError
+from torchfold._node import Group, Node, Op
+
+if TYPE_CHECKING:
+    from torchfold._fold import Fold
+
+__all__ = ["check_requests", "describe", "module_device", "resolve_ops"]
+
+
+def resolve_ops(nn: object, groups: Sequence[Group]) -> list[Callable[..., Any]]:
+    """The callable each group's op stands for on ``nn``, checked before anything runs."""
+    cache: dict[Op, Callable[..., Any]] = {}
+    fns = []
+    for group in groups:
+        fn = cache.get(group.op)
+        if fn is None:
+            fn = cache[group.op] = _resolve(nn, group)
+        fns.append(fn)
+    return fns
+
+
+def _resolve(nn: object, group: Group) -> Callable[..., Any]:
+    op = group.op
+    if not isinstance(op, str):
+        return op
+    fn = getattr(nn, op, None)
+    if callable(fn):
+        return fn
+    candidates = [name for name in dir(nn) if not name.startswith("_") and callable(getattr(nn, name, None))]
+    close = difflib.get_close_matches(op, candidates, n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    what = "is not callable" if hasattr(nn, op) else "does not exist"
+    raise FoldError(
+        f"unknown op {op!r} at depth {group.depth} ({len(group.calls)} nodes, first "
+        f"{Node(None, group, 0)!r}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "  # type: ignore[arg-type]
+        f"passed to apply, or pass a callable as the op{hint}"
+    )
+
+
+def check_requests(fold: Fold, requests: Sequence[Sequence[Node]]) -> None:
+    """Reject empty or malformed ``apply`` requests, and nodes of other folds."""
+    example = "f.apply(model, [[node_a, node_b], [node_c]])"
+    if isinstance(requests, Node) or not isinstance(requests, Sequence) or isinstance(requests, str):
+        raise FoldError(f"apply expects a list of lists of nodes, like {example}; got {requests!r}")
+    if len(requests) == 0:
+        raise FoldError(f"empty request: apply was given no lists of nodes; ask for outputs like {example}")
+    for i, request in enumerate(requests):
+        if isinstance(request, Node) or not isinstance(request, Sequence):
+            raise FoldError(
+                f"request {i} is {request!r}, not a list of nodes; wrap it: {example} "
+                "(one output tensor is returned per list)"
+            )
+        if len(request) == 0:
+            raise FoldError(f"request {i} is an empty list; every list given to apply needs at least one node")
+        for j, node in enumerate(request):
+            if node.__class__ is not Node:
+                raise FoldError(f"request {i}, item {j} is {node!r}, not a node; apply returns values of nodes only")
+            if node.fold is not fold:
+                raise FoldError(f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold")
+
+
+def module_device(nn: object) -> torch.device:
+    """Where the module lives: its first parameter's or buffer's device, else the CPU."""
+    if isinstance(nn, torch.nn.Module):
+        for tensor in nn.parameters():
+            return tensor.device
+        for tensor in nn.buffers():
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _describe_arg(arg: Any) -> str:
+    if arg.__class__ is Node:
+        out = "" if arg.output is None else f".{arg.output}"
+        shared = "" if arg.batch else " nobatch"
+        return f"{arg.group.name}@{arg.group.depth}{out}{shared}"
+    if isinstance(arg, torch.Tensor):
+        return f"tensor{list(arg.shape)}"
+    return type(arg).__name__
+
+
+def describe(fold: Fold) -> str:
+    """The plan, per depth: op x count and what each argument position holds.
+
+    Before ``apply`` positions are described by kind (``int``, ``tensor[1, 784]``, the producing
+    ``op@depth``); after it, by the batched shape each position had.
+    """
+    groups = fold.groups()
+    depths = {g.depth for g in groups}
+    lines = [f"Fold: {len(fold)} nodes in {len(groups)} batched groups over {len(depths)} depths"]
+    for group in groups:
+        if group.arg_shapes is not None:
+            args = ", ".join(group.arg_shapes)
+        else:
+            columns = zip(*group.calls, strict=True)
+            args = ", ".join("|".join(sorted({_describe_arg(a) for a in col})) for col in columns)
+        outputs = f" -> {group.num_outputs} outputs" if group.num_outputs else ""
+        lines.append(f"  depth {group.depth}: {group.name} x {len(group.calls)} ({args}){outputs}")
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""What torchfold itself costs: ``Fold.add`` and ``Fold.apply`` microseconds per node.
+
+The ops are trivial (an int leaf becomes a one-element float row; ``inc`` adds one, ``plus``
+adds two rows), so nearly all the time measured is torchfold's own bookkeeping plus the
+unavoidable one tensor call per group. Three graph shapes, several sizes:
+
+* ``chain``: ``inc`` applied n-1 times to one leaf: every node is its own group (worst case);
+* ``balanced``: a complete binary tree of ``plus`` over n/2 leaves: log2(n) groups;
+* ``forest``: random binary trees of 2-20 leaves (SST-like shapes), many per fold.
+
+For each: ``add`` microseconds per node, ``apply`` microseconds per node and per group, the
+time the same ops take when called directly once per group on ready batched tensors (the
+floor any batching scheme pays), and the time to run the graph eagerly, one call per node.
+
+Usage::
+
+    python benchmarks/fold_overhead.py
+    python benchmarks/fold_overhead.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import harness
+import torch
+from torch import Tensor
+
+import torchfold
+
+
+class Trivial(torch.nn.Module):
+    """Ops whose compute is negligible, so that timings show the fold's overhead."""
+
+    def leaf(self, ids: Tensor) -> Tensor:
+        return ids.to(torch.float32).unsqueeze(1)
+
+    def inc(self, x: Tensor) -> Tensor:
+        return x + 1
+
+    def plus(self, a: Tensor, b: Tensor) -> Tensor:
+        return a + b
+
+
+Builder = Callable[[torchfold.Fold, int, random.Random], list[torchfold.Node]]
+
+
+def build_chain(fold: torchfold.Fold, n: int, rng: random.Random) -> list[torchfold.Node]:
+    node = fold.add("leaf", 1)
+    for _ in range(n - 1):
+        node = fold.add("inc", node)
+    return [node]
+
+
+def build_balanced(fold: torchfold.Fold, n: int, rng: random.Random) -> list[torchfold.Node]:
+    # Distinct leaf values, so that deduplication does not shrink the tree.
+    level = [fold.add("leaf", i) for i in range(max(1, (n + 1) // 2))]
+    while len(level) > 1:
+        level = [fold.add("plus", level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)] + (
+            [level[-1]] if len(level) % 2 else []
+        )
+    return level
+
+
+def _random_tree(fold: torchfold.Fold, leaves: list[int], rng: random.Random) -> torchfold.Node:
+    if len(leaves) == 1:
+        return fold.add("leaf", leaves[0])
+    split = rng.randint(1, len(leaves) - 1)
+    return fold.add("plus", _random_tree(fold, leaves[:split], rng), _random_tree(fold, leaves[split:], rng))
+
+
+def build_forest(fold: torchfold.Fold, n: int, rng: random.Random) -> list[torchfold.Node]:
+    roots = []
+    made = 0
+    while made < n:
+        words = rng.randint(2, 20)
+        # Leaf values drawn from a big range: few identical subtrees, as in real sentences.
+        roots.append(_random_tree(fold, [rng.randrange(1 << 30) for _ in range(words)], rng))
+        made += 2 * words - 1
+    return roots
+
+
+BUILDERS: dict[str, Builder] = {"chain": build_chain, "balanced": build_balanced, "forest": build_forest}
+
+
+def direct_time(fold: torchfold.Fold, model: Trivial, repeats: int) -> float:
+    """Seconds to call each group's op once on ready batched tensors of its size."""
+    calls = []
+    for group in fold.groups():
+        rows = len(group.calls)
+        if group.op == "leaf":
+            calls.append((model.leaf, (torch.arange(rows),)))
+        elif group.op == "inc":
+            calls.append((model.inc, (torch.ones(rows, 1),)))
+        else:
+            calls.append((model.plus, (torch.ones(rows, 1), torch.ones(rows, 1))))
+
+    def run() -> None:
+        for fn, args in calls:
+            fn(*args)
+
+    return min(harness.time_calls(run, repeats))
+
+
+def eager_time(build: Builder, n: int, seed: int, model: Trivial, repeats: int) -> float:
+    """Seconds to evaluate the same graph eagerly, one op call per node (``torchfold.Unfold``)."""
+
+    def run() -> None:
+        unfold = torchfold.Unfold(model)
+        build(unfold, n, random.Random(seed))  # type: ignore[arg-type]
+
+    return min(harness.time_calls(run, repeats))
+
+
+def measure(shape: str, n: int, repeats: int, seed: int = 0) -> list[object]:
+    """One table row: sizes and microsecond costs of recording and applying one graph."""
+    model = Trivial()
+    build = BUILDERS[shape]
+    add_times, apply_times = [], []
+    fold = torchfold.Fold()
+    for _ in range(repeats):
+        fold = torchfold.Fold()
+        start = time.perf_counter()
+        roots = build(fold, n, random.Random(seed))
+        middle = time.perf_counter()
+        fold.apply(model, [roots])
+        end = time.perf_counter()
+        add_times.append(middle - start)
+        apply_times.append(end - middle)
+    nodes = len(fold)
+    groups = len(fold.groups())
+    add_s = min(add_times)
+    apply_s = min(apply_times)
+    direct_s = direct_time(fold, model, repeats)
+    eager_s = eager_time(build, n, seed, model, max(1, repeats // 2))
+    return [
+        shape,
+        nodes,
+        groups,
+        add_s / nodes * 1e6,
+        apply_s / nodes * 1e6,
+        apply_s / groups * 1e6,
+        direct_s / groups * 1e6,
+        (apply_s - direct_s) / nodes * 1e6,
+        eager_s / nodes * 1e6,
+    ]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000], help="nodes per graph")
+    parser.add_argument("--shapes", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
+    parser.add_argument("--repeats", type=int, default=7, help="best of this many runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeats = [20], 2
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[list[object]]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [measure(shape, n, args.repeats) for shape in args.shapes for n in args.sizes]
+    print("## Fold overhead: microseconds per node (trivial ops)\n")
+    print("\n".join(harness.machine_lines([f"best of {args.repeats} runs per cell"])) + "\n")
+    header = [
+        "graph",
+        "nodes",
+        "groups",
+        "add us/node",
+        "apply us/node",
+        "apply us/group",
+        "op call us/group",
+        "apply overhead us/node",
+        "eager us/node",
+    ]
+    print(harness.markdown_table(header, rows))
+    print(
+        "\n`op call`: the same ops called directly once per group on ready tensors; `apply overhead` = "
+        "(apply - op calls) / nodes; `eager`: torchfold.Unfold, one op call per node."
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,353 @@
+"""A distributed batch sampler whose global batch size follows a :class:`~torchfold.BatchSizeTrace`.
+
+:class:`TraceBatchSampler` is a ``Sampler[list[int]]`` for ``DataLoader(batch_sampler=...)``. Each
+optimizer step ``s`` of the trace takes the next ``trace[s]`` indices of the epoch's permutation
+(shared by all ranks: seeded with ``seed + epoch``) and cuts them into minibatches of
+``minibatch_size``. Minibatch ``j`` of a step goes to rank ``j % num_replicas``, so a rank gets
+``ceil((k - rank) / num_replicas)`` of the step's ``k`` minibatches: several (it accumulates
+gradients over them), one, or none.
+
+A rank never receives a fake minibatch for a step in which it has none (repeating a sample would
+skew BatchNorm statistics and the gradient). Instead the sampler simply yields nothing for that
+step, and says so in its **step plan**: :meth:`TraceBatchSampler.steps` lists, for every step the
+next ``iter()`` covers, a :class:`StepPlan` with the global number of minibatches and this rank's
+number. The training loop walks the plan, draws ``plan.local_minibatches`` batches from the
+loader for each step (possibly zero), and then takes part in the step's gradient all-reduce; an
+optimizer wrapper scales by ``plan.num_minibatches``, the true number in the step::
+
+    sampler = TraceBatchSampler(len(dataset), "trace.csv", minibatch_size=32)
+    loader = DataLoader(dataset, batch_sampler=sampler)
+    for epoch in range(num_epochs):
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        for plan in sampler.steps():
+            for _ in range(plan.local_minibatches):   # may be 0 on some ranks
+                loss = model(next(batches)).loss
+                loss.backward()
+            # all-reduce the summed gradients (zeros on a rank without minibatches), divide by
+            # plan.num_minibatches, optimizer.step(), zero_grad()
+            state = sampler.state_dict(next_step=plan.step + 1)  # when checkpointing
+
+Epochs follow :meth:`BatchSizeTrace.epoch`: the step counter is global across epochs, a step
+never crosses an epoch boundary, and ``drop_last`` says what happens to the samples that do not
+fill the epoch's last step (a final smaller step, or left out with the step moving to the next
+epoch). Only the last step of an epoch (``drop_last=False``) can have a minibatch shorter than
+``minibatch_size``.
+
+``state_dict(next_step=...)`` / ``load_state_dict()`` resume exactly mid-epoch. The state does
+not depend on the rank, so one rank can save it for all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from torchfold._trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
+
+__all__ = ["StepPlan", "TraceBatchSampler", "minibatches_per_rank"]
+
+_STATE_VERSION = 1
+
+
+def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int) -> tuple[int, ...]:
+    """How many minibatches each rank gets in a step of ``batch_size`` samples.
+
+    Minibatch ``j`` goes to rank ``j % num_replicas``; the last minibatch may be short.
+
+    >>> minibatches_per_rank(96, 32, 2)
+    (2, 1)
+    >>> minibatches_per_rank(32, 32, 4)
+    (1, 0, 0, 0)
+    """
+    for name, value in (
+        ("batch_size", batch_size),
+        ("minibatch_size", minibatch_size),
+        ("num_replicas", num_replicas),
+    ):
+        _check_positive_int(name, value)
+    k = -(-batch_size // minibatch_size)
+    return tuple(max(0, -(-(k - rank) // num_replicas)) for rank in range(num_replicas))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one optimizer step looks like across ranks.
+
+    Args:
+        step: global step index into the trace (counts across epochs).
+        epoch: the epoch the step belongs to.
+        batch_size: global number of samples in the step (the trace's, or fewer for the final
+            step of an epoch with ``drop_last=False``).
+        rank: the rank this plan was made for.
+        minibatches: number of minibatches of each rank in this step.
+        local_samples: number of samples in this rank's minibatches.
+    """
+
+    step: int
+    epoch: int
+    batch_size: int
+    rank: int
+    minibatches: tuple[int, ...]
+    local_samples: int
+
+    @property
+    def num_minibatches(self) -> int:
+        """Minibatches in the step over all ranks (what gradients are averaged over)."""
+        return sum(self.minibatches)
+
+    @property
+    def local_minibatches(self) -> int:
+        """Minibatches this rank processes (and accumulates) in the step; may be 0."""
+        return self.minibatches[self.rank]
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} should be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} should be a positive integer, got {value}")
+    return value
+
+
+class TraceBatchSampler(Sampler[list[int]]):
+    """Yield this rank's minibatches of dataset indices, step by step as a batch-size trace says.
+
+    Args:
+        dataset: the dataset (anything with ``len()``) or its number of samples.
+        trace: the global batch size of every step: a :class:`BatchSizeTrace`, a path to a
+            ``step,batchsize`` CSV file, a list of ints, or an int (constant).
+        minibatch_size: samples per minibatch (per forward pass on one rank); every batch size in
+            the trace must be a multiple of it.
+        num_replicas: number of ranks (default: the ``torch.distributed`` world size when it is
+            initialized, else 1).
+        rank: this rank (default: the ``torch.distributed`` rank when initialized, else 0).
+        shuffle: draw a random permutation each epoch (``True``) or go in index order.
+        seed: random seed; must be the same on every rank.
+        drop_last: what to do with samples that do not fill an epoch's last step (see
+            :meth:`BatchSizeTrace.epoch`): ``False`` runs them as a final smaller step, ``True``
+            leaves them out of this epoch.
+
+    >>> sampler = TraceBatchSampler(10, [4, 4, 8, 6, 4], minibatch_size=2, num_replicas=2, rank=1, shuffle=False)
+    >>> list(sampler)  # steps of 4, 4 and the 2 samples left: rank 1 has nothing in the last one
+    [[2, 3], [6, 7]]
+    >>> [(p.step, p.batch_size, p.num_minibatches, p.local_minibatches) for p in sampler.steps()]
+    [(0, 4, 2, 1), (1, 4, 2, 1), (2, 2, 1, 0)]
+    >>> sampler.set_epoch(1)
+    >>> list(sampler), [p.batch_size for p in sampler.steps()]
+    ([[2, 3], [8, 9]], [6, 4])
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | int,
+        trace: TraceLike,
+        minibatch_size: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if isinstance(dataset, bool):
+            raise TypeError(f"dataset should be a dataset with len() or its size as an int, got {dataset!r}")
+        if isinstance(dataset, int):
+            dataset_size = dataset
+        elif isinstance(dataset, Sized):
+            dataset_size = len(dataset)
+        else:
+            raise TypeError(
+                f"dataset should be a dataset with len() or its size as an int, got {type(dataset).__name__}"
+            )
+        if dataset_size <= 0:
+            raise ValueError(f"dataset size should be a positive integer, got {dataset_size}")
+        _check_positive_int("minibatch_size", minibatch_size)
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        _check_positive_int("num_replicas", num_replicas)
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank should be an int, got {type(rank).__name__} {rank!r}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} should be a bool, got {type(flag).__name__} {flag!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed should be an int, got {type(seed).__name__} {seed!r}")
+        self.trace: BatchSizeTrace = as_trace(trace)
+        self.trace.check_minibatch_size(minibatch_size)
+        self.dataset_size = dataset_size
+        self.minibatch_size = minibatch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._start_step = 0  # global step the next iteration starts at (mid-epoch after a resume)
+        self._epoch_steps = self.trace.epoch(0, dataset_size, drop_last=drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch: its permutation (``seed + epoch``) and its steps of the trace.
+
+        .. warning::
+            Call this at the start of every epoch, before creating the ``DataLoader`` iterator and
+            before :meth:`steps`, with the same value on every rank. Otherwise every epoch yields
+            the same order and the same steps. After :meth:`load_state_dict`, calling it with the
+            resumed epoch keeps the mid-epoch position.
+
+        Raises:
+            ValueError: the trace is too short for ``epoch``.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch should be an integer >= 0, got {epoch!r}")
+        if epoch == self.epoch:
+            return
+        self._epoch_steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
+        self.epoch = epoch
+        self._start_step = self._epoch_steps.first_step
+
+    @property
+    def epoch_steps(self) -> EpochSteps:
+        """The current epoch's steps (global indices and actual batch sizes), from its start."""
+        return self._epoch_steps
+
+    def step_plan(self, epoch: int | None = None) -> list[StepPlan]:
+        """The plan of every step of ``epoch`` (default: the current epoch), from its first step."""
+        steps = (
+            self._epoch_steps
+            if epoch is None
+            else self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
+        )
+        plans = []
+        for step, size in zip(steps.steps, steps.batch_sizes, strict=True):
+            counts = minibatches_per_rank(size, self.minibatch_size, self.num_replicas)
+            plans.append(StepPlan(step, steps.epoch, size, self.rank, counts, self._local_samples(size)))
+        return plans
+
+    def steps(self) -> list[StepPlan]:
+        """The plan of the steps the next ``iter()`` covers: the current epoch from its resume point.
+
+        ``sum(p.local_minibatches for p in sampler.steps()) == len(sampler)``.
+        """
+        skip = self._start_step - self._epoch_steps.first_step
+        return self.step_plan()[skip:]
+
+    def _local_samples(self, batch_size: int) -> int:
+        m, r = self.minibatch_size, self.num_replicas
+        return sum(min(m, batch_size - j * m) for j in range(self.rank, -(-batch_size // m), r))
+
+    def _permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.dataset_size)
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_size, generator=g)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        steps = self._epoch_steps
+        skip = self._start_step - steps.first_step
+        offset = sum(steps.batch_sizes[:skip])
+        indices = self._permutation()[offset : steps.num_samples].tolist()
+        m, r, pos = self.minibatch_size, self.num_replicas, 0
+        for size in steps.batch_sizes[skip:]:
+            for j in range(self.rank, -(-size // m), r):
+                yield indices[pos + j * m : pos + min((j + 1) * m, size)]
+            pos += size
+
+    def __len__(self) -> int:
+        """Number of minibatches this rank yields in the current epoch (from its resume point)."""
+        return sum(p.local_minibatches for p in self.steps())
+
+    def state_dict(self, next_step: int | None = None) -> dict[str, Any]:
+        """The position to resume from, and the settings it is only valid with.
+
+        Args:
+            next_step: global step the resumed run starts at: the step after the last one the
+                optimizer completed (``plan.step + 1``); it must lie in the current epoch or be
+                its end (a complete epoch: a resumed sampler yields nothing until
+                ``set_epoch(epoch + 1)``). The sampler cannot tell on its own how far a ``DataLoader`` with workers
+                (which fetches ahead) or the other ranks have got, so it must be given this, except
+                at the start of an epoch's iteration: ``None`` means the current resume point
+                (the epoch's start after :meth:`set_epoch`).
+
+        The state is the same on every rank (rank 0 may save it for all) and holds only ints,
+        bools and strings (safe for ``torch.load(weights_only=True)``).
+        """
+        steps = self._epoch_steps
+        if next_step is None:
+            next_step = self._start_step
+        if isinstance(next_step, bool) or not isinstance(next_step, int):
+            raise TypeError(f"next_step should be an int, got {type(next_step).__name__} {next_step!r}")
+        if not steps.first_step <= next_step <= steps.end_step:
+            raise ValueError(
+                f"next_step={next_step} is outside epoch {self.epoch}, which runs steps "
+                f"{steps.first_step}..{steps.end_step - 1}; call set_epoch() for the epoch that step belongs to"
+            )
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "next_step": next_step,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "dataset_size": self.dataset_size,
+            "minibatch_size": self.minibatch_size,
+            "num_replicas": self.num_replicas,
+            "trace_fingerprint": self.trace.fingerprint(),
+            "trace_num_steps": -1 if self.trace.num_steps is None else self.trace.num_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the position saved by :meth:`state_dict` (also mid-epoch).
+
+        Raises:
+            ValueError: the state was saved with a different trace, world size, dataset size,
+                minibatch size, seed, shuffle or drop_last (the message names both values).
+        """
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"state should be a dict from TraceBatchSampler.state_dict(), got {type(state).__name__}"
+            )
+        current = self.state_dict()
+        missing = sorted(set(current) - set(state))
+        if missing:
+            raise ValueError(
+                f"sampler state is missing {missing}; expected a dict from TraceBatchSampler.state_dict()"
+            )
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(
+                f"sampler state version {state['version']!r} is not supported (expected {_STATE_VERSION})"
+            )
+        for key in (
+            "trace_fingerprint",
+            "trace_num_steps",
+            "num_replicas",
+            "dataset_size",
+            "minibatch_size",
+            "seed",
+            "shuffle",
+            "drop_last",
+        ):
+            if state[key] != current[key]:
+                what = "trace" if key.startswith("trace") else key
+                raise ValueError(
+                    f"sampler state was saved with {key}={state[key]!r} but this sampler has "
+                    f"{key}={current[key]!r} (trace {self.trace.source!r}); resume with the same {what} "
+                    "or start a fresh sampler"
+                )
+        epoch, next_step = state["epoch"], state["next_step"]
+        steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
+        if not steps.first_step <= next_step <= steps.end_step:
+            raise ValueError(
+                f"sampler state has next_step={next_step}, outside its epoch {epoch} "
+                f"(steps {steps.first_step}..{steps.end_step - 1}); the state is corrupt"
+            )
+        self.epoch, self._epoch_steps, self._start_step = epoch, steps, next_step

@@ -1,0 +1,735 @@
+"""Batch-size traces: the global batch size of every optimizer step.
+
+A :class:`BatchSizeTrace` is an immutable sequence of positive integers, one per optimizer step
+(global over all ranks). Make one from
+
+* a ``step,batchsize`` CSV file (:meth:`BatchSizeTrace.from_csv`),
+* a Python list (``BatchSizeTrace([32, 32, 64])``) or an int (:meth:`BatchSizeTrace.constant`,
+  unbounded unless given ``num_steps``),
+* a schedule (:meth:`~BatchSizeTrace.linear`, :meth:`~BatchSizeTrace.stepwise`,
+  :meth:`~BatchSizeTrace.from_schedule` with ``"linear:32:256:1000"``-style specs),
+* a resource-availability trace, devices available over time
+  (:meth:`BatchSizeTrace.from_availability`).
+
+:func:`as_trace` accepts any of these, and is what the sampler and the training loop call.
+
+CSV format
+----------
+One ``step,batchsize`` row per step; spaces around fields, blank lines and ``\\r\\n`` line endings
+are accepted. The ``step,batchsize`` header is optional: the first row is a header exactly when its
+first field is not an integer, and it must then read ``step,batchsize``. Steps count up by one from
+0; the numbering may restart at 0, which appends a new segment (the example trace
+``step_batchsize_example.csv`` is a 10-step warm-up followed by an 800-step run, both numbered
+from 0). Any other gap or repeat is an error naming the file and line.
+
+Epochs
+------
+:meth:`BatchSizeTrace.epoch` splits the trace into epochs over a dataset of ``dataset_size``
+samples. The step counter is global: epoch ``e + 1`` starts with the trace step after the last
+step of epoch ``e``. A step never crosses an epoch boundary. When the next step's batch does not
+fit into the samples left in the epoch:
+
+* ``drop_last=False`` (default, as in PyTorch): that step runs with the samples that are left
+  (a final, smaller step) and consumes its trace step; every sample is used once per epoch.
+* ``drop_last=True``: the epoch ends, the left-over samples (fewer than that step's batch) are
+  not used in this epoch, and the step becomes the first step of the next epoch, so every step
+  has exactly its trace batch size.
+
+A trace that ends inside an epoch is too short for that epoch (a ``ValueError`` names the trace,
+the epoch and the samples it lacks).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Union, cast, overload
+
+__all__ = [
+    "BatchSizeTrace",
+    "EpochSteps",
+    "LRRule",
+    "TraceLike",
+    "as_trace",
+    "scaled_lr",
+]
+
+LRRule = Literal["constant", "linear", "sqrt"]
+LR_RULES: tuple[str, ...] = ("constant", "linear", "sqrt")
+
+
+def _check_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} should be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} should be >= {minimum}, got {value}")
+    return value
+
+
+def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = "linear") -> float:
+    """Learning rate for ``batch_size`` under a scaling rule relative to ``ref_batch_size``.
+
+    Args:
+        base_lr: learning rate at the reference batch size.
+        batch_size: global batch size of the step.
+        ref_batch_size: batch size at which ``base_lr`` applies.
+        rule: ``"constant"`` (``base_lr``), ``"linear"`` (``base_lr * batch / ref``) or
+            ``"sqrt"`` (``base_lr * sqrt(batch / ref)``).
+
+    >>> scaled_lr(0.1, 512, 256, "linear"), scaled_lr(0.1, 1024, 256, "sqrt")
+    (0.2, 0.2)
+    """
+    _check_int("batch_size", batch_size)
+    _check_int("ref_batch_size", ref_batch_size)
+    if rule == "constant":
+        return base_lr
+    if rule == "linear":
+        return base_lr * batch_size / ref_batch_size
+    if rule == "sqrt":
+        return base_lr * math.sqrt(batch_size / ref_batch_size)
+    raise ValueError(f"rule should be one of {LR_RULES}, got {rule!r}")
+
+
+@dataclass(frozen=True)
+class EpochSteps:
+    """The steps of one epoch: which global trace steps it runs and their actual batch sizes.
+
+    Args:
+        epoch: epoch number, from 0.
+        first_step: global step index (into the trace) of the epoch's first step.
+        batch_sizes: global batch size of each step of the epoch; the last one is smaller than
+            the trace's when ``drop_last=False`` cut it at the end of the dataset.
+        dataset_size: number of samples in the dataset.
+    """
+
+    epoch: int
+    first_step: int
+    batch_sizes: tuple[int, ...]
+    dataset_size: int
+
+    @property
+    def num_steps(self) -> int:
+        """Number of optimizer steps in the epoch."""
+        return len(self.batch_sizes)
+
+    @property
+    def steps(self) -> range:
+        """Global step indices of the epoch."""
+        return range(self.first_step, self.first_step + self.num_steps)
+
+    @property
+    def end_step(self) -> int:
+        """Global step index of the next epoch's first step."""
+        return self.first_step + self.num_steps
+
+    @property
+    def num_samples(self) -> int:
+        """Samples used in the epoch."""
+        return sum(self.batch_sizes)
+
+    @property
+    def leftover(self) -> int:
+        """Samples of the dataset not used in the epoch (0 unless ``drop_last=True``)."""
+        return self.dataset_size - self.num_samples
+
+
+class BatchSizeTrace:
+    """The global batch size of every optimizer step, validated.
+
+    Args:
+        batch_sizes: one positive int per step.
+        source: where the sizes came from, used in error messages (a file name, ``"<list>"``).
+        line_numbers: for traces read from a file, the line of each step (for error messages).
+        restarts: step indices at which the file's step numbering restarted at 0.
+
+    >>> trace = BatchSizeTrace([32, 32, 64, 64, 128])
+    >>> len(trace), trace[2], trace.total_samples
+    (5, 64, 320)
+    >>> [e.batch_sizes for e in trace.split_epochs(dataset_size=100, num_epochs=2)]
+    [(32, 32, 36), (64, 36)]
+    """
+
+    def __init__(
+        self,
+        batch_sizes: Iterable[int],
+        *,
+        source: str = "<list>",
+        line_numbers: Sequence[int] | None = None,
+        restarts: Sequence[int] = (),
+    ) -> None:
+        if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
+            raise TypeError(
+                f"batch_sizes should be an iterable of ints, got {type(batch_sizes).__name__}; "
+                "use BatchSizeTrace.from_csv(path) for a file or as_trace() for any trace-like value"
+            )
+        sizes = tuple(batch_sizes)
+        self._source = source
+        self._lines = None if line_numbers is None else tuple(line_numbers)
+        if self._lines is not None and len(self._lines) != len(sizes):
+            raise ValueError(f"line_numbers has {len(self._lines)} entries for {len(sizes)} steps")
+        for i, size in enumerate(sizes):
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(
+                    f"{self.where(i)}: batch size should be an int, got {type(size).__name__} {size!r}"
+                )
+            if size <= 0:
+                raise ValueError(f"{self.where(i)}: batch size should be positive, got {size}")
+        if not sizes:
+            raise ValueError(f"{source}: a trace needs at least one step, got none")
+        self._sizes = sizes
+        self._unbounded = False
+        self._restarts = tuple(restarts)
+        # Per (dataset_size, drop_last): first step of each epoch found so far, and whether the
+        # trace has run out (so the list is final).
+        self._epoch_cache: dict[tuple[int, bool], list[int]] = {}
+        self._epoch_cache_final: set[tuple[int, bool]] = set()
+
+    # -- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def constant(cls, batch_size: int, num_steps: int | None = None) -> BatchSizeTrace:
+        """The same batch size at every step; unbounded (any number of epochs) without ``num_steps``.
+
+        Args:
+            batch_size: global batch size of every step.
+            num_steps: length of the trace, or ``None`` for a trace without end.
+
+        >>> BatchSizeTrace.constant(64, 3).batch_sizes
+        (64, 64, 64)
+        >>> BatchSizeTrace.constant(64).num_steps is None
+        True
+        """
+        _check_int("batch_size", batch_size)
+        if num_steps is not None:
+            _check_int("num_steps", num_steps)
+            return cls([batch_size] * num_steps, source=f"constant:{batch_size}:{num_steps}")
+        trace = cls([batch_size], source=f"constant:{batch_size}")
+        trace._unbounded = True
+        return trace
+
+    @classmethod
+    def linear(cls, start: int, end: int, num_steps: int, multiple_of: int = 1) -> BatchSizeTrace:
+        """A linear ramp from ``start`` to ``end`` over ``num_steps`` steps.
+
+        Args:
+            start: batch size of the first step.
+            end: batch size of the last step.
+            num_steps: number of steps.
+            multiple_of: round every size to the nearest multiple of this (at least this), e.g. the
+                minibatch size.
+
+        >>> BatchSizeTrace.linear(32, 128, 5, multiple_of=32).batch_sizes
+        (32, 64, 96, 96, 128)
+        """
+        for name, value in (("start", start), ("end", end), ("num_steps", num_steps)):
+            _check_int(name, value)
+        _check_int("multiple_of", multiple_of)
+        sizes = []
+        for i in range(num_steps):
+            exact = start if num_steps == 1 else start + (end - start) * i / (num_steps - 1)
+            sizes.append(max(multiple_of, multiple_of * math.floor(exact / multiple_of + 0.5)))
+        return cls(sizes, source=f"linear:{start}:{end}:{num_steps}")
+
+    @classmethod
+    def stepwise(cls, phases: Sequence[tuple[int, int]]) -> BatchSizeTrace:
+        """Piecewise-constant batch sizes: ``phases`` is a list of ``(batch_size, num_steps)``.
+
+        >>> BatchSizeTrace.stepwise([(32, 2), (64, 1)]).batch_sizes
+        (32, 32, 64)
+        """
+        sizes: list[int] = []
+        for i, phase in enumerate(phases):
+            if not (isinstance(phase, tuple) and len(phase) == 2):
+                raise TypeError(f"phases[{i}] should be a (batch_size, num_steps) tuple, got {phase!r}")
+            size, steps = phase
+            _check_int(f"phases[{i}] batch_size", size)
+            _check_int(f"phases[{i}] num_steps", steps)
+            sizes += [size] * steps
+        spec = ",".join(f"{b}x{n}" for b, n in phases)
+        return cls(sizes, source=f"steps:{spec}")
+
+    @classmethod
+    def from_schedule(cls, spec: str, multiple_of: int = 1) -> BatchSizeTrace:
+        """A trace from a schedule spec; ``+`` concatenates parts.
+
+        Parts: ``constant:BATCH:STEPS``, ``linear:START:END:STEPS`` (rounded to ``multiple_of``),
+        ``steps:BATCHxSTEPS,BATCHxSTEPS,...``.
+
+        Args:
+            spec: the schedule, e.g. ``"linear:32:256:100+constant:256:900"``.
+            multiple_of: rounding for linear ramps.
+
+        >>> BatchSizeTrace.from_schedule("steps:32x2,64x1+constant:16:2").batch_sizes
+        (32, 32, 64, 16, 16)
+        """
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"schedule should be a non-empty string like 'linear:32:256:1000', got {spec!r}")
+        usage = "expected constant:BATCH:STEPS, linear:START:END:STEPS or steps:BATCHxSTEPS,... joined by '+'"
+        parts: list[BatchSizeTrace] = []
+        for part in spec.split("+"):
+            kind, _, rest = part.strip().partition(":")
+            fields = rest.split(":")
+            try:
+                if kind == "constant" and len(fields) == 2:
+                    parts.append(cls.constant(int(fields[0]), int(fields[1])))
+                elif kind == "linear" and len(fields) == 3:
+                    start, end, steps = (int(f) for f in fields)
+                    parts.append(cls.linear(start, end, steps, multiple_of))
+                elif kind == "steps" and len(fields) == 1:
+                    phases = []
+                    for phase in fields[0].split(","):
+                        size, sep, count = phase.strip().partition("x")
+                        if not sep:
+                            raise ValueError(f"phase {phase!r} is not BATCHxSTEPS")
+                        phases.append((int(size), int(count)))
+                    parts.append(cls.stepwise(phases))
+                else:
+                    raise ValueError(usage)
+            except ValueError as e:
+                raise ValueError(f"bad schedule part {part.strip()!r} in {spec!r}: {e}") from e
+        trace = parts[0]
+        for other in parts[1:]:
+            trace = trace + other
+        return cls(trace.batch_sizes, source=spec)
+
+    @classmethod
+    def from_csv(cls, path: str | os.PathLike[str]) -> BatchSizeTrace:
+        """Read a ``step,batchsize`` CSV file (header optional; see the module docstring).
+
+        Errors name the file and the line.
+
+        Args:
+            path: the CSV file.
+        """
+        path = Path(path)
+        sizes: list[int] = []
+        lines: list[int] = []
+        restarts: list[int] = []
+        expected = 0
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            first = True
+            for row in reader:
+                line = reader.line_num
+                fields = [field.strip() for field in row]
+                if not any(fields):
+                    continue
+                where = f"{path}, line {line}"
+                if first:
+                    first = False
+                    if not _is_int(fields[0]):
+                        if [field.lower() for field in fields] != ["step", "batchsize"]:
+                            hint = ""
+                            if len(fields) >= 3 and fields[1].lower() == "time":
+                                hint = (
+                                    "; this looks like a resource-availability trace: convert it with "
+                                    "BatchSizeTrace.from_availability or `python -m torchfold trace convert`"
+                                )
+                            raise ValueError(
+                                f"{where}: header should be 'step,batchsize', got {','.join(row)!r}{hint}"
+                            )
+                        continue
+                if len(fields) != 2:
+                    raise ValueError(
+                        f"{where}: expected 2 fields 'step,batchsize', got {len(fields)}: {row!r}"
+                    )
+                step_text, size_text = fields
+                if not _is_int(step_text):
+                    raise ValueError(f"{where}: step should be an integer, got {step_text!r}")
+                if not _is_int(size_text):
+                    raise ValueError(f"{where}: batch size should be an integer, got {size_text!r}")
+                step, size = int(step_text), int(size_text)
+                if step == 0 and expected > 0:
+                    restarts.append(len(sizes))
+                elif step < expected:
+                    raise ValueError(f"{where}: repeated step {step}; expected step {expected}")
+                elif step > expected:
+                    missing = f"step {expected}" if step == expected + 1 else f"steps {expected}..{step - 1}"
+                    raise ValueError(f"{where}: missing {missing} before step {step}")
+                if size <= 0:
+                    raise ValueError(f"{where}: batch size should be positive, got {size}")
+                sizes.append(size)
+                lines.append(line)
+                expected = step + 1
+        if not sizes:
+            raise ValueError(f"{path}: no steps; expected 'step,batchsize' rows")
+        return cls(sizes, source=str(path), line_numbers=lines, restarts=restarts)
+
+    @classmethod
+    def from_availability(
+        cls,
+        path: str | os.PathLike[str],
+        per_device_batch: int,
+        step_time: float,
+        *,
+        max_steps: int | None = None,
+    ) -> BatchSizeTrace:
+        """A trace from a resource-availability trace: devices available over time.
+
+        The file has a header with a ``Time`` column (seconds) and the device count in the last
+        column, e.g. ``,Time,GPUs`` (index, unix time, count). Row ``i`` holds from its time until
+        row ``i + 1``'s; the last row only marks the end. Steps take ``step_time`` seconds and run
+        with ``devices * per_device_batch`` samples; an interval holds the steps whose start time
+        falls in it (counted on the absolute clock, so fractions of a step carry over between
+        intervals). Intervals with zero devices give no steps: training pauses.
+
+        Args:
+            path: the availability CSV file.
+            per_device_batch: samples per device per step.
+            step_time: seconds per optimizer step.
+            max_steps: stop after this many steps.
+
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "gpus.csv"
+        >>> _ = p.write_text(",Time,GPUs\\n0,100,2\\n1,110,0\\n2,120,4\\n3,125,4\\n")
+        >>> BatchSizeTrace.from_availability(p, per_device_batch=16, step_time=4).batch_sizes
+        (32, 32, 32, 64, 64)
+        """
+        _check_int("per_device_batch", per_device_batch)
+        if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
+            raise ValueError(f"step_time should be a positive number of seconds, got {step_time!r}")
+        if max_steps is not None:
+            _check_int("max_steps", max_steps)
+        path = Path(path)
+        rows: list[tuple[int, float, int]] = []  # (line, time, devices)
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            names = [name.strip().lower() for name in header or []]
+            if "time" not in names or len(names) < 2 or names[-1] == "time":
+                raise ValueError(
+                    f"{path}, line 1: header should name a 'Time' column and end with the device count "
+                    f"column (e.g. ',Time,GPUs'), got {','.join(header or [])!r}"
+                )
+            time_col = names.index("time")
+            for row in reader:
+                line = reader.line_num
+                fields = [field.strip() for field in row]
+                if not any(fields):
+                    continue
+                where = f"{path}, line {line}"
+                if len(fields) != len(names):
+                    raise ValueError(
+                        f"{where}: expected {len(names)} fields like the header, got {len(fields)}"
+                    )
+                try:
+                    time = float(fields[time_col])
+                except ValueError:
+                    raise ValueError(f"{where}: time should be a number, got {fields[time_col]!r}") from None
+                if not math.isfinite(time):
+                    raise ValueError(f"{where}: time should be finite, got {fields[time_col]!r}")
+                if not _is_int(fields[-1]) or int(fields[-1]) < 0:
+                    raise ValueError(f"{where}: device count should be an integer >= 0, got {fields[-1]!r}")
+                if rows and time <= rows[-1][1]:
+                    raise ValueError(f"{where}: time {time} does not increase (previous row: {rows[-1][1]})")
+                rows.append((line, time, int(fields[-1])))
+        if len(rows) < 2:
+            raise ValueError(f"{path}: needs at least 2 rows (a start and an end time), got {len(rows)}")
+        t0 = rows[0][1]
+        sizes: list[int] = []
+        lines: list[int] = []
+        for (line, start, devices), (_, end, _) in itertools.pairwise(rows):
+            # Step k starts at t0 + k * step_time; it belongs to the interval holding its start.
+            first = math.ceil((start - t0) / step_time - 1e-9)
+            stop = math.ceil((end - t0) / step_time - 1e-9)
+            if devices > 0:
+                sizes += [devices * per_device_batch] * (stop - first)
+                lines += [line] * (stop - first)
+            if max_steps is not None and len(sizes) >= max_steps:
+                del sizes[max_steps:], lines[max_steps:]
+                break
+        if not sizes:
+            raise ValueError(
+                f"{path}: no step fits: no interval with devices > 0 holds the start of a {step_time} s step"
+            )
+        return cls(sizes, source=str(path), line_numbers=lines)
+
+    # -- the sequence ---------------------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        """Where the trace came from (file name, ``"<list>"`` or a schedule spec)."""
+        return self._source
+
+    @property
+    def num_steps(self) -> int | None:
+        """Number of steps, or ``None`` for an unbounded constant trace."""
+        return None if self._unbounded else len(self._sizes)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """All batch sizes (for an unbounded constant trace: its one size)."""
+        return self._sizes
+
+    @property
+    def restarts(self) -> tuple[int, ...]:
+        """Step indices at which the file's step numbering restarted at 0 (one per appended segment)."""
+        return self._restarts
+
+    @property
+    def total_samples(self) -> int:
+        """Sum of all batch sizes (a ``ValueError`` for an unbounded trace)."""
+        self._require_bounded("total_samples")
+        return sum(self._sizes)
+
+    def __len__(self) -> int:
+        self._require_bounded("len()")
+        return len(self._sizes)
+
+    @overload
+    def __getitem__(self, step: int) -> int: ...
+    @overload
+    def __getitem__(self, step: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, step: int | slice) -> int | tuple[int, ...]:
+        if isinstance(step, slice):
+            self._require_bounded("slicing")
+            return self._sizes[step]
+        if self._unbounded:
+            if step < 0:
+                raise IndexError(f"step {step} of an unbounded trace; steps count from 0")
+            return self._sizes[0]
+        return self._sizes[step]
+
+    def __iter__(self) -> Iterator[int]:
+        self._require_bounded("iteration")
+        return iter(self._sizes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BatchSizeTrace):
+            return NotImplemented
+        return self._sizes == other._sizes and self._unbounded == other._unbounded
+
+    def __hash__(self) -> int:
+        return hash((self._sizes, self._unbounded))
+
+    def __add__(self, other: BatchSizeTrace) -> BatchSizeTrace:
+        if not isinstance(other, BatchSizeTrace):
+            return NotImplemented
+        self._require_bounded("concatenation")
+        other._require_bounded("concatenation")
+        return BatchSizeTrace(self._sizes + other._sizes, source=f"{self.source}+{other.source}")
+
+    def __repr__(self) -> str:
+        if self._unbounded:
+            return f"BatchSizeTrace.constant({self._sizes[0]})"
+        return f"<BatchSizeTrace {self.source!r}: {len(self._sizes)} steps, batch {min(self._sizes)}..{max(self._sizes)}>"
+
+    def fingerprint(self) -> str:
+        """A short hash of the batch sizes, to check that a checkpoint belongs to this trace."""
+        text = f"constant:{self._sizes[0]}" if self._unbounded else ",".join(map(str, self._sizes))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def where(self, step: int) -> str:
+        """Where step ``step`` was defined, for error messages: ``"file.csv, line 12 (step 10)"``."""
+        if self._lines is not None and 0 <= step < len(self._lines):
+            return f"{self._source}, line {self._lines[step]} (step {step})"
+        return f"{self._source}, step {step}"
+
+    def _require_bounded(self, what: str) -> None:
+        if self._unbounded:
+            raise ValueError(
+                f"{what} needs a trace with an end, but {self!r} is unbounded; "
+                "give num_steps: BatchSizeTrace.constant(batch_size, num_steps)"
+            )
+
+    # -- validation and epochs ------------------------------------------------------------------
+
+    def check_minibatch_size(self, minibatch_size: int) -> None:
+        """Raise a ``ValueError`` naming the first step whose batch is not a multiple of ``minibatch_size``."""
+        _check_int("minibatch_size", minibatch_size)
+        for step, size in enumerate(self._sizes):
+            if size % minibatch_size:
+                raise ValueError(
+                    f"{self.where(step)}: batch size {size} is not a multiple of minibatch_size={minibatch_size}; "
+                    f"use a minibatch size that divides every batch size, or round the trace"
+                )
+
+    def epoch(self, epoch: int, dataset_size: int, *, drop_last: bool = False) -> EpochSteps:
+        """The steps of epoch ``epoch`` over ``dataset_size`` samples (see the module docstring).
+
+        Args:
+            epoch: epoch number, from 0.
+            dataset_size: number of samples in the dataset.
+            drop_last: leave out the samples that do not fill the next step's batch (``True``) or
+                run them as a final smaller step (``False``).
+
+        Raises:
+            ValueError: the trace ends before the epoch does.
+        """
+        _check_int("epoch", epoch, minimum=0)
+        _check_int("dataset_size", dataset_size)
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"drop_last should be a bool, got {drop_last!r}")
+        starts = self._epoch_starts(dataset_size, drop_last, upto=epoch + 1)
+        if len(starts) <= epoch + 1:
+            left = dataset_size - sum(self._sizes[starts[-1] :])
+            raise ValueError(
+                f"trace {self.source!r} is too short: it has {len(self._sizes)} steps "
+                f"({self.total_samples} samples in all) and ends {left} samples before the end of epoch "
+                f"{len(starts) - 1} over dataset_size={dataset_size} (that epoch starts at step {starts[-1]}); "
+                f"use a longer trace or fewer epochs (it covers {len(starts) - 1} full epochs)"
+            )
+        first, end = starts[epoch], starts[epoch + 1]
+        sizes = [self[s] for s in range(first, end)]
+        used = sum(sizes)
+        if not drop_last and used > dataset_size:
+            sizes[-1] -= used - dataset_size
+        return EpochSteps(epoch, first, tuple(sizes), dataset_size)
+
+    def _epoch_starts(self, dataset_size: int, drop_last: bool, upto: int | None) -> list[int]:
+        """First global step of epochs ``0..upto`` (or of every epoch the trace completes, and the end).
+
+        Shorter than ``upto + 1`` when the trace ends inside an epoch. Cached per dataset size.
+        """
+        key = (dataset_size, drop_last)
+        starts = self._epoch_cache.setdefault(key, [0])
+        while (upto is None or len(starts) <= upto) and key not in self._epoch_cache_final:
+            end = self._epoch_end(len(starts) - 1, starts[-1], dataset_size, drop_last)
+            if end is None:
+                self._epoch_cache_final.add(key)
+                break
+            starts.append(end)
+        return starts
+
+    def _epoch_end(self, epoch: int, first: int, dataset_size: int, drop_last: bool) -> int | None:
+        """Global step after the last step of the epoch starting at ``first``; None if the trace ends first."""
+        if self._unbounded:
+            size = self._sizes[0]
+            if drop_last and size > dataset_size:
+                raise self._no_step_error(epoch, first, dataset_size)
+            return first + (dataset_size // size if drop_last else -(-dataset_size // size))
+        left, step, n = dataset_size, first, len(self._sizes)
+        while left > 0 and step < n:
+            size = self._sizes[step]
+            if drop_last and size > left:
+                if step == first:
+                    raise self._no_step_error(epoch, first, dataset_size)
+                return step
+            left -= size
+            step += 1
+        return None if left > 0 else step
+
+    def _no_step_error(self, epoch: int, step: int, dataset_size: int) -> ValueError:
+        return ValueError(
+            f"{self.where(step)}: batch size {self[step]} is larger than dataset_size={dataset_size}, "
+            f"so with drop_last=True epoch {epoch} would have no step; use drop_last=False or a smaller batch"
+        )
+
+    def split_epochs(
+        self, dataset_size: int, num_epochs: int | None = None, *, drop_last: bool = False
+    ) -> list[EpochSteps]:
+        """Split the trace into ``num_epochs`` epochs (default: every full epoch it covers).
+
+        Raises:
+            ValueError: the trace is too short for ``num_epochs`` epochs (naming the trace and epoch).
+        """
+        if num_epochs is None:
+            num_epochs = self.num_full_epochs(dataset_size, drop_last=drop_last)
+        _check_int("num_epochs", num_epochs, minimum=0)
+        return [self.epoch(e, dataset_size, drop_last=drop_last) for e in range(num_epochs)]
+
+    def num_full_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
+        """How many complete epochs over ``dataset_size`` samples the trace covers."""
+        self._require_bounded("num_full_epochs")
+        _check_int("dataset_size", dataset_size)
+        return len(self._epoch_starts(dataset_size, drop_last, upto=None)) - 1
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace as a ``step,batchsize`` CSV file (with header) that :meth:`from_csv` reads back."""
+        self._require_bounded("to_csv")
+        with Path(path).open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(["step", "batchsize"])
+            writer.writerows(enumerate(self._sizes))
+
+    def plot(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        lr: float | None = None,
+        ref_batch_size: int | None = None,
+        rule: str = "linear",
+        num_steps: int | None = None,
+    ) -> None:
+        """Plot batch size over steps (and, with ``lr``, the learning rate under ``rule``) to a PNG.
+
+        Args:
+            path: output image file.
+            lr: base learning rate at ``ref_batch_size``; adds a learning-rate panel.
+            ref_batch_size: reference batch size for ``lr`` (default: the first step's batch size).
+            rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`scaled_lr`).
+            num_steps: how many steps to plot (required for an unbounded trace).
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if num_steps is None:
+            self._require_bounded("plot without num_steps")
+            num_steps = len(self._sizes)
+        _check_int("num_steps", num_steps)
+        sizes = [self[s] for s in range(min(num_steps, self.num_steps or num_steps))]
+        ref = sizes[0] if ref_batch_size is None else ref_batch_size
+        lrs = None if lr is None else [scaled_lr(lr, b, ref, rule) for b in sizes]
+        panels = 1 if lrs is None else 2
+        fig, axes = plt.subplots(panels, 1, sharex=True, figsize=(8, 2.6 * panels), squeeze=False)
+        try:
+            steps = range(len(sizes))
+            axes[0][0].step(steps, sizes, where="post")
+            axes[0][0].set_ylabel("global batch size")
+            axes[0][0].set_title(f"{Path(self.source).name}: {len(sizes)} steps, {sum(sizes)} samples")
+            if lrs is not None:
+                axes[1][0].step(steps, lrs, where="post", color="tab:orange")
+                axes[1][0].set_ylabel(f"lr ({rule}, {lr} @ {ref})")
+            axes[-1][0].set_xlabel("step")
+            fig.tight_layout()
+            fig.savefig(path, format="png", dpi=100)
+        finally:
+            plt.close(fig)
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+TraceLike = Union[BatchSizeTrace, str, "os.PathLike[str]", Sequence[int], int]
+
+
+def as_trace(trace: TraceLike) -> BatchSizeTrace:
+    """Turn a trace-like value into a :class:`BatchSizeTrace`.
+
+    Args:
+        trace: a :class:`BatchSizeTrace` (returned as is), a path to a ``step,batchsize`` CSV file,
+            a sequence of ints, or an int (an unbounded constant trace).
+
+    >>> as_trace(256)
+    BatchSizeTrace.constant(256)
+    >>> as_trace([32, 64]).batch_sizes
+    (32, 64)
+    """
+    if isinstance(trace, BatchSizeTrace):
+        return trace
+    if isinstance(trace, bool):
+        raise TypeError(f"trace should be a BatchSizeTrace, a path, a list of ints or an int, got {trace!r}")
+    if isinstance(trace, int):
+        return BatchSizeTrace.constant(trace)
+    if isinstance(trace, (str, os.PathLike)):
+        return BatchSizeTrace.from_csv(trace)
+    if isinstance(trace, Sequence):
+        return BatchSizeTrace(cast("Sequence[int]", trace))
+    raise TypeError(
+        f"trace should be a BatchSizeTrace, a path, a list of ints or an int, got {type(trace).__name__}"
+    )

@@ -149,12 +149,12 @@ def _gather(column: Sequence[Any], results: _Results, group: Group | None, posit
             rows = k
         starts.append(start)
     first = pieces[0]
-    for piece, owner in zip(pieces[1:], owners[1:], strict=True):
-        if piece.shape[1:] != first.shape[1:] or piece.dtype != first.dtype or piece.device != first.device:
+    for other, owner in zip(pieces[1:], owners[1:], strict=True):
+        if other.shape[1:] != first.shape[1:] or other.dtype != first.dtype or other.device != first.device:
             raise FoldError(
                 f"{_where(group, position)}: rows disagree in shape within the group: {owners[0]} gives rows of "
                 f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {owner} gives "
-                f"{tuple(piece.shape[1:])} {piece.dtype} on {piece.device}; calls of one group must pass "
+                f"{tuple(other.shape[1:])} {other.dtype} on {other.device}; calls of one group must pass "
                 "same-shaped rows at each position (use different ops for different shapes)"
             )
     source = first if len(pieces) == 1 else torch.cat(pieces, 0)
@@ -215,7 +215,9 @@ def _run_groups(fold: Fold, nn: object, device: torch.device) -> _Results:
     results = _Results()
     for group, fn in zip(groups, fns, strict=True):
         args = _batch_arguments(group, results, device)
-        group.arg_shapes = [f"{str(a.dtype).removeprefix('torch.')}[{'x'.join(map(str, a.shape))}]" for a in args]
+        group.arg_shapes = [
+            f"{str(a.dtype).removeprefix('torch.')}[{'x'.join(map(str, a.shape))}]" for a in args
+        ]
         try:
             out = fn(*args)
         except FoldError:

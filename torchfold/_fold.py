@@ -173,4 +173,3 @@ class Fold:
         from torchfold._draw import draw_fold
 
         return draw_fold(self, path, **kwargs)
-

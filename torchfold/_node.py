@@ -88,7 +88,9 @@ class Node:
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ValueError(f"split(num) needs a positive int, got {num!r}")
         if self.output is not None:
-            raise FoldError(f"{self} is already output {self.output} of a split; split the original node instead")
+            raise FoldError(
+                f"{self} is already output {self.output} of a split; split the original node instead"
+            )
         group = self.group
         if group.num_outputs and group.num_outputs != num:
             raise FoldError(

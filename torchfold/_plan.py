@@ -65,21 +65,27 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Node]]) -> None:
                 "(one output tensor is returned per list)"
             )
         if len(request) == 0:
-            raise FoldError(f"request {i} is an empty list; every list given to apply needs at least one node")
+            raise FoldError(
+                f"request {i} is an empty list; every list given to apply needs at least one node"
+            )
         for j, node in enumerate(request):
             if node.__class__ is not Node:
-                raise FoldError(f"request {i}, item {j} is {node!r}, not a node; apply returns values of nodes only")
+                raise FoldError(
+                    f"request {i}, item {j} is {node!r}, not a node; apply returns values of nodes only"
+                )
             if node.fold is not fold:
-                raise FoldError(f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold")
+                raise FoldError(
+                    f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
+                )
 
 
 def module_device(nn: object) -> torch.device:
     """Where the module lives: its first parameter's or buffer's device, else the CPU."""
     if isinstance(nn, torch.nn.Module):
-        for tensor in nn.parameters():
-            return tensor.device
-        for tensor in nn.buffers():
-            return tensor.device
+        for parameter in nn.parameters():
+            return parameter.device
+        for buffer in nn.buffers():
+            return buffer.device
     return torch.device("cpu")
 
 

@@ -124,7 +124,9 @@ class Unfold:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
             return UnfoldNode(op, fn(*values))
 
-    def apply(self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[UnfoldNode]]) -> list[torch.Tensor]:
+    def apply(
+        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[UnfoldNode]]
+    ) -> list[torch.Tensor]:
         """Concatenate the values of each list of nodes along dim 0."""
         if not nodes or any(len(request) == 0 for request in nodes):
             raise FoldError("empty request: apply needs a non-empty list of non-empty lists of nodes")

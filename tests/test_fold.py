@@ -1,0 +1,401 @@
+"""The Fold engine: examples, API rules, errors, cost in tensor operations, and pictures."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchfold
+from torchfold import Fold, FoldError, Unfold
+
+
+class Arithmetic(torch.nn.Module):
+    """The toy ops of the README pictures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls["exp"] += 1
+        return 2 * x
+
+    def a(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls["a"] += 1
+        return x.float()
+
+    def B(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x - y, x + y
+
+    def C(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+    def D(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x - y
+
+
+class Cell(torch.nn.Module):
+    """A small Tree-LSTM-like model: embeddings at the leaves, a two-output cell inside."""
+
+    def __init__(self, hidden: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(20, hidden)
+        self.mix = torch.nn.Linear(2 * hidden, 2 * hidden)
+
+    def leaf(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def node(self, left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, c = self.mix(torch.cat([left, right], 1)).tanh().chunk(2, 1)
+        return h, c
+
+    def merge(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return h * c
+
+
+def chain(fold: Any) -> list[Any]:
+    nodes = [fold.add("exp", 1)]
+    for _ in range(3):
+        nodes.append(fold.add("exp", nodes[-1]))
+    return nodes
+
+
+def two_output_tree(fold: Any) -> Any:
+    a1, a2, a3 = (fold.add("a", v) for v in (1, 2, 5))
+    bc, bd = fold.add("B", a1, a2).split(2)
+    c = fold.add("C", bc, a3)
+    return fold.add("D", bd, c)
+
+
+def balanced_tree(fold: Any, leaves: list[int]) -> Any:
+    level = [fold.add("leaf", i) for i in leaves]
+    while len(level) > 1:
+        pairs = [fold.add("node", level[i], level[i + 1]).split(2) for i in range(0, len(level) - 1, 2)]
+        nxt = [fold.add("merge", h, c) for h, c in pairs]
+        level = nxt + level[len(pairs) * 2 :]
+    return level[0]
+
+
+# -- the examples of the README and notebook 01 --------------------------------------------
+
+
+def test_chain_doubles_to_powers_of_two() -> None:
+    fold = Fold()
+    (values,) = fold.apply(Arithmetic(), [chain(fold)])
+    assert values.tolist() == [2, 4, 8, 16]
+    assert [g.depth for g in fold.groups()] == [0, 1, 2, 3]
+
+
+def test_two_output_tree_gives_minus_one_like_unfold() -> None:
+    fold = Fold()
+    (value,) = fold.apply(Arithmetic(), [[two_output_tree(fold)]])
+    unfold = Unfold(Arithmetic())
+    (eager,) = unfold.apply(Arithmetic(), [[two_output_tree(unfold)]])
+    assert value.tolist() == [-1.0]
+    torch.testing.assert_close(value, eager)
+
+
+def test_leaves_of_one_op_run_as_one_call() -> None:
+    model = Arithmetic()
+    fold = Fold()
+    nodes = [fold.add("a", v) for v in range(7)]
+    (values,) = fold.apply(model, [nodes[::-1]])
+    assert model.calls["a"] == 1
+    assert values.tolist() == [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+
+
+# -- recording rules ------------------------------------------------------------------------
+
+
+def test_depth_is_one_plus_deepest_node_argument() -> None:
+    fold = Fold()
+    a = fold.add("a", 1)
+    b = fold.add("C", a, a)
+    c = fold.add("C", b, a)
+    d = fold.add("C", 3.0, torch.ones(1))
+    assert (a.depth, b.depth, c.depth, d.depth) == (0, 1, 2, 0)
+
+
+def test_identical_calls_are_recorded_once() -> None:
+    fold = Fold()
+    t = torch.ones(1, 3)
+    assert fold.add("a", 1) is fold.add("a", 1)
+    assert fold.add("a", t) is fold.add("a", t)
+    assert fold.add("a", torch.ones(1, 3)) is not fold.add("a", t)  # tensors: same object, not same values
+    assert fold.add("a", 1) is not fold.add("a", 1.0)
+    h, c = fold.add("B", fold.add("a", 1), fold.add("a", 2)).split(2)
+    h2, _ = fold.add("B", fold.add("a", 1), fold.add("a", 2)).split(2)
+    assert fold.add("C", h, c) is fold.add("C", h2, c)
+    assert len(fold) == 7  # a(1), a(t), a(other tensor), a(1.0), a(2), B, C
+
+
+def test_plan_shows_depth_op_count_and_shapes() -> None:
+    fold = Fold()
+    root = balanced_tree(fold, [1, 2, 3, 4])
+    before = repr(fold)
+    assert "depth 0: leaf x 4 (int)" in before
+    assert "depth 1: node x 2 (leaf@0, leaf@0) -> 2 outputs" in before
+    fold.apply(Cell(), [[root]])
+    after = str(fold)
+    assert after.splitlines()[0] == "Fold: 10 nodes in 5 batched groups over 5 depths"
+    assert "depth 1: node x 2 (float32[2x6], float32[2x6]) -> 2 outputs" in after
+    assert "depth 2: merge x 2 (float32[2x6], float32[2x6])" in after
+
+
+def test_callables_and_bound_methods_are_ops() -> None:
+    model = Cell()
+    fold = Fold()
+    leaves = [fold.add(model.leaf, i) for i in (1, 2)]
+    doubled = [fold.add(lambda x: 2 * x, leaf) for leaf in leaves]
+    (out,) = fold.apply(object(), [doubled])  # the module is not needed when every op is a callable
+    torch.testing.assert_close(out, 2 * model.embed(torch.tensor([1, 2])))
+
+
+def test_tensor_rows_and_nodes_mix_in_one_position() -> None:
+    model = Cell()
+    given, other = torch.randn(1, 6, requires_grad=True), torch.randn(1, 6, requires_grad=True)
+
+    def build(fold: Any) -> list[Any]:
+        leaf = fold.add("leaf", 3)
+        h, _ = fold.add("node", leaf, given).split(2)
+        h2, _ = fold.add("node", other, leaf).split(2)
+        return [h2, h]
+
+    fold, unfold = Fold(), Unfold(model)
+    (out,) = fold.apply(model, [build(fold)])
+    (eager,) = unfold.apply(model, [build(unfold)])
+    assert out.shape == (2, 6)
+    torch.testing.assert_close(out, eager)
+    grads = torch.autograd.grad(out.sum(), [given, other])
+    eager_grads = torch.autograd.grad(eager.sum(), [given, other])
+    torch.testing.assert_close(grads, eager_grads)
+
+
+def test_nobatch_value_is_shared_by_the_whole_group() -> None:
+    class Attend(torch.nn.Module):
+        def leaf(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float().unsqueeze(1) * torch.ones(1, 3)
+
+        def context(self, *rows: torch.Tensor) -> torch.Tensor:
+            return torch.cat(rows, 1).sum(1, keepdim=True)
+
+        def attend(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+            assert memory.shape == (1, 1)  # passed whole, not batched
+            return x * memory
+
+    fold = Fold()
+    leaves = [fold.add("leaf", i) for i in (1, 2, 3)]
+    memory = fold.add("context", *leaves).nobatch()
+    outs = [fold.add("attend", leaf, memory) for leaf in leaves]
+    (out,) = fold.apply(Attend(), [outs])
+    torch.testing.assert_close(out, torch.tensor([[1.0], [2.0], [3.0]]) * 18.0 * torch.ones(1, 3))
+
+
+def test_int_arguments_are_created_on_the_fold_device() -> None:
+    seen: list[torch.device] = []
+
+    def record(ids: torch.Tensor) -> torch.Tensor:
+        seen.append(ids.device)
+        return ids
+
+    fold = Fold(device="cpu")
+    fold.apply(object(), [[fold.add(record, 1)]])
+    assert seen == [torch.device("cpu")] and fold.device == torch.device("cpu")
+
+
+def test_legacy_flags_are_accepted_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="torch.no_grad"):
+        fold = Fold(volatile=True)
+    model = Cell()
+    (out,) = fold.apply(model, [[fold.add("leaf", 1)]])
+    assert not out.requires_grad
+    with pytest.raises(ValueError, match="contradicts device"), pytest.warns(DeprecationWarning):
+        Fold(device="cpu", cuda=True)
+
+
+# -- errors: one type, naming the op, the depth and the node, and the fix ------------------
+
+
+def _column_sum(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(0, keepdim=True)
+
+
+def _run(build: Any, model: torch.nn.Module | None = None) -> None:
+    fold = Fold()
+    requests = build(fold)
+    fold.apply(model if model is not None else Cell(), requests)
+
+
+ERRORS = [
+    ("unknown op", lambda f: [[f.add("lef", 1)]], r"unknown op 'lef' at depth 0 .*did you mean 'leaf'"),
+    (
+        "rows disagree in shape",
+        lambda f: [
+            [
+                f.add("merge", torch.ones(1, 6), torch.ones(1, 6)),
+                f.add("merge", torch.ones(1, 5), torch.ones(1, 6)),
+            ]
+        ],
+        r"op 'merge' at depth 0, argument 0: rows disagree in shape .*\(6,\).*\(5,\)",
+    ),
+    (
+        "rows disagree in count",
+        lambda f: [
+            [
+                f.add("merge", torch.ones(1, 6), torch.ones(1, 6)),
+                f.add("merge", torch.ones(2, 6), torch.ones(2, 6)),
+            ]
+        ],
+        r"argument 0: rows disagree within the group: .* gives 1 rows per call but .* gives 2",
+    ),
+    (
+        "split index out of range",
+        lambda f: [[f.add("node", f.add("leaf", 1), f.add("leaf", 2)).split(3)[2]]],
+        r"split index out of range: nodes of op 'node' at depth 1 were split into 3 outputs, but it returned 2",
+    ),
+    (
+        "split of a single output",
+        lambda f: [[f.add("leaf", 1).split(2)[1]]],
+        r"split index out of range: .*'leaf' at depth 0 were split into 2 outputs, but it returned a single tensor",
+    ),
+    (
+        "tuple used whole",
+        lambda f: [[f.add("merge", f.add("node", f.add("leaf", 1), f.add("leaf", 2)), f.add("leaf", 3))]],
+        r"Node\('node', depth=1, index=0\) is used whole, but op 'node' at depth 1 returned 2 outputs.*split\(2\)",
+    ),
+    ("empty request", lambda f: [], r"empty request"),
+    ("empty list", lambda f: [[f.add("leaf", 1)], []], r"request 1 is an empty list"),
+    ("not nested", lambda f: [f.add("leaf", 1)], r"request 0 is Node\('leaf'.* not a list of nodes; wrap it"),
+    (
+        "ints and nodes mixed",
+        lambda f: [[f.add("merge", f.add("leaf", 1), 2), f.add("merge", 3, f.add("leaf", 2))]],
+        r"op 'merge' at depth \d, argument 0: ints and nodes/tensors are mixed",
+    ),
+    (
+        "nobatch not shared",
+        lambda f: [
+            [
+                f.add("merge", f.add("leaf", 1), f.add("leaf", 2).nobatch()),
+                f.add("merge", f.add("leaf", 3), f.add("leaf", 4).nobatch()),
+            ]
+        ],
+        r"argument 1: Node\('leaf', depth=0, index=1, nobatch\) is nobatch, so every call .* passes Node\('leaf', depth=0, index=3",
+    ),
+    (
+        "op raises",
+        lambda f: [[f.add("merge", torch.ones(1, 6), torch.ones(1, 7))]],
+        r"while applying 'merge' at depth 0 to 1 nodes \(batched argument shapes: float32\[1x6\], float32\[1x7\]\): RuntimeError",
+    ),
+    (
+        "bad leading dim",
+        lambda f: [[f.add(_column_sum, torch.ones(1, 2)), f.add(_column_sum, torch.ones(1, 2))]],
+        r"'_column_sum' at depth 0 ran 2 calls batched and returned shape \(1, 2\): its leading dim must be a multiple of 2",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "build", "message"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_mistakes_raise_fold_error_naming_the_problem(case: str, build: Any, message: str) -> None:
+    with pytest.raises(FoldError, match=message):
+        _run(build)
+
+
+def test_unknown_op_is_reported_before_any_op_runs() -> None:
+    model = Arithmetic()
+    fold = Fold()
+    x = fold.add("exp", 1)
+    y = fold.add("nope", x)
+    with pytest.raises(FoldError, match="unknown op 'nope' at depth 1"):
+        fold.apply(model, [[y]])
+    assert model.calls["exp"] == 0
+
+
+def test_nodes_of_another_fold_are_rejected() -> None:
+    other = Fold().add("leaf", 1)
+    fold = Fold()
+    with pytest.raises(
+        FoldError, match=r"Node\('leaf', depth=0, index=0\) passed to 'merge' belongs to another Fold"
+    ):
+        fold.add("merge", other, other)
+    with pytest.raises(FoldError, match=r"request 0, item 0: .* belongs to another Fold"):
+        fold.apply(Cell(), [[other]])
+
+
+@pytest.mark.parametrize("bad", ["word", None, [1, 2], True])
+def test_unsupported_argument_types_are_rejected_at_add(bad: Any) -> None:
+    with pytest.raises(
+        FoldError, match=r"argument 1 of 'leaf' is a \w+ .*must be nodes of this Fold, ints, floats"
+    ):
+        Fold().add("leaf", bad)
+
+
+def test_split_arguments_are_checked() -> None:
+    node = Fold().add("leaf", 1)
+    with pytest.raises(ValueError, match="positive int"):
+        node.split(0)
+    with pytest.raises(FoldError, match="already output 0 of a split"):
+        node.split(2)[0].split(2)
+
+
+# -- cost: O(groups) tensor operations, no copy for whole results --------------------------
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_for_forest(trees: int) -> Counter[str]:
+    model = Cell()
+    fold = Fold()
+    roots = [balanced_tree(fold, list(range(1 + t % 3, 9 + t % 3))) for t in range(trees)]
+    with _CountOps() as counter:
+        (out,) = fold.apply(model, [roots])
+        out.sum().backward()
+    return counter.ops
+
+
+def test_apply_costs_the_same_tensor_operations_for_10_or_80_trees() -> None:
+    small, large = _ops_for_forest(10), _ops_for_forest(80)
+    assert sum(small.values()) == sum(large.values())
+    assert small == large
+
+
+def test_whole_results_pass_through_without_copy() -> None:
+    model = Cell()
+    fold = Fold()
+    leaves = [fold.add("leaf", i) for i in range(5)]
+    with _CountOps() as counter:
+        (out,) = fold.apply(model, [leaves])
+    torch.testing.assert_close(out, model.embed.weight[:5])
+    # embedding lookup only: no cat, no index_select to assemble the request
+    assert "index_select" not in counter.ops and "cat" not in counter.ops, counter.ops
+
+
+# -- pictures ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_nodes", [60, 2])
+def test_draw_writes_a_png(tmp_path: Path, max_nodes: int) -> None:
+    fold = Fold()
+    two_output_tree(fold)
+    path = tmp_path / "plan.png"
+    fig = fold.draw(path, max_nodes=max_nodes)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"6 nodes, 4 batched calls, 4 depths", fig.axes[0].get_title())
+
+
+def test_public_names() -> None:
+    assert {"Fold", "Unfold", "FoldError", "Node"} <= set(torchfold.__all__)

@@ -1,0 +1,178 @@
+"""Pictures of a fold: nodes laid out by depth, each batched group drawn as one box.
+
+Uses matplotlib only (no graphviz). Small folds show every node and edge; folds with more
+than ``max_nodes`` nodes are drawn one box per group, with edges between groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchfold._node import Group, Node
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from torchfold._fold import Fold
+
+__all__ = ["draw_fold"]
+
+_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+
+
+def _literal(arg: Any) -> str:
+    if isinstance(arg, torch.Tensor):
+        if arg.numel() == 1:
+            return f"{arg.item():g}"
+        return "tensor\n" + "x".join(map(str, arg.shape))
+    return repr(arg)
+
+
+def draw_fold(
+    fold: Fold,
+    path: str | Path | None = None,
+    *,
+    max_nodes: int = 60,
+    title: str | None = None,
+    ax: Axes | None = None,
+) -> Figure:
+    """Draw ``fold`` left to right by depth; every rounded box is one batched call.
+
+    Args:
+        fold: the fold to draw (before or after ``apply``).
+        path: if given, the figure is saved there (format from the suffix, e.g. ``.png``).
+        max_nodes: above this many nodes, draw one box per group instead of every node.
+        title: figure title; default: a summary of nodes, groups and depths.
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torchfold
+        >>> f = torchfold.Fold()
+        >>> a = f.add("leaf", 1)
+        >>> fig = f.draw(title="one leaf")
+    """
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+    groups = fold.groups()
+    colors: dict[Any, str] = {}
+    for group in groups:
+        colors.setdefault(group.op, _COLORS[len(colors) % len(_COLORS)])
+    if ax is None:
+        width = 2.2 * (max((g.depth for g in groups), default=0) + 2)
+        height = max(
+            3.0, 0.55 * max((_column_height(groups, d) for d in {g.depth for g in groups}), default=1)
+        )
+        fig, ax = plt.subplots(figsize=(min(width, 24), min(height, 24)))
+    else:
+        fig = ax.get_figure(root=True)  # type: ignore[assignment]
+    if len(fold) > max_nodes:
+        _draw_groups(ax, groups, colors)
+    else:
+        _draw_nodes(ax, groups, colors)
+    depths = sorted({g.depth for g in groups})
+    ax.set_xticks(depths, [f"depth {d}" for d in depths])
+    ax.tick_params(axis="x", length=0)
+    ax.set_yticks([])
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or f"{len(fold)} nodes, {len(groups)} batched calls, {len(depths)} depths")
+    ax.autoscale_view()
+    ax.margins(0.08)
+    if path is not None:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    return fig
+
+
+def _column_height(groups: Sequence[Group], depth: int) -> float:
+    return sum(len(g.calls) + 1.2 for g in groups if g.depth == depth)
+
+
+def _box(ax: Axes, x: float, y0: float, y1: float, color: str, label: str) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    ax.add_patch(
+        FancyBboxPatch(
+            (x - 0.42, y0 - 0.42),
+            0.84,
+            y1 - y0 + 0.84,
+            boxstyle="round,pad=0.02,rounding_size=0.15",
+            facecolor=color,
+            alpha=0.15,
+            edgecolor=color,
+            linewidth=1.5,
+        )
+    )
+    ax.text(x, y1 + 0.55, label, ha="center", va="bottom", fontsize=9, color=color, fontweight="bold")
+
+
+def _arrow(
+    ax: Axes, start: tuple[float, float], end: tuple[float, float], label: str = "", dashed: bool = False
+) -> None:
+    ax.annotate(
+        "",
+        xy=end,
+        xytext=start,
+        arrowprops={
+            "arrowstyle": "-|>",
+            "color": "#555555",
+            "linewidth": 1.0,
+            "linestyle": "--" if dashed else "-",
+            "shrinkA": 11,
+            "shrinkB": 11,
+            # edges that skip depths bend more, so they do not run through the nodes in between
+            "connectionstyle": f"arc3,rad={0.08 + 0.3 * max(0.0, end[0] - start[0] - 1):.2f}",
+        },
+    )
+    if label:  # near the source, where the outputs of a multi-output call part ways
+        x, y = start[0] + 0.3 * (end[0] - start[0]), start[1] + 0.3 * (end[1] - start[1])
+        ax.text(x, y + 0.12, label, fontsize=7, color="#555555")
+
+
+def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> None:
+    position: dict[tuple[Group, int], tuple[float, float]] = {}
+    literals: list[tuple[str, tuple[float, float]]] = []  # (text, consumer position)
+    heights = {d: _column_height(groups, d) for d in {g.depth for g in groups}}
+    cursor: dict[int, float] = {}
+    for group in groups:
+        y = cursor.get(group.depth, heights[group.depth] / 2)
+        top = y
+        for index in range(len(group.calls)):
+            position[(group, index)] = (group.depth, y - index)
+        bottom = y - (len(group.calls) - 1)
+        _box(ax, group.depth, bottom, top, colors[group.op], f"{group.name} ×{len(group.calls)}")
+        cursor[group.depth] = bottom - 2.2
+    for group in groups:
+        for index, args in enumerate(group.calls):
+            x, y = position[(group, index)]
+            ax.scatter([x], [y], s=380, color=colors[group.op], zorder=3, edgecolors="white")
+            ax.text(x, y, str(index), ha="center", va="center", color="white", fontsize=8, zorder=4)
+            for slot, arg in enumerate(args):
+                if isinstance(arg, Node):
+                    label = "" if arg.output is None else f"[{arg.output}]"
+                    _arrow(ax, position[(arg.group, arg.index)], (x, y), label, dashed=not arg.batch)
+                else:
+                    literals.append((_literal(arg), (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))))
+    for text, (lx, ly) in literals:
+        ax.text(lx, ly, text, ha="right", va="center", fontsize=7, color="#333333",
+                bbox={"boxstyle": "round,pad=0.15", "facecolor": "#f2f2f2", "edgecolor": "#bbbbbb"})  # fmt: skip
+
+
+def _draw_groups(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> None:
+    position: dict[Group, tuple[float, float]] = {}
+    cursor: dict[int, float] = {}
+    for group in groups:
+        y = cursor.get(group.depth, 0.0)
+        position[group] = (group.depth, y)
+        cursor[group.depth] = y - 2.0
+        _box(ax, group.depth, y, y, colors[group.op], "")
+        ax.text(group.depth, y, f"{group.name}\n×{len(group.calls)}", ha="center", va="center", fontsize=8)
+    for group in groups:
+        feeders = {arg.group for args in group.calls for arg in args if isinstance(arg, Node)}
+        for source in sorted(feeders, key=lambda g: (g.depth, g.order)):
+            _arrow(ax, position[source], position[group])

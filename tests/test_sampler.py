@@ -1,0 +1,404 @@
+"""Tests for torchfold._sampler.TraceBatchSampler: partition properties, plans, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from itertools import chain
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchfold._sampler import StepPlan, TraceBatchSampler, minibatches_per_rank
+from torchfold._trace import BatchSizeTrace
+from torchfold.datasets import data_root
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def example_trace() -> Path:
+    """The shared example trace; fails (never skips) when it is missing."""
+    root = data_root()
+    path = None if root is None else root / "traces" / "step_batchsize_example.csv"
+    if path is None or not path.is_file():
+        pytest.fail(
+            f"shared data not found (data_root()={root}); set TORCHFOLD_DATA to the folder holding traces/"
+        )
+    return path
+
+
+def all_ranks(num_replicas: int, **kwargs: object) -> list[TraceBatchSampler]:
+    return [TraceBatchSampler(num_replicas=num_replicas, rank=r, **kwargs) for r in range(num_replicas)]  # type: ignore[arg-type]
+
+
+def check_epoch(samplers: list[TraceBatchSampler]) -> list[list[int]]:
+    """Check one epoch across all ranks; return each step's global batch (minibatches in order)."""
+    s0 = samplers[0]
+    m, world = s0.minibatch_size, s0.num_replicas
+    yielded = [list(s) for s in samplers]
+    plans = [s.steps() for s in samplers]
+    for s, batches in zip(samplers, yielded, strict=True):
+        assert len(s) == len(batches)  # __len__ is true
+    # Every rank sees the same step structure.
+    for p in plans[1:]:
+        assert [(q.step, q.batch_size, q.minibatches) for q in p] == [
+            (q.step, q.batch_size, q.minibatches) for q in plans[0]
+        ]
+    positions = [0] * world
+    steps = []
+    seen: set[int] = set()
+    for i, plan in enumerate(plans[0]):
+        per_rank = []
+        for r in range(world):
+            local = plans[r][i]
+            assert local.rank == r and local.minibatches == minibatches_per_rank(plan.batch_size, m, world)
+            mine = yielded[r][positions[r] : positions[r] + local.local_minibatches]
+            positions[r] += local.local_minibatches
+            assert sum(len(b) for b in mine) == local.local_samples
+            assert all(len(b) >= 1 for b in mine)  # never an empty or fake minibatch
+            per_rank.append(mine)
+        # Minibatch j of the step is on rank j % world; all but the last are full.
+        ordered = [per_rank[j % world][j // world] for j in range(plan.num_minibatches)]
+        assert all(len(b) == m for b in ordered[:-1]) and 1 <= len(ordered[-1]) <= m
+        batch = [i for b in ordered for i in b]
+        assert len(batch) == plan.batch_size  # the ranks' minibatches sum to the global batch
+        assert seen.isdisjoint(batch)  # every index at most once per epoch
+        seen.update(batch)
+        steps.append(batch)
+    assert positions == [len(y) for y in yielded]  # the plan accounts for every minibatch
+    assert seen <= set(range(s0.dataset_size))
+    if not s0.drop_last:
+        assert seen == set(range(s0.dataset_size))
+    return steps
+
+
+@st.composite
+def setups(draw: st.DrawFn) -> dict[str, object]:
+    m = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.integers(1, 12).map(lambda k: k * m), min_size=1, max_size=40))
+    return {
+        "minibatch_size": m,
+        "trace": sizes,
+        "dataset": draw(st.integers(1, min(120, sum(sizes)))),  # the trace covers at least one epoch
+        "num_replicas": draw(st.integers(1, 6)),
+        "shuffle": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31)),
+        "drop_last": draw(st.booleans()),
+    }
+
+
+def covered_epochs(setup: dict[str, object]) -> int:
+    trace = BatchSizeTrace(setup["trace"])  # type: ignore[arg-type]
+    if setup["drop_last"] and max(trace) > setup["dataset"]:  # type: ignore[operator]
+        return 0
+    return min(3, trace.num_full_epochs(setup["dataset"], drop_last=setup["drop_last"]))  # type: ignore[arg-type]
+
+
+@settings(max_examples=80, deadline=None)
+@given(setup=setups())
+def test_partition_properties(setup: dict[str, object]) -> None:
+    num_epochs = covered_epochs(setup)
+    assume(num_epochs > 0)
+    world = setup.pop("num_replicas")
+    samplers = all_ranks(world, **setup)  # type: ignore[arg-type]
+    single = TraceBatchSampler(num_replicas=1, rank=0, **setup)  # type: ignore[arg-type]
+    next_first = 0
+    for epoch in range(num_epochs):
+        for s in [*samplers, single]:
+            s.set_epoch(epoch)
+        steps = check_epoch(samplers)
+        assert samplers[0].steps()[0].step == next_first  # the step counter is global
+        next_first = samplers[0].steps()[-1].step + 1
+        # The global batch of each step does not depend on the world size.
+        assert steps == check_epoch([single])
+        assert [p.local_minibatches for p in single.steps()] == [
+            p.num_minibatches for p in samplers[0].steps()
+        ]
+        # Deterministic: a fresh sampler with the same arguments yields the same.
+        fresh = TraceBatchSampler(num_replicas=world, rank=world - 1, **setup)  # type: ignore[arg-type]
+        fresh.set_epoch(epoch)
+        assert list(fresh) == list(samplers[-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(setup=setups(), data=st.data())
+def test_resume_mid_epoch_equals_uninterrupted(setup: dict[str, object], data: st.DataObject) -> None:
+    num_epochs = covered_epochs(setup)
+    assume(num_epochs > 0)
+    world = setup.pop("num_replicas")
+    epoch = data.draw(st.integers(0, num_epochs - 1))
+    rank = data.draw(st.integers(0, world - 1))  # type: ignore[arg-type]
+    saver = TraceBatchSampler(num_replicas=world, rank=data.draw(st.integers(0, world - 1)), **setup)  # type: ignore[arg-type]
+    saver.set_epoch(epoch)
+    plans = saver.steps()
+    done = data.draw(st.integers(0, len(plans)))  # steps completed before the "crash"
+    next_step = plans[0].step + done
+    state = saver.state_dict(next_step=next_step)
+    assert state == json.loads(json.dumps(state))  # plain data
+
+    uninterrupted = TraceBatchSampler(num_replicas=world, rank=rank, **setup)  # type: ignore[arg-type]
+    uninterrupted.set_epoch(epoch)
+    full = uninterrupted.steps()
+    skipped = sum(p.local_minibatches for p in full[:done])
+    expected = list(uninterrupted)[skipped:]
+
+    resumed = TraceBatchSampler(num_replicas=world, rank=rank, **setup)  # type: ignore[arg-type]
+    resumed.load_state_dict(state)
+    resumed.set_epoch(epoch)  # the usual loop calls it again: the position is kept
+    assert resumed.epoch == epoch
+    assert list(resumed) == expected
+    assert len(resumed) == len(expected)
+    assert resumed.steps() == full[done:]
+    if epoch + 1 < num_epochs:  # and the next epoch is as if nothing happened
+        resumed.set_epoch(epoch + 1)
+        uninterrupted.set_epoch(epoch + 1)
+        assert list(resumed) == list(uninterrupted)
+
+
+def test_example_trace_8_replicas(example_trace: Path) -> None:
+    trace = BatchSizeTrace.from_csv(example_trace)
+    world, m, n = 8, 32, 60000
+    samplers = all_ranks(world, dataset=n, trace=trace, minibatch_size=m, seed=3)
+    first_steps = []
+    for epoch in range(trace.num_full_epochs(n)):
+        for s in samplers:
+            s.set_epoch(epoch)
+        plans = samplers[0].steps()
+        first_steps.append(plans[0].step)
+        everything = sorted(chain.from_iterable(chain.from_iterable(samplers)))
+        assert everything == list(range(n))  # every sample exactly once per epoch
+        assert sum(len(s) for s in samplers) == sum(p.num_minibatches for p in plans)
+        for p in plans:
+            assert sum(p.minibatches) * m >= p.batch_size > (sum(p.minibatches) - 1) * m
+            assert p.batch_size == trace[p.step] or p is plans[-1]
+    assert first_steps == [
+        0,
+        82,
+        146,
+        205,
+        274,
+        328,
+        400,
+        455,
+        523,
+        590,
+        646,
+        716,
+    ]  # by hand: cumulative sums
+    # The warm-up steps of 32..128 samples leave most ranks without a minibatch.
+    plans = TraceBatchSampler(n, trace, m, num_replicas=world, rank=7).step_plan(0)
+    assert [p.minibatches for p in plans[:8]] == [
+        (1, 1, 1, 1, 0, 0, 0, 0),
+        (1, 1, 1, 1, 0, 0, 0, 0),
+        (1,) * 8,
+        (1,) * 8,
+        (1, 1, 0, 0, 0, 0, 0, 0),
+        (1, 1, 0, 0, 0, 0, 0, 0),
+        (1, 0, 0, 0, 0, 0, 0, 0),
+        (1, 0, 0, 0, 0, 0, 0, 0),
+    ]
+    assert plans[20].minibatches == (2,) * 8  # 512 samples: 16 minibatches, 2 per rank
+    assert plans[40].minibatches == (8,) * 8  # 2048 samples: 64 minibatches, 8 per rank
+    with pytest.raises(ValueError, match="too short"):
+        samplers[0].set_epoch(12)
+
+
+def test_dataloader_and_step_loop() -> None:
+    """The documented loop: draw plan.local_minibatches batches per step, possibly none."""
+    data = torch.arange(88.0).unsqueeze(1)  # the trace covers exactly one epoch
+    trace = [8, 24, 4, 40, 12]
+    seen = []
+    for rank in range(3):
+        sampler = TraceBatchSampler(TensorDataset(data), trace, minibatch_size=4, num_replicas=3, rank=rank)
+        loader = DataLoader(TensorDataset(data), batch_sampler=sampler)
+        assert len(loader) == len(sampler)
+        batches = iter(loader)
+        for plan in sampler.steps():
+            for _ in range(plan.local_minibatches):
+                (x,) = next(batches)
+                assert x.shape == (4, 1)
+                seen += x.flatten().long().tolist()
+            assert isinstance(plan, StepPlan)
+        with pytest.raises(StopIteration):
+            next(batches)
+    assert len(set(seen)) == len(seen) == 88
+
+
+def test_shuffle_and_set_epoch_change_the_order() -> None:
+    s = TraceBatchSampler(1000, 100, minibatch_size=10, seed=1)
+    first = list(s)
+    assert first == list(s)  # same epoch, same order
+    s.set_epoch(1)
+    second = list(s)
+    assert first != second and sorted(chain(*first)) == sorted(chain(*second)) == list(range(1000))
+    assert first != list(TraceBatchSampler(1000, 100, minibatch_size=10, seed=2))
+    assert list(chain(*TraceBatchSampler(20, 10, minibatch_size=5, shuffle=False))) == list(range(20))
+
+
+def test_minibatches_per_rank_table() -> None:
+    assert minibatches_per_rank(256, 32, 3) == (3, 3, 2)
+    assert minibatches_per_rank(20, 8, 4) == (1, 1, 1, 0)  # 8, 8, 4
+    assert minibatches_per_rank(1, 8, 2) == (1, 0)
+
+
+# -- argument checks --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_replicas": True}, TypeError, "num_replicas should be an int, got bool True"),
+        ({"num_replicas": 0}, ValueError, "num_replicas should be a positive integer, got 0"),
+        ({"num_replicas": 2, "rank": 2}, ValueError, "Invalid rank 2, rank should be in the interval [0, 1]"),
+        (
+            {"num_replicas": 2, "rank": -1},
+            ValueError,
+            "Invalid rank -1, rank should be in the interval [0, 1]",
+        ),
+        ({"rank": False}, TypeError, "rank should be an int, got bool False"),
+        ({"minibatch_size": 0}, ValueError, "minibatch_size should be a positive integer, got 0"),
+        ({"minibatch_size": 2.0}, TypeError, "minibatch_size should be an int, got float 2.0"),
+        (
+            {"minibatch_size": 3},
+            ValueError,
+            "<list>, step 0: batch size 8 is not a multiple of minibatch_size=3",
+        ),
+        ({"dataset": 0}, ValueError, "dataset size should be a positive integer, got 0"),
+        ({"dataset": True}, TypeError, "dataset should be a dataset with len()"),
+        ({"dataset": object()}, TypeError, "dataset should be a dataset with len()"),
+        ({"shuffle": 1}, TypeError, "shuffle should be a bool, got int 1"),
+        ({"drop_last": None}, TypeError, "drop_last should be a bool"),
+        ({"seed": 1.5}, TypeError, "seed should be an int, got float 1.5"),
+        ({"trace": [8, 9]}, ValueError, "<list>, step 1: batch size 9 is not a multiple of minibatch_size=4"),
+        ({"trace": [8, 16], "dataset": 100}, ValueError, "too short"),
+    ],
+)
+def test_argument_errors(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    args: dict[str, object] = {"dataset": 16, "trace": [8, 8], "minibatch_size": 4, **kwargs}
+    with pytest.raises(error, match=re.escape(message)):
+        TraceBatchSampler(**args)  # type: ignore[arg-type]
+
+
+def test_trace_file_error_names_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("step,batchsize\n0,64\n1,96\n2,100\n")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{path}, line 4 (step 2): batch size 100 is not a multiple of minibatch_size=32"),
+    ):
+        TraceBatchSampler(1000, path, minibatch_size=32)
+
+
+def test_set_epoch_and_state_dict_errors() -> None:
+    s = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2)
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="epoch should be an integer >= 0"):
+            s.set_epoch(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"next_step=4 is outside epoch 0, which runs steps 0\.\.2"):
+        s.state_dict(next_step=4)
+    with pytest.raises(TypeError, match="next_step should be an int"):
+        s.state_dict(next_step=True)
+    assert s.state_dict()["next_step"] == 0 and s.state_dict(next_step=3)["next_step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        ({"trace": [4, 4, 4, 4, 4, 8]}, "trace_fingerprint="),
+        ({"num_replicas": 3}, "saved with num_replicas=2 but this sampler has num_replicas=3"),
+        ({"dataset": 12}, "saved with dataset_size=10 but this sampler has dataset_size=12"),
+        ({"minibatch_size": 4}, "saved with minibatch_size=2 but this sampler has minibatch_size=4"),
+        ({"seed": 5}, "saved with seed=0 but this sampler has seed=5"),
+        ({"drop_last": True}, "saved with drop_last=False but this sampler has drop_last=True"),
+        ({"shuffle": False}, "saved with shuffle=True but this sampler has shuffle=False"),
+    ],
+)
+def test_load_state_dict_mismatch(other: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {
+        "dataset": 10,
+        "trace": [4, 4, 4, 4, 4, 4],
+        "minibatch_size": 2,
+        "num_replicas": 2,
+        "rank": 0,
+    }
+    state = TraceBatchSampler(**args).state_dict(next_step=1)  # type: ignore[arg-type]
+    target = TraceBatchSampler(**{**args, **other})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        target.load_state_dict(state)
+
+
+def test_load_state_dict_bad_states() -> None:
+    s = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2)
+    good = s.state_dict(next_step=2)
+    with pytest.raises(ValueError, match=re.escape("sampler state is missing ['next_step']")):
+        s.load_state_dict({k: v for k, v in good.items() if k != "next_step"})
+    with pytest.raises(ValueError, match="next_step=5, outside its epoch 0"):
+        s.load_state_dict({**good, "next_step": 5})
+    with pytest.raises(TypeError, match="state should be a dict"):
+        s.load_state_dict([1])  # type: ignore[arg-type]
+
+
+def test_resume_at_epoch_end_yields_nothing_until_next_epoch() -> None:
+    s = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2, seed=4)
+    state = s.state_dict(next_step=3)  # epoch 0 (steps 0..2) is complete
+    resumed = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2, seed=4)
+    resumed.load_state_dict(state)
+    assert list(resumed) == [] and len(resumed) == 0 and resumed.steps() == []
+    resumed.set_epoch(1)
+    s.set_epoch(1)
+    assert list(resumed) == list(s)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+WORKER = """
+import json, sys, torch.distributed as dist
+from torchfold._sampler import TraceBatchSampler
+dist.init_process_group("gloo", init_method="env://")
+s = TraceBatchSampler(50, [6, 9, 3, 12, 30], minibatch_size=3, seed=7)  # world size and rank from dist
+plans = [(p.step, p.minibatches, p.local_minibatches) for p in s.steps()]
+print(json.dumps({"rank": s.rank, "world": s.num_replicas, "batches": list(s), "plans": plans}))
+dist.destroy_process_group()
+"""
+
+
+def test_defaults_from_torch_distributed() -> None:
+    """Two real gloo processes: num_replicas and rank come from torch.distributed."""
+    world = 2
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world),
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True
+        )
+        for r in range(world)
+    ]
+    outputs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [o["rank"] for o in outputs] == [0, 1] and all(o["world"] == world for o in outputs)
+    expected = [
+        list(TraceBatchSampler(50, [6, 9, 3, 12, 30], 3, num_replicas=2, rank=r, seed=7)) for r in range(2)
+    ]
+    assert [o["batches"] for o in outputs] == expected
+    assert outputs[0]["plans"][2] == [2, [1, 0], 1] and outputs[1]["plans"][2] == [2, [1, 0], 0]

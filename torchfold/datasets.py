@@ -23,7 +23,7 @@ import random
 import re
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -208,68 +208,70 @@ def parse_tree(line: str, *, source: str = "<string>", line_number: int = 1) -> 
     >>> parse_tree("(4 (2 a) (4 (4 great) (2 film)))").children[1].children[0]
     Tree((4 great))
     """
-    tokens = [(m.group(), m.start() + 1) for m in _TOKEN.finditer(line)]
-    end = len(line.rstrip(_ASCII_SPACE)) + 1  # the column reported for "reached the end of the line"
+    tokens = _TOKEN.findall(line)
     count = len(tokens)
-    stack: list[tuple[int, list[Tree], int]] = []  # open nodes: (label, children so far, column)
+    stack: list[tuple[int, list[Tree], int]] = []  # open nodes: (label, children so far, token index)
     result: Tree | None = None
     i = 0
 
-    def fail(message: str, column: int) -> TreeParseError:
-        return TreeParseError(message, source, line_number, column, line)
+    def column_of(index: int) -> int:
+        # Columns are only worked out on failure, to keep the common path fast.
+        if index < count:
+            return [m.start() + 1 for m in _TOKEN.finditer(line)][index]
+        return len(line.rstrip(_ASCII_SPACE)) + 1
 
-    def describe(j: int) -> str:
-        return repr(tokens[j][0]) if j < count else "end of line"
+    def fail(message: str, index: int) -> TreeParseError:
+        return TreeParseError(message, source, line_number, column_of(index), line)
+
+    def describe(index: int) -> str:
+        return repr(tokens[index]) if index < count else "end of line"
 
     while i < count:
-        token, column = tokens[i]
+        token = tokens[i]
         if token == "(":
             if result is not None:
-                raise fail("unexpected text after the end of the tree", column)
-            label_token = tokens[i + 1][0] if i + 1 < count else ""
-            if not label_token.isdigit():
-                raise fail(
-                    f"expected a non-negative integer label after '(', got {describe(i + 1)}",
-                    tokens[i + 1][1] if i + 1 < count else end,
-                )
+                raise fail("unexpected text after the end of the tree", i)
+            label_token = tokens[i + 1] if i + 1 < count else ""
+            if not (label_token.isascii() and label_token.isdigit()):
+                raise fail(f"expected a non-negative integer label after '(', got {describe(i + 1)}", i + 1)
             label = int(label_token)
-            word = tokens[i + 2][0] if i + 2 < count else ""
+            word = tokens[i + 2] if i + 2 < count else ""
             if word and word != "(" and word != ")":
-                if i + 3 >= count or tokens[i + 3][0] != ")":
+                if i + 3 >= count or tokens[i + 3] != ")":
                     raise fail(
-                        f"expected ')' after the word {word!r} of a leaf, got {describe(i + 3)}",
-                        tokens[i + 3][1] if i + 3 < count else end,
+                        f"expected ')' after the word {word!r} of a leaf, got {describe(i + 3)}", i + 3
                     )
                 node = Tree(label, word)
                 i += 4
             else:
-                stack.append((label, [], column))
+                stack.append((label, [], i))
                 i += 2
                 continue
         elif token == ")":
             if not stack:
-                raise fail("unbalanced ')': no open node to close", column)
+                raise fail("unbalanced ')': no open node to close", i)
             label, children, start = stack.pop()
             if len(children) != 2:
                 raise fail(
-                    f"node with label {label} opened at column {start} has {len(children)} children; "
+                    f"node with label {label} opened at column {column_of(start)} has "
+                    f"{len(children)} {'child' if len(children) == 1 else 'children'}; "
                     f"SST trees are binary: exactly 2 children, or one word",
-                    column,
+                    i,
                 )
             node = Tree(label, None, (children[0], children[1]))
             i += 1
         elif result is not None:
-            raise fail(f"unexpected text {token!r} after the end of the tree", column)
+            raise fail(f"unexpected text {token!r} after the end of the tree", i)
         else:
-            raise fail(f"expected '(' to start a node, got {token!r}", column)
+            raise fail(f"expected '(' to start a node, got {token!r}", i)
         if stack:
             stack[-1][1].append(node)
         else:
             result = node
     if stack:
-        raise fail(f"unexpected end of line: {len(stack)} node(s) not closed with ')'", end)
+        raise fail(f"unexpected end of line: {len(stack)} node(s) not closed with ')'", count)
     if result is None:
-        raise fail("empty line: expected a tree like '(3 (2 a) (3 word))'", 1)
+        raise fail("empty line: expected a tree like '(3 (2 a) (3 word))'", count)
     return result
 
 
@@ -438,23 +440,40 @@ class Vocab:
 # --------------------------------------------------------------------------------------------
 # Generated SST-format trees
 
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 # Word -> sentiment score in -2..2 (label = score + 2). Modifiers score 0 on their own and act
-# on the phrase to their right: a negator flips it to mild of the opposite sign, an intensifier
+# on the phrase to their right: a negator turns it mildly to the opposite sign, an intensifier
 # doubles it. Otherwise a node's score is the sum of its children's, clipped to -2..2.
-_NEUTRAL_WORDS = (
-    "the a film movie story plot actors director script characters ending music it this is was "
-    "and of with to scenes cast dialogue camera audience seems feels year its in"
-).split()
+_NEUTRAL_WORDS = _words(
+    """the a an this that it its his her their film movie story plot script director actors actor cast
+    characters ending music score scenes dialogue camera audience screen picture drama comedy thriller
+    is was seems feels looks becomes remains and but of with to in on for by as about from than year
+    time hour minutes world life love family city night people , . 's"""
+)
 _POLAR_WORDS = {
-    **dict.fromkeys("good funny charming clever fine pleasant solid warm likable engaging".split(), 1),
-    **dict.fromkeys("brilliant wonderful masterful superb moving great".split(), 2),
-    **dict.fromkeys("dull bad slow flat silly weak bland tedious".split(), -1),
-    **dict.fromkeys("awful terrible dreadful unwatchable painful worst".split(), -2),
+    **dict.fromkeys(
+        _words(
+            """good funny charming clever fine pleasant solid warm likable engaging smart sweet fresh
+            enjoyable touching honest lively entertaining"""
+        ),
+        1,
+    ),
+    **dict.fromkeys(
+        _words("brilliant wonderful masterful superb moving great beautiful terrific stunning"), 2
+    ),
+    **dict.fromkeys(
+        _words("dull bad slow flat silly weak bland tedious predictable thin messy forgettable clumsy"), -1
+    ),
+    **dict.fromkeys(_words("awful terrible dreadful unwatchable painful worst boring pointless"), -2),
 }
 _POSITIVE_WORDS = tuple(w for w, s in _POLAR_WORDS.items() if s > 0)
 _NEGATIVE_WORDS = tuple(w for w, s in _POLAR_WORDS.items() if s < 0)
-_NEGATORS = ("not", "never", "hardly")
-_INTENSIFIERS = ("very", "really", "truly", "remarkably")
+_NEGATORS = ("not", "never", "hardly", "n't")
+_INTENSIFIERS = ("very", "really", "truly", "remarkably", "so")
 _MODIFIER_PROBABILITY = 0.2
 
 
@@ -462,67 +481,102 @@ def _clip(score: int) -> int:
     return max(-2, min(2, score))
 
 
-def _generate_tree(rng: random.Random, num_words: int) -> tuple[Tree, int]:
-    """A random tree over ``num_words`` words and its score, labelled by the rule above."""
-    if num_words == 1:
-        r = rng.random()
-        pool = _NEUTRAL_WORDS if r < 0.6 else _POSITIVE_WORDS if r < 0.8 else _NEGATIVE_WORDS
-        word = rng.choice(pool)
-        score = _POLAR_WORDS.get(word, 0)
-        return Tree(score + 2, word), score
-    if rng.random() < _MODIFIER_PROBABILITY:
-        negate = rng.random() < 0.5
-        modifier = Tree(NEUTRAL, rng.choice(_NEGATORS if negate else _INTENSIFIERS))
-        phrase, phrase_score = _generate_tree(rng, num_words - 1)
-        if negate:
-            score = -1 if phrase_score > 0 else 1 if phrase_score < 0 else 0
-        else:
-            score = _clip(2 * phrase_score)
-        return Tree(score + 2, None, (modifier, phrase)), score
-    split = rng.randint(1, num_words - 1)
-    left, left_score = _generate_tree(rng, split)
-    right, right_score = _generate_tree(rng, num_words - split)
-    score = _clip(left_score + right_score)
-    return Tree(score + 2, None, (left, right)), score
+class _TreeGenerator:
+    """Draws trees and labels them by the rule above; ``label_noise`` blurs the labels shown."""
+
+    def __init__(self, rng: random.Random, label_noise: float) -> None:
+        self.rng = rng
+        self.label_noise = label_noise
+
+    def label(self, score: int) -> int:
+        """The label written for a span of this score: off by one with probability ``label_noise``."""
+        label = score + 2
+        if self.label_noise and self.rng.random() < self.label_noise:
+            step = self.rng.choice((-1, 1))
+            label = label + step if 0 <= label + step < NUM_FINE_LABELS else label - step
+        return label
+
+    def tree(self, num_words: int) -> tuple[Tree, int]:
+        """A random tree over ``num_words`` words and its true score (parents use true scores)."""
+        rng = self.rng
+        if num_words == 1:
+            r = rng.random()
+            word = rng.choice(_NEUTRAL_WORDS if r < 0.6 else _POSITIVE_WORDS if r < 0.8 else _NEGATIVE_WORDS)
+            score = _POLAR_WORDS.get(word, 0)
+            return Tree(self.label(score), word), score
+        if rng.random() < _MODIFIER_PROBABILITY:
+            negate = rng.random() < 0.5
+            modifier = Tree(self.label(0), rng.choice(_NEGATORS if negate else _INTENSIFIERS))
+            phrase, phrase_score = self.tree(num_words - 1)
+            if negate:
+                score = -1 if phrase_score > 0 else 1 if phrase_score < 0 else 0
+            else:
+                score = _clip(2 * phrase_score)
+            return Tree(self.label(score), None, (modifier, phrase)), score
+        split = rng.randint(1, num_words - 1)
+        left, left_score = self.tree(split)
+        right, right_score = self.tree(num_words - split)
+        score = _clip(left_score + right_score)
+        return Tree(self.label(score), None, (left, right)), score
 
 
-def generate_sst(num_trees: int, *, seed: int = 0, min_words: int = 2, max_words: int = 20) -> list[Tree]:
+def generate_sst(
+    num_trees: int, *, seed: int = 0, min_words: int = 2, max_words: int = 20, label_noise: float = 0.1
+) -> list[Tree]:
     """Random binary sentiment trees whose labels follow a simple, learnable rule.
 
     Words come from a small lexicon of neutral, positive and negative words (scores -2..2,
     label = score + 2). A node's score is the sum of its children's, clipped to -2..2, except
-    after a modifier: a negator (``not``, ``never``, ``hardly``) turns the phrase to its right
-    mildly to the opposite sign and an intensifier (``very``, ...) doubles it. ``str(tree)`` is
-    the SST line for a tree and :func:`parse_tree` reads it back to an equal tree.
+    after a modifier: a negator (``not``, ``never``, ...) turns the phrase to its right mildly
+    to the opposite sign and an intensifier (``very``, ...) doubles it. With probability
+    ``label_noise`` a node's written label is off by one (its parent still uses the true
+    score), so accuracy tops out below 100% as on real data. ``str(tree)`` is the SST line
+    for a tree and :func:`parse_tree` reads it back to an equal tree.
 
     Args:
         num_trees: how many trees.
         seed: the same seed gives the same trees.
         min_words: the fewest words in a sentence (>= 1).
         max_words: the most words in a sentence (>= ``min_words``); lengths are uniform.
+        label_noise: probability in [0, 1) that a node's label is moved one step (default 0.1).
 
     >>> trees = generate_sst(3, seed=1)
     >>> [parse_tree(str(t)) == t for t in trees]
     [True, True, True]
     """
-    for name, value in (("num_trees", num_trees), ("seed", seed), ("min_words", min_words), ("max_words", max_words)):
+    for name, value in (
+        ("num_trees", num_trees),
+        ("seed", seed),
+        ("min_words", min_words),
+        ("max_words", max_words),
+    ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
     if num_trees < 0:
         raise ValueError(f"num_trees must be >= 0, got {num_trees}")
     if not 1 <= min_words <= max_words:
-        raise ValueError(f"need 1 <= min_words <= max_words, got min_words={min_words}, max_words={max_words}")
+        raise ValueError(
+            f"need 1 <= min_words <= max_words, got min_words={min_words}, max_words={max_words}"
+        )
+    if not 0.0 <= label_noise < 1.0:
+        raise ValueError(f"label_noise must be in [0, 1), got {label_noise!r}")
     rng = random.Random(seed)
-    return [_generate_tree(rng, rng.randint(min_words, max_words))[0] for _ in range(num_trees)]
+    generator = _TreeGenerator(rng, label_noise)
+    return [generator.tree(rng.randint(min_words, max_words))[0] for _ in range(num_trees)]
 
 
-def generate_sst_lines(num_trees: int, *, seed: int = 0, min_words: int = 2, max_words: int = 20) -> list[str]:
+def generate_sst_lines(
+    num_trees: int, *, seed: int = 0, min_words: int = 2, max_words: int = 20, label_noise: float = 0.1
+) -> list[str]:
     """The SST-format lines of :func:`generate_sst` (same arguments), e.g. to write a data file.
 
-    >>> generate_sst_lines(1, seed=3, max_words=3)
-    ['(1 (2 it) (1 (2 its) (1 weak)))']
+    >>> generate_sst_lines(1, seed=3, max_words=3, label_noise=0.0)
+    ['(3 (2 city) (3 charming))']
     """
-    return [str(tree) for tree in generate_sst(num_trees, seed=seed, min_words=min_words, max_words=max_words)]
+    trees = generate_sst(
+        num_trees, seed=seed, min_words=min_words, max_words=max_words, label_noise=label_noise
+    )
+    return [str(tree) for tree in trees]
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,7 +653,10 @@ def load_mnist(
         else:
             images = dataset.data.reshape(len(dataset.data), -1).to(torch.float32).div_(255.0)
             if verbose:
-                print(f"torchfold: MNIST {'train' if train else 'test'} split from torchvision files under {base}", file=sys.stderr)
+                print(
+                    f"torchfold: MNIST {'train' if train else 'test'} split from torchvision files under {base}",
+                    file=sys.stderr,
+                )
             return MnistData(images, dataset.targets.to(torch.int64), "torchvision")
     fix = "pass root=DIR holding torchvision's MNIST/raw files, or root=DIR with download=True"
     if not fallback:

@@ -1,0 +1,249 @@
+"""Reference models whose methods are fold ops: a binary Tree-LSTM for SST and an MLP for MNIST.
+
+Every op takes and returns batched tensors (one row per node), so the same method serves a
+:class:`~torchfold.Fold` (one call per group of nodes), an :class:`~torchfold.Unfold` (one
+call per node) and plain eager code. :func:`encode_tree` records a tree on a fold;
+:func:`forward_tree` is the plain recursive computation it must match.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from torchfold.datasets import Tree, Vocab
+
+__all__ = ["MLP", "TreeLSTM", "encode_tree", "encode_trees", "forward_tree"]
+
+
+class TreeLSTM(nn.Module):
+    """Binary Tree-LSTM (Tai et al., 2015, N-ary with N=2): one forget gate per child.
+
+    A leaf reads its word embedding ``x``; an internal node reads its children's states::
+
+        leaf:  i, o, u = W x + b                      c = σ(i) ⊙ tanh(u)
+        node:  i, f_l, f_r, o, u = U [h_l; h_r] + b   c = σ(i) ⊙ tanh(u) + σ(f_l) ⊙ c_l + σ(f_r) ⊙ c_r
+        both:  h = σ(o) ⊙ tanh(c)
+
+    All gates of a step come from one fused ``Linear``. The fold ops are :meth:`leaf`,
+    :meth:`node` (both return ``(h, c)``) and :meth:`logits`.
+
+    Args:
+        vocab_size: number of word ids (``len(vocab)``).
+        embedding_dim: size of the word embeddings (default 128).
+        hidden_dim: size of ``h`` and ``c`` (default 128).
+        num_classes: number of labels per node (default 5, SST's fine-grained labels).
+
+    Example:
+        >>> import torch, torchfold
+        >>> from torchfold.datasets import Vocab, parse_tree
+        >>> tree = parse_tree("(3 (2 not) (1 bad))")
+        >>> vocab = Vocab.build([tree])
+        >>> model = TreeLSTM(len(vocab), embedding_dim=8, hidden_dim=16)
+        >>> fold = torchfold.Fold()
+        >>> nodes, labels = zip(*encode_tree(fold, tree, vocab))
+        >>> [h] = fold.apply(model, [list(nodes)])
+        >>> model.logits(h).shape, labels
+        (torch.Size([3, 5]), (2, 1, 3))
+    """
+
+    def __init__(
+        self, vocab_size: int, embedding_dim: int = 128, hidden_dim: int = 128, num_classes: int = 5
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("embedding_dim", embedding_dim),
+            ("hidden_dim", hidden_dim),
+            ("num_classes", num_classes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.hidden_dim = hidden_dim
+        self.embedding = nn.Embedding(vocab_size, embedding_dim)
+        self.leaf_gates = nn.Linear(embedding_dim, 3 * hidden_dim)  # i, o, u
+        self.node_gates = nn.Linear(2 * hidden_dim, 5 * hidden_dim)  # i, f_l, f_r, o, u
+        self.classifier = nn.Linear(hidden_dim, num_classes)
+
+    def leaf(self, word_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """States of leaves: ``word_ids`` of shape ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""
+        gates = self.leaf_gates(self.embedding(word_ids))
+        size = self.hidden_dim
+        sig = gates[:, : 2 * size].sigmoid()
+        c = sig[:, :size] * gates[:, 2 * size :].tanh()
+        return sig[:, size:] * c.tanh(), c
+
+    def node(
+        self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """States of internal nodes from their children's: four ``(n, hidden_dim)`` -> ``(h, c)``."""
+        gates = self.node_gates(torch.cat((h_left, h_right), dim=1))
+        size = self.hidden_dim
+        sig = gates[:, : 4 * size].sigmoid()
+        c = (
+            sig[:, :size] * gates[:, 4 * size :].tanh()
+            + sig[:, size : 2 * size] * c_left
+            + sig[:, 2 * size : 3 * size] * c_right
+        )
+        return sig[:, 3 * size :] * c.tanh(), c
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Class scores ``(n, num_classes)`` of nodes with states ``h`` ``(n, hidden_dim)``."""
+        return self.classifier(h)
+
+
+class _Recorder(Protocol):
+    """What :func:`encode_tree` needs: ``Fold`` and ``Unfold`` both fit."""
+
+    def add(self, op: Any, *args: Any) -> Any: ...
+
+
+def encode_tree(fold: _Recorder, tree: Tree, vocab: Vocab) -> list[tuple[Any, int]]:
+    """Record a :class:`TreeLSTM` over ``tree`` on ``fold``; one ``(h node, label)`` per tree node.
+
+    Nodes come in post-order (children first, root last), so ``fold.apply(model, [[h for h, _
+    in pairs]])`` gives every node's state for a loss at every node. Works the same with
+    :class:`~torchfold.Unfold` (eager values instead of deferred nodes).
+
+    Args:
+        fold: a :class:`~torchfold.Fold` (or ``Unfold``) to record on.
+        tree: the tree to encode.
+        vocab: maps leaf words to ids (unknown words to its ``unk_id``).
+
+    >>> import torchfold
+    >>> from torchfold.datasets import parse_tree
+    >>> pairs = encode_tree(torchfold.Fold(), parse_tree("(3 (2 a) (3 (2 a) (4 film)))"), Vocab(["a", "film"]))
+    >>> [label for _, label in pairs]
+    [2, 2, 4, 3, 3]
+    """
+    out: list[tuple[Any, int]] = []
+    _encode(fold.add, vocab.stoi.get, vocab.unk_id, tree, out.append)
+    return out
+
+
+def _encode(
+    add: Callable[..., Any],
+    word_id: Callable[[str, int], int],
+    unk_id: int,
+    tree: Tree,
+    emit: Callable[[tuple[Any, int]], None],
+) -> tuple[Any, Any]:
+    """Post-order recursion of :func:`encode_tree` with its look-ups bound once (the hot path)."""
+    if tree.word is not None:
+        h, c = add("leaf", word_id(tree.word, unk_id)).split(2)
+    else:
+        left, right = tree.children
+        h_left, c_left = _encode(add, word_id, unk_id, left, emit)
+        h_right, c_right = _encode(add, word_id, unk_id, right, emit)
+        h, c = add("node", h_left, c_left, h_right, c_right).split(2)
+    emit((h, tree.label))
+    return h, c
+
+
+def encode_trees(
+    fold: _Recorder, trees: Iterable[Tree], vocab: Vocab
+) -> tuple[list[Any], list[int], list[int]]:
+    """Record many trees on one fold: every node's ``h`` node, its label, and where the roots are.
+
+    Returns ``(nodes, labels, roots)``: ``nodes[i]`` has label ``labels[i]``, and
+    ``nodes[roots[k]]`` is the root of the k-th tree (each tree's nodes in post-order).
+
+    >>> import torchfold
+    >>> from torchfold.datasets import parse_tree
+    >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
+    >>> nodes, labels, roots = encode_trees(torchfold.Fold(), trees, Vocab(["a", "film", "bad"]))
+    >>> labels, roots
+    ([2, 4, 3, 1], [2, 3])
+    """
+    nodes: list[Any] = []
+    labels: list[int] = []
+    roots: list[int] = []
+    add, get, unk = fold.add, vocab.stoi.get, vocab.unk_id
+    for tree in trees:
+        pairs: list[tuple[Any, int]] = []
+        _encode(add, get, unk, tree, pairs.append)
+        for h, label in pairs:
+            nodes.append(h)
+            labels.append(label)
+        roots.append(len(nodes) - 1)
+    return nodes, labels, roots
+
+
+def forward_tree(model: TreeLSTM, tree: Tree, vocab: Vocab) -> tuple[torch.Tensor, list[int]]:
+    """The plain eager recursive Tree-LSTM: every node's ``h`` (post-order, ``(nodes, hidden_dim)``) and label.
+
+    No fold involved: the reference that :func:`encode_tree` + ``Fold.apply`` must equal.
+
+    >>> from torchfold.datasets import parse_tree
+    >>> tree = parse_tree("(3 (2 a) (4 film))")
+    >>> vocab = Vocab(["a", "film"])
+    >>> h, labels = forward_tree(TreeLSTM(len(vocab), 4, 6), tree, vocab)
+    >>> tuple(h.shape), labels
+    ((3, 6), [2, 4, 3])
+    """
+    device = model.embedding.weight.device
+    states: list[torch.Tensor] = []
+    labels: list[int] = []
+
+    def visit(node: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        if node.word is not None:
+            h, c = model.leaf(torch.tensor([vocab[node.word]], device=device))
+        else:
+            h_left, c_left = visit(node.children[0])
+            h_right, c_right = visit(node.children[1])
+            h, c = model.node(h_left, c_left, h_right, c_right)
+        states.append(h)
+        labels.append(node.label)
+        return h, c
+
+    visit(tree)
+    return torch.cat(states), labels
+
+
+class MLP(nn.Module):
+    """A multilayer perceptron with ReLU between layers (default 784-200-100-10, for MNIST).
+
+    ``forward`` (also available as the fold op ``classify``) maps rows ``(n, in_features)`` to
+    logits ``(n, num_classes)``, so a fold can batch single images recorded as
+    ``fold.add("classify", image_row)`` with ``image_row`` of shape ``(1, 784)``.
+
+    Args:
+        in_features: input size (784 = 28 x 28).
+        hidden: sizes of the hidden layers.
+        num_classes: output size.
+
+    Example:
+        >>> import torch, torchfold
+        >>> model = MLP()
+        >>> f = torchfold.Fold()
+        >>> images = torch.rand(3, 784)
+        >>> nodes = [f.add("classify", images[i : i + 1]) for i in range(3)]
+        >>> torch.testing.assert_close(f.apply(model, [nodes])[0], model(images))
+    """
+
+    def __init__(
+        self, in_features: int = 784, hidden: Sequence[int] = (200, 100), num_classes: int = 10
+    ) -> None:
+        super().__init__()
+        sizes = [in_features, *hidden, num_classes]
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"layer sizes must be positive ints, got {sizes}")
+        layers: list[nn.Module] = []
+        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+            if i:
+                layers.append(nn.ReLU())
+            layers.append(nn.Linear(fan_in, fan_out))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(n, num_classes)`` for rows ``x`` ``(n, in_features)``."""
+        return self.layers(x)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """The same as :meth:`forward`, under the op name used in folds."""
+        return self.layers(x)

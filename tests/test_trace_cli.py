@@ -1,0 +1,218 @@
+"""Tests for ``python -m torchfold trace check|convert|plot`` (torchfold._trace_cli)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchfold._trace import BatchSizeTrace
+from torchfold._trace_cli import main
+from torchfold.datasets import data_root
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def traces_dir() -> Path:
+    """The shared traces folder; fails (never skips) when it is missing."""
+    root = data_root()
+    if root is None or not (root / "traces" / "step_batchsize_example.csv").is_file():
+        pytest.fail(
+            f"shared data not found (data_root()={root}); set TORCHFOLD_DATA to the folder holding traces/"
+        )
+    return root / "traces"
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_example_trace(traces_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = traces_dir / "step_batchsize_example.csv"
+    code, out, err = run(
+        ["check", str(path), "--minibatch-size", "32", "--dataset-size", "60000", "--epochs", "12"], capsys
+    )
+    assert (code, err) == (0, "")
+    assert "steps:          810" in out
+    assert "batch size:     min 32, max 2048, mean 950.0" in out
+    assert "total samples:  769472" in out
+    assert "segments:       2 (step numbering restarts at 0 at" in out and "line 12 (step 10)" in out
+    assert "epochs covered: 12 full epochs of 60000 samples (12.82 dataset passes" in out
+    assert "epochs 12: ok, they end after step 768" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--minibatch-size", "48"],
+            "line 2 (step 0): batch size 128 is not a multiple of minibatch_size=48",
+        ),
+        (["--dataset-size", "60000", "--epochs", "13"], "is too short: it has 810 steps"),
+    ],
+)
+def test_check_rejects(
+    traces_dir: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    path = traces_dir / "step_batchsize_example.csv"
+    code, out, err = run(["check", str(path), *args], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("torchfold trace check: error: ") and message in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("step,batchsize\n0,32\n1,x\n", "line 3: batch size should be an integer, got 'x'"),
+        ("step,batchsize\n0,32\n2,32\n", "line 3: missing step 1 before step 2"),
+        ("step,batchsize\n0,32\n1,-32\n", "line 3: batch size should be positive, got -32"),
+    ],
+)
+def test_check_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    code, _, err = run(["check", str(path)], capsys)
+    assert code == 1 and f"{path}, {message}" in err
+
+
+def test_check_missing_file_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["check", str(tmp_path / "none.csv")], capsys)
+    assert code == 1 and "none.csv" in err
+    code, _, err = run(["check", str(tmp_path / "none.csv"), "--epochs", "2"], capsys)
+    assert code == 2 and "--epochs needs --dataset-size" in err
+    code, _, err = run(["check", "x.csv", "--minibatch-size", "0"], capsys)
+    assert code == 2 and "expected a positive integer, got 0" in err
+    code, _, err = run(["frobnicate"], capsys)
+    assert code == 2 and "invalid choice" in err
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and "check" in out and "convert" in out and "plot" in out
+
+
+def test_convert_availability_trace(
+    traces_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_csv = tmp_path / "a100.csv"
+    source = traces_dir / "gcp_a100_gpus.csv"
+    code, out, err = run(
+        ["convert", str(source), "--per-device-batch", "32", "--step-time", "9", "-o", str(out_csv)], capsys
+    )
+    assert (code, err) == (0, "")
+    assert f"written:        {out_csv}" in out
+    converted = BatchSizeTrace.from_csv(out_csv)
+    assert converted == BatchSizeTrace.from_availability(source, 32, 9.0)
+    # 63 s intervals hold 7 steps of 9 s; 0-GPU intervals hold none.
+    rows = [line.split(",") for line in source.read_text().splitlines()[1:-1]]
+    assert list(converted) == [int(r[2]) * 32 for r in rows for _ in range(7) if int(r[2]) > 0]
+    code, _, _ = run(
+        [
+            "convert",
+            str(source),
+            "--per-device-batch",
+            "32",
+            "--step-time",
+            "9",
+            "--max-steps",
+            "5",
+            "-o",
+            str(out_csv),
+        ],
+        capsys,
+    )
+    assert code == 0 and len(BatchSizeTrace.from_csv(out_csv)) == 5
+
+
+def test_convert_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_csv = tmp_path / "ramp.csv"
+    code, out, _ = run(
+        [
+            "convert",
+            "--schedule",
+            "linear:32:256:1000+constant:256:24",
+            "--multiple-of",
+            "32",
+            "-o",
+            str(out_csv),
+        ],
+        capsys,
+    )
+    assert code == 0 and "steps:          1024" in out
+    trace = BatchSizeTrace.from_csv(out_csv)
+    assert trace[0] == 32 and trace[999] == 256 and trace[1023] == 256
+    trace.check_minibatch_size(32)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--schedule", "cosine:1:2"], 1, "bad schedule part 'cosine:1:2'"),
+        ([], 2, "convert needs either RESOURCE_CSV or --schedule"),
+        (["gpus.csv", "--schedule", "constant:8:8"], 2, "convert needs either RESOURCE_CSV or --schedule"),
+        (["gpus.csv"], 2, "needs --per-device-batch and --step-time"),
+        (["--schedule", "constant:8:8", "--step-time", "1"], 2, "go with RESOURCE_CSV, not --schedule"),
+        (
+            ["gpus.csv", "--per-device-batch", "8", "--step-time", "-1"],
+            2,
+            "expected a positive number, got -1.0",
+        ),
+    ],
+)
+def test_convert_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], code: int, message: str
+) -> None:
+    got, _, err = run(["convert", *args, "-o", str(tmp_path / "o.csv")], capsys)
+    assert got == code and message in err
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_convert_step_trace_is_rejected(
+    traces_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "convert",
+        str(traces_dir / "step_batchsize_example.csv"),
+        "--per-device-batch",
+        "8",
+        "--step-time",
+        "1",
+    ]
+    code, _, err = run([*args, "-o", str(tmp_path / "o.csv")], capsys)
+    assert code == 1 and "line 1: header should name a 'Time' column" in err
+
+
+@pytest.mark.parametrize("lr_args", [[], ["--lr", "0.1", "--ref-batch", "256", "--rule", "sqrt"]])
+def test_plot(
+    traces_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], lr_args: list[str]
+) -> None:
+    png = tmp_path / "trace.png"
+    code, out, _ = run(
+        ["plot", str(traces_dir / "step_batchsize_example.csv"), "-o", str(png), *lr_args], capsys
+    )
+    assert code == 0 and "810 steps" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plot", "x.csv", "-o", str(tmp_path / "p.png"), "--rule", "cubic"], capsys)
+    assert code == 2 and "invalid choice: 'cubic'" in err
+    code, _, err = run(["plot", "x.csv", "-o", str(tmp_path / "p.png"), "--ref-batch", "64"], capsys)
+    assert code == 2 and "--ref-batch needs --lr" in err
+
+
+def test_module_entry_point(traces_dir: Path) -> None:
+    """The real command line: `python -m torchfold trace check` passes the exit status and stderr through."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    bad = subprocess.run(
+        [sys.executable, "-m", "torchfold", "trace", "check", str(traces_dir / "gcp_a100_gpus.csv")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert "looks like a resource-availability trace" in bad.stderr

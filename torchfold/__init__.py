@@ -7,14 +7,22 @@ the same depth as one batched call with :meth:`Fold.apply`.
 from torchfold._errors import FoldError
 from torchfold._fold import Fold
 from torchfold._node import Node
+from torchfold._sampler import StepPlan, TraceBatchSampler
+from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
 from torchfold._unfold import Unfold, UnfoldNode
 from torchfold._version import __version__
 
 __all__ = [
+    "BatchSizeTrace",
+    "EpochSteps",
     "Fold",
     "FoldError",
     "Node",
+    "StepPlan",
+    "TraceBatchSampler",
     "Unfold",
     "UnfoldNode",
     "__version__",
+    "as_trace",
+    "scaled_lr",
 ]

@@ -1,0 +1,199 @@
+"""Multi-process training with gloo on localhost equals one process; dead or mismatched ranks fail fast.
+
+Every check runs real processes (spawned) that talk over real sockets. To keep the spawn cost
+down, one process group per world size runs all the LR rules (and DDP) one after the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist_worker import (
+    LR,
+    REF_BATCH,
+    free_port,
+    handshake_rank,
+    make_model,
+    make_sampler,
+    mnist_rows,
+    run_ranks,
+    train,
+    train_rank,
+)
+
+from torchfold._distributed import (
+    all_reduce_sum_,
+    broadcast_parameters,
+    check_same_on_all_ranks,
+    default_device,
+    fingerprint,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+)
+from torchfold._sampler import minibatches_per_rank
+from torchfold._trace import scaled_lr
+
+MINIBATCH = 8
+# Global batches of 8 leave two of three ranks (one of two) without a minibatch; 40 gives 2/2/1.
+TRACE = [8, 24, 16, 40, 8, 32, 56, 16]
+RULES = ["constant", "linear", "sqrt", "adascale"]
+RUNS = [(rule, False) for rule in RULES] + [("linear", True), ("adascale", True)]
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    return mnist_rows(sum(TRACE))
+
+
+def _reference(rule: str, data: tuple[torch.Tensor, torch.Tensor]) -> dict[str, object]:
+    """One process, plain PyTorch: one SGD step per trace step on the mean loss over the whole global batch.
+
+    The LR factor of AdaScale depends on how the batch was split, so for it the reference is the
+    wrapper in one process with the same minibatches (its gain is checked against a hand
+    computation in test_optim.py).
+    """
+    model = make_model(seed=100)  # rank 0's initial values
+    if rule == "adascale":
+        return train(model, rule, data, TRACE, MINIBATCH, num_replicas=1, rank=0)
+    x, y = data
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sampler = make_sampler(len(x), TRACE, MINIBATCH, 1, 0)
+    batches = iter(sampler)
+    for plan in sampler.steps():
+        idx = [i for _ in range(plan.local_minibatches) for i in next(batches)]
+        opt.param_groups[0]["lr"] = scaled_lr(LR, plan.batch_size, REF_BATCH, rule)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return {"params": [p.detach() for p in model.parameters()]}
+
+
+def test_the_trace_has_ranks_without_minibatches() -> None:
+    for world_size in (2, 3):
+        counts = [minibatches_per_rank(b, MINIBATCH, world_size) for b in TRACE]
+        assert any(0 in c for c in counts) and any(max(c) > 1 for c in counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_multi_process_training_equals_one_process(
+    world_size: int, data: tuple[torch.Tensor, torch.Tensor], tmp_path: Path
+) -> None:
+    port = free_port()
+    # With three ranks, a second run then loses rank 2 at step 3: the others must fail, not hang.
+    die = (2, 3) if world_size == 3 else None
+    args = [(world_size, port, data, TRACE, MINIBATCH, RUNS, die) for _ in range(world_size)]
+    results = run_ranks(train_rank, args, tmp_path, timeout=90)
+    survivors = results[:2] if die is not None else results
+    for rank, result in enumerate(survivors):
+        assert result is not None and "ok" in result, f"rank {rank}: {result}"
+    outputs = [result["ok"] for result in survivors if result is not None]
+    for name in outputs[0]:
+        if name == "after_death":
+            continue
+        rule = name.removesuffix("-ddp")
+        expected = _reference(rule, data)
+        for rank, out in enumerate(outputs):
+            assert out[name]["local_minibatches"] == [
+                minibatches_per_rank(b, MINIBATCH, world_size)[rank] for b in TRACE
+            ]
+            for p, q in zip(out[name]["params"], expected["params"], strict=True):  # type: ignore[call-overload]
+                torch.testing.assert_close(
+                    p, q, msg=lambda m, name=name, rank=rank: f"{name}, rank {rank}: {m}"
+                )
+            if rule == "adascale":
+                assert out[name]["factors"] == pytest.approx(expected["factors"], rel=1e-9)
+                assert any(f > 1.0 for f in out[name]["factors"])
+            else:
+                assert out[name]["factors"] == pytest.approx(
+                    [scaled_lr(1.0, b, REF_BATCH, rule) for b in TRACE]
+                )
+    if die is not None:
+        assert results[2] is None  # the dead rank said nothing
+        for rank in (0, 1):
+            message, seconds = outputs[rank]["after_death"]
+            assert f"failed on rank {rank} of 3 (gloo): another rank died" in message
+            assert (
+                "another rank died or did not reach the same all-reduce within the group's timeout of 5 s"
+                in message
+            )
+            assert seconds < 15.0
+
+
+@pytest.mark.slow
+def test_mismatched_ranks_fail_with_a_clear_error_within_the_timeout(tmp_path: Path) -> None:
+    same = {"trace": fingerprint(TRACE), "minibatch_size": MINIBATCH}
+    scenarios = [
+        {"world_size": [2, 2], "config": [same, {**same, "trace": fingerprint(TRACE[:-1])}]},
+        {"world_size": [3, 2], "config": [same, same]},
+        {"world_size": [2, 2], "config": [same, same], "absent": [1]},
+    ]
+    for scenario in scenarios:
+        scenario.update(port=free_port(), timeout=2.0)
+    outcomes = run_ranks(handshake_rank, [(scenarios,), (scenarios,)], tmp_path, timeout=60)
+    assert all(o is not None and "ok" in o for o in outcomes), outcomes
+    rank0, rank1 = (o["ok"] for o in outcomes if o is not None)
+    trace0, trace1 = fingerprint(TRACE), fingerprint(TRACE[:-1])
+    for rank, outcome in enumerate((rank0[0], rank1[0])):
+        assert outcome.startswith("ValueError")
+        assert (
+            f"ranks disagree at startup (seen by rank {rank}): trace differs (rank 0: '{trace0}', rank 1: '{trace1}')"
+            in outcome
+        )
+    # Rank 0 expects 3 ranks and waits for rank 2 until its timeout; rank 1 sees rank 0's world size.
+    assert rank0[1].startswith("TimeoutError")
+    assert (
+        "waited 2 s for ranks [2] of world_size=3 to join the startup handshake; ranks [0, 1] joined (their world sizes: {0: 3, 1: 2})"
+        in rank0[1]
+    )
+    assert rank1[1].startswith("ValueError")
+    assert "world_size differs (rank 0: 3, rank 1: 2)" in rank1[1]
+    assert rank0[2].startswith("TimeoutError") and "waited 2 s for ranks [1] of world_size=2" in rank0[2]
+    assert rank1[2] == "absent"
+    for outcome in (rank0[1], rank0[2]):
+        seconds = float(outcome.split(" after ")[1].split(" s")[0])
+        assert 2.0 <= seconds < 6.0
+
+
+def test_single_process_helpers() -> None:
+    assert (get_world_size(), get_rank(), is_main_process()) == (1, 0, True)
+    assert default_device() == torch.device("cpu")
+    t = torch.arange(3.0)
+    all_reduce_sum_([t])
+    torch.testing.assert_close(t, torch.arange(3.0))
+    broadcast_parameters(make_model())
+    check_same_on_all_ranks({"a": 1})
+    assert fingerprint({"b": [1, 2], "a": 1}) == fingerprint({"a": 1, "b": [1, 2]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"rank": 2, "world_size": 2},
+            ValueError,
+            r"Invalid rank 2, rank should be in the interval \[0, 1\]",
+        ),
+        ({"rank": 0, "world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+        ({"rank": True, "world_size": 2}, TypeError, "rank must be an int, got bool"),
+        (
+            {"rank": 0, "world_size": 1, "timeout": 0.0},
+            ValueError,
+            "timeout must be a positive number of seconds",
+        ),
+    ],
+)
+def test_init_distributed_checks_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        init_distributed("gloo", master_port=free_port(), **kwargs)
+
+
+def test_init_distributed_needs_rank_from_somewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="rank was not given and the environment variable RANK is not set"):
+        init_distributed("gloo", world_size=1, master_port=free_port())

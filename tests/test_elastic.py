@@ -1,0 +1,115 @@
+"""ElasticConfig: accumulation steps and device batches for the devices present, even and uneven."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchfold._elastic import ElasticConfig, detect_world_size
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "max_device", "devices", "steps", "device_batch", "even"),
+    [
+        (256, 64, 1, 4, 64, True),
+        (256, 64, 2, 2, 64, True),
+        (256, 64, 4, 1, 64, True),
+        (256, 64, 8, 1, 32, True),
+        (256, 64, 3, 2, 43, False),  # 6 slots: 4 x 43 + 2 x 42
+        (100, 64, 1, 2, 50, True),
+        (100, 30, 3, 2, 17, False),
+        (7, 64, 2, 1, 4, False),
+        (1, 64, 4, 1, 1, False),  # three devices idle in this step
+    ],
+)
+def test_table(
+    global_batch: int, max_device: int, devices: int, steps: int, device_batch: int, even: bool
+) -> None:
+    c = ElasticConfig(global_batch, max_device, world_size=devices)
+    assert (c.accumulation_steps, c.device_batch_size, c.num_devices, c.is_even) == (
+        steps,
+        device_batch,
+        devices,
+        even,
+    )
+    sizes = [size for rank in range(devices) for size in c.batch_sizes(rank)]
+    assert sum(sizes) == global_batch
+    assert max(sizes) == device_batch <= max_device
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_uneven_split_fills_the_first_slots() -> None:
+    c = ElasticConfig(256, 64, world_size=3)
+    assert [c.batch_sizes(rank) for rank in range(3)] == [[43, 43], [43, 42], [43, 42]]
+
+
+@given(st.integers(1, 5000), st.integers(1, 300), st.integers(1, 16))
+def test_split_meets_the_global_batch_and_the_maximum(
+    global_batch: int, max_device: int, devices: int
+) -> None:
+    c = ElasticConfig(global_batch, max_device, world_size=devices)
+    sizes = [c.batch_size(a, rank) for a in range(c.accumulation_steps) for rank in range(devices)]
+    assert sum(sizes) == global_batch
+    assert max(sizes) <= max_device and max(sizes) - min(sizes) <= 1
+    # No fewer accumulation steps would fit under the maximum.
+    assert (c.accumulation_steps - 1) * devices * max_device < global_batch
+
+
+def test_main_process_and_rank() -> None:
+    assert ElasticConfig(64, 32, world_size=2).is_main
+    assert not ElasticConfig(64, 32, world_size=2, rank=1).is_main
+
+
+def test_detected_devices_in_this_process() -> None:
+    # The test machine runs one CPU process without torch.distributed or launcher variables.
+    c = ElasticConfig(256, 64)
+    assert (c.num_devices, c.rank, c.source) == (*detect_world_size()[:2], detect_world_size()[2])
+    assert c.num_devices * c.accumulation_steps * c.max_device_batch_size >= 256
+
+
+def test_detects_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    c = ElasticConfig(256, 64)
+    assert (c.num_devices, c.rank, c.is_main, c.accumulation_steps, c.source) == (
+        4,
+        3,
+        False,
+        1,
+        "WORLD_SIZE",
+    )
+
+
+def test_with_global_batch_size_keeps_the_devices() -> None:
+    c = ElasticConfig(256, 64, world_size=2, rank=1).with_global_batch_size(96)
+    assert (c.num_devices, c.rank, c.accumulation_steps, c.batch_sizes()) == (2, 1, 1, [48])
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((0, 64), {}, ValueError, "global_batch_size must be a positive int, got 0"),
+        ((256, -1), {}, ValueError, "max_device_batch_size must be a positive int, got -1"),
+        ((256.0, 64), {}, TypeError, "global_batch_size must be an int, got float"),
+        ((True, 64), {}, TypeError, "global_batch_size must be an int, got bool"),
+        ((256, 64), {"world_size": 0}, ValueError, "world_size must be a positive int, got 0"),
+        (
+            (256, 64),
+            {"world_size": 2, "rank": 2},
+            ValueError,
+            r"Invalid rank 2, rank should be in the interval \[0, 1\]",
+        ),
+    ],
+)
+def test_bad_arguments(args: tuple, kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        ElasticConfig(*args, **kwargs)
+
+
+def test_bad_lookups() -> None:
+    c = ElasticConfig(256, 64, world_size=2)
+    with pytest.raises(ValueError, match=r"accumulation_step must be in \[0, 1\], got 2"):
+        c.batch_size(2)
+    with pytest.raises(ValueError, match="Invalid rank 5"):
+        c.batch_size(0, rank=5)

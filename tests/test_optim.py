@@ -1,0 +1,319 @@
+"""AccumulatingOptimizer in one process: accumulation == one big batch, LR rules, AdaScale, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist_worker import make_model, mnist_rows
+
+from torchfold._optim import AccumulatingOptimizer
+
+REF = 32
+LR = 0.05
+RULE_FACTORS = {
+    "constant": lambda b: 1.0,
+    "linear": lambda b: b / REF,
+    "sqrt": lambda b: math.sqrt(b / REF),
+}
+# Each step: the minibatch sizes that make up its global batch (uneven ones included).
+STEPS = [[16, 16, 16], [20, 20, 8], [64], [5, 30, 1, 12]]
+
+
+def _batches(steps: list[list[int]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    x, y = mnist_rows()
+    out, start = [], 0
+    for sizes in steps:
+        step = []
+        for n in sizes:
+            step.append((x[start : start + n], y[start : start + n]))
+            start += n
+        out.append(step)
+    return out
+
+
+def _plain_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    reduction: str = "mean",
+) -> None:
+    """The reference: one ordinary optimizer step on the whole global batch."""
+    x = torch.cat([xb for xb, _ in step])
+    y = torch.cat([yb for _, yb in step])
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad()
+    F.cross_entropy(model(x), y, reduction=reduction).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("rule", ["constant", "linear", "sqrt"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), lambda p: torch.optim.Adam(p, lr=LR)],
+    ids=["sgd", "adam"],
+)
+def test_accumulated_minibatches_equal_one_big_batch(rule: str, make_opt) -> None:
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(make_opt(model.parameters()), lr_rule=rule, ref_batch_size=REF)  # type: ignore[arg-type]
+    ref_opt = make_opt(ref_model.parameters())
+    for step, sizes in zip(_batches(STEPS), STEPS, strict=True):
+        for xb, yb in step:
+            opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+        opt.step()
+        opt.zero_grad()
+        batch = sum(sizes)
+        assert opt.last_batch_size == batch and opt.last_num_minibatches == len(sizes)
+        assert opt.last_lr_factor == pytest.approx(RULE_FACTORS[rule](batch))
+        assert opt.param_groups[0]["lr"] == LR  # the reference LR is restored
+        _plain_step(ref_model, ref_opt, step, LR * RULE_FACTORS[rule](batch))
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    assert any(
+        not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters(), strict=True)
+    )
+
+
+def test_sum_reduction_equals_one_step_on_the_summed_loss() -> None:
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), reduction="sum")
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-3)
+    for step in _batches(STEPS):
+        for xb, yb in step:
+            opt.backward(F.cross_entropy(model(xb), yb, reduction="sum"), num_samples=len(xb))
+        opt.step()
+        opt.zero_grad()
+        _plain_step(ref_model, ref_opt, step, 1e-3, reduction="sum")
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def _hand_adascale(
+    model: torch.nn.Module, step: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[float, float]:
+    """Per-sample gradient variance and squared mean-gradient norm, from the textbook formulas.
+
+    Equal minibatches of b samples: the minibatch gradients' sample variance times b estimates the
+    per-sample variance; |mean gradient|^2 minus the variance of the mean estimates |true gradient|^2.
+    """
+    grads = []
+    for xb, yb in step:
+        g = torch.autograd.grad(F.cross_entropy(model(xb), yb), list(model.parameters()))
+        grads.append(torch.cat([t.reshape(-1) for t in g]))
+    g = torch.stack(grads)
+    m, b = len(step), len(step[0][0])
+    mean = g.mean(0)
+    minibatch_var = ((g - mean) ** 2).sum(1).sum() / (m - 1)
+    var = float(minibatch_var * b)
+    sqr = float(mean.pow(2).sum() - minibatch_var / m)
+    return var, sqr
+
+
+def test_adascale_gain_matches_a_hand_computation() -> None:
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        lr_rule="adascale",
+        ref_batch_size=REF,
+        adascale_smoothing=0.5,
+    )
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
+    averages: tuple[float, float] | None = None
+    for step in _batches([[16] * 4, [16] * 6, [32] * 3]):
+        var, sqr = _hand_adascale(ref_model, step)
+        averages = (
+            (var, sqr) if averages is None else (0.5 * averages[0] + 0.5 * var, 0.5 * averages[1] + 0.5 * sqr)
+        )
+        batch = sum(len(xb) for xb, _ in step)
+        gain = (averages[0] / REF + averages[1]) / (averages[0] / batch + averages[1])
+        for xb, yb in step:
+            opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_lr_factor == pytest.approx(gain, rel=1e-9)
+        assert 1.0 < gain <= batch / REF
+        _plain_step(ref_model, ref_opt, step, LR * gain)
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
+    assert opt.scale_invariant_steps > 3.0
+
+
+def test_adascale_single_minibatch_gives_gain_one_without_nan() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), lr_rule="adascale", ref_batch_size=REF
+    )
+    for sizes, expected in [([REF], 1.0), ([64], 1.0), ([REF, REF], None), ([REF], 1.0)]:
+        for xb, yb in _batches([sizes])[0]:
+            opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+        opt.step()
+        opt.zero_grad()
+        assert math.isfinite(opt.last_lr_factor)
+        if expected is not None:
+            assert opt.last_lr_factor == expected
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_adascale_single_minibatch_after_history_uses_the_averages() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-4), lr_rule="adascale", ref_batch_size=16
+    )
+    for sizes in ([16] * 4, [64]):
+        for xb, yb in _batches([sizes])[0]:
+            opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+        opt.step()
+        opt.zero_grad()
+    assert 1.0 < opt.last_lr_factor <= 4.0  # one minibatch of 64 = 4x the reference batch
+
+
+def test_scheduler_on_the_wrapper_keeps_working() -> None:
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), lr_rule="linear", ref_batch_size=REF
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for i, (step, sizes) in enumerate(zip(_batches(STEPS), STEPS, strict=True)):
+            for xb, yb in step:
+                opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+            assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5 ** (i + 1))
+            _plain_step(ref_model, ref_opt, step, LR * 0.5**i * sum(sizes) / REF)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("rule", ["linear", "adascale"])
+def test_state_dict_round_trip_resumes_exactly(rule: str) -> None:
+    def run(model: torch.nn.Module, opt: AccumulatingOptimizer, batches: list) -> None:
+        for step in batches:
+            for xb, yb in step:
+                opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+            opt.step()
+            opt.zero_grad()
+
+    def new(model: torch.nn.Module) -> AccumulatingOptimizer:
+        return AccumulatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), lr_rule=rule, ref_batch_size=REF
+        )  # type: ignore[arg-type]
+
+    steps = [[16, 16, 16], [8, 8], [16, 16, 16, 16], [32, 32]]
+    full_model = make_model()
+    full = new(full_model)
+    run(full_model, full, _batches(steps))
+
+    model = make_model()
+    first = new(model)
+    run(model, first, _batches(steps)[:2])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": first.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed_model = make_model(seed=1)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed = new(resumed_model)
+    resumed.load_state_dict(checkpoint["optimizer"])
+    assert resumed.steps == 2
+    run(resumed_model, resumed, _batches(steps)[2:])  # the same later minibatches as the full run
+    assert resumed.scale_invariant_steps == pytest.approx(full.scale_invariant_steps)
+    for p, q in zip(resumed_model.parameters(), full_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_parameters_without_gradients_are_left_out_of_the_update() -> None:
+    model = make_model()
+    unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = AccumulatingOptimizer(torch.optim.SGD([*model.parameters(), unused], lr=LR, weight_decay=0.1))
+    for xb, yb in _batches([[16, 16]])[0]:
+        opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+    opt.step()
+    assert unused.grad is None
+    torch.testing.assert_close(unused.detach(), torch.ones(3, dtype=torch.float64))
+
+
+def test_step_without_minibatches_changes_nothing() -> None:
+    model = make_model()
+    before = copy.deepcopy(model.state_dict())
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    opt.step()
+    assert opt.steps == 0
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name])
+
+
+def test_passes_through_param_groups_state_and_zero_grad() -> None:
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    opt = AccumulatingOptimizer(inner)
+    assert opt.param_groups is inner.param_groups and opt.defaults is inner.defaults
+    xb, yb = _batches([[8]])[0][0]
+    opt.backward(F.cross_entropy(model(xb), yb), num_samples=8)
+    assert all(p.grad is None for p in model.parameters())  # the wrapper holds the sum until step()
+    opt.step()
+    assert opt.state is inner.state and len(opt.state) == 4
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr_rule": "cubic"}, ValueError, "lr_rule must be one of"),
+        ({"lr_rule": "linear"}, ValueError, "pass ref_batch_size="),
+        (
+            {"lr_rule": "sqrt", "ref_batch_size": 0},
+            ValueError,
+            "ref_batch_size must be a positive int, got 0",
+        ),
+        ({"ref_batch_size": True}, ValueError, "ref_batch_size must be a positive int, got True"),
+        ({"reduction": "max"}, ValueError, "reduction must be 'mean' or 'sum'"),
+        ({"adascale_smoothing": 1.0}, ValueError, r"adascale_smoothing must be in \[0, 1\)"),
+        ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        AccumulatingOptimizer(torch.optim.SGD(make_model().parameters(), lr=LR), **kwargs)
+
+
+def test_misuse_is_rejected() -> None:
+    model = make_model()
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer"):
+        AccumulatingOptimizer(model)  # type: ignore[arg-type]
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    with pytest.raises(TypeError, match="already an AccumulatingOptimizer"):
+        AccumulatingOptimizer(opt)
+    xb, yb = _batches([[4]])[0][0]
+    with pytest.raises(ValueError, match="num_samples must be a positive int"):
+        opt.backward(F.cross_entropy(model(xb), yb), num_samples=0)
+    with pytest.raises(TypeError, match="takes no closure"):
+        opt.step(lambda: 0.0)
+    opt.backward(F.cross_entropy(model(xb), yb), num_samples=4)
+    with pytest.raises(RuntimeError, match="in the middle of a step"):
+        opt.state_dict()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"call optimizer.zero_grad\(\) after optimizer.step\(\)"):
+        opt.backward(F.cross_entropy(model(xb), yb), num_samples=4)
+    opt.zero_grad()
+    other = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), lr_rule="linear", ref_batch_size=8
+    )
+    with pytest.raises(
+        ValueError, match="saved with lr_rule='constant' but this wrapper has lr_rule='linear'"
+    ):
+        other.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="keys 'optimizer' and 'torchfold'"):
+        other.load_state_dict(other.optimizer.state_dict())

@@ -1,0 +1,347 @@
+"""Distributed helpers: who am I, which device, a sum all-reduce, and a startup handshake with timeouts.
+
+Everything here works in three settings with the same calls:
+
+* a single process (no ``torch.distributed`` group, no torch_xla): world size 1, rank 0, the
+  all-reduce does nothing;
+* ``torch.distributed`` (gloo on CPU, nccl on CUDA), for example under ``torchrun``;
+* torch_xla (TPU, or its CPU backend with ``PJRT_DEVICE=CPU``): used when the tensors live on an
+  XLA device; torch_xla is imported only then, so it is never a hard dependency.
+
+A rank that dies or never shows up must make the others fail with a clear error instead of
+hanging: :func:`init_distributed` creates the process group with a timeout that also bounds every
+collective (gloo enforces it), and first runs a handshake in which every rank checks that all
+ranks agree on the world size and on a user-given configuration (trace fingerprint, batch sizes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_reduce_sum_",
+    "broadcast_parameters",
+    "check_same_on_all_ranks",
+    "default_device",
+    "fingerprint",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+]
+
+_HANDSHAKE_PREFIX = "torchfold/handshake"
+_POLL_S = 0.02
+_group_timeout_s: dict[str, float] = {}
+
+
+def _dist_active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _xla_runtime() -> Any | None:
+    """``torch_xla.runtime`` when the user is running on XLA (torch_xla already imported), else ``None``.
+
+    Importing torch_xla initializes a runtime, so it is never imported just to ask a question.
+    """
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla.runtime as xr
+
+    return xr
+
+
+def get_world_size() -> int:
+    """Number of processes taking part in training: the process group's size, XLA's, else 1.
+
+    >>> get_world_size()
+    1
+    """
+    if _dist_active():
+        return dist.get_world_size()
+    xr = _xla_runtime()
+    if xr is not None:
+        return int(xr.world_size())
+    return 1
+
+
+def get_rank() -> int:
+    """This process's rank in ``[0, get_world_size())``: the process group's, XLA's ordinal, else 0.
+
+    >>> get_rank()
+    0
+    """
+    if _dist_active():
+        return dist.get_rank()
+    xr = _xla_runtime()
+    if xr is not None:
+        return int(xr.global_ordinal())
+    return 0
+
+
+def is_main_process() -> bool:
+    """True on rank 0, the process that logs, plots and writes checkpoints.
+
+    >>> is_main_process()
+    True
+    """
+    return get_rank() == 0
+
+
+def default_device() -> torch.device:
+    """The device this process should compute on: its XLA device, its CUDA device, else the CPU.
+
+    Under ``torchrun`` with CUDA the device is ``cuda:LOCAL_RANK``.
+
+    >>> default_device().type in ("cpu", "cuda", "xla")
+    True
+    """
+    if "torch_xla" in sys.modules:
+        import torch_xla
+
+        return torch.device(torch_xla.device())
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _timeout_s() -> float | None:
+    # Known only for groups that init_distributed created; torch keeps its own copy private.
+    return _group_timeout_s.get("default")
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
+    """Sum ``tensors`` in place over all ranks (XLA, gloo or nccl); nothing to do in a single process.
+
+    All ranks must call it with tensors of the same shapes, dtypes and order. Tensors of one dtype
+    and device travel as one flat buffer, so the cost is one collective per dtype, not per tensor.
+    A failure (a peer died, the group's timeout expired) raises ``RuntimeError`` naming this rank.
+
+    Args:
+        tensors: tensors to sum in place; all on the same kind of device.
+
+    >>> t = torch.ones(3)
+    >>> all_reduce_sum_([t])  # a single process: unchanged
+    >>> t
+    tensor([1., 1., 1.])
+    """
+    if not tensors:
+        return
+    if any(t.device.type == "xla" for t in tensors):
+        _xla_all_reduce_sum_(tensors)
+        return
+    if not _dist_active() or dist.get_world_size() == 1:
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for members in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        except Exception as e:
+            timeout = _timeout_s()
+            within = f" within the group's timeout of {timeout:g} s" if timeout is not None else ""
+            raise RuntimeError(
+                f"torchfold: all-reduce of {len(members)} tensors failed on rank {dist.get_rank()} of "
+                f"{dist.get_world_size()} ({dist.get_backend()}): another rank died or did not reach the "
+                f"same all-reduce{within}. Original error: {e}"
+            ) from e
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    if xr.world_size() == 1:
+        return
+    # With a list, xm.all_reduce reduces in place (one fused collective).
+    xm.all_reduce(xm.REDUCE_SUM, list(tensors))
+
+
+def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy ``module``'s parameters and buffers from rank ``src`` to every rank (no-op in one process).
+
+    DistributedDataParallel does this itself when it wraps a module; call it when training a plain
+    module with :class:`~torchfold.AccumulatingOptimizer` over several processes.
+
+    Args:
+        module: the model; the same architecture on every rank.
+        src: the rank whose values win (default 0).
+
+    >>> broadcast_parameters(torch.nn.Linear(2, 2))
+    """
+    if not _dist_active() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src)
+
+
+def fingerprint(value: object) -> str:
+    """A short stable hash of a JSON-serializable value (a trace's batch sizes, a config dict).
+
+    Ranks compare fingerprints in the startup handshake instead of whole traces.
+
+    >>> fingerprint([32, 64, 64]) == fingerprint([32, 64, 64]) != fingerprint([32, 64])
+    True
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _env_int(name: str, value: int | None, env: str) -> int:
+    if value is not None:
+        return value
+    if env not in os.environ:
+        raise ValueError(
+            f"{name} was not given and the environment variable {env} is not set; pass {name}= or run under torchrun"
+        )
+    return int(os.environ[env])
+
+
+def _mismatches(infos: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    keys = sorted({k for info in infos.values() for k in info})
+    lines = []
+    for key in keys:
+        values = {rank: info.get(key, "<missing>") for rank, info in sorted(infos.items())}
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in values.items())
+            lines.append(f"{key} differs ({per_rank})")
+    return lines
+
+
+def _handshake(
+    store: dist.Store, rank: int, world_size: int, config: Mapping[str, Any], timeout_s: float
+) -> None:
+    """Every rank publishes its world size and config, waits for all the others, and compares."""
+    mine = {"world_size": world_size, **config}
+    store.set(f"{_HANDSHAKE_PREFIX}/{rank}", json.dumps(mine, sort_keys=True, default=str))
+    keys = {r: f"{_HANDSHAKE_PREFIX}/{r}" for r in range(world_size)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r, k in keys.items() if not store.check([k])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            joined = [r for r in keys if r not in missing]
+            said = {r: json.loads(store.get(keys[r]))["world_size"] for r in joined}
+            raise TimeoutError(
+                f"torchfold: rank {rank} waited {timeout_s:g} s for ranks {missing} of world_size={world_size} "
+                f"to join the startup handshake; ranks {joined} joined (their world sizes: {said}). A rank died "
+                f"before joining, or the processes were started with different world sizes: start every "
+                f"process with the same WORLD_SIZE / --nproc_per_node."
+            )
+        time.sleep(_POLL_S)
+    infos = {r: json.loads(store.get(k)) for r, k in keys.items()}
+    problems = _mismatches(infos)
+    if problems:
+        raise ValueError(
+            f"torchfold: ranks disagree at startup (seen by rank {rank}): {'; '.join(problems)}. "
+            f"Start every process with the same world size, trace and configuration."
+        )
+
+
+def init_distributed(
+    backend: str = "gloo",
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout: float = 60.0,
+    config: Mapping[str, Any] | None = None,
+) -> None:
+    """Create the default process group after checking that every rank agrees on how to train.
+
+    Arguments left out come from the environment variables that ``torchrun`` sets (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). The handshake fails on every rank with a
+    ``ValueError`` naming the differing values when ranks disagree on the world size or on any
+    entry of ``config``, and with a ``TimeoutError`` naming the missing ranks when some rank does not
+    arrive within ``timeout`` seconds. The same ``timeout`` bounds every later collective of the
+    group, so a rank that dies mid-training makes the others raise instead of hang.
+
+    Args:
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
+        rank: this process's rank; default ``$RANK``.
+        world_size: number of processes; default ``$WORLD_SIZE``.
+        master_addr: host of rank 0; default ``$MASTER_ADDR`` or ``127.0.0.1``.
+        master_port: a free TCP port on that host; default ``$MASTER_PORT``.
+        timeout: seconds to wait for the other ranks, at startup and in each collective (default 60).
+        config: JSON-serializable values that must be equal on all ranks, e.g.
+            ``{"trace": fingerprint(trace), "minibatch_size": 32}``.
+
+    Example::
+
+        >>> init_distributed("gloo", rank=0, world_size=1, master_port=29512, timeout=5.0,
+        ...                  config={"trace": fingerprint([64, 128])})  # doctest: +SKIP
+    """
+    rank = _check_int("rank", _env_int("rank", rank, "RANK"), 0)
+    world_size = _check_int("world_size", _env_int("world_size", world_size, "WORLD_SIZE"), 1)
+    if rank >= world_size:
+        raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _check_int("master_port", _env_int("master_port", master_port, "MASTER_PORT"), 1)
+    delta = datetime.timedelta(seconds=timeout)
+    try:
+        store = dist.TCPStore(
+            addr, port, world_size=None, is_master=rank == 0, timeout=delta, wait_for_workers=False
+        )
+    except Exception as e:
+        raise TimeoutError(
+            f"torchfold: rank {rank} could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
+            f"(rank 0 hosts it; is it running, and is the port free?): {e}"
+        ) from e
+    _handshake(store, rank, world_size, dict(config or {}), timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
+    _group_timeout_s["default"] = timeout
+
+
+def check_same_on_all_ranks(config: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks pass equal ``config`` values.
+
+    For process groups created elsewhere (e.g. by a launcher); :func:`init_distributed` already
+    does this check. Bounded by the group's timeout. Nothing to check in a single process.
+
+    Args:
+        config: JSON-serializable values that must agree, e.g. ``{"trace": fingerprint(trace)}``.
+
+    >>> check_same_on_all_ranks({"minibatch_size": 32})
+    """
+    if not _dist_active() or dist.get_world_size() == 1:
+        return
+    mine = json.loads(json.dumps(dict(config), sort_keys=True, default=str))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    problems = _mismatches(dict(enumerate(gathered)))
+    if problems:
+        raise ValueError(
+            f"torchfold: ranks disagree (seen by rank {dist.get_rank()}): {'; '.join(problems)}. "
+            f"Start every process with the same trace and configuration."
+        )

@@ -1,0 +1,149 @@
+"""Elastic configuration: how a global batch maps onto the devices that are actually present.
+
+Given a global batch and the most samples one device can hold, :class:`ElasticConfig` decides how
+many accumulation steps each optimizer step takes and how many samples each device processes in
+each of them, for whatever number of devices this run found.
+
+The split: with ``D`` devices, ``k = ceil(global / (D * max))`` accumulation steps give ``k * D``
+slots; slot ``(step a, rank r)`` is number ``a * D + r``, and the first ``global % (k * D)`` slots
+get one sample more than the others. So the device batches add up to the global batch exactly,
+differ by at most one, and never exceed the maximum. When the global batch is smaller than the
+number of devices, some slots are empty (0 samples): that device takes part in the step's
+all-reduce with zero gradients (see :class:`~torchfold.AccumulatingOptimizer`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ElasticConfig", "detect_world_size"]
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def detect_world_size() -> tuple[int, int, str]:
+    """Count the devices this run trains on: ``(world_size, rank, source)``.
+
+    In order: an initialized ``torch.distributed`` group; the ``WORLD_SIZE`` / ``RANK`` variables a
+    launcher such as ``torchrun`` sets; torch_xla's world (only when torch_xla is already
+    imported, i.e. the program runs on XLA); the number of CUDA devices (one process per device
+    is expected); else one CPU.
+
+    >>> detect_world_size()[0] >= 1
+    True
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank(), "torch.distributed"
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0")), "WORLD_SIZE"
+    if "torch_xla" in sys.modules:
+        import torch_xla.runtime as xr
+
+        return int(xr.world_size()), int(xr.global_ordinal()), "torch_xla"
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count(), 0, "cuda"
+    return 1, 0, "cpu"
+
+
+class ElasticConfig:
+    """Accumulation steps and per-device batch sizes for a global batch on the devices present.
+
+    Args:
+        global_batch_size: samples per optimizer step, over all devices and accumulation steps.
+        max_device_batch_size: most samples one device processes at once (what fits in memory).
+        world_size: number of devices; default: detected (see :func:`detect_world_size`).
+        rank: this process's rank in ``[0, world_size)``; default: detected with the world size
+            when ``world_size`` is not given, else 0.
+
+    >>> c = ElasticConfig(256, 64, world_size=2)
+    >>> c.accumulation_steps, c.device_batch_size, c.num_devices
+    (2, 64, 2)
+    >>> c = ElasticConfig(100, 20, world_size=3)  # 2 accumulation steps x 3 devices = 6 slots
+    >>> [c.batch_sizes(rank) for rank in range(3)]
+    [[17, 17], [17, 16], [17, 16]]
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int,
+        max_device_batch_size: int,
+        world_size: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
+        self.max_device_batch_size = _check_positive_int("max_device_batch_size", max_device_batch_size)
+        if world_size is None:
+            detected, detected_rank, self.source = detect_world_size()
+            world_size = detected
+            rank = detected_rank if rank is None else rank
+        else:
+            self.source = "argument"
+            _check_positive_int("world_size", world_size)
+        if rank is None:
+            rank = 0
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+        self.num_devices = world_size
+        self.rank = rank
+        self.accumulation_steps = math.ceil(global_batch_size / (world_size * max_device_batch_size))
+        slots = self.accumulation_steps * world_size
+        self._base, self._extra = divmod(global_batch_size, slots)
+        # The largest device batch in the split; every device batch is this or one less.
+        self.device_batch_size = self._base + (1 if self._extra else 0)
+
+    @property
+    def is_main(self) -> bool:
+        """True for rank 0, the process that logs and writes checkpoints."""
+        return self.rank == 0
+
+    @property
+    def is_even(self) -> bool:
+        """True when every device processes the same number of samples in every accumulation step."""
+        return self._extra == 0
+
+    def batch_size(self, accumulation_step: int, rank: int | None = None) -> int:
+        """Samples that ``rank`` (default: this process) processes in one accumulation step.
+
+        Args:
+            accumulation_step: index in ``[0, accumulation_steps)``.
+            rank: a rank in ``[0, num_devices)``; default this process's rank.
+        """
+        rank = self.rank if rank is None else rank
+        if not 0 <= accumulation_step < self.accumulation_steps:
+            raise ValueError(
+                f"accumulation_step must be in [0, {self.accumulation_steps - 1}], got {accumulation_step}"
+            )
+        if not 0 <= rank < self.num_devices:
+            raise ValueError(
+                f"Invalid rank {rank}, rank should be in the interval [0, {self.num_devices - 1}]"
+            )
+        slot = accumulation_step * self.num_devices + rank
+        return self._base + (1 if slot < self._extra else 0)
+
+    def batch_sizes(self, rank: int | None = None) -> list[int]:
+        """The device batches of ``rank`` (default: this process) for each accumulation step, in order."""
+        return [self.batch_size(a, rank) for a in range(self.accumulation_steps)]
+
+    def with_global_batch_size(self, global_batch_size: int) -> ElasticConfig:
+        """The same devices and maximum for another global batch (a trace changes it every step)."""
+        return ElasticConfig(global_batch_size, self.max_device_batch_size, self.num_devices, self.rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"ElasticConfig(global_batch_size={self.global_batch_size}, max_device_batch_size="
+            f"{self.max_device_batch_size}, num_devices={self.num_devices}, rank={self.rank}, "
+            f"accumulation_steps={self.accumulation_steps}, device_batch_size={self.device_batch_size})"
+        )

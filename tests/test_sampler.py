@@ -208,6 +208,7 @@ def test_example_trace_8_replicas(example_trace: Path) -> None:
     ]
     assert plans[20].minibatches == (2,) * 8  # 512 samples: 16 minibatches, 2 per rank
     assert plans[40].minibatches == (8,) * 8  # 2048 samples: 64 minibatches, 8 per rank
+    assert samplers[0].num_epochs == 12
     with pytest.raises(ValueError, match="too short"):
         samplers[0].set_epoch(12)
 
@@ -241,6 +242,7 @@ def test_shuffle_and_set_epoch_change_the_order() -> None:
     second = list(s)
     assert first != second and sorted(chain(*first)) == sorted(chain(*second)) == list(range(1000))
     assert first != list(TraceBatchSampler(1000, 100, minibatch_size=10, seed=2))
+    assert TraceBatchSampler(20, 10, minibatch_size=5).num_epochs is None  # an int trace never ends
     assert list(chain(*TraceBatchSampler(20, 10, minibatch_size=5, shuffle=False))) == list(range(20))
 
 
@@ -308,6 +310,12 @@ def test_set_epoch_and_state_dict_errors() -> None:
     with pytest.raises(TypeError, match="next_step should be an int"):
         s.state_dict(next_step=True)
     assert s.state_dict()["next_step"] == 0 and s.state_dict(next_step=3)["next_step"] == 3
+    next(iter(s))  # once the epoch is being iterated, only the caller knows how far training got
+    with pytest.raises(ValueError, match=r"epoch 0 is being iterated.*pass next_step=plan\.step \+ 1"):
+        s.state_dict()
+    assert s.state_dict(next_step=1)["next_step"] == 1
+    s.set_epoch(1)
+    assert s.state_dict()["next_step"] == 3  # a new epoch that has not started: its first step
 
 
 @pytest.mark.parametrize(

@@ -9,24 +9,27 @@ gradients over them), one, or none.
 
 A rank never receives a fake minibatch for a step in which it has none (repeating a sample would
 skew BatchNorm statistics and the gradient). Instead the sampler simply yields nothing for that
-step, and says so in its **step plan**: :meth:`TraceBatchSampler.steps` lists, for every step the
-next ``iter()`` covers, a :class:`StepPlan` with the global number of minibatches and this rank's
-number. The training loop walks the plan, draws ``plan.local_minibatches`` batches from the
-loader for each step (possibly zero), and then takes part in the step's gradient all-reduce; an
-optimizer wrapper scales by ``plan.num_minibatches``, the true number in the step::
+step (so the default ``DataLoader`` collation never sees an empty batch), and says so in its
+**step plan**: :meth:`TraceBatchSampler.steps` lists, for every step the next ``iter()`` covers, a
+:class:`StepPlan` with ``num_minibatches`` (over all ranks), ``local_minibatches`` (this rank's,
+possibly 0), ``minibatches`` (per rank), ``batch_size`` and ``local_samples``. The training loop
+walks the plan, draws ``plan.local_minibatches`` batches from the loader for each step, and then
+ends the step on every rank, so that a rank without data still joins the gradient all-reduce
+(with zero gradients). With torchfold's ``AccumulatingOptimizer``::
 
-    sampler = TraceBatchSampler(len(dataset), "trace.csv", minibatch_size=32)
+    sampler = TraceBatchSampler(dataset, "trace.csv", minibatch_size=32)
     loader = DataLoader(dataset, batch_sampler=sampler)
-    for epoch in range(num_epochs):
+    for epoch in range(sampler.num_epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
         for plan in sampler.steps():
-            for _ in range(plan.local_minibatches):   # may be 0 on some ranks
-                loss = model(next(batches)).loss
-                loss.backward()
-            # all-reduce the summed gradients (zeros on a rank without minibatches), divide by
-            # plan.num_minibatches, optimizer.step(), zero_grad()
-            state = sampler.state_dict(next_step=plan.step + 1)  # when checkpointing
+            for _ in range(plan.local_minibatches):      # may be 0 on some ranks
+                x, y = next(batches)
+                optimizer.backward(loss_fn(model(x), y), num_samples=len(y))
+            optimizer.step()                             # every rank, every step
+            optimizer.zero_grad()
+            if plan.step % 100 == 99:
+                save(sampler.state_dict(next_step=plan.step + 1), ...)
 
 Epochs follow :meth:`BatchSizeTrace.epoch`: the step counter is global across epochs, a step
 never crosses an epoch boundary, and ``drop_last`` says what happens to the samples that do not
@@ -193,6 +196,8 @@ class TraceBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self._start_step = 0  # global step the next iteration starts at (mid-epoch after a resume)
         self._epoch_steps = self.trace.epoch(0, dataset_size, drop_last=drop_last)
+        self._plan: list[StepPlan] | None = None  # step_plan() of the current epoch, made on demand
+        self._iterated = False  # an iteration of this epoch has started: the position is unknown
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch: its permutation (``seed + epoch``) and its steps of the trace.
@@ -213,6 +218,14 @@ class TraceBatchSampler(Sampler[list[int]]):
         self._epoch_steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
         self.epoch = epoch
         self._start_step = self._epoch_steps.first_step
+        self._plan, self._iterated = None, False
+
+    @property
+    def num_epochs(self) -> int | None:
+        """Complete epochs the trace covers over this dataset (``None`` for an unbounded trace)."""
+        if self.trace.num_steps is None:
+            return None
+        return self.trace.num_full_epochs(self.dataset_size, drop_last=self.drop_last)
 
     @property
     def epoch_steps(self) -> EpochSteps:
@@ -221,11 +234,13 @@ class TraceBatchSampler(Sampler[list[int]]):
 
     def step_plan(self, epoch: int | None = None) -> list[StepPlan]:
         """The plan of every step of ``epoch`` (default: the current epoch), from its first step."""
-        steps = (
-            self._epoch_steps
-            if epoch is None
-            else self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
-        )
+        if epoch is None or epoch == self.epoch:
+            if self._plan is None:
+                self._plan = self._make_plan(self._epoch_steps)
+            return list(self._plan)
+        return self._make_plan(self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last))
+
+    def _make_plan(self, steps: EpochSteps) -> list[StepPlan]:
         plans = []
         for step, size in zip(steps.steps, steps.batch_sizes, strict=True):
             counts = minibatches_per_rank(size, self.minibatch_size, self.num_replicas)
@@ -252,6 +267,7 @@ class TraceBatchSampler(Sampler[list[int]]):
         return torch.randperm(self.dataset_size, generator=g)
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._iterated = True
         steps = self._epoch_steps
         skip = self._start_step - steps.first_step
         offset = sum(steps.batch_sizes[:skip])
@@ -274,15 +290,20 @@ class TraceBatchSampler(Sampler[list[int]]):
                 optimizer completed (``plan.step + 1``); it must lie in the current epoch or be
                 its end (a complete epoch: a resumed sampler yields nothing until
                 ``set_epoch(epoch + 1)``). The sampler cannot tell on its own how far a ``DataLoader`` with workers
-                (which fetches ahead) or the other ranks have got, so it must be given this, except
-                at the start of an epoch's iteration: ``None`` means the current resume point
-                (the epoch's start after :meth:`set_epoch`).
+                (which fetches ahead) or the other ranks have got, so it must be given this once
+                this epoch's iteration has begun. ``None`` is allowed only before that, and means
+                the current resume point (the epoch's start after :meth:`set_epoch`).
 
         The state is the same on every rank (rank 0 may save it for all) and holds only ints,
         bools and strings (safe for ``torch.load(weights_only=True)``).
         """
         steps = self._epoch_steps
         if next_step is None:
+            if self._iterated:
+                raise ValueError(
+                    f"epoch {self.epoch} is being iterated, so the sampler cannot tell which step to resume at; "
+                    "pass next_step=plan.step + 1 for the last step the optimizer completed"
+                )
             next_step = self._start_step
         if isinstance(next_step, bool) or not isinstance(next_step, int):
             raise TypeError(f"next_step should be an int, got {type(next_step).__name__} {next_step!r}")
@@ -291,18 +312,19 @@ class TraceBatchSampler(Sampler[list[int]]):
                 f"next_step={next_step} is outside epoch {self.epoch}, which runs steps "
                 f"{steps.first_step}..{steps.end_step - 1}; call set_epoch() for the epoch that step belongs to"
             )
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "next_step": next_step, **self._settings()}
+
+    def _settings(self) -> dict[str, Any]:
+        """What a saved position is only valid with (checked in this order on load)."""
         return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "next_step": next_step,
+            "trace_num_steps": -1 if self.trace.num_steps is None else self.trace.num_steps,
+            "trace_fingerprint": self.trace.fingerprint(),
+            "num_replicas": self.num_replicas,
+            "dataset_size": self.dataset_size,
+            "minibatch_size": self.minibatch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
-            "dataset_size": self.dataset_size,
-            "minibatch_size": self.minibatch_size,
-            "num_replicas": self.num_replicas,
-            "trace_fingerprint": self.trace.fingerprint(),
-            "trace_num_steps": -1 if self.trace.num_steps is None else self.trace.num_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -316,8 +338,8 @@ class TraceBatchSampler(Sampler[list[int]]):
             raise TypeError(
                 f"state should be a dict from TraceBatchSampler.state_dict(), got {type(state).__name__}"
             )
-        current = self.state_dict()
-        missing = sorted(set(current) - set(state))
+        current = self._settings()
+        missing = sorted({"version", "epoch", "next_step", *current} - set(state))
         if missing:
             raise ValueError(
                 f"sampler state is missing {missing}; expected a dict from TraceBatchSampler.state_dict()"
@@ -326,16 +348,7 @@ class TraceBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"sampler state version {state['version']!r} is not supported (expected {_STATE_VERSION})"
             )
-        for key in (
-            "trace_fingerprint",
-            "trace_num_steps",
-            "num_replicas",
-            "dataset_size",
-            "minibatch_size",
-            "seed",
-            "shuffle",
-            "drop_last",
-        ):
+        for key in current:
             if state[key] != current[key]:
                 what = "trace" if key.startswith("trace") else key
                 raise ValueError(
@@ -351,3 +364,4 @@ class TraceBatchSampler(Sampler[list[int]]):
                 f"(steps {steps.first_step}..{steps.end_step - 1}); the state is corrupt"
             )
         self.epoch, self._epoch_steps, self._start_step = epoch, steps, next_step
+        self._plan, self._iterated = None, False

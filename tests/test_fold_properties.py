@@ -10,12 +10,15 @@ must match.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import torchfold._execute
 from torchfold import Fold, Unfold
 
 HIDDEN = 5
@@ -118,12 +121,28 @@ def outputs_and_gradients(
     return outs, [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@contextmanager
+def compaction(always: bool) -> Iterator[None]:
+    """Force the engine to gather partly used sources on their own (the path big models take)."""
+    saved = torchfold._execute.COMPACT_BYTES
+    torchfold._execute.COMPACT_BYTES = -1 if always else saved
+    try:
+        yield
+    finally:
+        torchfold._execute.COMPACT_BYTES = saved
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    program=st.lists(instruction, min_size=1, max_size=30), picks=st.lists(st.integers(0, 1000), max_size=12)
+    program=st.lists(instruction, min_size=1, max_size=30),
+    picks=st.lists(st.integers(0, 1000), max_size=12),
+    compact=st.booleans(),
 )
-def test_fold_equals_eager_on_random_graphs(program: list[tuple[Any, ...]], picks: list[int]) -> None:
-    folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks)
+def test_fold_equals_eager_on_random_graphs(
+    program: list[tuple[Any, ...]], picks: list[int], compact: bool
+) -> None:
+    with compaction(compact):
+        folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks)
     eager, eager_grads = outputs_and_gradients(Unfold, program, picks)
     assert len(folded) == len(eager)
     for a, b in zip(folded, eager, strict=True):
@@ -155,15 +174,16 @@ def encode(fold: Any, tree: Any, states: list[Any]) -> Any:
 
 
 @settings(max_examples=60, deadline=None)
-@given(trees=forests())
-def test_fold_equals_eager_on_random_tree_forests(trees: list[Any]) -> None:
+@given(trees=forests(), compact=st.booleans())
+def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: bool) -> None:
     results = []
     for make in (lambda model: Fold(), Unfold):
         model = Zoo()
         fold = make(model)
         states: list[Any] = []
         roots = [encode(fold, t, states) for t in trees]
-        roots_out, states_out = fold.apply(model, [roots, states])
+        with compaction(compact):
+            roots_out, states_out = fold.apply(model, [roots, states])
         loss = roots_out.pow(2).sum() + states_out.sin().sum()
         results.append(
             (roots_out, states_out, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))

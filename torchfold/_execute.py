@@ -100,15 +100,28 @@ def _where(group: Group | None, position: int | None) -> str:
     return f"op {group.name!r} at depth {group.depth}, argument {position}"
 
 
+# A source read only in part is gathered on its own first when copying it whole into the
+# concatenation would move more than this many unused bytes: an extra index_select costs
+# about as much as copying (and, in backward, zero-filling) some tens of kilobytes.
+COMPACT_BYTES = 1 << 16
+
+
+def _rows_index(starts: list[int], rows: int, device: torch.device) -> _Tensor:
+    """Indices of ``rows`` consecutive rows from each start."""
+    index = torch.tensor(starts, dtype=torch.long, device=device)
+    if rows != 1:
+        index = (index.unsqueeze(1) + torch.arange(rows, device=device)).reshape(-1)
+    return index
+
+
 def _gather(column: Sequence[Any], results: _Results, group: Group | None, position: int) -> _Tensor:
     """Batch one argument position of a group (or one apply request): nodes and tensors."""
     pieces: list[_Tensor] = []
-    offsets: list[int] = []
+    owners: list[Any] = []  # who contributed each piece: a node (an earlier result) or a description
     piece_of: dict[Any, int] = {}
-    starts: list[int] = []
-    owners: list[Any] = []  # for error messages: who contributed each piece
+    item_piece: list[int] = []
+    item_start: list[int] = []  # first row of each item within its piece
     rows = -1
-    total = 0
     for item in column:
         if item.__class__ is Node:
             key: Any = (item.group, item.output)
@@ -117,28 +130,24 @@ def _gather(column: Sequence[Any], results: _Results, group: Group | None, posit
                 tensor, k = results.source(item)
                 piece = piece_of[key] = len(pieces)
                 pieces.append(tensor)
-                offsets.append(total)
                 owners.append(item)
-                total += tensor.shape[0]
             else:
                 k = results.rows[key]
-            start = offsets[piece] + item.index * k
+            start = item.index * k
         else:  # a tensor passed to add: its rows are its leading dim
-            key = id(item)
-            piece = piece_of.get(key)
             if item.dim() == 0:
                 raise FoldError(
                     f"{_where(group, position)}: a 0-dim tensor ({item!r}) has no rows; "
                     "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
                 )
+            key = id(item)
+            piece = piece_of.get(key)
             k = item.shape[0]
             if piece is None:
                 piece = piece_of[key] = len(pieces)
                 pieces.append(item)
-                offsets.append(total)
                 owners.append(f"a tensor of shape {tuple(item.shape)}")
-                total += k
-            start = offsets[piece]
+            start = 0
         if k != rows:
             if rows != -1:
                 raise FoldError(
@@ -147,7 +156,8 @@ def _gather(column: Sequence[Any], results: _Results, group: Group | None, posit
                     "a group must pass the same number of rows at each position"
                 )
             rows = k
-        starts.append(start)
+        item_piece.append(piece)
+        item_start.append(start)
     first = pieces[0]
     for other, owner in zip(pieces[1:], owners[1:], strict=True):
         if other.shape[1:] != first.shape[1:] or other.dtype != first.dtype or other.device != first.device:
@@ -157,17 +167,47 @@ def _gather(column: Sequence[Any], results: _Results, group: Group | None, posit
                 f"{tuple(other.shape[1:])} {other.dtype} on {other.device}; calls of one group must pass "
                 "same-shaped rows at each position (use different ops for different shapes)"
             )
-    source = first if len(pieces) == 1 else torch.cat(pieces, 0)
-    if rows == 1:
-        if starts == list(range(total)):
-            return source  # already in call order: no copy at all for a single source
-        index = torch.tensor(starts, dtype=torch.long, device=source.device)
-    else:
-        if starts == list(range(0, total, rows)):
-            return source
-        index = torch.tensor(starts, dtype=torch.long, device=source.device)
-        index = (index.unsqueeze(1) + torch.arange(rows, device=source.device)).reshape(-1)
-    return source.index_select(0, index)
+    device = first.device
+    if len(pieces) > 1:
+        _compact_sparse_sources(pieces, owners, item_piece, item_start, rows, device)
+    offsets = [0]
+    for piece_tensor in pieces:
+        offsets.append(offsets[-1] + piece_tensor.shape[0])
+    starts = [offsets[p] + s for p, s in zip(item_piece, item_start, strict=True)]
+    source = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+    if starts == list(range(0, offsets[-1], rows)):
+        return source  # already in call order: whole results pass through without a copy
+    return source.index_select(0, _rows_index(starts, rows, device))
+
+
+def _compact_sparse_sources(
+    pieces: list[_Tensor],
+    owners: list[Any],
+    item_piece: list[int],
+    item_start: list[int],
+    rows: int,
+    device: torch.device,
+) -> None:
+    """Replace earlier results that are mostly unused here by just the rows used, in use order."""
+    uses = [0] * len(pieces)
+    for p in item_piece:
+        uses[p] += 1
+    compact = []
+    for p, piece in enumerate(pieces):
+        unused = piece.shape[0] - uses[p] * rows
+        row_bytes = piece[0].numel() * piece.element_size() if piece.shape[0] else 0
+        if owners[p].__class__ is Node and unused > 0 and unused * row_bytes > COMPACT_BYTES:
+            compact.append(p)
+    if not compact:
+        return
+    used_rows: dict[int, list[int]] = {p: [] for p in compact}
+    for i, p in enumerate(item_piece):
+        kept = used_rows.get(p)
+        if kept is not None:
+            kept.append(item_start[i])
+            item_start[i] = (len(kept) - 1) * rows
+    for p, kept in used_rows.items():
+        pieces[p] = pieces[p].index_select(0, _rows_index(kept, rows, device))
 
 
 def _shared(column: Sequence[Any], results: _Results, group: Group, position: int) -> _Tensor:

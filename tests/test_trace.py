@@ -42,6 +42,7 @@ def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:
         ("0,32\n1,64\n", (32, 64)),  # header optional
         (" step , batchsize \n 0, 1024\n 1 ,  512 \n", (1024, 512)),  # spaces
         ("STEP,BatchSize\r\n0,8\r\n1,8\r\n", (8, 8)),  # CRLF, header case
+        ("\ufeffstep,batchsize\n0,8\n", (8,)),  # byte-order mark
         ("step,batchsize\n\n0,8\n\n1,16\n\n", (8, 16)),  # blank lines
         ("step,batchsize\n0,8\n1,8\n0,16\n1,16\n2,16", (8, 8, 16, 16, 16)),  # restart: a new segment
     ],

@@ -312,7 +312,7 @@ class BatchSizeTrace:
         lines: list[int] = []
         restarts: list[int] = []
         expected = 0
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
             reader = csv.reader(f)
             first = True
             for row in reader:
@@ -398,7 +398,7 @@ class BatchSizeTrace:
             _check_int("max_steps", max_steps)
         path = Path(path)
         rows: list[tuple[int, float, int]] = []  # (line, time, devices)
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
             reader = csv.reader(f)
             header = next(reader, None)
             names = [name.strip().lower() for name in header or []]
@@ -668,10 +668,8 @@ class BatchSizeTrace:
             rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`scaled_lr`).
             num_steps: how many steps to plot (required for an unbounded trace).
         """
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A bare Figure renders with Agg and leaves pyplot's global backend and figures alone.
+        from matplotlib.figure import Figure
 
         if num_steps is None:
             self._require_bounded("plot without num_steps")
@@ -681,20 +679,18 @@ class BatchSizeTrace:
         ref = sizes[0] if ref_batch_size is None else ref_batch_size
         lrs = None if lr is None else [scaled_lr(lr, b, ref, rule) for b in sizes]
         panels = 1 if lrs is None else 2
-        fig, axes = plt.subplots(panels, 1, sharex=True, figsize=(8, 2.6 * panels), squeeze=False)
-        try:
-            steps = range(len(sizes))
-            axes[0][0].step(steps, sizes, where="post")
-            axes[0][0].set_ylabel("global batch size")
-            axes[0][0].set_title(f"{Path(self.source).name}: {len(sizes)} steps, {sum(sizes)} samples")
-            if lrs is not None:
-                axes[1][0].step(steps, lrs, where="post", color="tab:orange")
-                axes[1][0].set_ylabel(f"lr ({rule}, {lr} @ {ref})")
-            axes[-1][0].set_xlabel("step")
-            fig.tight_layout()
-            fig.savefig(path, format="png", dpi=100)
-        finally:
-            plt.close(fig)
+        fig = Figure(figsize=(8, 2.6 * panels))
+        axes = fig.subplots(panels, 1, sharex=True, squeeze=False)
+        steps = range(len(sizes))
+        axes[0][0].step(steps, sizes, where="post")
+        axes[0][0].set_ylabel("global batch size")
+        axes[0][0].set_title(f"{Path(self.source).name}: {len(sizes)} steps, {sum(sizes)} samples")
+        if lrs is not None:
+            axes[1][0].step(steps, lrs, where="post", color="tab:orange")
+            axes[1][0].set_ylabel(f"lr ({rule}, {lr} @ {ref})")
+        axes[-1][0].set_xlabel("step")
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
 
 
 def _is_int(text: str) -> bool:

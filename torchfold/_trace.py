@@ -49,18 +49,17 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union, cast, overload
+from typing import Union, cast, overload
 
 __all__ = [
     "BatchSizeTrace",
     "EpochSteps",
-    "LRRule",
     "TraceLike",
     "as_trace",
     "scaled_lr",
 ]
 
-LRRule = Literal["constant", "linear", "sqrt"]
+# The learning-rate rules that depend on the batch size alone (the optimizer wrapper adds AdaScale).
 LR_RULES: tuple[str, ...] = ("constant", "linear", "sqrt")
 
 

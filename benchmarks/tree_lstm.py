@@ -1,0 +1,488 @@
+"""Tree-LSTM training on SST: eager PyTorch vs hand-batched by depth vs torchfold (vs DyNet).
+
+The same binary Tree-LSTM (``torchfold.models.TreeLSTM``: two forget gates, embedding and hidden
+size 128) is trained with Adam on batches of 50 SST trees, with a softmax loss at every node
+(leaves included; the loss is the mean over all nodes of the batch). Four schedules of the same
+computation are timed side by side, one optimizer update at a time, interleaved:
+
+* ``eager``: unbatched PyTorch, one recursive call per node (``torchfold.models.forward_tree``,
+  what you write without batching); ``eager, sparse embedding grad`` is the same with
+  ``nn.Embedding(sparse=True)`` gradients (each per-leaf lookup otherwise backpropagates a
+  dense vocabulary x 128 gradient, which dominates eager's backward pass);
+* ``hand-batched``: depth batching written by hand with every index precomputed outside the
+  timed loop: identical subtrees computed once, one state tensor per level, and per level one
+  ``cat`` of the levels it reads plus one ``index_select`` that fetches left and right children
+  together (for ``h`` and for ``c``): the practical limit of batching by depth;
+* ``torchfold``: a ``torchfold.Fold`` built for every batch inside the timed loop, as users do
+  (``torchfold.models.encode_trees``, one ``apply``, then ``logits`` on all node states);
+* ``dynet``: the same model in DyNet with on-the-fly autobatching, run in its own environment
+  (``--dynet-python``; see ``dynet_tree_lstm.py``), starting from the same weights.
+
+All versions start from the same weights; the script first checks that they compute the same
+loss and gradients on the first batch.
+
+Usage::
+
+    python benchmarks/tree_lstm.py --data ../shared/data/sst/train.txt \\
+        --dynet-python .venv-dynet/bin/python
+    python benchmarks/tree_lstm.py --quick      # tiny smoke run on generated trees
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import harness
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import torchfold
+from torchfold.datasets import Tree, Vocab, generate_sst, read_sst_file
+from torchfold.models import TreeLSTM, encode_trees, forward_tree
+
+# --------------------------------------------------------------------------------------------
+# Data: trees flattened to post-order arrays of word ids, children and labels
+
+
+@dataclass(frozen=True)
+class FlatTree:
+    """One tree in post-order (children before parents, root last).
+
+    ``words[i]`` is the word id of leaf ``i`` (-1 for internal nodes); ``left[i]``/``right[i]``
+    are the indices of the children of internal node ``i`` (-1 for leaves).
+    """
+
+    words: list[int]
+    left: list[int]
+    right: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+
+def flatten(tree: Tree, vocab: Vocab) -> FlatTree:
+    """``tree`` as post-order arrays, words mapped to ids by ``vocab``."""
+    index: dict[int, int] = {}
+    words: list[int] = []
+    left: list[int] = []
+    right: list[int] = []
+    labels: list[int] = []
+    for node in tree.nodes():
+        index[id(node)] = len(words)
+        labels.append(node.label)
+        if node.word is not None:
+            words.append(vocab[node.word])
+            left.append(-1)
+            right.append(-1)
+        else:
+            words.append(-1)
+            left.append(index[id(node.children[0])])
+            right.append(index[id(node.children[1])])
+    return FlatTree(words, left, right, labels)
+
+
+def load_trees(path: Path | None, quick: bool) -> tuple[list[Tree], str]:
+    """Trees from an SST-format file, or generated ones when no file is given."""
+    if path is not None:
+        trees = read_sst_file(path, max_trees=200 if quick else None)
+        return trees, str(path)
+    count = 24 if quick else 2000
+    return generate_sst(
+        count, seed=0
+    ), f"{count} generated SST-format trees (torchfold.datasets.generate_sst)"
+
+
+# --------------------------------------------------------------------------------------------
+# A batch, as each version consumes it
+
+
+@dataclass
+class Batch:
+    """One batch of trees: as parsed (eager, torchfold), flattened (DyNet) and planned (hand-batched)."""
+
+    trees: list[Tree]
+    flat: list[FlatTree]
+    plan: Plan
+    vocab: Vocab
+
+
+# --------------------------------------------------------------------------------------------
+# (a) eager: one call per node
+
+
+def eager_loss(model: TreeLSTM, batch: Batch) -> Tensor:
+    """Mean node loss, node by node (``torchfold.models.forward_tree``: one recursive call per node)."""
+    states, labels = [], []
+    for tree in batch.trees:
+        h, tree_labels = forward_tree(model, tree, batch.vocab)
+        states.append(h)
+        labels.extend(tree_labels)
+    return F.cross_entropy(model.logits(torch.cat(states)), torch.tensor(labels))
+
+
+# --------------------------------------------------------------------------------------------
+# (b) hand-batched by depth, every index precomputed
+
+
+@dataclass
+class Level:
+    """How one depth level reads its children's states from earlier levels."""
+
+    sources: list[int]  # the earlier levels it reads, concatenated in this order
+    children: Tensor  # rows of that concatenation: all left children, then all right children
+    size: int  # nodes in the level
+
+
+@dataclass
+class Plan:
+    """Everything the hand-batched forward needs for one batch, computed once."""
+
+    leaf_words: Tensor
+    levels: list[Level]  # depth 1, 2, ...
+    node_rows: Tensor  # for every (tree, node) of the batch: its row in cat(all levels)
+    labels: Tensor
+    num_nodes: int  # nodes of the batch
+    num_unique: int  # distinct subtrees actually computed
+
+
+def make_plan(trees: Sequence[FlatTree]) -> Plan:
+    """Dedup identical subtrees, group them by depth and precompute every gather index."""
+    unique: dict[tuple[int, int, int], int] = {}  # (word, left uid, right uid) -> uid
+    depth: list[int] = []
+    node_uid: list[int] = []
+    labels: list[int] = []
+    for tree in trees:
+        uids: list[int] = []
+        for i in range(len(tree)):
+            if tree.words[i] >= 0:
+                key = (tree.words[i], -1, -1)
+            else:
+                key = (-1, uids[tree.left[i]], uids[tree.right[i]])
+            uid = unique.get(key)
+            if uid is None:
+                uid = unique[key] = len(depth)
+                depth.append(0 if key[0] >= 0 else 1 + max(depth[key[1]], depth[key[2]]))
+            uids.append(uid)
+        node_uid.extend(uids)
+        labels.extend(tree.labels)
+    keys = list(unique)
+    num_levels = max(depth) + 1
+    members: list[list[int]] = [[] for _ in range(num_levels)]
+    for uid, d in enumerate(depth):
+        members[d].append(uid)
+    row_in_level = [0] * len(depth)
+    for level in members:
+        for row, uid in enumerate(level):
+            row_in_level[uid] = row
+    levels = []
+    for d in range(1, num_levels):
+        children = [keys[uid][1] for uid in members[d]] + [keys[uid][2] for uid in members[d]]
+        sources = sorted({depth[child] for child in children})
+        offset, start = 0, {}
+        for s in sources:
+            start[s] = offset
+            offset += len(members[s])
+        rows = [start[depth[child]] + row_in_level[child] for child in children]
+        levels.append(Level(sources, torch.tensor(rows), len(members[d])))
+    offsets = [0] * num_levels
+    for d in range(1, num_levels):
+        offsets[d] = offsets[d - 1] + len(members[d - 1])
+    return Plan(
+        leaf_words=torch.tensor([keys[uid][0] for uid in members[0]]),
+        levels=levels,
+        node_rows=torch.tensor([offsets[depth[uid]] + row_in_level[uid] for uid in node_uid]),
+        labels=torch.tensor(labels),
+        num_nodes=len(node_uid),
+        num_unique=len(depth),
+    )
+
+
+def _children(outputs: list[Tensor], level: Level) -> tuple[Tensor, Tensor]:
+    """Left and right children's rows: one concatenation and one ``index_select`` for both."""
+    source = (
+        outputs[level.sources[0]]
+        if len(level.sources) == 1
+        else torch.cat([outputs[s] for s in level.sources])
+    )
+    rows = source.index_select(0, level.children)
+    return rows[: level.size], rows[level.size :]
+
+
+def hand_loss(model: TreeLSTM, batch: Batch) -> Tensor:
+    """Mean node loss, one batched call per depth level, all indices from the batch's plan."""
+    plan = batch.plan
+    h, c = model.leaf(plan.leaf_words)
+    hs, cs = [h], [c]
+    for level in plan.levels:
+        h_left, h_right = _children(hs, level)
+        c_left, c_right = _children(cs, level)
+        h, c = model.node(h_left, c_left, h_right, c_right)
+        hs.append(h)
+        cs.append(c)
+    logits = model.logits(torch.cat(hs)).index_select(0, plan.node_rows)
+    return F.cross_entropy(logits, plan.labels)
+
+
+# --------------------------------------------------------------------------------------------
+# (c) torchfold: a Fold built per batch
+
+
+def fold_loss(model: TreeLSTM, batch: Batch) -> Tensor:
+    """Mean node loss: every tree recorded on one Fold (``torchfold.models.encode_trees``), applied once."""
+    fold = torchfold.Fold()
+    nodes, labels, _ = encode_trees(fold, batch.trees, batch.vocab)
+    (states,) = fold.apply(model, [nodes])
+    return F.cross_entropy(model.logits(states), torch.tensor(labels))
+
+
+# --------------------------------------------------------------------------------------------
+# Training and timing
+
+Loss = Callable[[TreeLSTM, Batch], Tensor]
+
+
+def densify_embedding_grad(model: TreeLSTM) -> None:
+    """Turn a sparse embedding gradient dense (Adam needs dense; the values are the same)."""
+    weight = model.embedding.weight
+    if weight.grad is not None and weight.grad.is_sparse:
+        weight.grad = weight.grad.to_dense()
+
+
+class Trainer:
+    """One model copy, its Adam optimizer and a cycle over the batches."""
+
+    def __init__(self, model: TreeLSTM, loss: Loss, batches: list[Batch], lr: float, sparse: bool = False):
+        self.model = model
+        if sparse:
+            # Eager per-leaf lookups each make a dense vocab x dim gradient; sparse ones do not.
+            model.embedding.sparse = True
+        self.loss = loss
+        self.batches = batches
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+        self.position = 0
+        self.losses: list[float] = []
+
+    def step(self) -> None:
+        batch = self.batches[self.position % len(self.batches)]
+        self.position += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(self.model, batch)
+        loss.backward()
+        densify_embedding_grad(self.model)
+        self.optimizer.step()
+        self.losses.append(loss.item())
+
+
+VERSIONS: dict[str, tuple[Loss, bool]] = {
+    "eager": (eager_loss, False),
+    "eager, sparse embedding grad": (eager_loss, True),
+    "hand-batched": (hand_loss, False),
+    "torchfold": (fold_loss, False),
+}
+
+
+def check_same(model: TreeLSTM, batch: Batch) -> float:
+    """Assert that all versions give the same loss and gradients on ``batch``; return the loss."""
+    results = {}
+    for name, (fn, sparse) in VERSIONS.items():
+        model.zero_grad(set_to_none=True)
+        model.embedding.sparse = sparse
+        loss = fn(model, batch)
+        loss.backward()
+        densify_embedding_grad(model)
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        results[name] = (loss.detach(), grads)
+    model.embedding.sparse = False
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_grads = results["eager"]
+    for name, (loss, grads) in results.items():
+        torch.testing.assert_close(
+            loss, ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n} loss: {m}"
+        )
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n} gradient: {m}")
+    return float(ref_loss)
+
+
+def run_dynet(python: str, model: TreeLSTM, batches: list[Batch], args: argparse.Namespace) -> dict[str, Any]:
+    """Run dynet_tree_lstm.py in DyNet's environment on the same weights and batches."""
+    script = Path(__file__).with_name("dynet_tree_lstm.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / "weights.npz"
+        data = Path(tmp) / "batches.json"
+        result = Path(tmp) / "result.json"
+        np.savez(weights, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+        data.write_text(json.dumps([[dataclasses.asdict(t) for t in batch.flat] for batch in batches]))
+        command = [
+            python,
+            str(script),
+            f"--weights={weights}",
+            f"--batches={data}",
+            f"--out={result}",
+            f"--lr={args.lr}",
+            f"--warmup={args.warmup}",
+            f"--updates={args.dynet_updates}",
+            f"--hidden={args.hidden}",
+        ]
+        if args.dynet_sparse:
+            command.append("--sparse-updates")
+        completed = subprocess.run(command, capture_output=True, text=True, check=False)
+        if completed.returncode != 0:
+            raise RuntimeError(
+                f"DyNet run failed: {' '.join(command)}\n{completed.stdout}\n{completed.stderr}"
+            )
+        return dict(json.loads(result.read_text()))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    default = harness.default_data_dir()
+    default_path = default / "sst" / "train.txt" if default is not None else None
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=default_path if default_path is not None and default_path.is_file() else None,
+        help="SST-format trees, one per line (default: ../shared/data/sst/train.txt if present, else generated trees)",
+    )
+    parser.add_argument("--batch-size", type=int, default=50)
+    parser.add_argument("--hidden", type=int, default=128, help="embedding and hidden size")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (DyNet runs on one)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed updates per version first")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
+    parser.add_argument("--updates", type=int, default=4, help="timed updates per round, batched versions")
+    parser.add_argument(
+        "--eager-updates", type=int, default=1, help="timed updates per round, eager versions"
+    )
+    parser.add_argument(
+        "--dynet-python", default=None, help="a python with dynet38 installed (no DyNet run if unset)"
+    )
+    parser.add_argument("--dynet-updates", type=int, default=20, help="timed DyNet updates")
+    parser.add_argument(
+        "--dynet-sparse", action="store_true", help="DyNet: sparse embedding updates (default dense)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.hidden, args.warmup, args.rounds, args.updates = 4, 8, 1, 1, 1
+        args.dynet_updates = 2
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    start = time.perf_counter()
+    trees, source = load_trees(args.data, args.quick)
+    vocab = Vocab.build(trees)
+    needed = args.warmup + args.rounds * max(args.updates, args.eager_updates) + 1
+    batches = []
+    for i in range(0, len(trees) - args.batch_size + 1, args.batch_size):
+        if len(batches) == needed:
+            break
+        chunk = trees[i : i + args.batch_size]
+        flat = [flatten(t, vocab) for t in chunk]
+        batches.append(Batch(chunk, flat, make_plan(flat), vocab))
+    prep = time.perf_counter() - start
+
+    model = TreeLSTM(len(vocab), args.hidden, args.hidden)
+    first_loss = check_same(model, batches[0])
+
+    trainers = {
+        name: Trainer(copy.deepcopy(model), fn, batches, args.lr, sparse)
+        for name, (fn, sparse) in VERSIONS.items()
+    }
+    for trainer in trainers.values():
+        for _ in range(args.warmup):
+            trainer.step()
+    # Same weights, same batches, same optimizer: the training trajectories agree too.
+    for name, trainer in trainers.items():
+        torch.testing.assert_close(
+            torch.tensor(trainer.losses),
+            torch.tensor(trainers["eager"].losses),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, n=name: f"{n} warm-up losses differ from eager: {m}",
+        )
+
+    calls = {name: args.eager_updates if name.startswith("eager") else args.updates for name in trainers}
+    times = harness.interleaved({k: t.step for k, t in trainers.items()}, args.rounds, calls)
+    seconds = {name: harness.median(t) for name, t in times.items()}
+
+    dynet: dict[str, Any] | None = None
+    if args.dynet_python:
+        dynet = run_dynet(args.dynet_python, model, batches, args)
+        seconds["dynet"] = float(dynet["median_seconds"])
+        # DyNet computed from the same weights: its first-batch loss must match.
+        if abs(dynet["first_loss"] - first_loss) > 1e-4 * max(1.0, abs(first_loss)):
+            raise AssertionError(f"DyNet first-batch loss {dynet['first_loss']} != PyTorch's {first_loss}")
+    rate = {name: args.batch_size / s for name, s in seconds.items()}
+
+    nodes = sum(b.plan.num_nodes for b in batches) / len(batches)
+    unique = sum(b.plan.num_unique for b in batches) / len(batches)
+    levels = sum(len(b.plan.levels) + 1 for b in batches) / len(batches)
+    print("## Tree-LSTM on SST: training sentences/s (Adam, softmax loss at every node)\n")
+    extra = [
+        f"data: {source}: {len(trees)} trees, vocabulary {len(vocab)}; batches of {args.batch_size} trees "
+        f"({len(batches)} used, cycled)",
+        f"per batch: {nodes:.0f} nodes, {unique:.0f} distinct subtrees (torchfold and hand-batched compute each "
+        f"once), {levels:.1f} depth levels",
+        f"embedding = hidden = {args.hidden}; Adam lr {args.lr}; data preparation {prep:.1f} s (untimed)",
+        f"first-batch loss {first_loss:.6f}: every version agrees (loss and gradients, and warm-up losses)",
+        f"median over {args.rounds} interleaved rounds of {args.updates} updates per batched version and "
+        f"{args.eager_updates} per eager version, after {args.warmup} warm-up updates each",
+    ]
+    if dynet is not None:
+        extra.append(
+            f"{dynet['version']}: autobatch 1, {dynet['updates']} timed updates after {args.warmup} warm-up, "
+            f"{'sparse' if args.dynet_sparse else 'dense'} Adam updates, no clipping, computes all "
+            f"{dynet['nodes_per_batch']:.0f} nodes; first-batch loss {dynet['first_loss']:.6f}"
+        )
+    print("\n".join(harness.machine_lines(extra)) + "\n")
+    rows = []
+    for name in ("eager", "eager, sparse embedding grad", "dynet", "hand-batched", "torchfold"):
+        if name in rate:
+            rows.append(
+                [
+                    name,
+                    rate[name],
+                    seconds[name] * 1000,
+                    f"{rate[name] / rate['eager']:.1f}x",
+                    f"{rate['torchfold'] / rate[name]:.2f}x",
+                ]
+            )
+    print(
+        harness.markdown_table(["version", "sentences/s", "ms/update", "vs eager", "torchfold vs this"], rows)
+    )
+    print()
+    summary = [
+        f"torchfold / eager = {rate['torchfold'] / rate['eager']:.1f}x (target >= 15x)",
+        f"torchfold / hand-batched = {rate['torchfold'] / rate['hand-batched']:.2f}x (target >= 0.9x)",
+    ]
+    if "dynet" in rate:
+        summary.append(f"torchfold / dynet = {rate['torchfold'] / rate['dynet']:.2f}x (target >= 1.5x)")
+    print("; ".join(summary))
+    return rate
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

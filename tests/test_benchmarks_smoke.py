@@ -1,0 +1,134 @@
+"""Smoke tests for benchmarks/: each script's code path at minimal size, and that its versions agree.
+
+Nothing here asserts a timing: the benchmarks print their measurements, the tests only check
+that the compared versions compute the same losses and outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import fold_overhead  # noqa: E402
+import harness  # noqa: E402
+import mnist  # noqa: E402
+import tree_lstm  # noqa: E402
+
+from torchfold.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
+from torchfold.models import MLP, TreeLSTM  # noqa: E402
+
+DYNET_PYTHON = BENCHMARKS.parent / ".venv-dynet" / "bin" / "python"
+
+
+def _batch(num_trees: int, seed: int) -> tuple[tree_lstm.Batch, Vocab]:
+    trees = generate_sst(num_trees, seed=seed, max_words=9)
+    vocab = Vocab.build(trees)
+    flat = [tree_lstm.flatten(t, vocab) for t in trees]
+    return tree_lstm.Batch(trees, flat, tree_lstm.make_plan(flat), vocab), vocab
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_lstm_versions_compute_the_same_loss_and_gradients(seed: int) -> None:
+    batch, vocab = _batch(6, seed)
+    torch.manual_seed(seed)
+    model = TreeLSTM(len(vocab), 6, 7)
+    grads = {}
+    for name, (loss_fn, sparse) in tree_lstm.VERSIONS.items():
+        copy_ = copy.deepcopy(model)
+        copy_.embedding.sparse = sparse
+        loss = loss_fn(copy_, batch)
+        loss.backward()
+        tree_lstm.densify_embedding_grad(copy_)
+        grads[name] = (loss.detach(), [p.grad for p in copy_.parameters()])
+    ref_loss, ref_grads = grads["eager"]
+    for loss, param_grads in grads.values():
+        torch.testing.assert_close(loss, ref_loss)
+        for g, r in zip(param_grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_hand_plan_dedups_and_covers_every_node() -> None:
+    batch, _ = _batch(10, 3)
+    plan = batch.plan
+    assert plan.num_nodes == sum(len(t) for t in batch.trees)
+    assert plan.num_unique < plan.num_nodes  # generated trees share words, so leaves repeat
+    assert len(plan.node_rows) == plan.num_nodes and int(plan.node_rows.max()) < plan.num_unique
+    assert len(set(plan.leaf_words.tolist())) == len(plan.leaf_words)  # each word's leaf computed once
+
+
+def test_tree_lstm_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(20, seed=5)) + "\n")
+    rates = tree_lstm.main(["--quick", "--data", str(data)])
+    assert set(rates) == {"eager", "eager, sparse embedding grad", "hand-batched", "torchfold"}
+    out = capsys.readouterr().out
+    assert "every version agrees" in out and "| torchfold" in out
+
+
+@pytest.mark.skipif(
+    not DYNET_PYTHON.exists(), reason="no .venv-dynet (python3 -m venv .venv-dynet && pip install dynet38)"
+)
+def test_tree_lstm_dynet_matches_pytorch_first_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(20, seed=6)) + "\n")
+    rates = tree_lstm.main(["--quick", "--data", str(data), "--dynet-python", str(DYNET_PYTHON)])
+    assert "dynet" in rates  # main raises if DyNet's first-batch loss differs from PyTorch's
+    assert "dynet38" in capsys.readouterr().out
+
+
+def test_mnist_fold_stacked_and_single_agree() -> None:
+    torch.manual_seed(0)
+    model = MLP(784, (20, 10), 10)
+    images, labels = torch.rand(40, 784), torch.randint(0, 10, (40,))
+    mnist.check_same(model, images, labels, batch=8, lr=1e-3)  # raises if they differ
+    rows = range(3, 11)
+    torch.testing.assert_close(
+        mnist.fold_forward(model, images, rows), mnist.single_forward(model, images, rows)
+    )
+
+
+def test_mnist_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    rates = mnist.main(["--quick"])
+    assert {"forward/torchfold", "train/torchfold", "train/stacked"} <= set(rates)
+    assert "old notebook: 14.7x" in capsys.readouterr().out
+
+
+def test_fold_overhead_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = fold_overhead.main(["--quick"])
+    assert [row[0] for row in rows] == ["chain", "balanced", "forest"]
+    assert all(isinstance(row[1], int) and row[1] >= 19 for row in rows)
+    chain = rows[0]
+    assert chain[1] == chain[2] == 20  # a chain: every node is its own group
+    assert "apply us/node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", list(fold_overhead.BUILDERS))
+def test_fold_overhead_graphs_evaluate_like_eager(shape: str) -> None:
+    import random
+
+    import torchfold
+
+    model = fold_overhead.Trivial()
+    fold = torchfold.Fold()
+    roots = fold_overhead.BUILDERS[shape](fold, 30, random.Random(1))
+    unfold = torchfold.Unfold(model)
+    eager_roots = fold_overhead.BUILDERS[shape](unfold, 30, random.Random(1))  # type: ignore[arg-type]
+    torch.testing.assert_close(fold.apply(model, [roots])[0], unfold.apply(model, [eager_roots])[0])
+
+
+def test_markdown_table_aligns_columns() -> None:
+    table = harness.markdown_table(["a", "bb"], [["x", 1.5], ["yyy", 1234.0]])
+    lines = table.splitlines()
+    assert lines[0] == "| a   | bb    |"
+    assert lines[1] == "| --- | ----- |"
+    assert lines[3] == "| yyy | 1,234 |"
+    assert len({len(line) for line in lines}) == 1

@@ -159,17 +159,14 @@ def encode_trees(
     >>> labels, roots
     ([2, 4, 3, 1], [2, 3])
     """
-    nodes: list[Any] = []
-    labels: list[int] = []
+    pairs: list[tuple[Any, int]] = []
     roots: list[int] = []
-    add, get, unk = fold.add, vocab.stoi.get, vocab.unk_id
+    add, get, unk, emit = fold.add, vocab.stoi.get, vocab.unk_id, pairs.append
     for tree in trees:
-        pairs: list[tuple[Any, int]] = []
-        _encode(add, get, unk, tree, pairs.append)
-        for h, label in pairs:
-            nodes.append(h)
-            labels.append(label)
-        roots.append(len(nodes) - 1)
+        _encode(add, get, unk, tree, emit)
+        roots.append(len(pairs) - 1)
+    nodes = [node for node, _ in pairs]
+    labels = [label for _, label in pairs]
     return nodes, labels, roots
 
 

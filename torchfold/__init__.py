@@ -4,6 +4,7 @@ Record deferred node operations on a :class:`Fold`, then run every group of same
 the same depth as one batched call with :meth:`Fold.apply`.
 """
 
+from torchfold import datasets, models
 from torchfold._errors import FoldError
 from torchfold._fold import Fold
 from torchfold._node import Node
@@ -24,5 +25,7 @@ __all__ = [
     "UnfoldNode",
     "__version__",
     "as_trace",
+    "datasets",
+    "models",
     "scaled_lr",
 ]

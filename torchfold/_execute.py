@@ -101,26 +101,87 @@ def _where(group: Group | None, position: int | None) -> str:
 
 
 # A source read only in part is gathered on its own first when copying it whole into the
-# concatenation would move more than this many unused bytes: an extra index_select costs
-# about as much as copying (and, in backward, zero-filling) some tens of kilobytes.
-COMPACT_BYTES = 1 << 16
+# concatenation would move more than this many unused bytes. Backward zero-fills the whole
+# source either way, so compacting only saves the forward copy, at the price of one more
+# operation (tens of microseconds on a CPU): worth it only for large unused parts.
+COMPACT_BYTES = 1 << 18
 
 
-def _rows_index(starts: list[int], rows: int, device: torch.device) -> _Tensor:
-    """Indices of ``rows`` consecutive rows from each start."""
-    index = torch.tensor(starts, dtype=torch.long, device=device)
-    if rows != 1:
-        index = (index.unsqueeze(1) + torch.arange(rows, device=device)).reshape(-1)
-    return index
+class _Spec:
+    """Where the rows of one batched argument come from.
+
+    ``pieces`` are the tensors read (earlier results and tensors given to ``add``); call ``i``
+    takes ``rows`` rows of ``pieces[item_piece[i]]`` from row ``item_start[i]`` on.
+    """
+
+    __slots__ = ("item_piece", "item_start", "owners", "pieces", "rows")
+
+    def __init__(
+        self,
+        pieces: list[_Tensor],
+        owners: list[Any],
+        item_piece: list[int],
+        item_start: list[int],
+        rows: int,
+    ) -> None:
+        self.pieces = pieces
+        self.owners = owners  # per piece: a node of it (an earlier result) or a description
+        self.item_piece = item_piece
+        self.item_start = item_start
+        self.rows = rows
+
+    def passes_through(self) -> bool:
+        """Exactly one whole piece, in order: the argument is that tensor, no copy needed."""
+        return len(self.pieces) == 1 and self.item_start == list(range(0, self.pieces[0].shape[0], self.rows))
+
+    def compatible(self, other: _Spec) -> bool:
+        a, b = self.pieces[0], other.pieces[0]
+        return (
+            self.rows == other.rows
+            and a.shape[1:] == b.shape[1:]
+            and a.dtype == b.dtype
+            and a.device == b.device
+        )
+
+    def shares_a_piece(self, other: _Spec) -> bool:
+        return not {id(p) for p in self.pieces}.isdisjoint(id(p) for p in other.pieces)
 
 
-def _gather(column: Sequence[Any], results: _Results, group: Group | None, position: int) -> _Tensor:
-    """Batch one argument position of a group (or one apply request): nodes and tensors."""
+def _rows_mismatch(where: str, first: Any, rows: int, other: Any, k: int) -> FoldError:
+    return FoldError(
+        f"{where}: rows disagree within the group: {first} gives {rows} rows per call but {other} gives {k}; "
+        "every call of a group must pass the same number of rows at each position"
+    )
+
+
+def _node_spec(column: Sequence[Node], results: _Results, where: str) -> _Spec:
+    """Spec of a column of nodes only: the hot path, built with comprehensions, not a loop."""
+    keys = [(node.group, node.output) for node in column]
+    by_key = dict(zip(keys, column, strict=True))  # distinct sources in first-use order, a node of each
     pieces: list[_Tensor] = []
-    owners: list[Any] = []  # who contributed each piece: a node (an earlier result) or a description
+    owners: list[Any] = []
+    piece_of: dict[Any, int] = {}
+    rows = -1
+    for key, node in by_key.items():
+        tensor, k = results.source(node)
+        if k != rows and rows != -1:
+            raise _rows_mismatch(where, owners[0], rows, node, k)
+        rows = k
+        piece_of[key] = len(pieces)
+        pieces.append(tensor)
+        owners.append(node)
+    item_piece = [piece_of[key] for key in keys]
+    item_start = [node.index for node in column] if rows == 1 else [node.index * rows for node in column]
+    return _Spec(pieces, owners, item_piece, item_start, rows)
+
+
+def _mixed_spec(column: Sequence[Any], results: _Results, where: str) -> _Spec:
+    """Spec of a column mixing nodes and tensors given to ``add`` (rows: a tensor's leading dim)."""
+    pieces: list[_Tensor] = []
+    owners: list[Any] = []
     piece_of: dict[Any, int] = {}
     item_piece: list[int] = []
-    item_start: list[int] = []  # first row of each item within its piece
+    item_start: list[int] = []
     rows = -1
     for item in column:
         if item.__class__ is Node:
@@ -134,10 +195,10 @@ def _gather(column: Sequence[Any], results: _Results, group: Group | None, posit
             else:
                 k = results.rows[key]
             start = item.index * k
-        else:  # a tensor passed to add: its rows are its leading dim
+        else:
             if item.dim() == 0:
                 raise FoldError(
-                    f"{_where(group, position)}: a 0-dim tensor ({item!r}) has no rows; "
+                    f"{where}: a 0-dim tensor ({item!r}) has no rows; "
                     "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
                 )
             key = id(item)
@@ -150,73 +211,110 @@ def _gather(column: Sequence[Any], results: _Results, group: Group | None, posit
             start = 0
         if k != rows:
             if rows != -1:
-                raise FoldError(
-                    f"{_where(group, position)}: rows disagree within the group: {owners[0]} gives {rows} rows "
-                    f"per call but {item if item.__class__ is Node else owners[piece]} gives {k}; every call of "
-                    "a group must pass the same number of rows at each position"
+                raise _rows_mismatch(
+                    where, owners[0], rows, item if item.__class__ is Node else owners[piece], k
                 )
             rows = k
         item_piece.append(piece)
         item_start.append(start)
-    first = pieces[0]
-    for other, owner in zip(pieces[1:], owners[1:], strict=True):
+    return _Spec(pieces, owners, item_piece, item_start, rows)
+
+
+def _spec(column: Sequence[Any], results: _Results, where: str, nodes_only: bool) -> _Spec:
+    spec = _node_spec(column, results, where) if nodes_only else _mixed_spec(column, results, where)
+    first = spec.pieces[0]
+    for other, owner in zip(spec.pieces[1:], spec.owners[1:], strict=True):
         if other.shape[1:] != first.shape[1:] or other.dtype != first.dtype or other.device != first.device:
             raise FoldError(
-                f"{_where(group, position)}: rows disagree in shape within the group: {owners[0]} gives rows of "
+                f"{where}: rows disagree in shape within the group: {spec.owners[0]} gives rows of "
                 f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {owner} gives "
                 f"{tuple(other.shape[1:])} {other.dtype} on {other.device}; calls of one group must pass "
                 "same-shaped rows at each position (use different ops for different shapes)"
             )
-    device = first.device
+    return spec
+
+
+def _merge(specs: list[_Spec]) -> _Spec:
+    """One spec reading the union of the pieces of ``specs``, their calls one after another."""
+    pieces: list[_Tensor] = []
+    owners: list[Any] = []
+    piece_of: dict[int, int] = {}
+    item_piece: list[int] = []
+    item_start: list[int] = []
+    for spec in specs:
+        remap = []
+        for piece, owner in zip(spec.pieces, spec.owners, strict=True):
+            index = piece_of.get(id(piece))
+            if index is None:
+                index = piece_of[id(piece)] = len(pieces)
+                pieces.append(piece)
+                owners.append(owner)
+            remap.append(index)
+        item_piece += [remap[p] for p in spec.item_piece]
+        item_start += spec.item_start
+    return _Spec(pieces, owners, item_piece, item_start, specs[0].rows)
+
+
+def _rows_index(starts: list[int], rows: int, device: torch.device) -> _Tensor:
+    """Indices of ``rows`` consecutive rows from each start."""
+    index = torch.tensor(starts, dtype=torch.long, device=device)
+    if rows != 1:
+        index = (index.unsqueeze(1) + torch.arange(rows, device=device)).reshape(-1)
+    return index
+
+
+def _materialize(specs: list[_Spec]) -> list[_Tensor]:
+    """The batched arguments of ``specs`` (compatible, sharing pieces) with one cat and one gather."""
+    spec = specs[0] if len(specs) == 1 else _merge(specs)
+    pieces, rows = spec.pieces, spec.rows
+    device = pieces[0].device
     if len(pieces) > 1:
-        _compact_sparse_sources(pieces, owners, item_piece, item_start, rows, device)
+        _compact_sparse_sources(spec)
     offsets = [0]
-    for piece_tensor in pieces:
-        offsets.append(offsets[-1] + piece_tensor.shape[0])
-    starts = [offsets[p] + s for p, s in zip(item_piece, item_start, strict=True)]
+    for piece in pieces:
+        offsets.append(offsets[-1] + piece.shape[0])
+    starts = [offsets[p] + s for p, s in zip(spec.item_piece, spec.item_start, strict=True)]
     source = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
-    if starts == list(range(0, offsets[-1], rows)):
-        return source  # already in call order: whole results pass through without a copy
-    return source.index_select(0, _rows_index(starts, rows, device))
+    if starts != list(range(0, offsets[-1], rows)):
+        source = source.index_select(0, _rows_index(starts, rows, device))
+    if len(specs) == 1:
+        return [source]
+    return list(source.split([len(s.item_piece) * rows for s in specs]))
 
 
-def _compact_sparse_sources(
-    pieces: list[_Tensor],
-    owners: list[Any],
-    item_piece: list[int],
-    item_start: list[int],
-    rows: int,
-    device: torch.device,
-) -> None:
+def _compact_sparse_sources(spec: _Spec) -> None:
     """Replace earlier results that are mostly unused here by just the rows used, in use order."""
+    pieces, rows = spec.pieces, spec.rows
     uses = [0] * len(pieces)
-    for p in item_piece:
+    for p in spec.item_piece:
         uses[p] += 1
     compact = []
     for p, piece in enumerate(pieces):
         unused = piece.shape[0] - uses[p] * rows
         row_bytes = piece[0].numel() * piece.element_size() if piece.shape[0] else 0
-        if owners[p].__class__ is Node and unused > 0 and unused * row_bytes > COMPACT_BYTES:
+        if spec.owners[p].__class__ is Node and unused > 0 and unused * row_bytes > COMPACT_BYTES:
             compact.append(p)
     if not compact:
         return
     used_rows: dict[int, list[int]] = {p: [] for p in compact}
-    for i, p in enumerate(item_piece):
+    item_start = spec.item_start
+    for i, p in enumerate(spec.item_piece):
         kept = used_rows.get(p)
         if kept is not None:
             kept.append(item_start[i])
             item_start[i] = (len(kept) - 1) * rows
+    device = pieces[0].device
     for p, kept in used_rows.items():
         pieces[p] = pieces[p].index_select(0, _rows_index(kept, rows, device))
 
 
-def _shared(column: Sequence[Any], results: _Results, group: Group, position: int) -> _Tensor:
+def _shared(column: Sequence[Any], results: _Results, where: str) -> _Tensor:
     """A ``nobatch`` position: one node's value, passed whole to the batched call."""
     node = column[0]
     for other in column:
         if other.__class__ is not Node or other.key != node.key:
             raise FoldError(
-                f"{_where(group, position)}: {node!r} is nobatch, so every call of the group must pass that same "
+                f"{where}: {node!r} is nobatch, so every call of the group must pass that same "
                 f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "
                 "calls of an op at a depth"
             )
@@ -227,25 +325,51 @@ def _shared(column: Sequence[Any], results: _Results, group: Group, position: in
 
 
 def _batch_arguments(group: Group, results: _Results, device: torch.device) -> list[_Tensor]:
-    args = []
+    """One batched tensor per argument position of ``group``.
+
+    Positions that read the same earlier results (a binary node's left and right children,
+    say) are gathered together: one concatenation and one index_select for all of them.
+    """
+    args: list[Any] = []
+    specs: list[tuple[int, _Spec]] = []
     for position, column in enumerate(zip(*group.calls, strict=True)):
+        where = _where(group, position)
         kinds = set(map(type, column))
-        if kinds == {int}:
+        if kinds == {Node}:
+            if all(node.batch for node in column):
+                specs.append((position, _spec(column, results, where, nodes_only=True)))
+                args.append(None)
+            else:
+                args.append(_shared(column, results, where))
+        elif kinds == {int}:
             args.append(torch.tensor(column, dtype=torch.long, device=device))
-            continue
-        if kinds <= {int, float}:
+        elif kinds <= {int, float}:
             args.append(torch.tensor(column, dtype=torch.get_default_dtype(), device=device))
-            continue
-        if int in kinds or float in kinds:
+        elif int in kinds or float in kinds:
             raise FoldError(
-                f"{_where(group, position)}: ints and nodes/tensors are mixed at one position "
-                f"({len(group.calls)} calls); pass either ints everywhere or tensors/nodes everywhere "
-                "(e.g. wrap the ints as tensors of the right shape)"
+                f"{where}: ints and nodes/tensors are mixed at one position ({len(group.calls)} calls); pass "
+                "either ints everywhere or tensors/nodes everywhere (e.g. wrap the ints as tensors of the right shape)"
             )
-        if Node in kinds and not all(n.batch for n in column if n.__class__ is Node):
-            args.append(_shared(column, results, group, position))
+        elif Node in kinds and not all(node.batch for node in column if node.__class__ is Node):
+            args.append(_shared(column, results, where))
         else:
-            args.append(_gather(column, results, group, position))
+            specs.append((position, _spec(column, results, where, nodes_only=False)))
+            args.append(None)
+    clusters: list[list[tuple[int, _Spec]]] = []
+    for position, spec in specs:
+        if not spec.passes_through():
+            for cluster in clusters:
+                head = cluster[0][1]
+                if head.compatible(spec) and any(s.shares_a_piece(spec) for _, s in cluster):
+                    cluster.append((position, spec))
+                    break
+            else:
+                clusters.append([(position, spec)])
+        else:
+            clusters.append([(position, spec)])
+    for cluster in clusters:
+        for (position, _), tensor in zip(cluster, _materialize([s for _, s in cluster]), strict=True):
+            args[position] = tensor
     return args
 
 
@@ -280,5 +404,7 @@ def execute(fold: Fold, nn: object, requests: Sequence[Sequence[Node]]) -> list[
     outputs = []
     for i, request in enumerate(requests):
         nodes = [node if node.batch else Node(fold, node.group, node.index, node.output) for node in request]
-        outputs.append(_gather(nodes, results, None, i))
+        where = _where(None, i)
+        (output,) = _materialize([_spec(nodes, results, where, nodes_only=True)])
+        outputs.append(output)
     return outputs

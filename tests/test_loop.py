@@ -1,0 +1,341 @@
+"""The trace-aware training loop equals one big batch per step, in one process and over gloo ranks.
+
+Real SST trees, a small float64 Tree-LSTM, real processes: spawned ranks talking over localhost,
+a rank killed with SIGKILL and the run resumed from its checkpoint, and a run under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist_worker import free_port, run_ranks
+from _loop_worker import (
+    LR,
+    MINIBATCH,
+    NUM_TREES,
+    REF_BATCH,
+    TRACE,
+    make_model,
+    make_trainer,
+    params_of,
+    sst_trees,
+    train_rank,
+)
+
+from torchfold._checkpoint import list_checkpoints, load_checkpoint
+from torchfold._fold import Fold
+from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
+from torchfold._optim import AccumulatingOptimizer
+from torchfold._sampler import TraceBatchSampler, minibatches_per_rank
+from torchfold._trace import scaled_lr
+from torchfold._train_cli import main as train_main
+from torchfold.datasets import Tree, Vocab, data_root
+from torchfold.models import encode_trees
+
+# The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to
+# the trees left (drop_last=False), and epoch 1 starts at the trace step after epoch 0's last.
+EPOCH_SIZES = [[12, 6, 18, 30, 6, 24, 12, 12], [36, 6, 30, 24, 18, 6]]
+SAMPLER_SEED = 3
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tree_loss(model: torch.nn.Module, trees: list[Tree], vocab: Vocab) -> torch.Tensor:
+    """Mean over trees of the mean cross-entropy over each tree's nodes, one fold for all trees."""
+    fold = Fold()
+    nodes, labels, roots = encode_trees(fold, trees, vocab)
+    [states] = fold.apply(model, [nodes])
+    losses = F.cross_entropy(model.logits(states), torch.tensor(labels), reduction="none")  # type: ignore[operator]
+    starts = [0, *(r + 1 for r in roots[:-1])]
+    return torch.stack([losses[a : b + 1].mean() for a, b in zip(starts, roots, strict=True)]).mean()
+
+
+def _reference(trees: list[Tree], lr_rule: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch: each step's whole global batch as one batch, Adam with the rule's LR set by hand.
+
+    The global batches come from the epoch's permutation (``seed + epoch``) cut at EPOCH_SIZES.
+    """
+    vocab = Vocab.build(trees)
+    model = make_model(vocab, seed=100)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for epoch, sizes in enumerate(EPOCH_SIZES):
+        order = torch.randperm(len(trees), generator=torch.Generator().manual_seed(SAMPLER_SEED + epoch))
+        start = 0
+        for size in sizes:
+            batch = [trees[i] for i in order[start : start + size].tolist()]
+            start += size
+            for group in opt.param_groups:
+                group["lr"] = scaled_lr(LR, size, REF_BATCH, lr_rule)
+            opt.zero_grad()
+            loss = _tree_loss(model, batch, vocab)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return params_of(model), losses
+
+
+@pytest.fixture(scope="module")
+def trees() -> list[Tree]:
+    return sst_trees()
+
+
+def test_the_trace_gives_idle_ranks_and_accumulation() -> None:
+    sizes = [b for epoch in EPOCH_SIZES for b in epoch]
+    for world_size in (2, 3):
+        counts = [minibatches_per_rank(b, MINIBATCH, world_size) for b in sizes]
+        assert any(0 in c for c in counts) and any(max(c) > 1 for c in counts)
+
+
+@pytest.mark.parametrize("lr_rule", ["constant", "linear", "sqrt"])
+def test_one_process_equals_one_big_batch_per_step(trees: list[Tree], lr_rule: str) -> None:
+    expected, losses = _reference(trees, lr_rule)
+    trainer = make_trainer(trees, lr_rule=lr_rule, seed=100)
+    history = trainer.fit()
+    assert [s.batch_size for s in history] == [b for epoch in EPOCH_SIZES for b in epoch]
+    assert [s.epoch for s in history] == [0] * 8 + [1] * 6
+    assert [s.step for s in history] == list(range(14))
+    assert [s.num_minibatches for s in history] == [-(-s.batch_size // MINIBATCH) for s in history]
+    assert [s.lr for s in history] == pytest.approx(
+        [scaled_lr(LR, s.batch_size, REF_BATCH, lr_rule) for s in history]
+    )
+    assert [s.loss for s in history] == pytest.approx(losses, rel=1e-9)
+    assert all(s.local_nodes > s.batch_size for s in history)  # every node of every tree was folded
+    torch.testing.assert_close(params_of(trainer.model), expected)
+    assert trainer.next_step == 14
+    assert trainer.fit() == []  # the trace's complete epochs are done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_equal_one_process_taking_the_same_global_batches(
+    trees: list[Tree], world_size: int, tmp_path: Path
+) -> None:
+    runs = [{"name": "linear"}, {"name": "sqrt", "lr_rule": "sqrt"}]
+    results = run_ranks(train_rank, [(world_size, free_port(), runs)] * world_size, tmp_path, timeout=90)
+    for rank, result in enumerate(results):
+        assert result is not None and "ok" in result, f"rank {rank}: {result}"
+    for run in runs:
+        expected, losses = _reference(trees, run.get("lr_rule", "linear"))
+        for rank, result in enumerate(results):
+            out = result["ok"][run["name"]]  # type: ignore[index]
+            history: list[StepStats] = out["history"]
+            assert [s.local_minibatches for s in history] == [
+                minibatches_per_rank(s.batch_size, MINIBATCH, world_size)[rank] for s in history
+            ]
+            assert [s.loss for s in history] == pytest.approx(losses, rel=1e-9)  # all-reduced, on every rank
+            torch.testing.assert_close(out["params"], expected, msg=lambda m, r=rank: f"rank {r}: {m}")
+        idle = [s for s in results[-1]["ok"][run["name"]]["history"] if s.local_minibatches == 0]  # type: ignore[index]
+        assert idle and all(s.local_nodes == 0 for s in idle)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_others_and_the_run_resumes_exactly(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    killed = {"name": "killed", "dropout": True, "checkpoint_dir": str(ckpt), "checkpoint_every": 3}
+    results = run_ranks(
+        train_rank, [(2, free_port(), [{**killed, "die_after": (1, 6)}])] * 2, tmp_path / "a", timeout=90
+    )
+    assert results[1] is None  # SIGKILLed: no word from it
+    assert results[0] is not None and "ok" in results[0], results[0]
+    failure = results[0]["ok"]["killed"]
+    assert "failed on rank 0 of 2 (gloo): another rank died" in failure["error"]
+    assert failure["seconds"] < 15.0
+    assert [step for step, _ in list_checkpoints(ckpt)] == [3, 6]  # keep_checkpoints=2; step 9 never came
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]  # no temporary files left behind
+
+    resumed = {**killed, "name": "resumed", "resume": True}
+    uninterrupted = {"name": "uninterrupted", "dropout": True}
+    results = run_ranks(
+        train_rank, [(2, free_port(), [resumed, uninterrupted])] * 2, tmp_path / "b", timeout=90
+    )
+    for rank, result in enumerate(results):
+        assert result is not None and "ok" in result, f"rank {rank}: {result}"
+        out = result["ok"]
+        assert out["resumed"]["resumed"] == "step-00000006.pt"
+        assert [s.step for s in out["resumed"]["history"]] == list(range(6, 14))
+        # Dropout and Python's random are used every minibatch: equal only if every generator resumed.
+        for name, p in out["uninterrupted"]["params"].items():
+            assert torch.equal(out["resumed"]["params"][name], p), f"rank {rank}: {name} differs"
+        assert [s.loss for s in out["resumed"]["history"]] == [
+            s.loss for s in out["uninterrupted"]["history"][6:]
+        ]
+
+
+def test_resume_in_one_process_is_exact_and_checkpoints_load_weights_only(
+    trees: list[Tree], tmp_path: Path
+) -> None:
+    whole = make_trainer(trees, dropout=True)
+    whole.fit()
+    first = make_trainer(trees, dropout=True, checkpoint_dir=str(tmp_path), checkpoint_every=4)
+    assert [s.step for s in first.fit(max_steps=10)] == list(range(10))
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [8, 10]  # every 4 steps, and where fit stopped
+    state = load_checkpoint(tmp_path / "step-00000010.pt")  # weights_only=True inside
+    assert state["step"] == 10 and state["sampler"]["next_step"] == 10 and state["world_size"] == 1
+    second = make_trainer(trees, dropout=True, checkpoint_dir=str(tmp_path), seed=5)
+    assert second.resume() == tmp_path / "step-00000010.pt"
+    assert [s.step for s in second.fit()] == [10, 11, 12, 13]
+    for name, p in params_of(whole.model).items():
+        assert torch.equal(params_of(second.model)[name], p), name
+
+
+def test_fit_continues_where_the_last_fit_stopped(trees: list[Tree]) -> None:
+    whole = make_trainer(trees)
+    whole.fit()
+    parts = make_trainer(trees)
+    steps = [s.step for n in (3, 8, 11, 14) for s in parts.fit(max_steps=n)]  # 8: an epoch boundary
+    assert steps == list(range(14))
+    torch.testing.assert_close(params_of(parts.model), params_of(whole.model), rtol=0, atol=0)
+
+
+def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
+    lines: list[str] = []
+    vocab = Vocab.build(trees)
+    model = make_model(vocab)
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), lr_rule="linear", ref_batch_size=6
+    )
+    sampler = TraceBatchSampler(trees, 12, MINIBATCH)
+    trainer = TraceTrainer(model, opt, sampler, trees, TreeLSTMLoss(vocab), log_every=2, log=lines.append)
+    assert trainer.progress is False  # stderr is not a terminal under pytest
+    history = trainer.fit(max_steps=4)
+    assert len(history) == 4 and len(lines) == 2
+    assert lines[0].startswith("step 2/4 | epoch 0 | batch 12 (2 minibatches) | lr 0.2 | loss ")
+    loss = (history[0].loss + history[1].loss) / 2
+    assert f"| loss {loss:.4f} | " in lines[0] and lines[0].endswith(" samples/s")
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"optimizer": "sgd"}, TypeError, "optimizer must be a torchfold AccumulatingOptimizer"),
+        ({"sampler": 3}, TypeError, "sampler must be a TraceBatchSampler, got int"),
+        ({"dataset": list(range(7))}, ValueError, "the sampler was made for 120 items but dataset has 7"),
+        (
+            {"sampler_rank": (1, 2)},
+            ValueError,
+            "the sampler is for rank 1 of 2 but this process is rank 0 of 1",
+        ),
+        ({"checkpoint_every": -1}, ValueError, "checkpoint_every must be an int >= 0, got -1"),
+        ({"keep_checkpoints": 0}, ValueError, "keep_checkpoints must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_arguments(trees: list[Tree], change: dict, error: type[Exception], match: str) -> None:
+    vocab = Vocab.build(trees)
+    model = make_model(vocab)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank, replicas = change.pop("sampler_rank", (0, 1))
+    args: dict = {
+        "model": model,
+        "optimizer": sgd if change.pop("optimizer", None) else AccumulatingOptimizer(sgd),
+        "sampler": TraceBatchSampler(trees, 12, MINIBATCH, num_replicas=replicas, rank=rank),
+        "dataset": trees,
+        "loss_fn": TreeLSTMLoss(vocab),
+    }
+    args.update(change)
+    with pytest.raises(error, match=match):
+        TraceTrainer(**args)
+
+
+def test_unbounded_trace_needs_an_end_and_loss_must_be_a_scalar(trees: list[Tree]) -> None:
+    vocab = Vocab.build(trees)
+    model = make_model(vocab)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer = TraceTrainer(model, opt, TraceBatchSampler(trees, 12, MINIBATCH), trees, TreeLSTMLoss(vocab))
+    with pytest.raises(ValueError, match="has no end: pass max_steps= or epochs= to fit"):
+        trainer.fit()
+    assert len(trainer.fit(epochs=1)) == NUM_TREES // 12
+
+    def per_node(model: torch.nn.Module, fold: Fold, items: list[Tree]) -> torch.Tensor:
+        nodes, labels, _ = encode_trees(fold, items, vocab)
+        return F.cross_entropy(
+            model.logits(fold.apply(model, [nodes])[0]), torch.tensor(labels), reduction="none"
+        )  # type: ignore[operator]
+
+    bad = TraceTrainer(model, opt, TraceBatchSampler(trees, 12, MINIBATCH), trees, per_node)
+    with pytest.raises(
+        TypeError, match=r"loss_fn must return a scalar tensor \(the minibatch's loss\), got Tensor\("
+    ):
+        bad.fit(max_steps=1)
+
+
+def _cli_args(trace: Path, ckpt: Path) -> list[str]:
+    root = data_root()
+    data = ["--data", str(root)] if root is not None and (root / "sst" / "train.txt").is_file() else []
+    return [
+        "train",
+        "--trace",
+        str(trace),
+        *data,
+        "--max-train",
+        str(NUM_TREES),
+        "--minibatch-size",
+        str(MINIBATCH),
+        "--lr-rule",
+        "linear",
+        "--ref-batch-size",
+        str(REF_BATCH),
+        "--embedding-dim",
+        "8",
+        "--hidden-dim",
+        "12",
+        "--dtype",
+        "float64",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "5",
+        "--log-every",
+        "5",
+        "--no-progress",
+        "--timeout",
+        "20",
+    ]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_one_process(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("step,batchsize\n" + "".join(f"{i}, {b}\n" for i, b in enumerate(TRACE)))
+    args = _cli_args(trace, tmp_path / "one")
+    threads = torch.get_num_threads()
+    try:
+        assert train_main(args[1:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    args = _cli_args(trace, tmp_path / "two")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "torchfold",
+        *args,
+    ]
+    start = time.monotonic()
+    done = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 process(es)" in done.stdout and "done: 14 steps" in done.stdout, done.stdout
+    assert done.stdout.count("| lr ") == 2  # steps 5 and 10, logged once (rank 0 only)
+    assert time.monotonic() - start < 120
+    one = load_checkpoint(tmp_path / "one" / "step-00000014.pt")
+    two = load_checkpoint(tmp_path / "two" / "step-00000014.pt")
+    assert two["world_size"] == 2 and len(two["rng"]) == 2
+    torch.testing.assert_close(two["model"], one["model"])

@@ -1,0 +1,228 @@
+"""Training checkpoints: written atomically, read with ``torch.load(weights_only=True)``, checked.
+
+A checkpoint is a dict of tensors and plain containers (dicts, lists, tuples, ints, floats,
+strings, ``None``), so it loads without unpickling arbitrary objects. :func:`save_checkpoint`
+writes it to a temporary file in the same directory, flushes it to disk and renames it over the
+target with ``os.replace``: a run killed while saving leaves the previous checkpoint intact and
+never a half-written file under a checkpoint's name. :func:`load_checkpoint` turns every way a
+file can be unusable (missing, truncated, corrupt, not a torchfold checkpoint, a newer format)
+into an error that names the file and says what to do.
+
+Checkpoints of a run live in one directory as ``step-00000120.pt`` (the number of optimizer
+steps completed, i.e. the global trace step to resume at); :func:`latest_checkpoint` finds the
+newest and :func:`prune_checkpoints` keeps the last few.
+
+The random number generators' states (torch, CUDA, Python's ``random`` and NumPy's global
+generator) are captured by :func:`rng_state` and restored by :func:`set_rng_state`, in the same
+plain form.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+CHECKPOINT_FORMAT = "torchfold.checkpoint"
+CHECKPOINT_VERSION = 1
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Where the checkpoint taken after ``step`` completed optimizer steps lives in ``directory``.
+
+    >>> checkpoint_path("runs/a", 120).as_posix()
+    'runs/a/step-00000120.pt'
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return Path(directory) / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-N.pt`` file in ``directory``, oldest first (empty if none)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _NAME.match(entry.name)
+        if match and entry.is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint with the most completed steps in ``directory``, or ``None``.
+
+    >>> latest_checkpoint("/no/such/dir") is None
+    True
+    """
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(directory: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints in ``directory``; returns the deleted paths."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
+    old = [path for _, path in list_checkpoints(directory)[:-keep]]
+    for path in old:
+        path.unlink(missing_ok=True)
+    return old
+
+
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``state`` (tensors and plain containers) to ``path`` atomically.
+
+    The data goes to a temporary file next to ``path``, is flushed to disk, and replaces
+    ``path`` in one ``os.replace``; the directory is created if needed.
+
+    Args:
+        state: the checkpoint; :func:`load_checkpoint` expects the keys ``format``
+            (:data:`CHECKPOINT_FORMAT`) and ``version``, which are added when missing.
+        path: the file to write.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = save_checkpoint({"step": 3, "w": torch.ones(2)}, checkpoint_path(d, 3))
+    ...     load_checkpoint(path)["step"]
+    3
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **state}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    # Make the rename itself durable (a crash right after must not bring the old name back).
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return path
+
+
+def _fix(path: Path) -> str:
+    """What to do about an unusable checkpoint: fall back to the previous one, or start afresh."""
+    earlier = [p for _, p in list_checkpoints(path.parent) if p != path]
+    if _NAME.match(path.name) and earlier:
+        return f"delete it to resume from the previous checkpoint {earlier[-1]}, or start without resuming"
+    return "delete it (or point to another checkpoint) and start without resuming"
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`, with ``torch.load(weights_only=True)``.
+
+    Args:
+        path: the checkpoint file.
+        map_location: where to put its tensors (default the CPU).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is truncated, corrupt, not a torchfold checkpoint, or of a newer
+            format version; the message names the file and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"checkpoint {path} cannot be read: it is truncated or corrupt, or holds objects other than "
+            f"tensors and plain containers ({type(e).__name__}: {reason}); {_fix(path)}"
+        ) from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        what = (
+            f"a dict with keys {sorted(map(str, state))[:8]}"
+            if isinstance(state, dict)
+            else type(state).__name__
+        )
+        raise ValueError(
+            f"checkpoint {path} is not a torchfold checkpoint (it holds {what}, without "
+            f"format={CHECKPOINT_FORMAT!r}); {_fix(path)}"
+        )
+    version = state.get("version")
+    if not isinstance(version, int) or version > CHECKPOINT_VERSION:
+        raise ValueError(
+            f"checkpoint {path} has format version {version!r}, but this torchfold reads versions up to "
+            f"{CHECKPOINT_VERSION}; upgrade torchfold, or {_fix(path)}"
+        )
+    return state
+
+
+# -- random number generators ---------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """The states of torch's, CUDA's (if initialized), Python's and NumPy's (if imported) generators.
+
+    Only tensors and plain containers, so it can go into a checkpoint.
+
+    >>> state = rng_state()
+    >>> a = torch.rand(2)
+    >>> set_rng_state(state)
+    >>> torch.equal(a, torch.rand(2))
+    True
+    """
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = cast(tuple[Any, ...], np.random.get_state(legacy=True))
+        state["numpy"] = [
+            name,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore generator states captured by :func:`rng_state` (those present in ``state``)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

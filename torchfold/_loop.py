@@ -1,0 +1,463 @@
+"""The trace-aware training loop: one Fold per minibatch, a global batch size that follows a trace.
+
+:class:`TraceTrainer` runs the steps a :class:`~torchfold.TraceBatchSampler` plans. In each step,
+every minibatch of this rank (there may be none) is recorded on a fresh :class:`~torchfold.Fold`
+by the user's loss function, applied, and its loss accumulated by an
+:class:`~torchfold.AccumulatingOptimizer`; then every rank ends the step together (the optimizer
+all-reduces the gradients, scales them by the true global batch and updates with the LR rule).
+So the number and size of the folds change from step to step with the trace, while the update
+equals one step on the whole global batch.
+
+The loop is generic over the structure type: ``loss_fn(model, fold, items)`` records one
+minibatch of items (trees, graphs, ...) on ``fold``, applies it and returns the minibatch's loss,
+averaged over its items (summed when the optimizer has ``reduction="sum"``).
+:class:`TreeLSTMLoss` is the built-in one, for :class:`~torchfold.models.TreeLSTM` on SST trees.
+
+Around the steps: a tqdm progress bar and a log line every ``log_every`` steps (step, global
+batch, learning rate, loss, samples/s), both on the main rank only; a checkpoint every
+``checkpoint_every`` steps (model, optimizer, sampler position, the generators of every rank)
+that :meth:`TraceTrainer.resume` continues from exactly. Under ``torchrun`` each process runs
+the same code; create the process group first (:func:`torchfold._distributed.init_distributed`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from torchfold._checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from torchfold._distributed import all_reduce_sum_, broadcast_parameters, get_rank, get_world_size
+from torchfold._fold import Fold
+from torchfold._optim import AccumulatingOptimizer
+from torchfold._sampler import StepPlan, TraceBatchSampler
+from torchfold.datasets import Tree, Vocab
+from torchfold.models import encode_trees
+
+__all__ = ["FoldLoss", "StepStats", "TraceTrainer", "TreeLSTMLoss"]
+
+T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
+
+
+class FoldLoss(Protocol[T_contra]):
+    """Records one minibatch of ``items`` on ``fold``, applies it with ``model``, returns its loss."""
+
+    def __call__(self, model: torch.nn.Module, fold: Fold, items: Sequence[T_contra]) -> torch.Tensor: ...
+
+
+class TreeLSTMLoss:
+    """The built-in loss for SST: softmax cross-entropy at every node, averaged per tree, then over trees.
+
+    Each tree weighs the same whatever its size (its loss is the mean over its nodes), so the
+    loss of a minibatch is a mean over its trees, and minibatches of a step combine into exactly
+    the loss of the whole global batch.
+
+    Args:
+        vocab: maps the trees' words to the model's embedding ids.
+
+    >>> import torchfold
+    >>> from torchfold.datasets import parse_tree
+    >>> from torchfold.models import TreeLSTM
+    >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
+    >>> vocab = Vocab.build(trees)
+    >>> _ = torch.manual_seed(0)
+    >>> loss = TreeLSTMLoss(vocab)(TreeLSTM(len(vocab), 4, 8), torchfold.Fold(), trees)
+    >>> loss.shape, loss.requires_grad
+    (torch.Size([]), True)
+    """
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+
+    def __call__(self, model: torch.nn.Module, fold: Fold, items: Sequence[Tree]) -> torch.Tensor:
+        nodes, labels, roots = encode_trees(fold, items, self.vocab)
+        [states] = fold.apply(model, [nodes])
+        logits = model.logits(states)  # type: ignore[operator]
+        losses = F.cross_entropy(logits, torch.tensor(labels, device=logits.device), reduction="none")
+        sizes = torch.tensor([roots[0] + 1] + [b - a for a, b in itertools.pairwise(roots)])
+        weights = (sizes.to(losses) * len(items)).reciprocal().repeat_interleave(sizes.to(losses.device))
+        return (losses * weights).sum()
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What happened in one optimizer step (the same on every rank, except the ``local_`` fields).
+
+    Args:
+        step: global step index into the trace.
+        epoch: the epoch of the step.
+        batch_size: global number of samples in the step.
+        num_minibatches: minibatches in the step over all ranks.
+        local_minibatches: minibatches this rank ran (may be 0).
+        local_nodes: nodes recorded on this rank's folds in the step.
+        lr: learning rate of the first parameter group in the update (after the LR rule).
+        loss: mean loss over the step's global batch (over all ranks).
+        seconds: wall time of the step on this rank.
+    """
+
+    step: int
+    epoch: int
+    batch_size: int
+    num_minibatches: int
+    local_minibatches: int
+    local_nodes: int
+    lr: float
+    loss: float
+    seconds: float
+
+
+class TraceTrainer(Generic[T]):
+    """Train a fold model for the steps of a batch-size trace, with checkpoints that resume exactly.
+
+    Every rank constructs the trainer with its own sampler (``num_replicas`` = world size,
+    ``rank`` = its rank) and calls :meth:`fit`; the constructor copies rank 0's parameters to all
+    ranks (a collective). Items are ``dataset[i]`` for the indices the sampler yields; they need
+    not be tensors (no ``DataLoader`` collation is involved).
+
+    Args:
+        model: the module whose methods are the fold ops; trained in place.
+        optimizer: an :class:`~torchfold.AccumulatingOptimizer` over ``model``'s parameters.
+        sampler: this rank's :class:`~torchfold.TraceBatchSampler` over ``dataset``.
+        dataset: the items (indexable), e.g. a list of :class:`~torchfold.datasets.Tree`.
+        loss_fn: ``loss_fn(model, fold, items) -> loss`` (see :class:`FoldLoss`).
+        device: where folds materialise int/float arguments (default: the model's device).
+        checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written).
+        checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
+        keep_checkpoints: how many of the newest checkpoints to keep (default 2).
+        log_every: log a line every this many steps on the main rank (0: never).
+        progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
+        log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
+        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint.
+
+    Example:
+        >>> import torchfold
+        >>> from torchfold import TraceBatchSampler
+        >>> from torchfold._optim import AccumulatingOptimizer
+        >>> from torchfold.datasets import generate_sst
+        >>> from torchfold.models import TreeLSTM
+        >>> trees = generate_sst(40, seed=0)
+        >>> vocab = Vocab.build(trees)
+        >>> _ = torch.manual_seed(0)
+        >>> model = TreeLSTM(len(vocab), embedding_dim=8, hidden_dim=8)
+        >>> optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+        ...                                   lr_rule="linear", ref_batch_size=8)
+        >>> sampler = TraceBatchSampler(trees, [8, 16, 4, 12], minibatch_size=4)  # 40 trees: one epoch
+        >>> trainer = TraceTrainer(model, optimizer, sampler, trees, TreeLSTMLoss(vocab), progress=False)
+        >>> [(s.step, s.batch_size, s.num_minibatches, s.lr) for s in trainer.fit()]
+        [(0, 8, 2, 0.01), (1, 16, 4, 0.02), (2, 4, 1, 0.005), (3, 12, 3, 0.015)]
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: AccumulatingOptimizer,
+        sampler: TraceBatchSampler,
+        dataset: Sequence[T],
+        loss_fn: FoldLoss[T],
+        *,
+        device: torch.device | str | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 2,
+        log_every: int = 0,
+        progress: bool | None = None,
+        log: Callable[[str], None] | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, AccumulatingOptimizer):
+            raise TypeError(
+                f"optimizer must be a torchfold AccumulatingOptimizer (it accumulates minibatches and "
+                f"all-reduces once per step), got {type(optimizer).__name__}; wrap it: "
+                f"AccumulatingOptimizer({type(optimizer).__name__}(...), lr_rule=...)"
+            )
+        if not isinstance(sampler, TraceBatchSampler):
+            raise TypeError(f"sampler must be a TraceBatchSampler, got {type(sampler).__name__}")
+        if len(dataset) != sampler.dataset_size:
+            raise ValueError(
+                f"the sampler was made for {sampler.dataset_size} items but dataset has {len(dataset)}; "
+                "make the sampler from this dataset"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, fold, items), got {loss_fn!r}")
+        for name, value, minimum in (
+            ("checkpoint_every", checkpoint_every, 0),
+            ("log_every", log_every, 0),
+            ("keep_checkpoints", keep_checkpoints, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        world_size, rank = get_world_size(), get_rank()
+        if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+            raise ValueError(
+                f"the sampler is for rank {sampler.rank} of {sampler.num_replicas} but this process is rank "
+                f"{rank} of {world_size}; create the sampler after the process group (its defaults then fit)"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        if device is None:
+            first = next(iter(model.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.log_every = log_every
+        self.is_main = rank == 0
+        self.progress = (
+            (self.is_main and sys.stderr.isatty()) if progress is None else progress and self.is_main
+        )
+        self.log = log if log is not None else tqdm.write
+        self.on_step = on_step
+        try:
+            self.next_step: int = sampler.state_dict()["next_step"]
+        except ValueError as e:
+            raise ValueError(f"the sampler is already being iterated; pass a fresh sampler ({e})") from e
+        broadcast_parameters(model)  # rank 0's initial values win
+        self._log_loss = self._log_samples = 0.0
+        self._log_time = time.perf_counter()
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _last_step(self, max_steps: int | None, epochs: int | None) -> tuple[int, int | None]:
+        """The global step to stop before, and the number of epochs (``None``: bounded by steps)."""
+        if epochs is None:
+            epochs = self.sampler.num_epochs
+        if epochs is None and max_steps is None:
+            raise ValueError(
+                f"the trace {self.sampler.trace.source!r} has no end: pass max_steps= or epochs= to fit()"
+            )
+        end = math.inf
+        if epochs is not None:
+            if epochs <= self.sampler.epoch:
+                end = self.next_step
+            else:
+                last = self.sampler.trace.epoch(
+                    epochs - 1, self.sampler.dataset_size, drop_last=self.sampler.drop_last
+                )
+                end = last.end_step
+        if max_steps is not None:
+            end = min(end, max_steps)
+        return int(end), epochs
+
+    def fit(self, *, max_steps: int | None = None, epochs: int | None = None) -> list[StepStats]:
+        """Train from the current position up to global step ``max_steps`` or the end of ``epochs``.
+
+        Args:
+            max_steps: stop before this global trace step (an absolute position, so a resumed run
+                given the same value stops at the same place).
+            epochs: train until this many epochs are complete (default: every complete epoch the
+                trace covers; required, or ``max_steps``, for an unbounded trace).
+
+        Returns:
+            the :class:`StepStats` of the steps run.
+        """
+        for name, value in (("max_steps", max_steps), ("epochs", epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+        end, num_epochs = self._last_step(max_steps, epochs)
+        # Re-anchor the sampler at our position (a previous fit() may have stopped mid-epoch).
+        self.sampler.load_state_dict(self.sampler.state_dict(next_step=self.next_step))
+        history: list[StepStats] = []
+        epoch = self.sampler.epoch
+        self._log_loss = self._log_samples = 0.0
+        self._log_time = time.perf_counter()
+        with tqdm(
+            total=max(0, end - self.next_step), unit="step", disable=not self.progress, dynamic_ncols=True
+        ) as bar:
+            while self.next_step < end and (num_epochs is None or epoch < num_epochs):
+                self.sampler.set_epoch(epoch)
+                batches = iter(self.sampler)
+                for plan in self.sampler.steps():
+                    if plan.step >= end:
+                        break
+                    stats = self.train_step(plan, batches)
+                    history.append(stats)
+                    self._after_step(stats, end, bar)
+                epoch += 1
+        if self.checkpoint_dir is not None and history and not self._checkpoint_due():
+            self.save_checkpoint()  # the final position (unless the last step just wrote it)
+        return history
+
+    def train_step(self, plan: StepPlan, batches: Iterator[list[int]]) -> StepStats:
+        """Run one step: this rank's ``plan.local_minibatches`` folds from ``batches``, then the update.
+
+        Every rank must call it for every step, also when it has no minibatch in it.
+        """
+        start = time.perf_counter()
+        self.model.train()
+        weight_by_samples = self.optimizer.reduction == "mean"
+        loss_sum, samples, nodes = 0.0, 0, 0
+        for _ in range(plan.local_minibatches):
+            indices = next(batches)
+            items = [self.dataset[i] for i in indices]
+            fold = Fold(device=self.device)
+            loss = self.loss_fn(self.model, fold, items)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError(
+                    f"loss_fn must return a scalar tensor (the minibatch's loss), got "
+                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                )
+            nodes += len(fold)
+            self.optimizer.backward(loss, num_samples=len(items))
+            loss_sum += float(loss.detach()) * (len(items) if weight_by_samples else 1.0)
+            samples += len(items)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if plan.num_minibatches and self.optimizer.last_batch_size != plan.batch_size:
+            raise RuntimeError(
+                f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
+                f"sampler planned {plan.batch_size}; every rank needs a sampler with num_replicas = world size "
+                "and the same trace, dataset, minibatch size and seed"
+            )
+        totals = torch.tensor([loss_sum, samples], dtype=torch.float64, device=self.device)
+        all_reduce_sum_([totals])
+        total_loss, total_samples = totals.tolist()
+        return StepStats(
+            step=plan.step,
+            epoch=plan.epoch,
+            batch_size=plan.batch_size,
+            num_minibatches=plan.num_minibatches,
+            local_minibatches=plan.local_minibatches,
+            local_nodes=nodes,
+            lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
+            loss=total_loss / total_samples if total_samples else math.nan,
+            seconds=time.perf_counter() - start,
+        )
+
+    def _after_step(self, stats: StepStats, end: int, bar: tqdm) -> None:
+        self.next_step = stats.step + 1
+        self._log_loss += stats.loss * stats.batch_size if stats.num_minibatches else 0.0
+        self._log_samples += stats.batch_size if stats.num_minibatches else 0
+        if self._checkpoint_due():
+            self.save_checkpoint()
+        bar.update(1)
+        bar.set_postfix(batch=stats.batch_size, loss=f"{stats.loss:.3f}", refresh=False)
+        if self.log_every and self.next_step % self.log_every == 0:
+            now = time.perf_counter()
+            if self.is_main:
+                loss = self._log_loss / self._log_samples if self._log_samples else math.nan
+                rate = self._log_samples / max(now - self._log_time, 1e-9)
+                self.log(
+                    f"step {self.next_step}/{end} | epoch {stats.epoch} | batch {stats.batch_size} "
+                    f"({stats.num_minibatches} minibatches) | lr {stats.lr:.4g} | loss {loss:.4f} | "
+                    f"{rate:.1f} samples/s"
+                )
+            self._log_loss = self._log_samples = 0.0
+            self._log_time = now
+        if self.on_step is not None:
+            self.on_step(stats)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        return (
+            self.checkpoint_dir is not None
+            and self.checkpoint_every > 0
+            and self.next_step % self.checkpoint_every == 0
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume at :attr:`next_step`: model, optimizer, sampler, generators.
+
+        A collective: every rank must call it (each contributes its generators' states).
+        """
+        states: list[Any] = [rng_state()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            try:
+                dist.all_gather_object(gathered, states[0])
+            except Exception as e:
+                raise RuntimeError(
+                    f"torchfold: rank {dist.get_rank()} could not gather the ranks' generator states for the "
+                    f"checkpoint at step {self.next_step}: another rank died or did not reach it. Original error: {e}"
+                ) from e
+            states = gathered
+        return {
+            "step": self.next_step,
+            "world_size": get_world_size(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(next_step=self.next_step),
+            "rng": states,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "state_dict") -> None:
+        """Restore a :meth:`state_dict`; ``source`` (e.g. the file) is named in errors."""
+        missing = sorted({"step", "world_size", "model", "optimizer", "sampler", "rng"} - set(state))
+        if missing:
+            raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
+        world_size, rank = get_world_size(), get_rank()
+        if state["world_size"] != world_size or len(state["rng"]) != world_size:
+            raise ValueError(
+                f"{source} was written by a run with {state['world_size']} processes, this one has {world_size}; "
+                f"resume with the same number of processes (e.g. torchrun --nproc_per_node={state['world_size']})"
+            )
+        parts: list[tuple[str, Callable[[Any], Any]]] = [
+            ("model", self.model.load_state_dict),
+            ("optimizer", self.optimizer.load_state_dict),
+            ("sampler", self.sampler.load_state_dict),
+        ]
+        for name, load in parts:
+            try:
+                load(state[name])
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"{source}: its {name} state does not fit this run: {e}. Resume with the settings the "
+                    "checkpoint was written with, or use another checkpoint directory to start afresh"
+                ) from e
+        set_rng_state(state["rng"][rank])
+        self.next_step = int(state["step"])
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Write :meth:`state_dict` (rank 0 only) atomically; default ``checkpoint_dir/step-N.pt``.
+
+        A collective: every rank must call it. Keeps the ``keep_checkpoints`` newest in the directory.
+        """
+        if path is None:
+            if self.checkpoint_dir is None:
+                raise ValueError("no path given and the trainer has no checkpoint_dir")
+            path = checkpoint_path(self.checkpoint_dir, self.next_step)
+        state = self.state_dict()
+        path = Path(path)
+        if self.is_main:
+            save_checkpoint(state, path)
+            if self.checkpoint_dir is not None and path.parent == self.checkpoint_dir:
+                prune_checkpoints(self.checkpoint_dir, self.keep_checkpoints)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Resume from a checkpoint file (every rank reads it)."""
+        self.load_state_dict(load_checkpoint(path, map_location=self.device), source=f"checkpoint {path}")
+
+    def resume(self) -> Path | None:
+        """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none."""
+        if self.checkpoint_dir is None:
+            return None
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is not None:
+            self.load_checkpoint(path)
+        return path

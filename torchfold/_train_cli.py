@@ -1,0 +1,253 @@
+"""Command line: ``python -m torchfold train``, a Tree-LSTM on SST with a batch size that follows a trace.
+
+Runs as one process, or as one of several under ``torchrun --nproc_per_node=K`` (gloo on CPU,
+nccl on CUDA): the process group is created from torchrun's environment with a timeout, after a
+handshake in which all ranks check that they agree on the trace and the settings. With
+``--checkpoint-dir`` the run writes checkpoints and, started again with the same arguments,
+resumes from the newest one exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchfold._distributed import default_device, fingerprint, init_distributed
+from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
+from torchfold._optim import AccumulatingOptimizer
+from torchfold._sampler import TraceBatchSampler
+from torchfold._trace import BatchSizeTrace, as_trace
+from torchfold.datasets import ENV_VAR, Tree, TreeParseError, Vocab, data_root, generate_sst, load_sst
+from torchfold.models import TreeLSTM
+
+__all__ = ["build_parser", "main"]
+
+_PROG = "python -m torchfold train"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m torchfold train``."""
+    p = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Train a binary Tree-LSTM on SST trees with one Fold per minibatch, the global batch size "
+        "following a trace, gradients accumulated and all-reduced once per step (run under torchrun "
+        "--nproc_per_node=K for K processes).",
+    )
+    p.add_argument(
+        "--trace",
+        required=True,
+        help="global batch size per step: a step,batchsize CSV file, an int (constant), or a schedule such "
+        "as linear:32:256:1000 (see python -m torchfold trace --help)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="DIR",
+        help=f"directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR} or ../shared/data, "
+        "else generated trees (--generate)",
+    )
+    p.add_argument("--max-train", type=_positive_int, help="use only the first N training trees")
+    p.add_argument(
+        "--generate", type=_positive_int, default=2000, metavar="N", help="without data: N generated trees"
+    )
+    p.add_argument("--minibatch-size", type=_positive_int, default=25, help="trees per fold (default 25)")
+    p.add_argument("--epochs", type=_positive_int, help="epochs (default: all the trace covers)")
+    p.add_argument("--max-steps", type=_non_negative_int, help="stop before this global step")
+    p.add_argument("--drop-last", action="store_true", help="leave out an epoch's final partial step")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
+    p.add_argument(
+        "--lr", type=_positive_float, default=0.005, help="reference learning rate (default 0.005)"
+    )
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument(
+        "--lr-rule",
+        choices=("constant", "linear", "sqrt", "adascale"),
+        default="constant",
+        help="how the learning rate follows the global batch (default constant)",
+    )
+    p.add_argument(
+        "--ref-batch-size",
+        type=_positive_int,
+        help="batch size --lr was tuned for (default: the trace's first batch size)",
+    )
+    p.add_argument("--embedding-dim", type=_positive_int, default=64, help="default 64")
+    p.add_argument("--hidden-dim", type=_positive_int, default=64, help="default 64")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="default float32")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed (default 0)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here, resume from the newest")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_non_negative_int,
+        default=0,
+        help="steps between checkpoints (0: at the end)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=_positive_int, default=2, help="newest ones to keep (default 2)"
+    )
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if checkpoints exist")
+    p.add_argument(
+        "--log-every", type=_non_negative_int, default=10, help="steps between log lines (0: none)"
+    )
+    p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per process (default 1)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    p.add_argument(
+        "--timeout", type=_positive_float, default=60.0, help="seconds to wait for other ranks (default 60)"
+    )
+    return p
+
+
+def _trace(text: str) -> BatchSizeTrace:
+    if text.strip().lstrip("-").isdigit():
+        return as_trace(int(text))
+    if ":" in text and not Path(text).exists():
+        return BatchSizeTrace.from_schedule(text)
+    return as_trace(text)
+
+
+def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
+    root = args.data if args.data is not None else data_root()
+    if root is not None and (args.data is not None or Path(root).exists()):
+        trees = load_sst(root, "train", max_trees=args.max_train)
+        return trees, f"SST train trees from {root}"
+    count = args.generate if args.max_train is None else min(args.generate, args.max_train)
+    return generate_sst(
+        count, seed=args.seed
+    ), f"{count} GENERATED trees (no SST data found; pass --data DIR)"
+
+
+def _init_distributed(args: argparse.Namespace, config: dict[str, object]) -> bool:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); True if we did."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    init_distributed(backend, timeout=args.timeout, config=config)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m torchfold train`` with arguments ``argv``; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    try:
+        trace = _trace(args.trace)
+        trace.check_minibatch_size(args.minibatch_size)
+        trees, origin = _trees(args)
+    except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
+        print(f"torchfold train: error: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    config = {
+        "trace": trace.fingerprint(),
+        "trees": len(trees),
+        "minibatch_size": args.minibatch_size,
+        "seed": args.seed,
+        "settings": fingerprint({k: v for k, v in vars(args).items() if k not in ("no_progress", "history")}),
+    }
+    joined = False
+    try:
+        joined = _init_distributed(args, config)
+        return _train(args, trace, trees, origin)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"torchfold train: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as e:
+        print(f"torchfold train: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], origin: str) -> int:
+    device = default_device()
+    torch.manual_seed(args.seed)
+    vocab = Vocab.build(trees)
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    model = TreeLSTM(len(vocab), args.embedding_dim, args.hidden_dim).to(device=device, dtype=dtype)
+    params = model.parameters()
+    base: torch.optim.Optimizer = (
+        torch.optim.Adam(params, lr=args.lr)
+        if args.optimizer == "adam"
+        else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+    )
+    ref = args.ref_batch_size if args.ref_batch_size is not None else trace[0]
+    optimizer = AccumulatingOptimizer(
+        base, lr_rule=args.lr_rule, ref_batch_size=None if args.lr_rule == "constant" else ref
+    )
+    sampler = TraceBatchSampler(trees, trace, args.minibatch_size, seed=args.seed, drop_last=args.drop_last)
+    history = open(args.history, "w") if args.history and sampler.rank == 0 else None  # noqa: SIM115
+
+    def record(stats: StepStats) -> None:
+        if history is not None:
+            history.write(json.dumps(stats.__dict__) + "\n")
+
+    trainer = TraceTrainer(
+        model,
+        optimizer,
+        sampler,
+        trees,
+        TreeLSTMLoss(vocab),
+        device=device,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        log_every=args.log_every,
+        progress=False if args.no_progress else None,
+        on_step=record,
+    )
+    main_rank = trainer.is_main
+    if main_rank:
+        print(
+            f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
+            f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
+            f"{sampler.num_replicas} process(es), minibatch {args.minibatch_size}, device {device}"
+        )
+    resumed = None if args.no_resume else trainer.resume()
+    if resumed is not None and main_rank:
+        print(f"resumed from {resumed} at step {trainer.next_step}")
+    try:
+        steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
+    finally:
+        if history is not None:
+            history.close()
+    if main_rank:
+        samples = sum(s.batch_size for s in steps)
+        seconds = sum(s.seconds for s in steps)
+        final = f", last loss {steps[-1].loss:.4f}" if steps else ""
+        print(
+            f"done: {len(steps)} steps ({samples} samples, {samples / max(seconds, 1e-9):.1f} samples/s) up to "
+            f"step {trainer.next_step}{final}"
+        )
+    return 0

@@ -10,6 +10,7 @@ USAGE = """usage: python -m torchfold COMMAND [ARGS...]
 commands:
   demo     train a small Tree-LSTM with dynamic batching (SST trees from a path, or generated ones)
   trace    check, convert and plot batch-size traces (python -m torchfold trace --help)
+  train    train a Tree-LSTM on SST with a batch-size trace, also under torchrun (train --help)
 """
 
 
@@ -25,7 +26,12 @@ def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
 
         return main(argv)
 
-    return {"demo": demo, "trace": trace}
+    def train(argv: Sequence[str]) -> int:
+        from torchfold._train_cli import main
+
+        return main(argv)
+
+    return {"demo": demo, "trace": trace, "train": train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ So ``apply`` costs O(groups) tensor operations, not O(nodes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -291,7 +292,7 @@ def _compact_sparse_sources(spec: _Spec) -> None:
     compact = []
     for p, piece in enumerate(pieces):
         unused = piece.shape[0] - uses[p] * rows
-        row_bytes = piece[0].numel() * piece.element_size() if piece.shape[0] else 0
+        row_bytes = math.prod(piece.shape[1:]) * piece.element_size()
         if spec.owners[p].__class__ is Node and unused > 0 and unused * row_bytes > COMPACT_BYTES:
             compact.append(p)
     if not compact:
@@ -312,7 +313,7 @@ def _shared(column: Sequence[Any], results: _Results, where: str) -> _Tensor:
     """A ``nobatch`` position: one node's value, passed whole to the batched call."""
     node = column[0]
     for other in column:
-        if other.__class__ is not Node or other.key != node.key:
+        if other is not node:
             raise FoldError(
                 f"{where}: {node!r} is nobatch, so every call of the group must pass that same "
                 f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "

@@ -104,7 +104,7 @@ class Fold:
                     )
                 if arg.group.depth >= depth:
                     depth = arg.group.depth + 1
-                key.append(arg.key)
+                key.append(arg)  # by identity: one handle object per value (see Node)
             elif cls is int:
                 key.append(arg)
             elif isinstance(arg, _Tensor):

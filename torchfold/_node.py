@@ -64,7 +64,9 @@ class Node:
         Node('pair', depth=1, index=0, output=1)
     """
 
-    __slots__ = ("batch", "fold", "group", "index", "key", "output")
+    # Handles are made once per value: split() and nobatch() return cached nodes, so two handles
+    # of one value are the same object and identical calls deduplicate by identity.
+    __slots__ = ("_nobatch", "_outputs", "batch", "fold", "group", "index", "output")
 
     def __init__(self, fold: Fold, group: Group, index: int, output: int | None = None, batch: bool = True):
         self.fold = fold
@@ -72,8 +74,8 @@ class Node:
         self.index = index
         self.output = output
         self.batch = batch
-        # What makes two handles the same value: used to deduplicate identical calls.
-        self.key = (group, index, output, batch)
+        self._outputs: tuple[Node, ...] | None = None
+        self._nobatch: Node | None = None
 
     @property
     def depth(self) -> int:
@@ -85,6 +87,9 @@ class Node:
 
     def split(self, num: int) -> tuple[Node, ...]:
         """One handle per output of an op that returns a tuple of ``num`` tensors."""
+        outputs = self._outputs
+        if outputs is not None and len(outputs) == num:
+            return outputs
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ValueError(f"split(num) needs a positive int, got {num!r}")
         if self.output is not None:
@@ -98,7 +103,9 @@ class Node:
                 f"now into {num} (at {self}); an op must return the same number of outputs for every call"
             )
         group.num_outputs = num
-        return tuple(Node(self.fold, group, self.index, i, self.batch) for i in range(num))
+        fold, index, batch = self.fold, self.index, self.batch
+        outputs = self._outputs = tuple([Node(fold, group, index, i, batch) for i in range(num)])
+        return outputs
 
     def nobatch(self) -> Node:
         """A handle whose value every consumer receives whole, instead of its rows being batched.
@@ -106,7 +113,9 @@ class Node:
         All calls of one group must then pass the same ``nobatch`` node at that argument position
         (e.g. a memory or context shared by many calls).
         """
-        return Node(self.fold, self.group, self.index, self.output, False)
+        if self._nobatch is None:
+            self._nobatch = Node(self.fold, self.group, self.index, self.output, False)
+        return self._nobatch
 
     def __repr__(self) -> str:
         extra = "" if self.output is None else f", output={self.output}"

@@ -8,6 +8,7 @@ from torchfold import datasets, models
 from torchfold._errors import FoldError
 from torchfold._fold import Fold
 from torchfold._node import Node
+from torchfold._prefetch import Prefetcher
 from torchfold._sampler import StepPlan, TraceBatchSampler
 from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
 from torchfold._unfold import Unfold, UnfoldNode
@@ -19,6 +20,7 @@ __all__ = [
     "Fold",
     "FoldError",
     "Node",
+    "Prefetcher",
     "StepPlan",
     "TraceBatchSampler",
     "Unfold",

@@ -1,0 +1,107 @@
+"""Prefetcher: order, results equal to building in the loop, errors re-raised, no hang, clean close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import torchfold
+from torchfold import Fold, FoldError, Prefetcher
+
+
+class Cell(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.mix = torch.nn.Linear(8, 4)
+
+    def leaf(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def node(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(torch.cat([left, right], 1)))
+
+
+def build(words: list[int]) -> tuple[Fold, list[torchfold.Node]]:
+    fold = Fold()
+    level = [fold.add("leaf", w) for w in words]
+    while len(level) > 1:
+        level = [fold.add("node", level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)] + level[
+            len(level) - len(level) % 2 :
+        ]
+    return fold, level
+
+
+BATCHES = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [1]]
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 2, 5])
+def test_prefetched_folds_give_the_same_results_in_order(prefetch_factor: int) -> None:
+    model = Cell()
+    expected = []
+    for batch in BATCHES:
+        fold, roots = build(batch)
+        expected.append(fold.apply(model, [roots])[0])
+    with Prefetcher(BATCHES, build, prefetch_factor=prefetch_factor) as ready:
+        got = [fold.apply(model, [roots])[0] for fold, roots in ready]
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_worker_errors_are_raised_in_the_loop_with_the_batch_number() -> None:
+    def failing(batch: list[int]) -> int:
+        if batch == [6, 7, 8, 9]:
+            raise KeyError("no such word")
+        return len(batch)
+
+    seen = []
+    with (
+        pytest.raises(FoldError, match=r"building batch 2 failed: KeyError: 'no such word'"),
+        Prefetcher(BATCHES, failing) as ready,
+    ):
+        seen.extend(ready)
+    assert seen == [3, 2]
+
+
+def test_a_stuck_build_times_out_instead_of_hanging() -> None:
+    release = threading.Event()
+
+    def stuck(batch: list[int]) -> int:
+        release.wait(5)
+        return 0
+
+    start = time.monotonic()
+    ready = Prefetcher(BATCHES, stuck, timeout=0.2)
+    with pytest.raises(FoldError, match=r"no batch was ready within timeout=0.2s"):
+        next(ready)
+    release.set()
+    assert time.monotonic() - start < 5
+
+
+def test_close_stops_the_worker_early() -> None:
+    built = []
+
+    def record(batch: int) -> int:
+        built.append(batch)
+        return batch
+
+    ready = Prefetcher(range(10_000), record, prefetch_factor=2)
+    assert next(ready) == 0
+    ready.close()
+    assert not ready._thread.is_alive()
+    assert len(built) < 100
+    with pytest.raises(StopIteration):
+        next(ready)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"prefetch_factor": 0}, "prefetch_factor"), ({"timeout": 0}, "timeout")]
+)
+def test_bad_arguments(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Prefetcher([], len, **kwargs)  # type: ignore[arg-type]

@@ -399,3 +399,15 @@ def test_draw_writes_a_png(tmp_path: Path, max_nodes: int) -> None:
 
 def test_public_names() -> None:
     assert {"Fold", "Unfold", "FoldError", "Node"} <= set(torchfold.__all__)
+
+
+def test_nothing_in_the_engine_assumes_the_cpu() -> None:
+    """On the meta device every tensor the engine makes (ints, gather indices) must follow the model."""
+    model = Cell().to("meta")
+    fold = Fold()  # device inferred from the model
+    roots = [balanced_tree(fold, list(range(t, t + 5))) for t in range(4)]
+    extra = fold.add("merge", roots[0], torch.ones(1, 6, device="meta"))
+    roots_out, extra_out = fold.apply(model, [roots, [extra]])
+    assert roots_out.device.type == "meta" and roots_out.shape == (4, 6)
+    assert extra_out.device.type == "meta" and extra_out.shape == (1, 6)
+    assert fold.device is None  # nothing was pinned: the next apply may use another device

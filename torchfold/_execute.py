@@ -15,6 +15,7 @@ So ``apply`` costs O(groups) tensor operations, not O(nodes).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ __all__ = ["execute"]
 
 _Tensor = torch.Tensor
 _SourceKey = tuple[Group, int | None]
+_is_batched = operator.attrgetter("batch")
 
 
 class _Results:
@@ -280,7 +282,7 @@ def _materialize(specs: list[_Spec]) -> list[_Tensor]:
         source = source.index_select(0, _rows_index(starts, rows, device))
     if len(specs) == 1:
         return [source]
-    return list(source.split([len(s.item_piece) * rows for s in specs]))
+    return list(source.split_with_sizes([len(s.item_piece) * rows for s in specs]))
 
 
 def _compact_sparse_sources(spec: _Spec) -> None:
@@ -337,7 +339,7 @@ def _batch_arguments(group: Group, results: _Results, device: torch.device) -> l
         where = _where(group, position)
         kinds = set(map(type, column))
         if kinds == {Node}:
-            if all(node.batch for node in column):
+            if all(map(_is_batched, column)):
                 specs.append((position, _spec(column, results, where, nodes_only=True)))
                 args.append(None)
             else:

@@ -11,7 +11,11 @@ see the same batches. Per update: a fresh graph, all trees of the batch, the mea
 over every node, one forward, one backward (DyNet batches same-shaped operations itself), one
 Adam step (no gradient clipping, dense updates unless ``--sparse-updates``).
 
-It prints the first batch's loss (to compare with PyTorch's) and writes timings to ``--out``.
+After the warm-up updates it prints one JSON line (version, first batch's loss before any
+update, warm-up losses), then runs one timed update per ``step`` line read from stdin,
+answering each with a JSON line ``{"seconds": ..., "loss": ...}``, so that the caller can
+interleave DyNet's updates with its own. Any other line (or end of input) ends the run; all
+results are then written to ``--out``.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--updates", type=int, default=20)
     parser.add_argument("--autobatch", type=int, default=1, help="DyNet autobatch strategy (0 = off)")
     parser.add_argument("--sparse-updates", action="store_true", help="update only the embeddings looked up")
     parser.add_argument("--mem", type=int, default=2048, help="DyNet memory pool, MB")
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="elapsed or process CPU time"
+    )
     args = parser.parse_args(argv)
 
     import dynet_config
@@ -110,25 +116,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for _ in range(args.warmup):
         losses.append(update(batches[position % len(batches)]))
         position += 1
+    version = f"dynet38 {importlib.metadata.version('dyNET38')} (dynet.__version__ {dy.__version__})"
+    nodes = statistics.mean(sum(len(t["words"]) for t in b) for b in batches)
+    header = {"version": version, "first_loss": first_loss, "warmup_losses": losses, "nodes_per_batch": nodes}
+    # Serve timed updates on request, so that the caller can interleave them with its own.
+    print(json.dumps(header), flush=True)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     times = []
-    for _ in range(args.updates):
-        start = time.perf_counter()
-        losses.append(update(batches[position % len(batches)]))
-        times.append(time.perf_counter() - start)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        start = clock()
+        loss = update(batches[position % len(batches)])
+        seconds = clock() - start
         position += 1
-    result = {
-        "version": f"dynet38 {importlib.metadata.version('dyNET38')} (dynet.__version__ {dy.__version__})",
-        "first_loss": first_loss,
-        "losses": losses,
-        "seconds": times,
-        "median_seconds": statistics.median(times),
-        "updates": args.updates,
-        "nodes_per_batch": statistics.mean(sum(len(t["words"]) for t in b) for b in batches),
-    }
+        times.append(seconds)
+        losses.append(loss)
+        print(json.dumps({"seconds": seconds, "loss": loss}), flush=True)
+    result = {**header, "losses": losses, "seconds": times}
     Path(args.out).write_text(json.dumps(result), encoding="utf-8")
-    print(
-        f"dynet: first-batch loss {first_loss:.6f}; median {result['median_seconds'] * 1000:.1f} ms per update"
-    )
     return result
 
 

@@ -159,6 +159,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="best of this many runs")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    harness.add_clock_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = [20], 2
@@ -168,6 +169,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    harness.use_clock(args.clock)
     rows = [measure(shape, n, args.repeats) for shape in args.shapes for n in args.sizes]
     print("## Fold overhead: microseconds per node (trivial ops)\n")
     print("\n".join(harness.machine_lines([f"best of {args.repeats} runs per cell"])) + "\n")

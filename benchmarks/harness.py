@@ -5,9 +5,11 @@ Importable without torch (the DyNet benchmark runs in its own environment withou
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,8 +53,30 @@ def machine_lines(extra: Sequence[str] = ()) -> list[str]:
         lines.append(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}")
     except ImportError:
         pass
+    lines.append(f"torchfold: {source_version()}")
+    lines.append(
+        f"clock: {clock_name()} ({'elapsed time' if clock_name() == 'wall' else 'CPU time of the process'})"
+    )
     lines.extend(extra)
     return lines
+
+
+def source_version() -> str:
+    """The checkout's commit, and whether torchfold/ has uncommitted changes (what was measured)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "torchfold"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit (not a git checkout)"
+    return f"commit {commit}" + (" + uncommitted changes in torchfold/" if dirty else "")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -77,13 +101,43 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(out)
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["wall"]
+
+
+def use_clock(name: str) -> None:
+    """Time with ``wall`` (elapsed) or ``cpu`` (this process's CPU time) seconds from now on.
+
+    On a machine shared with other jobs, CPU time of a single-threaded run is close to what
+    the elapsed time would be on an idle machine; elapsed time also counts waiting for a core.
+    """
+    global _clock
+    _clock = CLOCKS[name]
+
+
+def clock_name() -> str:
+    """``wall`` or ``cpu``: what :func:`time_calls` measures."""
+    return next(name for name, fn in CLOCKS.items() if fn is _clock)
+
+
+def add_clock_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--clock`` option shared by the scripts."""
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: the process's CPU time (steadier on a shared machine; use with --threads 1)",
+    )
+
+
 def time_calls(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds taken by each of ``repeats`` calls of ``fn``."""
+    """Seconds taken by each of ``repeats`` calls of ``fn``, on the clock chosen by :func:`use_clock`."""
     times = []
+    clock = _clock
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times
 
 

@@ -74,7 +74,7 @@ class Training:
         self.forward = forward
         self.batch = batch
         self.step_every = step_every  # examples per optimizer step
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
         self.losses: list[float] = []
 
     def epoch(self, images: Tensor, labels: Tensor) -> None:
@@ -128,6 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    harness.add_clock_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.examples, args.rounds = 64, 1
@@ -137,6 +138,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    harness.use_clock(args.clock)
     torch.manual_seed(args.seed)
     data = load_mnist(args.data, verbose=False)
     order = torch.randperm(len(data.images), generator=torch.Generator().manual_seed(args.seed))[
@@ -168,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
     print("## MNIST MLP 784-200-100-10: examples/s, one at a time vs folded vs stacked\n")
     extra = [
-        f"data: {data.source}, {len(images)} examples; batch {b}; Adam lr {args.lr}",
+        f"data: {data.source}, {len(images)} examples; batch {b}; Adam lr {args.lr} (fused=True)",
         f"median of {args.rounds} interleaved passes over all examples per schedule, after one warm-up pass",
         "fold and stacked outputs and training losses checked equal to one-at-a-time",
     ]

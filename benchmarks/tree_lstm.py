@@ -318,34 +318,63 @@ def check_same(model: TreeLSTM, batch: Batch) -> float:
     return float(ref_loss)
 
 
-def run_dynet(python: str, model: TreeLSTM, batches: list[Batch], args: argparse.Namespace) -> dict[str, Any]:
-    """Run dynet_tree_lstm.py in DyNet's environment on the same weights and batches."""
-    script = Path(__file__).with_name("dynet_tree_lstm.py")
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = Path(tmp) / "weights.npz"
-        data = Path(tmp) / "batches.json"
-        result = Path(tmp) / "result.json"
-        np.savez(weights, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
-        data.write_text(json.dumps([[dataclasses.asdict(t) for t in batch.flat] for batch in batches]))
-        command = [
+class DynetWorker:
+    """dynet_tree_lstm.py running in DyNet's environment on the same weights and batches.
+
+    ``step()`` asks it for one timed update; ``seconds`` collects the times DyNet measured.
+    """
+
+    def __init__(self, python: str, model: TreeLSTM, batches: list[Batch], args: argparse.Namespace):
+        self.tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self.tmp.name)
+        np.savez(tmp / "weights.npz", **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+        (tmp / "batches.json").write_text(
+            json.dumps([[dataclasses.asdict(t) for t in b.flat] for b in batches])
+        )
+        self.command = [
             python,
-            str(script),
-            f"--weights={weights}",
-            f"--batches={data}",
-            f"--out={result}",
+            str(Path(__file__).with_name("dynet_tree_lstm.py")),
+            f"--weights={tmp / 'weights.npz'}",
+            f"--batches={tmp / 'batches.json'}",
+            f"--out={tmp / 'result.json'}",
             f"--lr={args.lr}",
             f"--warmup={args.warmup}",
-            f"--updates={args.dynet_updates}",
             f"--hidden={args.hidden}",
+            f"--clock={args.clock}",
         ]
         if args.dynet_sparse:
-            command.append("--sparse-updates")
-        completed = subprocess.run(command, capture_output=True, text=True, check=False)
-        if completed.returncode != 0:
-            raise RuntimeError(
-                f"DyNet run failed: {' '.join(command)}\n{completed.stdout}\n{completed.stderr}"
-            )
-        return dict(json.loads(result.read_text()))
+            self.command.append("--sparse-updates")
+        self.stderr = (tmp / "stderr.txt").open("w+")
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True
+        )
+        self.header: dict[str, Any] = self._read()
+        self.seconds: list[float] = []
+        self.losses: list[float] = []
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):  # DyNet itself prints "[dynet] ..." lines to stdout
+                return dict(json.loads(line))
+        self.process.wait()
+        self.stderr.seek(0)
+        raise RuntimeError(f"DyNet run failed: {' '.join(self.command)}\n{self.stderr.read()}")
+
+    def step(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("step\n")
+        self.process.stdin.flush()
+        reply = self._read()
+        self.seconds.append(float(reply["seconds"]))
+        self.losses.append(float(reply["loss"]))
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.stderr.close()
+        self.tmp.cleanup()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -373,22 +402,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dynet-python", default=None, help="a python with dynet38 installed (no DyNet run if unset)"
     )
-    parser.add_argument("--dynet-updates", type=int, default=20, help="timed DyNet updates")
     parser.add_argument(
         "--dynet-sparse", action="store_true", help="DyNet: sparse embedding updates (default dense)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    harness.add_clock_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.batch_size, args.hidden, args.warmup, args.rounds, args.updates = 4, 8, 1, 1, 1
-        args.dynet_updates = 2
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    harness.use_clock(args.clock)
     torch.manual_seed(args.seed)
 
     start = time.perf_counter()
@@ -424,17 +453,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             msg=lambda m, n=name: f"{n} warm-up losses differ from eager: {m}",
         )
 
-    calls = {name: args.eager_updates if name.startswith("eager") else args.updates for name in trainers}
-    times = harness.interleaved({k: t.step for k, t in trainers.items()}, args.rounds, calls)
-    seconds = {name: harness.median(t) for name, t in times.items()}
-
-    dynet: dict[str, Any] | None = None
+    dynet: DynetWorker | None = None
     if args.dynet_python:
-        dynet = run_dynet(args.dynet_python, model, batches, args)
-        seconds["dynet"] = float(dynet["median_seconds"])
+        dynet = DynetWorker(args.dynet_python, model, batches, args)
         # DyNet computed from the same weights: its first-batch loss must match.
-        if abs(dynet["first_loss"] - first_loss) > 1e-4 * max(1.0, abs(first_loss)):
-            raise AssertionError(f"DyNet first-batch loss {dynet['first_loss']} != PyTorch's {first_loss}")
+        torch.testing.assert_close(
+            torch.tensor(dynet.header["first_loss"]),
+            torch.tensor(first_loss),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m: f"DyNet's first-batch loss differs from PyTorch's: {m}",
+        )
+    steps: dict[str, Callable[[], object]] = {name: t.step for name, t in trainers.items()}
+    calls = {name: args.eager_updates if name.startswith("eager") else args.updates for name in trainers}
+    if dynet is not None:
+        steps["dynet"] = dynet.step
+        calls["dynet"] = args.updates
+    try:
+        times = harness.interleaved(steps, args.rounds, calls)
+    finally:
+        if dynet is not None:
+            dynet.close()
+    if dynet is not None:
+        times["dynet"] = dynet.seconds  # measured inside DyNet: no pipe overhead
+    seconds = {name: harness.median(t) for name, t in times.items()}
     rate = {name: args.batch_size / s for name, s in seconds.items()}
 
     nodes = sum(b.plan.num_nodes for b in batches) / len(batches)
@@ -446,16 +488,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         f"({len(batches)} used, cycled)",
         f"per batch: {nodes:.0f} nodes, {unique:.0f} distinct subtrees (torchfold and hand-batched compute each "
         f"once), {levels:.1f} depth levels",
-        f"embedding = hidden = {args.hidden}; Adam lr {args.lr}; data preparation {prep:.1f} s (untimed)",
+        f"embedding = hidden = {args.hidden}; Adam lr {args.lr} (fused=True, all PyTorch versions); data preparation {prep:.1f} s (untimed)",
         f"first-batch loss {first_loss:.6f}: every version agrees (loss and gradients, and warm-up losses)",
         f"median over {args.rounds} interleaved rounds of {args.updates} updates per batched version and "
         f"{args.eager_updates} per eager version, after {args.warmup} warm-up updates each",
     ]
     if dynet is not None:
         extra.append(
-            f"{dynet['version']}: autobatch 1, {dynet['updates']} timed updates after {args.warmup} warm-up, "
+            f"{dynet.header['version']} (own process, interleaved): autobatch 1, "
             f"{'sparse' if args.dynet_sparse else 'dense'} Adam updates, no clipping, computes all "
-            f"{dynet['nodes_per_batch']:.0f} nodes; first-batch loss {dynet['first_loss']:.6f}"
+            f"{dynet.header['nodes_per_batch']:.0f} nodes; first-batch loss {dynet.header['first_loss']:.6f}, "
+            f"warm-up losses differ from PyTorch's by at most "
+            f"{max(abs(a - b) for a, b in zip(dynet.header['warmup_losses'], trainers['eager'].losses, strict=False)):.1e}"
         )
     print("\n".join(harness.machine_lines(extra)) + "\n")
     rows = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from torchfold._fold import Fold
-from torchfold.datasets import Tree, Vocab, data_root, generate_sst, load_sst
+from torchfold.datasets import Tree, Vocab, data_root, generate_sst, parse_tree
 
 MINIBATCH = 6
 NUM_TREES = 120
+MAX_WORDS = 10
 # Over 120 trees: epoch 0 is steps 0..7 (the last one cut to the 12 trees left), epoch 1 steps
 # 8..13 (the last cut to 6). Steps of 6 trees leave one of two (two of three) ranks without a
 # minibatch; steps of 30 or 36 give ranks several minibatches to accumulate.
@@ -29,17 +31,33 @@ LR = 0.01
 REF_BATCH = 12
 EMBEDDING, HIDDEN = 8, 12
 
+_WORD = re.compile(r"\(\d+ [^()\s]+\)")  # a preterminal: (label word)
 _TREES: dict[int, list[Tree]] = {}
 
 
+def _short_sst_trees(path: Path, n: int) -> list[Tree]:
+    """The first ``n`` trees of ``path`` with at most MAX_WORDS words, parsing only those lines."""
+    trees = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if len(_WORD.findall(line)) <= MAX_WORDS:
+                trees.append(parse_tree(line.rstrip("\n"), source=str(path), line_number=number))
+                if len(trees) == n:
+                    break
+    return trees
+
+
 def sst_trees(n: int = NUM_TREES) -> list[Tree]:
-    """The first ``n`` real SST training trees (generated SST-format trees when the data is absent)."""
+    """The first ``n`` real SST training trees of at most MAX_WORDS words (shallow: fast tests).
+
+    Generated SST-format trees of that size when the data is absent.
+    """
     if n not in _TREES:
         root = data_root()
         if root is not None and (Path(root) / "sst" / "train.txt").is_file():
-            _TREES[n] = load_sst(root, "train", max_trees=n)
+            _TREES[n] = _short_sst_trees(Path(root) / "sst" / "train.txt", n)
         else:
-            _TREES[n] = generate_sst(n, seed=0)
+            _TREES[n] = generate_sst(n, seed=0, max_words=MAX_WORDS)
     return _TREES[n]
 
 

@@ -6,6 +6,7 @@ a rank killed with SIGKILL and the run resumed from its checkpoint, and a run un
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from torchfold._optim import AccumulatingOptimizer
 from torchfold._sampler import TraceBatchSampler, minibatches_per_rank
 from torchfold._trace import scaled_lr
 from torchfold._train_cli import main as train_main
-from torchfold.datasets import Tree, Vocab, data_root
+from torchfold.datasets import Tree, Vocab
 from torchfold.models import encode_trees
 
 # The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to
@@ -56,11 +57,13 @@ def _tree_loss(model: torch.nn.Module, trees: list[Tree], vocab: Vocab) -> torch
     return torch.stack([losses[a : b + 1].mean() for a, b in zip(starts, roots, strict=True)]).mean()
 
 
-def _reference(trees: list[Tree], lr_rule: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+@functools.cache
+def _reference(lr_rule: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch: each step's whole global batch as one batch, Adam with the rule's LR set by hand.
 
     The global batches come from the epoch's permutation (``seed + epoch``) cut at EPOCH_SIZES.
     """
+    trees = sst_trees()
     vocab = Vocab.build(trees)
     model = make_model(vocab, seed=100)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -81,6 +84,13 @@ def _reference(trees: list[Tree], lr_rule: str) -> tuple[dict[str, torch.Tensor]
     return params_of(model), losses
 
 
+@functools.cache
+def _loop_run(lr_rule: str) -> tuple[TraceTrainer, list[StepStats]]:
+    """The loop in this process (rank 0's initial values), over the whole trace."""
+    trainer = make_trainer(sst_trees(), lr_rule=lr_rule, seed=100)
+    return trainer, trainer.fit()
+
+
 @pytest.fixture(scope="module")
 def trees() -> list[Tree]:
     return sst_trees()
@@ -95,9 +105,8 @@ def test_the_trace_gives_idle_ranks_and_accumulation() -> None:
 
 @pytest.mark.parametrize("lr_rule", ["constant", "linear", "sqrt"])
 def test_one_process_equals_one_big_batch_per_step(trees: list[Tree], lr_rule: str) -> None:
-    expected, losses = _reference(trees, lr_rule)
-    trainer = make_trainer(trees, lr_rule=lr_rule, seed=100)
-    history = trainer.fit()
+    expected, losses = _reference(lr_rule)
+    trainer, history = _loop_run(lr_rule)
     assert [s.batch_size for s in history] == [b for epoch in EPOCH_SIZES for b in epoch]
     assert [s.epoch for s in history] == [0] * 8 + [1] * 6
     assert [s.step for s in history] == list(range(14))
@@ -117,12 +126,12 @@ def test_one_process_equals_one_big_batch_per_step(trees: list[Tree], lr_rule: s
 def test_ranks_equal_one_process_taking_the_same_global_batches(
     trees: list[Tree], world_size: int, tmp_path: Path
 ) -> None:
-    runs = [{"name": "linear"}, {"name": "sqrt", "lr_rule": "sqrt"}]
+    runs = [{"name": "linear"}]  # each LR rule over ranks: test_distributed.py
     results = run_ranks(train_rank, [(world_size, free_port(), runs)] * world_size, tmp_path, timeout=90)
     for rank, result in enumerate(results):
         assert result is not None and "ok" in result, f"rank {rank}: {result}"
     for run in runs:
-        expected, losses = _reference(trees, run.get("lr_rule", "linear"))
+        expected, losses = _reference(run.get("lr_rule", "linear"))
         for rank, result in enumerate(results):
             out = result["ok"][run["name"]]  # type: ignore[index]
             history: list[StepStats] = out["history"]
@@ -188,9 +197,8 @@ def test_resume_in_one_process_is_exact_and_checkpoints_load_weights_only(
 
 
 def test_fit_continues_where_the_last_fit_stopped(trees: list[Tree]) -> None:
-    whole = make_trainer(trees)
-    whole.fit()
-    parts = make_trainer(trees)
+    whole, _ = _loop_run("linear")
+    parts = make_trainer(trees, seed=100)
     steps = [s.step for n in (3, 8, 11, 14) for s in parts.fit(max_steps=n)]  # 8: an epoch boundary
     assert steps == list(range(14))
     torch.testing.assert_close(params_of(parts.model), params_of(whole.model), rtol=0, atol=0)
@@ -267,37 +275,14 @@ def test_unbounded_trace_needs_an_end_and_loss_must_be_a_scalar(trees: list[Tree
         bad.fit(max_steps=1)
 
 
-def _cli_args(trace: Path, ckpt: Path) -> list[str]:
-    root = data_root()
-    data = ["--data", str(root)] if root is not None and (root / "sst" / "train.txt").is_file() else []
+def _cli_args(trace: Path, data: Path, ckpt: Path) -> list[str]:
     return [
         "train",
-        "--trace",
-        str(trace),
-        *data,
-        "--max-train",
-        str(NUM_TREES),
-        "--minibatch-size",
-        str(MINIBATCH),
-        "--lr-rule",
-        "linear",
-        "--ref-batch-size",
-        str(REF_BATCH),
-        "--embedding-dim",
-        "8",
-        "--hidden-dim",
-        "12",
-        "--dtype",
-        "float64",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "5",
-        "--log-every",
-        "5",
-        "--no-progress",
-        "--timeout",
-        "20",
+        *("--trace", str(trace), "--data", str(data), "--minibatch-size", str(MINIBATCH)),
+        *("--lr-rule", "linear", "--ref-batch-size", str(REF_BATCH), "--lr", str(LR)),
+        *("--embedding-dim", "8", "--hidden-dim", "12", "--dtype", "float64", "--seed", "100"),
+        *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--log-every", "5"),
+        *("--no-progress", "--timeout", "20"),
     ]
 
 
@@ -305,13 +290,16 @@ def _cli_args(trace: Path, ckpt: Path) -> list[str]:
 def test_torchrun_two_processes_equal_one_process(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("step,batchsize\n" + "".join(f"{i}, {b}\n" for i, b in enumerate(TRACE)))
-    args = _cli_args(trace, tmp_path / "one")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()))
+    args = _cli_args(trace, data, tmp_path / "one")
     threads = torch.get_num_threads()
     try:
         assert train_main(args[1:]) == 0
     finally:
         torch.set_num_threads(threads)
-    args = _cli_args(trace, tmp_path / "two")
+    args = _cli_args(trace, data, tmp_path / "two")
     command = [
         sys.executable,
         "-m",

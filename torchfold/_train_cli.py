@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-train", type=_positive_int, help="use only the first N training trees")
     p.add_argument(
+        "--max-words",
+        type=_positive_int,
+        help="use only training trees of at most N words (before --max-train)",
+    )
+    p.add_argument(
         "--generate", type=_positive_int, default=2000, metavar="N", help="without data: N generated trees"
     )
     p.add_argument("--minibatch-size", type=_positive_int, default=25, help="trees per fold (default 25)")
@@ -136,12 +141,14 @@ def _trace(text: str) -> BatchSizeTrace:
 def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
     root = args.data if args.data is not None else data_root()
     if root is not None and (args.data is not None or Path(root).exists()):
-        trees = load_sst(root, "train", max_trees=args.max_train)
+        trees = load_sst(root, "train", max_trees=None if args.max_words else args.max_train)
+        if args.max_words:
+            trees = [t for t in trees if len(t.words()) <= args.max_words][: args.max_train]
         return trees, f"SST train trees from {root}"
     count = args.generate if args.max_train is None else min(args.generate, args.max_train)
-    return generate_sst(
-        count, seed=args.seed
-    ), f"{count} GENERATED trees (no SST data found; pass --data DIR)"
+    max_words = 20 if args.max_words is None else args.max_words
+    trees = generate_sst(count, seed=args.seed, min_words=min(2, max_words), max_words=max_words)
+    return trees, f"{count} GENERATED trees (no SST data found; pass --data DIR)"
 
 
 def _init_distributed(args: argparse.Namespace, config: dict[str, object]) -> bool:

@@ -425,8 +425,9 @@ class TraceTrainer(Generic[T]):
             try:
                 load(state[name])
             except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                detail = " ".join(str(e).split()).rstrip(". ")  # load_state_dict's report spans lines
                 raise ValueError(
-                    f"{source}: its {name} state does not fit this run: {e}. Resume with the settings the "
+                    f"{source}: its {name} state does not fit this run: {detail}. Resume with the settings the "
                     "checkpoint was written with, or use another checkpoint directory to start afresh"
                 ) from e
         set_rng_state(state["rng"][rank])

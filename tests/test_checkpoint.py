@@ -1,0 +1,223 @@
+"""Checkpoints: atomic writes, weights-only loads, generator states, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _loop_worker import make_trainer, sst_trees
+
+from torchfold._checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from torchfold._train_cli import main as train_main
+
+
+class _Opaque:
+    """Not a tensor or plain container: weights-only loading must refuse it."""
+
+
+def _draws() -> tuple[torch.Tensor, float, float]:
+    return torch.rand(3), random.random(), float(np.random.rand())
+
+
+def test_generator_states_round_trip_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    state = rng_state()
+    expected = _draws()
+    path = save_checkpoint({"rng": state}, tmp_path / "rng.pt")
+    _draws()  # move every generator on
+    set_rng_state(load_checkpoint(path)["rng"])
+    again = _draws()
+    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+
+
+def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = checkpoint_path(tmp_path / "new" / "dir", 7)
+    save_checkpoint({"step": 7, "w": torch.arange(3)}, path)
+    assert path.name == "step-00000007.pt"
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        save_checkpoint({"step": 8, "bad": lambda: None}, path)  # fails half-way through writing
+    state = load_checkpoint(path)  # the previous content is intact
+    assert state["step"] == 7 and torch.equal(state["w"], torch.arange(3))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step-00000007.pt"]
+
+
+def test_list_latest_and_prune(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None and list_checkpoints(tmp_path / "missing") == []
+    for step in (12, 3, 100):
+        save_checkpoint({"step": step}, checkpoint_path(tmp_path, step))
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 12, 100]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000100.pt"
+    assert prune_checkpoints(tmp_path, keep=2) == [tmp_path / "step-00000003.pt"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [12, 100]
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        prune_checkpoints(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        checkpoint_path(tmp_path, -1)
+
+
+def _truncated(path: Path) -> None:
+    save_checkpoint({"step": 5, "w": torch.randn(1000)}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(b"\x00\x01not a checkpoint at all" * 10)
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _foreign(path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(1)}}, path)
+
+
+def _tensor(path: Path) -> None:
+    torch.save(torch.ones(2), path)
+
+
+def _newer(path: Path) -> None:
+    save_checkpoint({"version": 99}, path)
+
+
+def _opaque(path: Path) -> None:
+    torch.save({"format": "torchfold.checkpoint", "version": 1, "x": _Opaque()}, path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (_truncated, "cannot be read: it is truncated or corrupt"),
+        (_garbage, "cannot be read: it is truncated or corrupt"),
+        (_empty, "cannot be read: it is truncated or corrupt"),
+        (_opaque, "holds objects other than tensors and plain containers"),
+        (_foreign, r"is not a torchfold checkpoint \(it holds a dict with keys \['state_dict'\]"),
+        (_tensor, r"is not a torchfold checkpoint \(it holds Tensor"),
+        (_newer, "has format version 99, but this torchfold reads versions up to 1; upgrade torchfold"),
+    ],
+)
+def test_bad_files_get_an_error_naming_the_file_and_the_fix(tmp_path: Path, damage: Any, match: str) -> None:
+    save_checkpoint({"step": 3}, checkpoint_path(tmp_path, 3))
+    path = checkpoint_path(tmp_path, 6)
+    damage(path)
+    with pytest.raises(ValueError, match=match) as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+    assert f"delete it to resume from the previous checkpoint {tmp_path / 'step-00000003.pt'}" in str(
+        info.value
+    )
+
+
+def test_a_lone_bad_file_says_to_start_afresh(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    _garbage(path)
+    with pytest.raises(
+        ValueError, match="delete it \\(or point to another checkpoint\\) and start without resuming"
+    ):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nothing\.pt does not exist"):
+        load_checkpoint(tmp_path / "nothing.pt")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of the test loop after 2 steps."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    trainer = make_trainer(sst_trees(), checkpoint_dir=str(directory))
+    trainer.fit(max_steps=2)
+    return directory / "step-00000002.pt"
+
+
+def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
+    state = load_checkpoint(saved)
+    change(state)
+    return save_checkpoint(state, tmp_path / saved.name)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda s: s.update(world_size=2),
+            r"was written by a run with 2 processes, this one has 1; resume with the same",
+        ),
+        (
+            lambda s: s.pop("sampler"),
+            r"lacks \['sampler'\]: it was not written by TraceTrainer.save_checkpoint",
+        ),
+        (
+            lambda s: s["model"].update(classifier_weight=s["model"].pop("classifier.weight")),
+            r"its model state does not fit this run: .*Missing key\(s\).*Resume with the settings",
+        ),
+        (
+            lambda s: s["model"].update({"embedding.weight": s["model"]["embedding.weight"][:, :4]}),
+            r"its model state does not fit this run: .*size mismatch for embedding.weight",
+        ),
+        (
+            lambda s: s["optimizer"]["torchfold"].update(lr_rule="sqrt"),
+            "its optimizer state does not fit this run: state_dict was saved with lr_rule='sqrt'",
+        ),
+        (
+            lambda s: s["sampler"].update(minibatch_size=4),
+            "its sampler state does not fit this run: sampler state was saved with minibatch_size=4",
+        ),
+    ],
+)
+def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
+    saved: Path, tmp_path: Path, change: Any, match: str
+) -> None:
+    path = _edit(saved, tmp_path, change)
+    trainer = make_trainer(sst_trees())
+    with pytest.raises(ValueError, match=match) as info:
+        trainer.load_checkpoint(path)
+    assert f"checkpoint {path}" in str(info.value)
+
+
+def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()[:24]))
+    args = ["--trace", "12", "--data", str(data), "--minibatch-size", "6", "--hidden-dim", "4"]
+    args += [
+        "--embedding-dim",
+        "4",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--no-progress",
+        "--log-every",
+        "0",
+    ]
+    threads = torch.get_num_threads()
+    try:
+        assert train_main([*args, "--max-steps", "2"]) == 0
+        _truncated(checkpoint_path(tmp_path / "ck", 4))
+        assert train_main([*args, "--max-steps", "6"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"torchfold train: error: checkpoint {tmp_path / 'ck' / 'step-00000004.pt'} cannot be read" in err
+        )
+        assert (
+            f"delete it to resume from the previous checkpoint {tmp_path / 'ck' / 'step-00000002.pt'}" in err
+        )
+        assert train_main([*args, "--max-steps", "6", "--no-resume"]) == 0  # starts afresh
+        assert train_main(["--trace", "7", "--data", str(data), "--minibatch-size", "6"]) == 2
+        assert "batch size 7 is not a multiple of minibatch_size=6" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)

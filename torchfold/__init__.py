@@ -7,6 +7,7 @@ the same depth as one batched call with :meth:`Fold.apply`.
 from torchfold import datasets, models
 from torchfold._errors import FoldError
 from torchfold._fold import Fold
+from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
 from torchfold._node import Node
 from torchfold._prefetch import Prefetcher
 from torchfold._sampler import StepPlan, TraceBatchSampler
@@ -22,7 +23,10 @@ __all__ = [
     "Node",
     "Prefetcher",
     "StepPlan",
+    "StepStats",
     "TraceBatchSampler",
+    "TraceTrainer",
+    "TreeLSTMLoss",
     "Unfold",
     "UnfoldNode",
     "__version__",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchfold._demo import main
 
@@ -29,7 +31,9 @@ def test_demo_defaults_to_generated_trees_and_says_so(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
+    frozen, threads = gc.get_freeze_count(), torch.get_num_threads()
     assert main(TINY) == 0
+    assert (gc.get_freeze_count(), torch.get_num_threads()) == (frozen, threads)  # process state restored
     out = capsys.readouterr().out
     assert "data: GENERATED trees (torchfold.datasets.generate_sst, seed 0)" in out
     assert "50 training trees" in out and "20 dev trees" in out
@@ -40,7 +44,7 @@ def test_demo_defaults_to_generated_trees_and_says_so(
 
 @needs_sst
 def test_demo_trains_on_real_sst_from_data_dir(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*TINY, "--data", str(SHARED_DATA / "sst")]) == 0
+    assert main([*TINY, "--data", str(SHARED_DATA / "sst"), "--no-gc-freeze"]) == 0
     out = capsys.readouterr().out
     assert f"data: SST-format trees from --data {SHARED_DATA / 'sst'}" in out
     assert "50 training trees" in out and "epoch 1: loss" in out

@@ -9,6 +9,7 @@ softmax loss at every node and Adam. Data: SST-format trees from ``--data DIR`` 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -91,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed for generation, initialisation and shuffling"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="leave the loaded data to the garbage collector (slower)"
+    )
     return parser
 
 
@@ -201,7 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torchfold demo: error: no trees to train on or evaluate ({origin})", file=sys.stderr)
         return 1
 
-    torch.set_num_threads(args.threads)
     try:
         device = torch.device(args.device)
     except RuntimeError as error:
@@ -214,6 +217,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     torch.manual_seed(args.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    freeze = not args.no_gc_freeze
+    if freeze:
+        # Move the loaded trees (hundreds of thousands of objects for SST) out of the cyclic
+        # garbage collector's reach: otherwise every full collection, triggered by the many
+        # small objects each Fold records, re-scans all of them (measured: ~0.7 s each with
+        # SST train loaded).
+        gc.freeze()
+    try:
+        _train(args, train, dev, origin, device)
+    finally:  # leave the process as we found it (main may be called in-process, e.g. by tests)
+        if freeze:
+            gc.unfreeze()
+        torch.set_num_threads(threads)
+    return 0
+
+
+def _train(
+    args: argparse.Namespace, train: list[Tree], dev: list[Tree], origin: str, device: torch.device
+) -> None:
+    """Build the vocabulary and model, then train and evaluate, printing one line per epoch."""
     rng = random.Random(args.seed)
     vocab = Vocab.build(train, min_count=args.min_count)
     model = TreeLSTM(len(vocab), args.embedding_dim, args.hidden_dim).to(device)
@@ -248,4 +273,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"dev root accuracy {scores['root']:.3f} fine-grained, {scores['binary']:.3f} binary "
             f"({int(scores['binary_trees'])} non-neutral), all-node accuracy {scores['nodes']:.3f}"
         )
-    return 0

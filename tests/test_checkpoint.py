@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 from pathlib import Path
@@ -206,7 +207,10 @@ def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
     ]
     threads = torch.get_num_threads()
     try:
-        assert train_main([*args, "--max-steps", "2"]) == 0
+        history = tmp_path / "history.jsonl"
+        assert train_main([*args, "--max-steps", "2", "--history", str(history)]) == 0
+        lines = [json.loads(line) for line in history.read_text().splitlines()]
+        assert [(r["step"], r["batch_size"], r["num_minibatches"]) for r in lines] == [(0, 12, 2), (1, 12, 2)]
         _truncated(checkpoint_path(tmp_path / "ck", 4))
         assert train_main([*args, "--max-steps", "6"]) == 2
         err = capsys.readouterr().err

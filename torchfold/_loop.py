@@ -310,7 +310,10 @@ class TraceTrainer(Generic[T]):
         start = time.perf_counter()
         self.model.train()
         weight_by_samples = self.optimizer.reduction == "mean"
-        loss_sum, samples, nodes = 0.0, 0, 0
+        # Summed on the device and read once per step (no host sync per minibatch on accelerators).
+        dtype = torch.float32 if self.device.type in ("xla", "mps") else torch.float64
+        loss_sum = torch.zeros((), dtype=dtype, device=self.device)
+        samples, nodes = 0, 0
         for _ in range(plan.local_minibatches):
             indices = next(batches)
             items = [self.dataset[i] for i in indices]
@@ -323,7 +326,9 @@ class TraceTrainer(Generic[T]):
                 )
             nodes += len(fold)
             self.optimizer.backward(loss, num_samples=len(items))
-            loss_sum += float(loss.detach()) * (len(items) if weight_by_samples else 1.0)
+            loss_sum += loss.detach().to(device=self.device, dtype=dtype) * (
+                len(items) if weight_by_samples else 1
+            )
             samples += len(items)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -333,7 +338,7 @@ class TraceTrainer(Generic[T]):
                 f"sampler planned {plan.batch_size}; every rank needs a sampler with num_replicas = world size "
                 "and the same trace, dataset, minibatch size and seed"
             )
-        totals = torch.tensor([loss_sum, samples], dtype=torch.float64, device=self.device)
+        totals = torch.stack([loss_sum, torch.tensor(float(samples), dtype=dtype, device=self.device)])
         all_reduce_sum_([totals])
         total_loss, total_samples = totals.tolist()
         return StepStats(

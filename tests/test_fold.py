@@ -411,3 +411,23 @@ def test_nothing_in_the_engine_assumes_the_cpu() -> None:
     assert roots_out.device.type == "meta" and roots_out.shape == (4, 6)
     assert extra_out.device.type == "meta" and extra_out.shape == (1, 6)
     assert fold.device is None  # nothing was pinned: the next apply may use another device
+
+
+def test_a_fold_is_freed_without_the_cycle_collector() -> None:
+    """No reference cycles: a Fold and its nodes go away as soon as the last reference does."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = Cell()
+        fold = Fold()
+        root = balanced_tree(fold, list(range(8)))
+        fold.add("merge", root, root).nobatch()
+        (out,) = fold.apply(model, [[root]])
+        out.sum().backward()
+        alive = weakref.ref(fold)
+        del fold, root, out
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -406,7 +406,9 @@ def execute(fold: Fold, nn: object, requests: Sequence[Sequence[Node]]) -> list[
     results = _run_groups(fold, nn, device)
     outputs = []
     for i, request in enumerate(requests):
-        nodes = [node if node.batch else Node(fold, node.group, node.index, node.output) for node in request]
+        nodes = [
+            node if node.batch else Node(node.owner, node.group, node.index, node.output) for node in request
+        ]
         where = _where(None, i)
         (output,) = _materialize([_spec(nodes, results, where, nodes_only=True)])
         outputs.append(output)

@@ -79,6 +79,7 @@ class Fold:
         self._groups: dict[tuple[int, Op, int], Group] = {}
         self._calls: dict[tuple[Any, ...], Node] = {}
         self._num_nodes = 0
+        self._token = object()  # what this Fold's nodes point to (see Node.owner)
 
     # -- recording --------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class Fold:
         for arg in args:
             cls = arg.__class__
             if cls is Node:
-                if arg.fold is not self:
+                if arg.owner is not self._token:
                     raise FoldError(
                         f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
                         "in the Fold that created them (build the whole graph in one Fold)"
@@ -126,7 +127,7 @@ class Fold:
         group = self._groups.get(group_key)
         if group is None:
             group = self._groups[group_key] = Group(op, depth, len(self._groups))
-        node = Node(self, group, len(group.calls))
+        node = Node(self._token, group, len(group.calls))
         group.calls.append(args)
         self._calls[call_key] = node
         self._num_nodes += 1

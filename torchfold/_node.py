@@ -9,12 +9,9 @@ shared value (``nobatch``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchfold._errors import FoldError
-
-if TYPE_CHECKING:
-    from torchfold._fold import Fold
 
 __all__ = ["Group", "Node", "op_name"]
 
@@ -66,10 +63,15 @@ class Node:
 
     # Handles are made once per value: split() and nobatch() return cached nodes, so two handles
     # of one value are the same object and identical calls deduplicate by identity.
-    __slots__ = ("_nobatch", "_outputs", "batch", "fold", "group", "index", "output")
+    # `owner` is the recording Fold's token, not the Fold itself: a node pointing at its Fold
+    # would make every Fold a reference cycle, freed only by Python's cyclic garbage collector
+    # (whose full passes rescan every live object: seconds per epoch with a dataset in memory).
+    __slots__ = ("_nobatch", "_outputs", "batch", "group", "index", "output", "owner")
 
-    def __init__(self, fold: Fold, group: Group, index: int, output: int | None = None, batch: bool = True):
-        self.fold = fold
+    def __init__(
+        self, owner: object, group: Group, index: int, output: int | None = None, batch: bool = True
+    ):
+        self.owner = owner
         self.group = group
         self.index = index
         self.output = output
@@ -103,8 +105,8 @@ class Node:
                 f"now into {num} (at {self}); an op must return the same number of outputs for every call"
             )
         group.num_outputs = num
-        fold, index, batch = self.fold, self.index, self.batch
-        outputs = self._outputs = tuple([Node(fold, group, index, i, batch) for i in range(num)])
+        owner, index, batch = self.owner, self.index, self.batch
+        outputs = self._outputs = tuple([Node(owner, group, index, i, batch) for i in range(num)])
         return outputs
 
     def nobatch(self) -> Node:
@@ -114,7 +116,7 @@ class Node:
         (e.g. a memory or context shared by many calls).
         """
         if self._nobatch is None:
-            self._nobatch = Node(self.fold, self.group, self.index, self.output, False)
+            self._nobatch = Node(self.owner, self.group, self.index, self.output, False)
         return self._nobatch
 
     def __repr__(self) -> str:

@@ -46,7 +46,7 @@ def _resolve(nn: object, group: Group) -> Callable[..., Any]:
     what = "is not callable" if hasattr(nn, op) else "does not exist"
     raise FoldError(
         f"unknown op {op!r} at depth {group.depth} ({len(group.calls)} nodes, first "
-        f"{Node(None, group, 0)!r}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "  # type: ignore[arg-type]
+        f"{Node(None, group, 0)!r}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
         f"passed to apply, or pass a callable as the op{hint}"
     )
 
@@ -73,7 +73,7 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Node]]) -> None:
                 raise FoldError(
                     f"request {i}, item {j} is {node!r}, not a node; apply returns values of nodes only"
                 )
-            if node.fold is not fold:
+            if node.owner is not fold._token:
                 raise FoldError(
                     f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
                 )

@@ -38,6 +38,7 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_main_process",
+    "xla_sync",
 ]
 
 _HANDSHAKE_PREFIX = "torchfold/handshake"
@@ -143,10 +144,7 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
         return
     if not _dist_active() or dist.get_world_size() == 1:
         return
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    for members in groups.values():
+    for members in _by_dtype(tensors):
         flat = torch.cat([t.reshape(-1) for t in members])
         try:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -158,21 +156,58 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
                 f"{dist.get_world_size()} ({dist.get_backend()}): another rank died or did not reach the "
                 f"same all-reduce{within}. Original error: {e}"
             ) from e
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        _unflatten_into(flat, members)
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _unflatten_into(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in members:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def xla_sync() -> None:
+    """Cut and launch the pending lazy XLA graph (``torch_xla.sync``; ``xm.mark_step`` before 2.4)."""
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is None:
+        import torch_xla.core.xla_model as xm
+
+        sync = xm.mark_step
+    sync()
 
 
 def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
+    import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     if xr.world_size() == 1:
         return
-    # With a list, xm.all_reduce reduces in place (one fused collective).
-    xm.all_reduce(xm.REDUCE_SUM, list(tensors))
+    # XLA pairs up the collectives of the replicas by their place in the compiled graph, so the
+    # graph holding the all-reduce must be the same on every replica. It is not by itself: a
+    # replica without minibatches traced no forward/backward, and its zero gradients are constants
+    # where the others have computed values. So: one flat buffer per dtype built by a cat (an op on
+    # every replica), materialized by a graph cut, then reduced in a graph of its own.
+    groups = _by_dtype(tensors)
+    flats = [torch.cat([t.reshape(-1) for t in members]) for members in groups]
+    xla_sync()
+    xm.all_reduce(xm.REDUCE_SUM, flats)  # a list is reduced in place
+    # Run exactly the all-reduce, nothing else, as its own graph (a full sync here can block
+    # while holding the GIL until the collective completes: replicas that are threads of one
+    # process, as on XLA's CPU backend, then never reach it).
+    torch_xla._XLAC._xla_sync_multi(flats, devices=[], wait=False)
+    for flat, members in zip(flats, groups, strict=True):
+        _unflatten_into(flat, members)
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from torchfold._distributed import all_reduce_sum_
+from torchfold._distributed import all_reduce_sum_, xla_sync
 from torchfold._trace import scaled_lr
 
 __all__ = ["AccumulatingOptimizer"]
@@ -256,6 +256,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
         self._local_samples += num_samples
         self._local_minibatches += 1
+        if loss.device.type == "xla":
+            # One lazy graph per minibatch: compiled once and reused however many minibatches a
+            # step has, instead of one new graph per distinct count.
+            xla_sync()
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         """End the step: all-reduce the summed gradients, scale them once, update with the rule's LR.

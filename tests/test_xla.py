@@ -1,0 +1,71 @@
+"""AccumulatingOptimizer on real torch_xla (its CPU backend): one device, and two replicas with xm.all_reduce.
+
+Runs only in the XLA environment (``.venv-xla``, see the Makefile's ``test-xla``); the main suite
+deselects it with ``-m "not xla"``. torch_xla is imported inside the tests, so that running them
+without it fails instead of passing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _dist_worker import make_model, mnist_rows, train
+from _xla_worker import MINIBATCH, RULES, TRACE, train_on_xla
+
+from torchfold._sampler import minibatches_per_rank
+
+pytestmark = pytest.mark.xla
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+HERE = Path(__file__).parent
+# XLA's CPU kernels and PyTorch's sum in different orders; in float64 the parameters then differ by
+# ~1e-9 at most after training, far below what a wrong scale, a lost or doubled minibatch would do.
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-8}
+
+
+def _cpu_reference(rule: str) -> dict[str, object]:
+    return train(make_model(seed=100), rule, mnist_rows(sum(TRACE)), TRACE, MINIBATCH, num_replicas=1, rank=0)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_one_xla_device_equals_the_cpu(rule: str) -> None:
+    import torch_xla
+
+    out = train_on_xla(rule, make_model(seed=100), mnist_rows(sum(TRACE)), num_replicas=1, rank=0)
+    assert out["device"].startswith("xla")
+    expected = _cpu_reference(rule)
+    for p, q in zip(out["params"], expected["params"], strict=True):  # type: ignore[call-overload]
+        torch.testing.assert_close(p, q, **TOLERANCE)
+    assert out["factors"] == pytest.approx(expected["factors"], rel=1e-6)
+    assert torch_xla.device().type == "xla"
+
+
+def test_two_xla_replicas_with_all_reduce_equal_one_process(tmp_path: Path) -> None:
+    # A fresh process: xmp.spawn needs an uninitialized runtime, and this one already ran above.
+    out = tmp_path / "replicas.pt"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_xla_worker.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        replica = torch.load(f"{out}.rank{rank}", weights_only=False)
+        assert (replica["world_size"], replica["rank"]) == (2, rank)
+        for rule in RULES:
+            got = replica["results"][rule]
+            counts = [minibatches_per_rank(b, MINIBATCH, 2)[rank] for b in TRACE]
+            assert got["local_minibatches"] == counts and 0 in [
+                minibatches_per_rank(b, MINIBATCH, 2)[1] for b in TRACE
+            ]
+            expected = _cpu_reference(rule)
+            for p, q in zip(got["params"], expected["params"], strict=True):  # type: ignore[call-overload]
+                torch.testing.assert_close(p, q, **TOLERANCE)
+            assert got["factors"] == pytest.approx(expected["factors"], rel=1e-6)

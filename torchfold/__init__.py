@@ -5,10 +5,23 @@ the same depth as one batched call with :meth:`Fold.apply`.
 """
 
 from torchfold import datasets, models
+from torchfold._distributed import (
+    all_reduce_sum_,
+    broadcast_parameters,
+    check_same_on_all_ranks,
+    default_device,
+    fingerprint,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+)
+from torchfold._elastic import ElasticConfig
 from torchfold._errors import FoldError
 from torchfold._fold import Fold
 from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
 from torchfold._node import Node
+from torchfold._optim import AccumulatingOptimizer
 from torchfold._prefetch import Prefetcher
 from torchfold._sampler import StepPlan, TraceBatchSampler
 from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
@@ -16,7 +29,9 @@ from torchfold._unfold import Unfold, UnfoldNode
 from torchfold._version import __version__
 
 __all__ = [
+    "AccumulatingOptimizer",
     "BatchSizeTrace",
+    "ElasticConfig",
     "EpochSteps",
     "Fold",
     "FoldError",
@@ -30,8 +45,17 @@ __all__ = [
     "Unfold",
     "UnfoldNode",
     "__version__",
+    "all_reduce_sum_",
     "as_trace",
+    "broadcast_parameters",
+    "check_same_on_all_ranks",
     "datasets",
+    "default_device",
+    "fingerprint",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
     "models",
     "scaled_lr",
 ]

@@ -89,7 +89,7 @@ BUILDERS: dict[str, Builder] = {"chain": build_chain, "balanced": build_balanced
 
 def direct_time(fold: torchfold.Fold, model: Trivial, repeats: int) -> float:
     """Seconds to call each group's op once on ready batched tensors of its size."""
-    calls = []
+    calls: list[tuple[Callable[..., Tensor], tuple[Tensor, ...]]] = []
     for group in fold.groups():
         rows = len(group.calls)
         if group.op == "leaf":

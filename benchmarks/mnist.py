@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 from collections.abc import Callable, Sequence
 
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         "stacked": Training(copy.deepcopy(model), stacked_forward, b, b, args.lr),
     }
     train_fns: dict[str, Callable[[], object]] = {
-        name: (lambda t=t: t.epoch(images, labels)) for name, t in training.items()
+        name: functools.partial(t.epoch, images, labels) for name, t in training.items()
     }
     for fn in (*forward_fns.values(), *train_fns.values()):  # warm-up
         fn()

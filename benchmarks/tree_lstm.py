@@ -289,6 +289,11 @@ class Trainer:
         self.losses.append(loss.item())
 
 
+def labelled(label: str) -> Callable[[str], str]:
+    """An ``assert_close`` message callback that says which check failed."""
+    return lambda message: f"{label}: {message}"
+
+
 VERSIONS: dict[str, tuple[Loss, bool]] = {
     "eager": (eager_loss, False),
     "eager, sparse embedding grad": (eager_loss, True),
@@ -312,11 +317,9 @@ def check_same(model: TreeLSTM, batch: Batch) -> float:
     model.zero_grad(set_to_none=True)
     ref_loss, ref_grads = results["eager"]
     for name, (loss, grads) in results.items():
-        torch.testing.assert_close(
-            loss, ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n} loss: {m}"
-        )
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=labelled(f"{name} loss"))
         for g, r in zip(grads, ref_grads, strict=True):
-            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n} gradient: {m}")
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=labelled(f"{name} gradient"))
     return float(ref_loss)
 
 
@@ -431,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     trees, source = load_trees(args.data, args.quick)
     vocab = Vocab.build(trees)
     needed = args.warmup + args.rounds * max(args.updates, args.eager_updates) + 1
-    batches = []
+    batches: list[Batch] = []
     for i in range(0, len(trees) - args.batch_size + 1, args.batch_size):
         if len(batches) == needed:
             break
@@ -460,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             torch.tensor(trainers["eager"].losses),
             rtol=1e-4,
             atol=1e-5,
-            msg=lambda m, n=name: f"{n} warm-up losses differ from eager: {m}",
+            msg=labelled(f"{name} warm-up losses differ from eager"),
         )
 
     dynet: DynetWorker | None = None
@@ -472,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             torch.tensor(first_loss),
             rtol=1e-4,
             atol=1e-5,
-            msg=lambda m: f"DyNet's first-batch loss differs from PyTorch's: {m}",
+            msg=labelled("DyNet's first-batch loss differs from PyTorch's"),
         )
     steps: dict[str, Callable[[], object]] = {name: t.step for name, t in trainers.items()}
     calls = {name: args.eager_updates if name.startswith("eager") else args.updates for name in trainers}

@@ -327,6 +327,24 @@ def _shared(column: Sequence[Any], results: _Results, where: str) -> _Tensor:
     return tensor[node.index * k : (node.index + 1) * k]
 
 
+def _concat_given(column: Sequence[_Tensor]) -> _Tensor | None:
+    """Tensors given to ``add``, each once and with the same rows: just concatenate them.
+
+    Returns None when the general path is needed (a repeated tensor, different row counts, a
+    0-dim tensor or a shape mismatch), which also words the error precisely.
+    """
+    first = column[0]
+    if first.dim() == 0 or len({id(t) for t in column}) != len(column):
+        return None
+    rows, dtype = first.shape[0], first.dtype
+    if any(t.dim() == 0 or t.shape[0] != rows or t.dtype != dtype for t in column):
+        return None
+    try:
+        return torch.cat(tuple(column), 0)
+    except RuntimeError:
+        return None
+
+
 def _batch_arguments(group: Group, results: _Results, device: torch.device) -> list[_Tensor]:
     """One batched tensor per argument position of ``group``.
 
@@ -355,6 +373,8 @@ def _batch_arguments(group: Group, results: _Results, device: torch.device) -> l
             )
         elif Node in kinds and not all(node.batch for node in column if node.__class__ is Node):
             args.append(_shared(column, results, where))
+        elif Node not in kinds and (stacked := _concat_given(column)) is not None:
+            args.append(stacked)
         else:
             specs.append((position, _spec(column, results, where, nodes_only=False)))
             args.append(None)

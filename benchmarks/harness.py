@@ -73,10 +73,11 @@ def source_version() -> str:
             capture_output=True,
             text=True,
             check=True,
-        ).stdout.strip()
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown commit (not a git checkout)"
-    return f"commit {commit}" + (" + uncommitted changes in torchfold/" if dirty else "")
+    changed = sorted({line[3:].strip() for line in dirty.splitlines() if line.strip()})
+    return f"commit {commit}" + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -150,8 +150,7 @@ class TraceTrainer(Generic[T]):
 
     Example:
         >>> import torchfold
-        >>> from torchfold import TraceBatchSampler
-        >>> from torchfold._optim import AccumulatingOptimizer
+        >>> from torchfold import AccumulatingOptimizer, TraceBatchSampler
         >>> from torchfold.datasets import generate_sst
         >>> from torchfold.models import TreeLSTM
         >>> trees = generate_sst(40, seed=0)

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["draw_fold"]
 
+_X_STEP = 1.7  # horizontal distance between depths, in node spacings
+
 _COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 
 
@@ -64,7 +66,7 @@ def draw_fold(
     for group in groups:
         colors.setdefault(group.op, _COLORS[len(colors) % len(_COLORS)])
     if ax is None:
-        width = 2.2 * (max((g.depth for g in groups), default=0) + 2)
+        width = 2.2 * _X_STEP * (max((g.depth for g in groups), default=0) + 1.5)
         height = max(
             3.0, 0.55 * max((_column_height(groups, d) for d in {g.depth for g in groups}), default=1)
         )
@@ -76,12 +78,13 @@ def draw_fold(
     else:
         _draw_nodes(ax, groups, colors)
     depths = sorted({g.depth for g in groups})
-    ax.set_xticks(depths, [f"depth {d}" for d in depths])
+    ax.set_xticks([_X_STEP * d for d in depths], [f"depth {d}" for d in depths])
     ax.tick_params(axis="x", length=0)
     ax.set_yticks([])
     for side in ("top", "right", "left", "bottom"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or f"{len(fold)} nodes, {len(groups)} batched calls, {len(depths)} depths")
+    ax.set_title(title or f"{len(fold)} nodes, {len(groups)} batched calls, {len(depths)} depths", pad=22)
+    ax.set_aspect("equal")  # round nodes and boxes whatever the fold's width and height
     ax.autoscale_view()
     ax.margins(0.08)
     if path is not None:
@@ -126,12 +129,13 @@ def _arrow(
             "shrinkA": 11,
             "shrinkB": 11,
             # edges that skip depths bend more, so they do not run through the nodes in between
-            "connectionstyle": f"arc3,rad={0.08 + 0.3 * max(0.0, end[0] - start[0] - 1):.2f}",
+            "connectionstyle": f"arc3,rad={0.08 + 0.3 * max(0.0, (end[0] - start[0]) / _X_STEP - 1):.2f}",
         },
     )
     if label:  # near the source, where the outputs of a multi-output call part ways
-        x, y = start[0] + 0.3 * (end[0] - start[0]), start[1] + 0.3 * (end[1] - start[1])
-        ax.text(x, y + 0.12, label, fontsize=7, color="#555555")
+        above = "[1]" not in label  # even outputs above the edges' common start, odd ones below
+        ax.text(start[0] + 0.3, start[1] + (0.2 if above else -0.2), label, fontsize=7, color="#555555",
+                va="bottom" if above else "top")  # fmt: skip
 
 
 def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> None:
@@ -143,9 +147,9 @@ def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> No
         y = cursor.get(group.depth, heights[group.depth] / 2)
         top = y
         for index in range(len(group.calls)):
-            position[(group, index)] = (group.depth, y - index)
+            position[(group, index)] = (_X_STEP * group.depth, y - index)
         bottom = y - (len(group.calls) - 1)
-        _box(ax, group.depth, bottom, top, colors[group.op], f"{group.name} ×{len(group.calls)}")
+        _box(ax, _X_STEP * group.depth, bottom, top, colors[group.op], f"{group.name} ×{len(group.calls)}")
         cursor[group.depth] = bottom - 2.2
     for group in groups:
         for index, args in enumerate(group.calls):
@@ -168,10 +172,11 @@ def _draw_groups(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> N
     cursor: dict[int, float] = {}
     for group in groups:
         y = cursor.get(group.depth, 0.0)
-        position[group] = (group.depth, y)
+        x = _X_STEP * group.depth
+        position[group] = (x, y)
         cursor[group.depth] = y - 2.0
-        _box(ax, group.depth, y, y, colors[group.op], "")
-        ax.text(group.depth, y, f"{group.name}\n×{len(group.calls)}", ha="center", va="center", fontsize=8)
+        _box(ax, x, y, y, colors[group.op], "")
+        ax.text(x, y, f"{group.name}\n×{len(group.calls)}", ha="center", va="center", fontsize=8)
     for group in groups:
         feeders = {arg.group for args in group.calls for arg in args if isinstance(arg, Node)}
         for source in sorted(feeders, key=lambda g: (g.depth, g.order)):

@@ -115,7 +115,11 @@ def _box(ax: Axes, x: float, y0: float, y1: float, color: str, label: str) -> No
 
 
 def _arrow(
-    ax: Axes, start: tuple[float, float], end: tuple[float, float], label: str = "", dashed: bool = False
+    ax: Axes,
+    start: tuple[float, float],
+    end: tuple[float, float],
+    output: int | None = None,
+    dashed: bool = False,
 ) -> None:
     ax.annotate(
         "",
@@ -132,9 +136,9 @@ def _arrow(
             "connectionstyle": f"arc3,rad={0.08 + 0.3 * max(0.0, (end[0] - start[0]) / _X_STEP - 1):.2f}",
         },
     )
-    if label:  # near the source, where the outputs of a multi-output call part ways
-        above = "[1]" not in label  # even outputs above the edges' common start, odd ones below
-        ax.text(start[0] + 0.3, start[1] + (0.2 if above else -0.2), label, fontsize=7, color="#555555",
+    if output is not None:  # near the source, where the outputs of a multi-output call part ways
+        above = output % 2 == 0
+        ax.text(start[0] + 0.3, start[1] + (0.2 if above else -0.2), f"[{output}]", fontsize=7, color="#555555",
                 va="bottom" if above else "top")  # fmt: skip
 
 
@@ -158,8 +162,7 @@ def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> No
             ax.text(x, y, str(index), ha="center", va="center", color="white", fontsize=8, zorder=4)
             for slot, arg in enumerate(args):
                 if isinstance(arg, Node):
-                    label = "" if arg.output is None else f"[{arg.output}]"
-                    _arrow(ax, position[(arg.group, arg.index)], (x, y), label, dashed=not arg.batch)
+                    _arrow(ax, position[(arg.group, arg.index)], (x, y), arg.output, dashed=not arg.batch)
                 else:
                     literals.append((_literal(arg), (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))))
     for text, (lx, ly) in literals:

@@ -5,7 +5,6 @@ Spawned processes import this module by name, so it holds only top-level functio
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -100,14 +99,6 @@ def run_ranks(
     return [torch.load(out, weights_only=False) if out.exists() else None for out in outs]
 
 
-def split_step(global_batch: int, num_replicas: int, minibatch_size: int) -> list[list[int]]:
-    """Reference split of one step's samples into per-rank minibatch sizes (round-robin minibatches)."""
-    sizes: list[list[int]] = [[] for _ in range(num_replicas)]
-    for j in range(math.ceil(global_batch / minibatch_size)):
-        sizes[j % num_replicas].append(min(minibatch_size, global_batch - j * minibatch_size))
-    return sizes
-
-
 # -- what the spawned ranks run ------------------------------------------------------------------
 
 LR = 0.05
@@ -131,6 +122,7 @@ def train(
     num_replicas: int,
     rank: int,
     stop_at_step: int | None = None,
+    stall_s: float = 0.0,
 ) -> dict[str, Any]:
     """Train ``model`` for one epoch of ``trace`` with AccumulatingOptimizer; rank ``rank`` of ``num_replicas``.
 
@@ -153,7 +145,8 @@ def train(
     factors, local = [], []
     for plan in sampler.steps():
         if stop_at_step is not None and plan.step == stop_at_step:
-            os._exit(3)  # this rank dies without a word, in the middle of training
+            time.sleep(stall_s)  # this rank hangs (if stall_s > 0), then dies without a word
+            os._exit(3)
         for _ in range(plan.local_minibatches):
             idx = next(batches)
             opt.backward(F.cross_entropy(model(x[idx]), y[idx]), num_samples=len(idx))
@@ -178,10 +171,12 @@ def train_rank(
     trace: list[int],
     minibatch_size: int,
     runs: list[tuple[str, bool]],
-    die: tuple[int, int] | None,
+    die: tuple[int, int, float] | None,
+    timeout: float = 5.0,
 ) -> dict[str, Any]:
-    """One rank: train once per ``(rule, use_ddp)`` in ``runs``; then, if ``die=(rank, step)``, train
-    again with that rank dying at that step, and report how the survivors fail."""
+    """One rank: train once per ``(rule, use_ddp)`` in ``runs``; then, if ``die=(rank, step, stall_s)``,
+    train again with that rank hanging for ``stall_s`` seconds and dying at that step, and report
+    how the others fail."""
     from torch.nn.parallel import DistributedDataParallel
 
     from torchfold._distributed import broadcast_parameters, fingerprint, init_distributed
@@ -191,7 +186,7 @@ def train_rank(
         rank=rank,
         world_size=world_size,
         master_port=port,
-        timeout=5.0,
+        timeout=timeout,
         config={"trace": fingerprint(trace)},
     )
     results: dict[str, Any] = {}
@@ -205,10 +200,11 @@ def train_rank(
             model, rule, data, trace, minibatch_size, world_size, rank
         )
     if die is not None:
-        dying_rank, step = die
+        dying_rank, step, stall_s = die
         model = make_model(seed=0)
         start = time.monotonic()
         try:
+            stop = step if rank == dying_rank else None
             train(
                 model,
                 "linear",
@@ -217,7 +213,8 @@ def train_rank(
                 minibatch_size,
                 world_size,
                 rank,
-                stop_at_step=step if rank == dying_rank else None,
+                stop_at_step=stop,
+                stall_s=stall_s,
             )
             results["after_death"] = "finished"
         except RuntimeError as e:

@@ -145,6 +145,25 @@ def test_adascale_gain_matches_a_hand_computation() -> None:
     assert opt.scale_invariant_steps > 3.0
 
 
+def test_adascale_gain_does_not_depend_on_the_reduction() -> None:
+    gains = {}
+    for reduction in ("mean", "sum"):
+        model = make_model()
+        opt = AccumulatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            lr_rule="adascale",
+            ref_batch_size=REF,
+            reduction=reduction,  # type: ignore[arg-type]
+            adascale_smoothing=0.0,
+        )
+        for xb, yb in _batches([[16, 16, 8, 24]])[0]:  # uneven minibatches too
+            opt.backward(F.cross_entropy(model(xb), yb, reduction=reduction), num_samples=len(xb))
+        opt.step()
+        gains[reduction] = opt.last_lr_factor
+    assert gains["mean"] == pytest.approx(gains["sum"], rel=1e-9)
+    assert 1.0 < gains["mean"] <= 64 / REF
+
+
 def test_adascale_single_minibatch_gives_gain_one_without_nan() -> None:
     model = make_model()
     opt = AccumulatingOptimizer(

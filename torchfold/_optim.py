@@ -128,7 +128,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     "module is a DistributedDataParallel with buffers and broadcast_buffers=True: DDP would "
                     "broadcast them in every forward, and ranks run different numbers of forwards per step. "
-                    "Wrap the model with DistributedDataParallel(..., broadcast_buffers=False)"
+                    "Wrap the model with DistributedDataParallel(..., broadcast_buffers=False) (named "
+                    "forward_sync_buffers=False in newer PyTorch)"
                 )
             self._no_sync.enter_context(module.no_sync())
         # Accumulated (weighted) gradient sums, one per parameter, and this step's local stats.

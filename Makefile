@@ -1,13 +1,17 @@
 # The two commands the README documents (each creates the environment it needs):
 #   make demo   - create .venv and run the main job: a short Tree-LSTM training demo
-#   make test   - create .venv and run lint, type checks and the whole test suite
+#   make test   - create .venv (and .venv-xla: torch_xla on its CPU backend) and run lint, type
+#                 checks and the whole test suite, the XLA tests included
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchfold-installed
+# torch_xla pins its own torch, so the XLA tests run in a second environment
+XLA_VENV ?= .venv-xla
+XLA_STAMP := $(XLA_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck unit env clean
+.PHONY: demo test lint typecheck unit test-xla env env-xla clean
 
 env: $(STAMP)
 
@@ -15,6 +19,15 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,notebooks]'
+	touch $@
+
+env-xla: $(XLA_STAMP)
+
+$(XLA_STAMP): setup.py pyproject.toml
+	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 mlxtend
+	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
 demo: env
@@ -28,9 +41,12 @@ typecheck: env
 	$(BIN)/mypy
 
 unit: env
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not xla"
 
-test: lint typecheck unit
+test-xla: env-xla
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py
+
+test: lint typecheck unit test-xla
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(XLA_VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

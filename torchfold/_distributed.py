@@ -330,10 +330,10 @@ def init_distributed(
         config: JSON-serializable values that must be equal on all ranks, e.g.
             ``{"trace": fingerprint(trace), "minibatch_size": 32}``.
 
-    Example::
+    Example (in every process of a job; not run as a doctest, it creates a process group)::
 
-        >>> init_distributed("gloo", rank=0, world_size=1, master_port=29512, timeout=5.0,
-        ...                  config={"trace": fingerprint([64, 128])})  # doctest: +SKIP
+        init_distributed("gloo", rank=0, world_size=1, master_port=29512, timeout=5.0,
+                         config={"trace": fingerprint([64, 128])})
     """
     rank = _check_int("rank", _env_int("rank", rank, "RANK"), 0)
     world_size = _check_int("world_size", _env_int("world_size", world_size, "WORLD_SIZE"), 1)

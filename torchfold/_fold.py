@@ -77,7 +77,6 @@ class Fold:
             self.device = torch.device(device)
         self.volatile = volatile
         self._groups: dict[tuple[int, Op, int], Group] = {}
-        self._calls: dict[tuple[Any, ...], Node] = {}
         self._num_nodes = 0
         self._token = object()  # what this Fold's nodes point to (see Node.owner)
 
@@ -94,7 +93,7 @@ class Fold:
             FoldError: an argument is a node of another fold, or of an unsupported type.
         """
         depth = 0
-        key: list[Any] = [op]
+        floats = False
         for arg in args:
             cls = arg.__class__
             if cls is Node:
@@ -105,32 +104,28 @@ class Fold:
                     )
                 if arg.group.depth >= depth:
                     depth = arg.group.depth + 1
-                key.append(arg)  # by identity: one handle object per value (see Node)
-            elif cls is int:
-                key.append(arg)
-            elif isinstance(arg, _Tensor):
-                key.append((id(arg),))
             elif cls is float:
-                key.append(("float", arg))
-            else:
+                floats = True
+            elif cls is not int and not isinstance(arg, _Tensor):
                 raise FoldError(
-                    f"argument {len(key)} of {op_name(op)!r} is a {type(arg).__name__} ({arg!r}); "
+                    f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
+                    f"{type(arg).__name__} ({arg!r}); "
                     "fold arguments must be nodes of this Fold, ints, floats or tensors"
                 )
-        call_key = tuple(key)
-        node = self._calls.get(call_key)
-        if node is not None:
-            return node
-        if op.__class__ is not str and not callable(op):
-            raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
-        group_key = (depth, op, len(args))
-        group = self._groups.get(group_key)
+        group = self._groups.get((depth, op, len(args)))
         if group is None:
-            group = self._groups[group_key] = Group(op, depth, len(self._groups))
-        node = Node(self._token, group, len(group.calls))
-        group.calls.append(args)
-        self._calls[call_key] = node
-        self._num_nodes += 1
+            if op.__class__ is not str and not callable(op):
+                raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
+            group = self._groups[(depth, op, len(args))] = Group(op, depth, len(self._groups))
+        # Identical calls are found by their argument tuple itself: nodes hash by identity (one
+        # handle object per value), tensors by identity, ints by value. Floats are tagged so that
+        # 1.0 and 1 (a float and a long tensor) stay different calls.
+        key = tuple([("float", a) if a.__class__ is float else a for a in args]) if floats else args
+        node = group.nodes.get(key)
+        if node is None:
+            node = group.nodes[key] = Node(self._token, group, len(group.calls))
+            group.calls.append(args)
+            self._num_nodes += 1
         return node
 
     # -- running ----------------------------------------------------------------------------

@@ -28,13 +28,14 @@ def op_name(op: Op) -> str:
 class Group:
     """All calls of one op at one depth with one arity: they run as one batched call."""
 
-    __slots__ = ("arg_shapes", "calls", "depth", "num_outputs", "op", "order")
+    __slots__ = ("arg_shapes", "calls", "depth", "nodes", "num_outputs", "op", "order")
 
     def __init__(self, op: Op, depth: int, order: int) -> None:
         self.op = op
         self.depth = depth
         self.order = order  # creation order: groups at the same depth run in this order
-        self.calls: list[tuple[Any, ...]] = []
+        self.calls: list[tuple[Any, ...]] = []  # the arguments of each call, in call order
+        self.nodes: dict[tuple[Any, ...], Node] = {}  # each distinct call's node, by its arguments
         self.num_outputs = 0  # how many outputs `split` promised; 0 = used as a single tensor
         self.arg_shapes: list[str] | None = None  # filled in by apply, shown by repr
 

@@ -436,3 +436,39 @@ def test_a_fold_is_freed_without_the_cycle_collector() -> None:
 def test_a_bad_argument_after_a_tensor_is_named_by_position() -> None:
     with pytest.raises(FoldError, match=r"argument 3 of 'merge' is a str \('x'\)"):
         Fold().add("merge", torch.ones(2, 3), 1, "x")
+
+
+class Blocks(torch.nn.Module):
+    """Ops whose calls own 2 rows each, read back in a different order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 3)
+
+    def twin(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.embed(ids)
+        return torch.stack([rows, 2 * rows], 1).reshape(-1, 3)
+
+    def pool(self, block: torch.Tensor) -> torch.Tensor:
+        return block.reshape(-1, 2, 3).sum(1) * block.reshape(-1, 2, 3)[:, 1]
+
+
+@pytest.mark.parametrize("order", [[3, 1, 0, 2], [0, 1, 2, 3], [2, 2, 0, 1]])
+def test_calls_owning_several_rows_are_gathered_by_blocks(order: list[int]) -> None:
+    model = Blocks()
+    given = torch.randn(2, 3, requires_grad=True)
+
+    def build(fold: Any) -> list[Any]:
+        twins = [fold.add("twin", i) for i in range(4)]
+        pooled = [fold.add("pool", twins[i]) for i in order]
+        return [*pooled, fold.add("pool", given), *[twins[i] for i in order]]
+
+    fold, unfold = Fold(), Unfold(model)
+    folded = fold.apply(model, [build(fold)[:5], build(fold)[5:]])
+    eager = unfold.apply(model, [build(unfold)[:5], build(unfold)[5:]])
+    for a, b in zip(folded, eager, strict=True):
+        torch.testing.assert_close(a, b)
+    grads = torch.autograd.grad(sum(t.sum() for t in folded), [model.embed.weight, given])
+    eager_grads = torch.autograd.grad(sum(t.sum() for t in eager), [model.embed.weight, given])
+    torch.testing.assert_close(grads, eager_grads)

@@ -22,7 +22,7 @@ import torchfold._execute
 from torchfold import Fold, Unfold
 
 HIDDEN = 5
-KINDS = ("leaf", "lift", "pair", "combine", "attend", "scale", "repeat")
+KINDS = ("leaf", "lift", "pair", "combine", "attend", "scale", "repeat", "twin", "pool")
 
 
 class Zoo(torch.nn.Module):
@@ -57,6 +57,14 @@ class Zoo(torch.nn.Module):
     def scale(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
         return x * factor.unsqueeze(1)
 
+    def twin(self, x: torch.Tensor) -> torch.Tensor:
+        """Two rows per call: each call owns a block of 2 rows of the batched result."""
+        return torch.stack([x, torch.tanh(x @ self.w_lift)], 1).reshape(-1, HIDDEN)
+
+    def pool(self, pair: torch.Tensor) -> torch.Tensor:
+        """Reads 2-row blocks (one per call) and gives one row per call back."""
+        return pair.reshape(-1, 2, HIDDEN).prod(1)
+
 
 instruction = st.tuples(
     st.sampled_from(KINDS),
@@ -73,6 +81,7 @@ def run_program(fold: Any, program: list[tuple[Any, ...]], inputs: list[torch.Te
     fold.add("context", 1)  # so the shared value is one row block of a batched call, not all of it
     shared = fold.add("context", 2).nobatch()
     values: list[Any] = []
+    twins: list[Any] = []  # values of 2 rows per call, read only by `pool`
     history: list[tuple[str, tuple[Any, ...]]] = []
 
     def pick(i: int) -> Any:
@@ -89,6 +98,10 @@ def run_program(fold: Any, program: list[tuple[Any, ...]], inputs: list[torch.Te
             call = ("pair", (pick(i), pick(j)))
         elif kind == "combine":
             call = ("combine", (pick(i), pick(j), pick(k)))
+        elif kind == "twin":
+            call = ("twin", (pick(i),))
+        elif kind == "pool":
+            call = ("pool", (twins[j % len(twins)],)) if twins else ("twin", (pick(i),))
         elif kind == "attend":
             call = ("attend", (pick(i), shared))
         else:
@@ -96,7 +109,10 @@ def run_program(fold: Any, program: list[tuple[Any, ...]], inputs: list[torch.Te
         history.append(call)
         op, args = call
         node = fold.add(op, *args)
-        values.extend(node.split(2) if op == "pair" else [node])
+        if op == "twin":
+            twins.append(node)
+        else:
+            values.extend(node.split(2) if op == "pair" else [node])
     return values
 
 

@@ -19,6 +19,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from torchfold._errors import FoldError
@@ -31,69 +32,78 @@ if TYPE_CHECKING:
 __all__ = ["execute"]
 
 _Tensor = torch.Tensor
-_SourceKey = tuple[Group, int | None]
 _is_batched = operator.attrgetter("batch")
 
 
 class _Results:
-    """Batched results of the groups run so far, and how many rows each call owns in them."""
+    """Batched results of the groups run so far, by source number (see ``Owner``), and how many
+    rows each call owns in them."""
 
-    __slots__ = ("rows", "tensors")
+    __slots__ = ("outputs", "rows", "tensors")
 
     def __init__(self) -> None:
-        self.tensors: dict[_SourceKey, _Tensor] = {}
-        self.rows: dict[_SourceKey, int] = {}
+        self.tensors: dict[int, _Tensor] = {}
+        self.rows: dict[int, int] = {}
+        self.outputs: dict[Group, int] = {}  # how many outputs each group returned (0: one tensor)
 
     def store(self, group: Group, out: Any) -> None:
         calls = len(group.calls)
         if isinstance(out, _Tensor):
             outputs: Sequence[Any] = (out,)
-            keys: Sequence[int | None] = (None,)
+            sources: Sequence[int] = (group.source,)
+            self.outputs[group] = 0
         elif isinstance(out, tuple | list):
             outputs = out
-            keys = range(len(out))
+            sources = group.output_sources
+            self.outputs[group] = len(out)
         else:
             raise FoldError(
                 f"op {group.name!r} at depth {group.depth} returned a {type(out).__name__}; "
                 "ops must return a tensor or a tuple of tensors"
             )
-        if group.num_outputs > len(outputs):
+        if group.num_outputs > len(outputs) or (group.num_outputs and isinstance(out, _Tensor)):
+            returned = "a single tensor" if isinstance(out, _Tensor) else len(outputs)
+            fix = (
+                "use the node without .split()"
+                if isinstance(out, _Tensor)
+                else f"call .split({len(outputs)})"
+            )
             raise FoldError(
                 f"split index out of range: nodes of op {group.name!r} at depth {group.depth} were split into "
-                f"{group.num_outputs} outputs, but it returned {'a single tensor' if keys == (None,) else len(outputs)}"
-                f"; call .split({len(outputs) if keys != (None,) else 1}) or use the node whole"
+                f"{group.num_outputs} outputs, but it returned {returned}; {fix}"
             )
-        for key, value in zip(keys, outputs, strict=True):
+        for key, value in enumerate(outputs):
             if not isinstance(value, _Tensor):
                 raise FoldError(
                     f"op {group.name!r} at depth {group.depth} returned a {type(value).__name__} as output "
                     f"{key}; ops must return a tensor or a tuple of tensors"
                 )
             if value.dim() == 0 or value.shape[0] % calls:
+                where = "" if isinstance(out, _Tensor) else f" as output {key}"
                 raise FoldError(
                     f"op {group.name!r} at depth {group.depth} ran {calls} calls batched and returned shape "
-                    f"{tuple(value.shape)}{'' if key is None else f' as output {key}'}: its leading dim must be "
-                    f"a multiple of {calls} (each call owns the same number of rows, in call order)"
+                    f"{tuple(value.shape)}{where}: its leading dim must be a multiple of {calls} (each call owns "
+                    "the same number of rows, in call order)"
                 )
-            self.tensors[(group, key)] = value
-            self.rows[(group, key)] = value.shape[0] // calls
+        for source, value in zip(sources, outputs, strict=False):  # outputs never split are not read
+            self.tensors[source] = value
+            self.rows[source] = value.shape[0] // calls
 
     def source(self, node: Node) -> tuple[_Tensor, int]:
         """The batched tensor that holds ``node``'s rows, and how many rows each call owns in it."""
-        key = (node.group, node.output)
-        tensor = self.tensors.get(key)
+        tensor = self.tensors.get(node.source)
         if tensor is not None:
-            return tensor, self.rows[key]
+            return tensor, self.rows[node.source]
         group = node.group
+        count = self.outputs[group]
         if node.output is None:
-            count = sum(1 for k in self.tensors if k[0] is group)
             raise FoldError(
                 f"{node!r} is used whole, but op {group.name!r} at depth {group.depth} returned {count} outputs; "
                 f"take them apart with .split({count})"
             )
-        raise FoldError(
+        raise FoldError(  # unreachable in practice: store() checks splits against what the op returned
             f"split index out of range: {node!r} asks for output {node.output} of op {group.name!r} at depth "
-            f"{group.depth}, which returned a single tensor; use the node without .split()"
+            f"{group.depth}, which returned {count or 'a single tensor'}"
         )
 
 
@@ -116,28 +126,32 @@ class _Spec:
     """Where the rows of one batched argument come from.
 
     ``pieces`` are the tensors read (earlier results and tensors given to ``add``); call ``i``
-    takes ``rows`` rows of ``pieces[item_piece[i]]`` from row ``item_start[i]`` on.
+    takes ``rows`` rows of ``pieces[item_piece[i]]`` from row ``item_start[i]`` on. The per-call
+    arrays are numpy, so planning a gather costs two attribute sweeps over the nodes and a few
+    vectorised operations, whatever the number of sources.
     """
 
-    __slots__ = ("item_piece", "item_start", "owners", "pieces", "rows")
+    __slots__ = ("_owner_of", "is_result", "item_piece", "item_start", "owners", "pieces", "rows")
 
     def __init__(
         self,
         pieces: list[_Tensor],
-        owners: list[Any],
-        item_piece: list[int],
-        item_start: list[int],
+        is_result: list[bool],
+        item_piece: np.ndarray,
+        item_start: np.ndarray,
         rows: int,
+        owners: Callable[[int], Any],
     ) -> None:
         self.pieces = pieces
-        self.owners = owners  # per piece: a node of it (an earlier result) or a description
+        self.is_result = is_result  # per piece: an earlier result (may be compacted) or a given tensor
         self.item_piece = item_piece
         self.item_start = item_start
         self.rows = rows
+        self.owners = owners  # piece number -> a node of it or a description, for messages
 
     def passes_through(self) -> bool:
         """Exactly one whole piece, in order: the argument is that tensor, no copy needed."""
-        return len(self.pieces) == 1 and self.item_start == list(range(0, self.pieces[0].shape[0], self.rows))
+        return len(self.pieces) == 1 and _in_order(self.item_start, self.rows, self.pieces[0].shape[0])
 
     def compatible(self, other: _Spec) -> bool:
         a, b = self.pieces[0], other.pieces[0]
@@ -152,6 +166,11 @@ class _Spec:
         return not {id(p) for p in self.pieces}.isdisjoint(id(p) for p in other.pieces)
 
 
+def _in_order(starts: np.ndarray, rows: int, total: int) -> bool:
+    """Do ``starts`` take all ``total`` rows, in order?"""
+    return len(starts) * rows == total and bool((starts == np.arange(0, total, rows)).all())
+
+
 def _rows_mismatch(where: str, first: Any, rows: int, other: Any, k: int) -> FoldError:
     return FoldError(
         f"{where}: rows disagree within the group: {first} gives {rows} rows per call but {other} gives {k}; "
@@ -160,24 +179,34 @@ def _rows_mismatch(where: str, first: Any, rows: int, other: Any, k: int) -> Fol
 
 
 def _node_spec(column: Sequence[Node], results: _Results, where: str) -> _Spec:
-    """Spec of a column of nodes only: the hot path, built with comprehensions, not a loop."""
-    keys = [(node.group, node.output) for node in column]
-    by_key = dict(zip(keys, column, strict=True))  # distinct sources in first-use order, a node of each
+    """Spec of a column of nodes only: the hot path."""
+    sources = [node.source for node in column]
+    distinct = dict.fromkeys(sources)  # in first-use order
+
+    def owner(piece: int) -> Node:
+        return column[sources.index(list(distinct)[piece])]
+
     pieces: list[_Tensor] = []
-    owners: list[Any] = []
-    piece_of: dict[Any, int] = {}
     rows = -1
-    for key, node in by_key.items():
-        tensor, k = results.source(node)
+    tensors = results.tensors
+    for number, source in enumerate(distinct):
+        tensor = tensors.get(source)
+        if tensor is None:
+            results.source(owner(number))  # raises, naming the node
+        k = results.rows[source]
         if k != rows and rows != -1:
-            raise _rows_mismatch(where, owners[0], rows, node, k)
+            raise _rows_mismatch(where, owner(0), rows, owner(number), k)
         rows = k
-        piece_of[key] = len(pieces)
-        pieces.append(tensor)
-        owners.append(node)
-    item_piece = [piece_of[key] for key in keys]
-    item_start = [node.index for node in column] if rows == 1 else [node.index * rows for node in column]
-    return _Spec(pieces, owners, item_piece, item_start, rows)
+        distinct[source] = number
+        pieces.append(tensor)  # type: ignore[arg-type]
+    index = np.fromiter([node.index for node in column], dtype=np.int64, count=len(column))
+    if len(pieces) == 1:
+        item_piece = np.zeros(len(column), dtype=np.int64)
+    else:
+        table = np.zeros(max(distinct) + 1, dtype=np.int64)
+        table[list(distinct)] = np.arange(len(distinct))
+        item_piece = table[np.fromiter(sources, dtype=np.int64, count=len(sources))]
+    return _Spec(pieces, [True] * len(pieces), item_piece, index * rows if rows != 1 else index, rows, owner)
 
 
 def _mixed_spec(column: Sequence[Any], results: _Results, where: str) -> _Spec:
@@ -190,7 +219,7 @@ def _mixed_spec(column: Sequence[Any], results: _Results, where: str) -> _Spec:
     rows = -1
     for item in column:
         if item.__class__ is Node:
-            key: Any = (item.group, item.output)
+            key: Any = ("node", item.source)
             piece = piece_of.get(key)
             if piece is None:
                 tensor, k = results.source(item)
@@ -198,7 +227,7 @@ def _mixed_spec(column: Sequence[Any], results: _Results, where: str) -> _Spec:
                 pieces.append(tensor)
                 owners.append(item)
             else:
-                k = results.rows[key]
+                k = results.rows[item.source]
             start = item.index * k
         else:
             if item.dim() == 0:
@@ -222,17 +251,21 @@ def _mixed_spec(column: Sequence[Any], results: _Results, where: str) -> _Spec:
             rows = k
         item_piece.append(piece)
         item_start.append(start)
-    return _Spec(pieces, owners, item_piece, item_start, rows)
+    is_result = [owner.__class__ is Node for owner in owners]
+    return _Spec(
+        pieces, is_result, np.array(item_piece, dtype=np.int64), np.array(item_start, dtype=np.int64), rows,
+        owners.__getitem__,
+    )  # fmt: skip
 
 
 def _spec(column: Sequence[Any], results: _Results, where: str, nodes_only: bool) -> _Spec:
     spec = _node_spec(column, results, where) if nodes_only else _mixed_spec(column, results, where)
     first = spec.pieces[0]
-    for other, owner in zip(spec.pieces[1:], spec.owners[1:], strict=True):
+    for number, other in enumerate(spec.pieces[1:], 1):
         if other.shape[1:] != first.shape[1:] or other.dtype != first.dtype or other.device != first.device:
             raise FoldError(
-                f"{where}: rows disagree in shape within the group: {spec.owners[0]} gives rows of "
-                f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {owner} gives "
+                f"{where}: rows disagree in shape within the group: {spec.owners(0)} gives rows of "
+                f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {spec.owners(number)} gives "
                 f"{tuple(other.shape[1:])} {other.dtype} on {other.device}; calls of one group must pass "
                 "same-shaped rows at each position (use different ops for different shapes)"
             )
@@ -242,30 +275,36 @@ def _spec(column: Sequence[Any], results: _Results, where: str, nodes_only: bool
 def _merge(specs: list[_Spec]) -> _Spec:
     """One spec reading the union of the pieces of ``specs``, their calls one after another."""
     pieces: list[_Tensor] = []
-    owners: list[Any] = []
+    is_result: list[bool] = []
+    origins: list[tuple[_Spec, int]] = []
     piece_of: dict[int, int] = {}
-    item_piece: list[int] = []
-    item_start: list[int] = []
+    item_pieces = []
     for spec in specs:
         remap = []
-        for piece, owner in zip(spec.pieces, spec.owners, strict=True):
-            index = piece_of.get(id(piece))
-            if index is None:
-                index = piece_of[id(piece)] = len(pieces)
+        for number, piece in enumerate(spec.pieces):
+            merged = piece_of.get(id(piece))
+            if merged is None:
+                merged = piece_of[id(piece)] = len(pieces)
                 pieces.append(piece)
-                owners.append(owner)
-            remap.append(index)
-        item_piece += [remap[p] for p in spec.item_piece]
-        item_start += spec.item_start
-    return _Spec(pieces, owners, item_piece, item_start, specs[0].rows)
+                is_result.append(spec.is_result[number])
+                origins.append((spec, number))
+            remap.append(merged)
+        item_pieces.append(np.array(remap, dtype=np.int64)[spec.item_piece])
+
+    def owner(piece: int) -> Any:
+        spec, number = origins[piece]
+        return spec.owners(number)
+
+    item_start = np.concatenate([spec.item_start for spec in specs])
+    return _Spec(pieces, is_result, np.concatenate(item_pieces), item_start, specs[0].rows, owner)
 
 
-def _rows_index(starts: list[int], rows: int, device: torch.device) -> _Tensor:
-    """Indices of ``rows`` consecutive rows from each start."""
-    index = torch.tensor(starts, dtype=torch.long, device=device)
+def _rows_index(starts: np.ndarray, rows: int, device: torch.device) -> _Tensor:
+    """Indices of ``rows`` consecutive rows from each start, on ``device``."""
     if rows != 1:
-        index = (index.unsqueeze(1) + torch.arange(rows, device=device)).reshape(-1)
-    return index
+        starts = (starts[:, None] + np.arange(rows, dtype=np.int64)).reshape(-1)
+    index = torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int64))
+    return index if device.type == "cpu" else index.to(device)
 
 
 def _materialize(specs: list[_Spec]) -> list[_Tensor]:
@@ -275,12 +314,13 @@ def _materialize(specs: list[_Spec]) -> list[_Tensor]:
     device = pieces[0].device
     if len(pieces) > 1:
         _compact_sparse_sources(spec)
-    offsets = [0]
-    for piece in pieces:
-        offsets.append(offsets[-1] + piece.shape[0])
-    starts = [offsets[p] + s for p, s in zip(spec.item_piece, spec.item_start, strict=True)]
-    source = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
-    if starts != list(range(0, offsets[-1], rows)):
+        offsets = np.cumsum([0] + [piece.shape[0] for piece in pieces], dtype=np.int64)
+        starts = offsets[spec.item_piece] + spec.item_start
+        total = int(offsets[-1])
+        source = torch.cat(pieces, 0)
+    else:
+        starts, total, source = spec.item_start, pieces[0].shape[0], pieces[0]
+    if not _in_order(starts, rows, total):
         source = source.index_select(0, _rows_index(starts, rows, device))
     if len(specs) == 1:
         return [source]
@@ -292,27 +332,16 @@ def _compact_sparse_sources(spec: _Spec) -> None:
     pieces, rows = spec.pieces, spec.rows
     if sum(piece.numel() * piece.element_size() for piece in pieces) <= COMPACT_BYTES:
         return  # no source is big enough to leave that much unused
-    uses = [0] * len(pieces)
-    for p in spec.item_piece:
-        uses[p] += 1
-    compact = []
-    for p, piece in enumerate(pieces):
-        unused = piece.shape[0] - uses[p] * rows
-        row_bytes = math.prod(piece.shape[1:]) * piece.element_size()
-        if spec.owners[p].__class__ is Node and unused > 0 and unused * row_bytes > COMPACT_BYTES:
-            compact.append(p)
-    if not compact:
-        return
-    used_rows: dict[int, list[int]] = {p: [] for p in compact}
-    item_start = spec.item_start
-    for i, p in enumerate(spec.item_piece):
-        kept = used_rows.get(p)
-        if kept is not None:
-            kept.append(item_start[i])
-            item_start[i] = (len(kept) - 1) * rows
+    uses = np.bincount(spec.item_piece, minlength=len(pieces))
     device = pieces[0].device
-    for p, kept in used_rows.items():
-        pieces[p] = pieces[p].index_select(0, _rows_index(kept, rows, device))
+    for p, piece in enumerate(pieces):
+        unused = piece.shape[0] - int(uses[p]) * rows
+        row_bytes = math.prod(piece.shape[1:]) * piece.element_size()
+        if spec.is_result[p] and unused > 0 and unused * row_bytes > COMPACT_BYTES:
+            mask = spec.item_piece == p
+            kept = spec.item_start[mask]
+            spec.item_start[mask] = np.arange(len(kept), dtype=np.int64) * rows
+            pieces[p] = piece.index_select(0, _rows_index(kept, rows, device))
 
 
 def _shared(column: Sequence[Any], results: _Results, where: str) -> _Tensor:
@@ -430,9 +459,7 @@ def execute(fold: Fold, nn: object, requests: Sequence[Sequence[Node]]) -> list[
     results = _run_groups(fold, nn, device)
     outputs = []
     for i, request in enumerate(requests):
-        nodes = [
-            node if node.batch else Node(node.owner, node.group, node.index, node.output) for node in request
-        ]
+        nodes = request  # a nobatch handle asked for as an output is just its rows
         where = _where(None, i)
         (output,) = _materialize([_spec(nodes, results, where, nodes_only=True)])
         outputs.append(output)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op, op_name
+from torchfold._node import Group, Node, Op, Owner, op_name
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -78,7 +78,7 @@ class Fold:
         self.volatile = volatile
         self._groups: dict[tuple[int, Op, int], Group] = {}
         self._num_nodes = 0
-        self._token = object()  # what this Fold's nodes point to (see Node.owner)
+        self._token = Owner()  # what this Fold's nodes point to (see Node.owner)
 
     # -- recording --------------------------------------------------------------------------
 
@@ -116,7 +116,8 @@ class Fold:
         if group is None:
             if op.__class__ is not str and not callable(op):
                 raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
-            group = self._groups[(depth, op, len(args))] = Group(op, depth, len(self._groups))
+            group = Group(op, depth, len(self._groups), self._token.new_sources(1)[0])
+            self._groups[(depth, op, len(args))] = group
         # Identical calls are found by their argument tuple itself: nodes hash by identity (one
         # handle object per value), tensors by identity, ints by value. Floats are tagged so that
         # 1.0 and 1 (a float and a long tensor) stay different calls.

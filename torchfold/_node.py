@@ -13,7 +13,7 @@ from typing import Any
 
 from torchfold._errors import FoldError
 
-__all__ = ["Group", "Node", "op_name"]
+__all__ = ["Group", "Node", "Owner", "op_name"]
 
 Op = str | Callable[..., Any]
 
@@ -25,15 +25,45 @@ def op_name(op: Op) -> str:
     return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
 
 
+class Owner:
+    """What a Fold's nodes point to instead of the Fold (see ``Node.owner``); numbers its sources.
+
+    A source is one batched tensor that ``apply`` will produce: a group's result, or one output
+    of a multi-output group. Numbering them lets ``apply`` plan gathers with integer arrays.
+    """
+
+    __slots__ = ("sources",)
+
+    def __init__(self) -> None:
+        self.sources = 0
+
+    def new_sources(self, count: int) -> range:
+        first = self.sources
+        self.sources += count
+        return range(first, first + count)
+
+
 class Group:
     """All calls of one op at one depth with one arity: they run as one batched call."""
 
-    __slots__ = ("arg_shapes", "calls", "depth", "nodes", "num_outputs", "op", "order")
+    __slots__ = (
+        "arg_shapes",
+        "calls",
+        "depth",
+        "nodes",
+        "num_outputs",
+        "op",
+        "order",
+        "output_sources",
+        "source",
+    )
 
-    def __init__(self, op: Op, depth: int, order: int) -> None:
+    def __init__(self, op: Op, depth: int, order: int, source: int) -> None:
         self.op = op
         self.depth = depth
         self.order = order  # creation order: groups at the same depth run in this order
+        self.source = source  # the number of the group's result used whole
+        self.output_sources: range = range(0)  # the numbers of its outputs, once split
         self.calls: list[tuple[Any, ...]] = []  # the arguments of each call, in call order
         self.nodes: dict[tuple[Any, ...], Node] = {}  # each distinct call's node, by its arguments
         self.num_outputs = 0  # how many outputs `split` promised; 0 = used as a single tensor
@@ -67,16 +97,23 @@ class Node:
     # `owner` is the recording Fold's token, not the Fold itself: a node pointing at its Fold
     # would make every Fold a reference cycle, freed only by Python's cyclic garbage collector
     # (whose full passes rescan every live object: seconds per epoch with a dataset in memory).
-    __slots__ = ("_nobatch", "_outputs", "batch", "group", "index", "output", "owner")
+    __slots__ = ("_nobatch", "_outputs", "batch", "group", "index", "output", "owner", "source")
 
     def __init__(
-        self, owner: object, group: Group, index: int, output: int | None = None, batch: bool = True
+        self,
+        owner: Owner,
+        group: Group,
+        index: int,
+        output: int | None = None,
+        batch: bool = True,
+        source: int = -1,
     ):
         self.owner = owner
         self.group = group
         self.index = index
         self.output = output
         self.batch = batch
+        self.source = group.source if source < 0 else source  # the number of the tensor holding its rows
         self._outputs: tuple[Node, ...] | None = None
         self._nobatch: Node | None = None
 
@@ -105,9 +142,12 @@ class Node:
                 f"op {group.name!r} at depth {group.depth} was split into {group.num_outputs} outputs before, "
                 f"now into {num} (at {self}); an op must return the same number of outputs for every call"
             )
-        group.num_outputs = num
         owner, index, batch = self.owner, self.index, self.batch
-        outputs = self._outputs = tuple([Node(owner, group, index, i, batch) for i in range(num)])
+        if not group.num_outputs:
+            group.output_sources = owner.new_sources(num)
+        group.num_outputs = num
+        sources = group.output_sources
+        outputs = self._outputs = tuple([Node(owner, group, index, i, batch, sources[i]) for i in range(num)])
         return outputs
 
     def nobatch(self) -> Node:
@@ -117,7 +157,7 @@ class Node:
         (e.g. a memory or context shared by many calls).
         """
         if self._nobatch is None:
-            self._nobatch = Node(self.owner, self.group, self.index, self.output, False)
+            self._nobatch = Node(self.owner, self.group, self.index, self.output, False, self.source)
         return self._nobatch
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op
+from torchfold._node import Group, Node, Op, Owner
 
 if TYPE_CHECKING:
     from torchfold._fold import Fold
@@ -46,7 +46,7 @@ def _resolve(nn: object, group: Group) -> Callable[..., Any]:
     what = "is not callable" if hasattr(nn, op) else "does not exist"
     raise FoldError(
         f"unknown op {op!r} at depth {group.depth} ({len(group.calls)} nodes, first "
-        f"{Node(None, group, 0)!r}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
+        f"{Node(Owner(), group, 0)!r}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
         f"passed to apply, or pass a callable as the op{hint}"
     )
 

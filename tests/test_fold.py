@@ -472,3 +472,11 @@ def test_calls_owning_several_rows_are_gathered_by_blocks(order: list[int]) -> N
     grads = torch.autograd.grad(sum(t.sum() for t in folded), [model.embed.weight, given])
     eager_grads = torch.autograd.grad(sum(t.sum() for t in eager), [model.embed.weight, given])
     torch.testing.assert_close(grads, eager_grads)
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_0_dim_tensor_argument_is_rejected_with_the_fix(calls: int) -> None:
+    fold = Fold()
+    nodes = [fold.add("merge", torch.tensor(float(i)), torch.ones(1)) for i in range(calls)]
+    with pytest.raises(FoldError, match=r"argument 0: a 0-dim tensor .* has no rows; pass x.reshape\(1\)"):
+        fold.apply(Cell(), [nodes])

@@ -171,6 +171,13 @@ def _in_order(starts: np.ndarray, rows: int, total: int) -> bool:
     return len(starts) * rows == total and bool((starts == np.arange(0, total, rows)).all())
 
 
+def _no_rows(where: str, tensor: _Tensor) -> FoldError:
+    return FoldError(
+        f"{where}: a 0-dim tensor ({tensor!r}) has no rows; "
+        "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
+    )
+
+
 def _rows_mismatch(where: str, first: Any, rows: int, other: Any, k: int) -> FoldError:
     return FoldError(
         f"{where}: rows disagree within the group: {first} gives {rows} rows per call but {other} gives {k}; "
@@ -231,10 +238,7 @@ def _mixed_spec(column: Sequence[Any], results: _Results, where: str) -> _Spec:
             start = item.index * k
         else:
             if item.dim() == 0:
-                raise FoldError(
-                    f"{where}: a 0-dim tensor ({item!r}) has no rows; "
-                    "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
-                )
+                raise _no_rows(where, item)
             key = id(item)
             piece = piece_of.get(key)
             k = item.shape[0]
@@ -378,12 +382,33 @@ def _concat_given(column: Sequence[_Tensor]) -> _Tensor | None:
         return None
 
 
+def _single_call_arguments(group: Group, results: _Results, device: torch.device) -> list[_Tensor]:
+    """Arguments of a group of one call (chains, roots): each node's own rows, as a view."""
+    args: list[Any] = []
+    for position, arg in enumerate(group.calls[0]):
+        cls = arg.__class__
+        if cls is Node:
+            tensor, k = results.source(arg)
+            args.append(tensor if tensor.shape[0] == k else tensor[arg.index * k : (arg.index + 1) * k])
+        elif cls is int:
+            args.append(torch.tensor([arg], dtype=torch.long, device=device))
+        elif cls is float:
+            args.append(torch.tensor([arg], dtype=torch.get_default_dtype(), device=device))
+        elif arg.dim() == 0:
+            raise _no_rows(_where(group, position), arg)
+        else:
+            args.append(arg)
+    return args
+
+
 def _batch_arguments(group: Group, results: _Results, device: torch.device) -> list[_Tensor]:
     """One batched tensor per argument position of ``group``.
 
     Positions that read the same earlier results (a binary node's left and right children,
     say) are gathered together: one concatenation and one index_select for all of them.
     """
+    if len(group.calls) == 1:
+        return _single_call_arguments(group, results, device)
     args: list[Any] = []
     specs: list[tuple[int, _Spec]] = []
     for position, column in enumerate(zip(*group.calls, strict=True)):

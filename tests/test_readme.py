@@ -1,4 +1,4 @@
-"""The README's quickstart runs as written and prints the plan it shows."""
+"""The README's examples run as written: the quickstart (with the plan it shows) and the training snippet."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
 def test_quickstart_runs_and_prints_the_documented_plan() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    quickstart = next(b for b in blocks if "fold.apply" in b)
+    quickstart = next(b for b in python_blocks() if "fold.apply" in b)
     assert len(quickstart.strip().splitlines()) <= 25
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
@@ -22,3 +25,19 @@ def test_quickstart_runs_and_prints_the_documented_plan() -> None:
     shown = re.search(r"```\n(Fold: .*?)```", README.read_text(), flags=re.S)
     assert shown is not None
     assert printed.split("\n", 1)[1] == shown.group(1)
+
+
+def test_training_snippet_runs_the_trace() -> None:
+    snippet = next(b for b in python_blocks() if "TraceTrainer" in b)
+    scope: dict[str, object] = {}
+    exec(
+        compile(
+            snippet.replace("TreeLSTMLoss(vocab))", "TreeLSTMLoss(vocab), progress=False)"),
+            str(README),
+            "exec",
+        ),
+        scope,
+    )
+    stats = scope["stats"]
+    assert [s.batch_size for s in stats] == [32, 64, 96, 64, 32]  # type: ignore[attr-defined]
+    assert [s.lr for s in stats] == [0.005, 0.01, 0.015, 0.01, 0.005]  # type: ignore[attr-defined]

@@ -196,7 +196,7 @@ def test_single_process_helpers() -> None:
             ValueError,
             r"Invalid rank 2, rank should be in the interval \[0, 1\]",
         ),
-        ({"rank": 0, "world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+        ({"rank": 0, "world_size": 0}, ValueError, "world_size must be a positive int, got 0"),
         ({"rank": True, "world_size": 2}, TypeError, "rank must be an int, got bool"),
         (
             {"rank": 0, "world_size": 1, "timeout": 0.0},

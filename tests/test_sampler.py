@@ -258,8 +258,8 @@ def test_minibatches_per_rank_table() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"num_replicas": True}, TypeError, "num_replicas should be an int, got bool True"),
-        ({"num_replicas": 0}, ValueError, "num_replicas should be a positive integer, got 0"),
+        ({"num_replicas": True}, TypeError, "num_replicas must be an int, got bool True"),
+        ({"num_replicas": 0}, ValueError, "num_replicas must be a positive int, got 0"),
         ({"num_replicas": 2, "rank": 2}, ValueError, "Invalid rank 2, rank should be in the interval [0, 1]"),
         (
             {"num_replicas": 2, "rank": -1},
@@ -267,8 +267,8 @@ def test_minibatches_per_rank_table() -> None:
             "Invalid rank -1, rank should be in the interval [0, 1]",
         ),
         ({"rank": False}, TypeError, "rank should be an int, got bool False"),
-        ({"minibatch_size": 0}, ValueError, "minibatch_size should be a positive integer, got 0"),
-        ({"minibatch_size": 2.0}, TypeError, "minibatch_size should be an int, got float 2.0"),
+        ({"minibatch_size": 0}, ValueError, "minibatch_size must be a positive int, got 0"),
+        ({"minibatch_size": 2.0}, TypeError, "minibatch_size must be an int, got float 2.0"),
         (
             {"minibatch_size": 3},
             ValueError,

@@ -132,7 +132,7 @@ def test_as_trace_kinds(tmp_path: Path) -> None:
     for bad in (True, 2.0, None):
         with pytest.raises(TypeError, match="trace should be"):
             as_trace(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="batch_size should be >= 1, got 0"):
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         as_trace(0)
 
 
@@ -175,7 +175,7 @@ def test_from_schedule(spec: str, multiple_of: int, sizes: tuple[int, ...]) -> N
     [
         ("cosine:1:2:3", "bad schedule part 'cosine:1:2:3'"),
         ("constant:64", "expected constant:BATCH:STEPS"),
-        ("constant:0:5", "batch_size should be >= 1, got 0"),
+        ("constant:0:5", "batch_size must be a positive int, got 0"),
         ("linear:32:x:10", "invalid literal"),
         ("steps:32-2", "phase '32-2' is not BATCHxSTEPS"),
         ("", "non-empty string"),

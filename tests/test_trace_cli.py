@@ -87,7 +87,7 @@ def test_check_missing_file_and_usage(tmp_path: Path, capsys: pytest.CaptureFixt
     code, _, err = run(["check", str(tmp_path / "none.csv"), "--epochs", "2"], capsys)
     assert code == 2 and "--epochs needs --dataset-size" in err
     code, _, err = run(["check", "x.csv", "--minibatch-size", "0"], capsys)
-    assert code == 2 and "expected a positive integer, got 0" in err
+    assert code == 2 and "must be a positive integer, got 0" in err
     code, _, err = run(["frobnicate"], capsys)
     assert code == 2 and "invalid choice" in err
     code, out, _ = run(["--help"], capsys)
@@ -158,7 +158,7 @@ def test_convert_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         (
             ["gpus.csv", "--per-device-batch", "8", "--step-time", "-1"],
             2,
-            "expected a positive number, got -1.0",
+            "must be a positive number, got -1.0",
         ),
     ],
 )

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchfold._validate import check_int
+
 __all__ = [
     "all_reduce_sum_",
     "broadcast_parameters",
@@ -241,14 +243,6 @@ def fingerprint(value: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _env_int(name: str, value: int | None, env: str) -> int:
     if value is not None:
         return value
@@ -335,14 +329,14 @@ def init_distributed(
         init_distributed("gloo", rank=0, world_size=1, master_port=29512, timeout=5.0,
                          config={"trace": fingerprint([64, 128])})
     """
-    rank = _check_int("rank", _env_int("rank", rank, "RANK"), 0)
-    world_size = _check_int("world_size", _env_int("world_size", world_size, "WORLD_SIZE"), 1)
+    rank = check_int("rank", _env_int("rank", rank, "RANK"), 0)
+    world_size = check_int("world_size", _env_int("world_size", world_size, "WORLD_SIZE"), 1)
     if rank >= world_size:
         raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = _check_int("master_port", _env_int("master_port", master_port, "MASTER_PORT"), 1)
+    port = check_int("master_port", _env_int("master_port", master_port, "MASTER_PORT"), 1)
     delta = datetime.timedelta(seconds=timeout)
     try:
         store = dist.TCPStore(

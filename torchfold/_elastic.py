@@ -21,15 +21,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from torchfold._validate import check_int
+
 __all__ = ["ElasticConfig", "detect_world_size"]
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
 
 
 def detect_world_size() -> tuple[int, int, str]:
@@ -81,15 +75,15 @@ class ElasticConfig:
         world_size: int | None = None,
         rank: int | None = None,
     ) -> None:
-        self.global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
-        self.max_device_batch_size = _check_positive_int("max_device_batch_size", max_device_batch_size)
+        self.global_batch_size = check_int("global_batch_size", global_batch_size)
+        self.max_device_batch_size = check_int("max_device_batch_size", max_device_batch_size)
         if world_size is None:
             detected, detected_rank, self.source = detect_world_size()
             world_size = detected
             rank = detected_rank if rank is None else rank
         else:
             self.source = "argument"
-            _check_positive_int("world_size", world_size)
+            check_int("world_size", world_size)
         if rank is None:
             rank = 0
         if isinstance(rank, bool) or not isinstance(rank, int):

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from torchfold._trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
+from torchfold._validate import check_int
 
 __all__ = ["StepPlan", "TraceBatchSampler", "minibatches_per_rank"]
 
@@ -73,7 +74,7 @@ def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int
         ("minibatch_size", minibatch_size),
         ("num_replicas", num_replicas),
     ):
-        _check_positive_int(name, value)
+        check_int(name, value)
     k = -(-batch_size // minibatch_size)
     return tuple(max(0, -(-(k - rank) // num_replicas)) for rank in range(num_replicas))
 
@@ -108,14 +109,6 @@ class StepPlan:
     def local_minibatches(self) -> int:
         """Minibatches this rank processes (and accumulates) in the step; may be 0."""
         return self.minibatches[self.rank]
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} should be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} should be a positive integer, got {value}")
-    return value
 
 
 class TraceBatchSampler(Sampler[list[int]]):
@@ -169,10 +162,10 @@ class TraceBatchSampler(Sampler[list[int]]):
             )
         if dataset_size <= 0:
             raise ValueError(f"dataset size should be a positive integer, got {dataset_size}")
-        _check_positive_int("minibatch_size", minibatch_size)
+        check_int("minibatch_size", minibatch_size)
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        _check_positive_int("num_replicas", num_replicas)
+        check_int("num_replicas", num_replicas)
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if isinstance(rank, bool) or not isinstance(rank, int):

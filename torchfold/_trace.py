@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union, cast, overload
 
+from torchfold._validate import check_int
+
 __all__ = [
     "BatchSizeTrace",
     "EpochSteps",
@@ -61,14 +63,6 @@ __all__ = [
 
 # The learning-rate rules that depend on the batch size alone (the optimizer wrapper adds AdaScale).
 LR_RULES: tuple[str, ...] = ("constant", "linear", "sqrt")
-
-
-def _check_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} should be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} should be >= {minimum}, got {value}")
-    return value
 
 
 def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = "linear") -> float:
@@ -84,8 +78,8 @@ def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = 
     >>> scaled_lr(0.1, 512, 256, "linear"), scaled_lr(0.1, 1024, 256, "sqrt")
     (0.2, 0.2)
     """
-    _check_int("batch_size", batch_size)
-    _check_int("ref_batch_size", ref_batch_size)
+    check_int("batch_size", batch_size)
+    check_int("ref_batch_size", ref_batch_size)
     if rule == "constant":
         return base_lr
     if rule == "linear":
@@ -204,9 +198,9 @@ class BatchSizeTrace:
         >>> BatchSizeTrace.constant(64).num_steps is None
         True
         """
-        _check_int("batch_size", batch_size)
+        check_int("batch_size", batch_size)
         if num_steps is not None:
-            _check_int("num_steps", num_steps)
+            check_int("num_steps", num_steps)
             return cls([batch_size] * num_steps, source=f"constant:{batch_size}:{num_steps}")
         trace = cls([batch_size], source=f"constant:{batch_size}")
         trace._unbounded = True
@@ -227,8 +221,8 @@ class BatchSizeTrace:
         (32, 64, 96, 96, 128)
         """
         for name, value in (("start", start), ("end", end), ("num_steps", num_steps)):
-            _check_int(name, value)
-        _check_int("multiple_of", multiple_of)
+            check_int(name, value)
+        check_int("multiple_of", multiple_of)
         sizes = []
         for i in range(num_steps):
             exact = start if num_steps == 1 else start + (end - start) * i / (num_steps - 1)
@@ -247,8 +241,8 @@ class BatchSizeTrace:
             if not (isinstance(phase, tuple) and len(phase) == 2):
                 raise TypeError(f"phases[{i}] should be a (batch_size, num_steps) tuple, got {phase!r}")
             size, steps = phase
-            _check_int(f"phases[{i}] batch_size", size)
-            _check_int(f"phases[{i}] num_steps", steps)
+            check_int(f"phases[{i}] batch_size", size)
+            check_int(f"phases[{i}] num_steps", steps)
             sizes += [size] * steps
         spec = ",".join(f"{b}x{n}" for b, n in phases)
         return cls(sizes, source=f"steps:{spec}")
@@ -390,11 +384,11 @@ class BatchSizeTrace:
         >>> BatchSizeTrace.from_availability(p, per_device_batch=16, step_time=4).batch_sizes
         (32, 32, 32, 64, 64)
         """
-        _check_int("per_device_batch", per_device_batch)
+        check_int("per_device_batch", per_device_batch)
         if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
             raise ValueError(f"step_time should be a positive number of seconds, got {step_time!r}")
         if max_steps is not None:
-            _check_int("max_steps", max_steps)
+            check_int("max_steps", max_steps)
         path = Path(path)
         rows: list[tuple[int, float, int]] = []  # (line, time, devices)
         with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
@@ -541,7 +535,7 @@ class BatchSizeTrace:
 
     def check_minibatch_size(self, minibatch_size: int) -> None:
         """Raise a ``ValueError`` naming the first step whose batch is not a multiple of ``minibatch_size``."""
-        _check_int("minibatch_size", minibatch_size)
+        check_int("minibatch_size", minibatch_size)
         for step, size in enumerate(self._sizes):
             if size % minibatch_size:
                 raise ValueError(
@@ -561,8 +555,8 @@ class BatchSizeTrace:
         Raises:
             ValueError: the trace ends before the epoch does.
         """
-        _check_int("epoch", epoch, minimum=0)
-        _check_int("dataset_size", dataset_size)
+        check_int("epoch", epoch, minimum=0)
+        check_int("dataset_size", dataset_size)
         if not isinstance(drop_last, bool):
             raise TypeError(f"drop_last should be a bool, got {drop_last!r}")
         starts = self._epoch_starts(dataset_size, drop_last, upto=epoch + 1)
@@ -630,13 +624,13 @@ class BatchSizeTrace:
         """
         if num_epochs is None:
             num_epochs = self.num_full_epochs(dataset_size, drop_last=drop_last)
-        _check_int("num_epochs", num_epochs, minimum=0)
+        check_int("num_epochs", num_epochs, minimum=0)
         return [self.epoch(e, dataset_size, drop_last=drop_last) for e in range(num_epochs)]
 
     def num_full_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
         """How many complete epochs over ``dataset_size`` samples the trace covers."""
         self._require_bounded("num_full_epochs")
-        _check_int("dataset_size", dataset_size)
+        check_int("dataset_size", dataset_size)
         return len(self._epoch_starts(dataset_size, drop_last, upto=None)) - 1
 
     # -- output ---------------------------------------------------------------------------------
@@ -673,7 +667,7 @@ class BatchSizeTrace:
         if num_steps is None:
             self._require_bounded("plot without num_steps")
             num_steps = len(self._sizes)
-        _check_int("num_steps", num_steps)
+        check_int("num_steps", num_steps)
         sizes = [self[s] for s in range(min(num_steps, self.num_steps or num_steps))]
         ref = sizes[0] if ref_batch_size is None else ref_batch_size
         lrs = None if lr is None else [scaled_lr(lr, b, ref, rule) for b in sizes]

@@ -18,28 +18,9 @@ import sys
 from collections.abc import Sequence
 
 from torchfold._trace import LR_RULES, BatchSizeTrace
+from torchfold._validate import positive_float, positive_int
 
 __all__ = ["main"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,10 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="validate a trace and print a summary")
     check.add_argument("file", help="step,batchsize CSV file")
     check.add_argument(
-        "--minibatch-size", type=_positive_int, help="every batch size must be a multiple of it"
+        "--minibatch-size", type=positive_int, help="every batch size must be a multiple of it"
     )
-    check.add_argument("--dataset-size", type=_positive_int, help="samples per epoch, to count epochs")
-    check.add_argument("--epochs", type=_positive_int, help="fail unless the trace covers this many epochs")
+    check.add_argument("--dataset-size", type=positive_int, help="samples per epoch, to count epochs")
+    check.add_argument("--epochs", type=positive_int, help="fail unless the trace covers this many epochs")
     check.add_argument("--drop-last", action="store_true", help="split epochs with drop_last=True")
 
     convert = commands.add_parser(
@@ -64,26 +45,24 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "resource_csv", nargs="?", help="availability CSV with a Time column and a device count"
     )
-    convert.add_argument("--per-device-batch", type=_positive_int, help="samples per device per step")
-    convert.add_argument("--step-time", type=_positive_float, help="seconds per optimizer step")
-    convert.add_argument("--max-steps", type=_positive_int, help="keep at most this many steps")
+    convert.add_argument("--per-device-batch", type=positive_int, help="samples per device per step")
+    convert.add_argument("--step-time", type=positive_float, help="seconds per optimizer step")
+    convert.add_argument("--max-steps", type=positive_int, help="keep at most this many steps")
     convert.add_argument(
         "--schedule",
         help="instead of a file: constant:BATCH:STEPS, linear:START:END:STEPS or steps:BATCHxSTEPS,... "
         "joined by '+', e.g. linear:32:256:1000",
     )
     convert.add_argument(
-        "--multiple-of", type=_positive_int, default=1, help="round linear ramps to multiples of this"
+        "--multiple-of", type=positive_int, default=1, help="round linear ramps to multiples of this"
     )
     convert.add_argument("-o", "--output", required=True, help="output step,batchsize CSV file")
 
     plot = commands.add_parser("plot", help="plot batch size (and learning rate) over steps to a PNG")
     plot.add_argument("file", help="step,batchsize CSV file")
     plot.add_argument("-o", "--output", required=True, help="output PNG file")
-    plot.add_argument(
-        "--lr", type=_positive_float, help="base learning rate at --ref-batch: adds an lr panel"
-    )
-    plot.add_argument("--ref-batch", type=_positive_int, help="reference batch size (default: first step's)")
+    plot.add_argument("--lr", type=positive_float, help="base learning rate at --ref-batch: adds an lr panel")
+    plot.add_argument("--ref-batch", type=positive_int, help="reference batch size (default: first step's)")
     plot.add_argument("--rule", choices=LR_RULES, default="linear", help="learning-rate scaling rule")
     return parser
 

@@ -24,33 +24,13 @@ from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._sampler import TraceBatchSampler
 from torchfold._trace import BatchSizeTrace, as_trace
+from torchfold._validate import non_negative_int, positive_float, positive_int
 from torchfold.datasets import ENV_VAR, Tree, TreeParseError, Vocab, data_root, generate_sst, load_sst
 from torchfold.models import TreeLSTM
 
 __all__ = ["build_parser", "main"]
 
 _PROG = "python -m torchfold train"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,23 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR} or ../shared/data, "
         "else generated trees (--generate)",
     )
-    p.add_argument("--max-train", type=_positive_int, help="use only the first N training trees")
+    p.add_argument("--max-train", type=positive_int, help="use only the first N training trees")
     p.add_argument(
         "--max-words",
-        type=_positive_int,
+        type=positive_int,
         help="use only training trees of at most N words (before --max-train)",
     )
     p.add_argument(
-        "--generate", type=_positive_int, default=2000, metavar="N", help="without data: N generated trees"
+        "--generate", type=positive_int, default=2000, metavar="N", help="without data: N generated trees"
     )
-    p.add_argument("--minibatch-size", type=_positive_int, default=25, help="trees per fold (default 25)")
-    p.add_argument("--epochs", type=_positive_int, help="epochs (default: all the trace covers)")
-    p.add_argument("--max-steps", type=_non_negative_int, help="stop before this global step")
+    p.add_argument("--minibatch-size", type=positive_int, default=25, help="trees per fold (default 25)")
+    p.add_argument("--epochs", type=positive_int, help="epochs (default: all the trace covers)")
+    p.add_argument("--max-steps", type=non_negative_int, help="stop before this global step")
     p.add_argument("--drop-last", action="store_true", help="leave out an epoch's final partial step")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
-    p.add_argument(
-        "--lr", type=_positive_float, default=0.005, help="reference learning rate (default 0.005)"
-    )
+    p.add_argument("--lr", type=positive_float, default=0.005, help="reference learning rate (default 0.005)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument(
         "--lr-rule",
@@ -99,33 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ref-batch-size",
-        type=_positive_int,
+        type=positive_int,
         help="batch size --lr was tuned for (default: the trace's first batch size)",
     )
-    p.add_argument("--embedding-dim", type=_positive_int, default=64, help="default 64")
-    p.add_argument("--hidden-dim", type=_positive_int, default=64, help="default 64")
+    p.add_argument("--embedding-dim", type=positive_int, default=64, help="default 64")
+    p.add_argument("--hidden-dim", type=positive_int, default=64, help="default 64")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="default float32")
     p.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed (default 0)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here, resume from the newest")
     p.add_argument(
         "--checkpoint-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         help="steps between checkpoints (0: at the end)",
     )
-    p.add_argument(
-        "--keep-checkpoints", type=_positive_int, default=2, help="newest ones to keep (default 2)"
-    )
+    p.add_argument("--keep-checkpoints", type=positive_int, default=2, help="newest ones to keep (default 2)")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if checkpoints exist")
-    p.add_argument(
-        "--log-every", type=_non_negative_int, default=10, help="steps between log lines (0: none)"
-    )
+    p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
     p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per process (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads per process (default 1)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     p.add_argument(
-        "--timeout", type=_positive_float, default=60.0, help="seconds to wait for other ranks (default 60)"
+        "--timeout", type=positive_float, default=60.0, help="seconds to wait for other ranks (default 60)"
     )
     return p
 

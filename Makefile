@@ -9,9 +9,12 @@ STAMP := $(VENV)/.torchfold-installed
 # torch_xla pins its own torch, so the XLA tests run in a second environment
 XLA_VENV ?= .venv-xla
 XLA_STAMP := $(XLA_VENV)/.torchfold-installed
+# DyNet (PyPI dynet38) only for the Tree-LSTM benchmark and its smoke test, never a dependency
+DYNET_VENV ?= .venv-dynet
+DYNET_STAMP := $(DYNET_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck unit test-xla env env-xla clean
+.PHONY: demo test lint typecheck unit test-xla env env-xla env-dynet clean
 
 env: $(STAMP)
 
@@ -30,6 +33,13 @@ $(XLA_STAMP): setup.py pyproject.toml
 	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+env-dynet: $(DYNET_STAMP)
+
+$(DYNET_STAMP):
+	test -x $(DYNET_VENV)/bin/python || $(PYTHON) -m venv $(DYNET_VENV)
+	$(DYNET_VENV)/bin/python -m pip install --quiet dynet38
+	touch $@
+
 demo: env
 	$(BIN)/python -m torchfold demo $(DEMO_ARGS)
 
@@ -40,7 +50,7 @@ lint: env
 typecheck: env
 	$(BIN)/mypy
 
-unit: env
+unit: env env-dynet
 	$(BIN)/python -m pytest -m "not xla"
 
 test-xla: env-xla
@@ -49,4 +59,4 @@ test-xla: env-xla
 test: lint typecheck unit test-xla
 
 clean:
-	rm -rf $(VENV) $(XLA_VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(XLA_VENV) $(DYNET_VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -436,18 +436,21 @@ def _batch_arguments(group: Group, results: _Results, device: torch.device) -> l
         else:
             specs.append((position, _spec(column, results, where, nodes_only=False)))
             args.append(None)
+    # A position that takes a whole earlier result in order needs no copy: it stays alone.
+    # The others join the first compatible cluster they share a source with.
     clusters: list[list[tuple[int, _Spec]]] = []
     for position, spec in specs:
-        if not spec.passes_through():
-            for cluster in clusters:
-                head = cluster[0][1]
-                if head.compatible(spec) and any(s.shares_a_piece(spec) for _, s in cluster):
-                    cluster.append((position, spec))
-                    break
-            else:
-                clusters.append([(position, spec)])
-        else:
+        if spec.passes_through():
+            args[position] = spec.pieces[0]
+            continue
+        home = next(
+            (c for c in clusters if c[0][1].compatible(spec) and any(s.shares_a_piece(spec) for _, s in c)),
+            None,
+        )
+        if home is None:
             clusters.append([(position, spec)])
+        else:
+            home.append((position, spec))
     for cluster in clusters:
         for (position, _), tensor in zip(cluster, _materialize([s for _, s in cluster]), strict=True):
             args[position] = tensor
@@ -460,15 +463,13 @@ def _run_groups(fold: Fold, nn: object, device: torch.device) -> _Results:
     results = _Results()
     for group, fn in zip(groups, fns, strict=True):
         args = _batch_arguments(group, results, device)
-        group.arg_shapes = [
-            f"{str(a.dtype).removeprefix('torch.')}[{'x'.join(map(str, a.shape))}]" for a in args
-        ]
+        group.arg_shapes = [(a.dtype, a.shape) for a in args]
         try:
             out = fn(*args)
         except FoldError:
             raise
         except Exception as error:
-            shapes = ", ".join(group.arg_shapes)
+            shapes = group.describe_arg_shapes()
             raise FoldError(
                 f"while applying {group.name!r} at depth {group.depth} to {len(group.calls)} nodes "
                 f"(batched argument shapes: {shapes}): {type(error).__name__}: {error}"
@@ -483,9 +484,7 @@ def execute(fold: Fold, nn: object, requests: Sequence[Sequence[Node]]) -> list[
     device = fold.device if fold.device is not None else module_device(nn)
     results = _run_groups(fold, nn, device)
     outputs = []
-    for i, request in enumerate(requests):
-        nodes = request  # a nobatch handle asked for as an output is just its rows
-        where = _where(None, i)
-        (output,) = _materialize([_spec(nodes, results, where, nodes_only=True)])
+    for i, request in enumerate(requests):  # a nobatch handle asked for as an output is just its rows
+        (output,) = _materialize([_spec(request, results, _where(None, i), nodes_only=True)])
         outputs.append(output)
     return outputs

@@ -67,11 +67,19 @@ class Group:
         self.calls: list[tuple[Any, ...]] = []  # the arguments of each call, in call order
         self.nodes: dict[tuple[Any, ...], Node] = {}  # each distinct call's node, by its arguments
         self.num_outputs = 0  # how many outputs `split` promised; 0 = used as a single tensor
-        self.arg_shapes: list[str] | None = None  # filled in by apply, shown by repr
+        # (dtype, shape) of each batched argument of the last apply, formatted only when shown
+        self.arg_shapes: list[tuple[Any, tuple[int, ...]]] | None = None
 
     @property
     def name(self) -> str:
         return op_name(self.op)
+
+    def describe_arg_shapes(self) -> str:
+        """The last apply's batched argument shapes, e.g. ``float32[3x16], int64[3]``."""
+        return ", ".join(
+            f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]"
+            for dtype, shape in self.arg_shapes or ()
+        )
 
     def __repr__(self) -> str:
         return f"<group {self.name!r} depth {self.depth} x{len(self.calls)}>"

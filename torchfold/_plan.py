@@ -110,7 +110,7 @@ def describe(fold: Fold) -> str:
     lines = [f"Fold: {len(fold)} nodes in {len(groups)} batched groups over {len(depths)} depths"]
     for group in groups:
         if group.arg_shapes is not None:
-            args = ", ".join(group.arg_shapes)
+            args = group.describe_arg_shapes()
         else:
             columns = zip(*group.calls, strict=True)
             args = ", ".join("|".join(sorted({_describe_arg(a) for a in col})) for col in columns)

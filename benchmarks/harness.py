@@ -21,13 +21,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def default_data_dir() -> Path | None:
-    """The shared data folder: ``$TORCHFOLD_DATA``, else ``../shared/data`` from the repo root, else None."""
-    env = os.environ.get("TORCHFOLD_DATA")
-    if env:
-        return Path(env)
-    candidate = REPO_ROOT.parent / "shared" / "data"
-    return candidate if candidate.is_dir() else None
+def add_sst_data_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--data FILE``: SST-format trees; default the shared ``sst/train.txt`` when present, else None."""
+    from torchfold.datasets import data_root  # here, not at the top: harness must import without torch
+
+    root = data_root()
+    default = root / "sst" / "train.txt" if root is not None else None
+    parser.add_argument(
+        "--data", type=Path, default=default if default is not None and default.is_file() else None, help=help
+    )
 
 
 def cpu_model() -> str:

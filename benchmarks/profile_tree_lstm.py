@@ -24,7 +24,6 @@ import pstats
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import harness
 import torch
@@ -72,13 +71,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    default = harness.default_data_dir()
-    default_path = default / "sst" / "train.txt" if default is not None else None
-    parser.add_argument(
-        "--data",
-        type=Path,
-        default=default_path if default_path is not None and default_path.is_file() else None,
-    )
+    harness.add_sst_data_argument(parser, help="SST-format trees, one per line")
     parser.add_argument("--batches", type=int, default=30, help="batches of 50 trees to average over")
     parser.add_argument("--updates", type=int, default=20, help="torchfold training updates to cProfile")
     parser.add_argument("--top", type=int, default=20, help="cProfile rows to print")

@@ -386,12 +386,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    default = harness.default_data_dir()
-    default_path = default / "sst" / "train.txt" if default is not None else None
-    parser.add_argument(
-        "--data",
-        type=Path,
-        default=default_path if default_path is not None and default_path.is_file() else None,
+    harness.add_sst_data_argument(
+        parser,
         help="SST-format trees, one per line (default: ../shared/data/sst/train.txt if present, else generated trees)",
     )
     parser.add_argument("--batch-size", type=int, default=50)

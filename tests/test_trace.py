@@ -12,18 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
-from torchfold.datasets import data_root
-
-
-@pytest.fixture(scope="module")
-def traces_dir() -> Path:
-    """The shared traces folder; fails (never skips) when it is missing."""
-    root = data_root()
-    if root is None or not (root / "traces" / "step_batchsize_example.csv").is_file():
-        pytest.fail(
-            f"shared data not found (data_root()={root}); set TORCHFOLD_DATA to the folder holding traces/"
-        )
-    return root / "traces"
 
 
 def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:

@@ -11,20 +11,8 @@ import pytest
 
 from torchfold._trace import BatchSizeTrace
 from torchfold._trace_cli import main
-from torchfold.datasets import data_root
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def traces_dir() -> Path:
-    """The shared traces folder; fails (never skips) when it is missing."""
-    root = data_root()
-    if root is None or not (root / "traces" / "step_batchsize_example.csv").is_file():
-        pytest.fail(
-            f"shared data not found (data_root()={root}); set TORCHFOLD_DATA to the folder holding traces/"
-        )
-    return root / "traces"
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

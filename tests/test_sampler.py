@@ -19,21 +19,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchfold._sampler import StepPlan, TraceBatchSampler, minibatches_per_rank
 from torchfold._trace import BatchSizeTrace
-from torchfold.datasets import data_root
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def example_trace() -> Path:
-    """The shared example trace; fails (never skips) when it is missing."""
-    root = data_root()
-    path = None if root is None else root / "traces" / "step_batchsize_example.csv"
-    if path is None or not path.is_file():
-        pytest.fail(
-            f"shared data not found (data_root()={root}); set TORCHFOLD_DATA to the folder holding traces/"
-        )
-    return path
+def example_trace(traces_dir: Path) -> Path:
+    """The shared example trace (``traces_dir`` fails, never skips, when it is missing)."""
+    return traces_dir / "step_batchsize_example.csv"
 
 
 def all_ranks(num_replicas: int, **kwargs: object) -> list[TraceBatchSampler]:

@@ -49,7 +49,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union, cast, overload
+from typing import Any, Union, cast, overload
 
 from torchfold._validate import check_int
 
@@ -63,6 +63,14 @@ __all__ = [
 
 # The learning-rate rules that depend on the batch size alone (the optimizer wrapper adds AdaScale).
 LR_RULES: tuple[str, ...] = ("constant", "linear", "sqrt")
+
+
+def _rows(reader: Any) -> Iterator[tuple[int, list[str], list[str]]]:
+    """The non-blank rows of a ``csv.reader`` as (line number, stripped fields, row as read)."""
+    for row in reader:
+        fields = [field.strip() for field in row]
+        if any(fields):
+            yield reader.line_num, fields, row
 
 
 def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = "linear") -> float:
@@ -308,11 +316,7 @@ class BatchSizeTrace:
         with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
             reader = csv.reader(f)
             first = True
-            for row in reader:
-                line = reader.line_num
-                fields = [field.strip() for field in row]
-                if not any(fields):
-                    continue
+            for line, fields, row in _rows(reader):
                 where = f"{path}, line {line}"
                 if first:
                     first = False
@@ -401,11 +405,7 @@ class BatchSizeTrace:
                     f"column (e.g. ',Time,GPUs'), got {','.join(header or [])!r}"
                 )
             time_col = names.index("time")
-            for row in reader:
-                line = reader.line_num
-                fields = [field.strip() for field in row]
-                if not any(fields):
-                    continue
+            for line, fields, _ in _rows(reader):
                 where = f"{path}, line {line}"
                 if len(fields) != len(names):
                     raise ValueError(

@@ -5,11 +5,13 @@ tensor inputs mixed with nodes at one position, a two-output op taken apart with
 a three-input op, float arguments, an op with a ``nobatch`` shared context, and repeated
 identical calls (deduplicated by Fold, recomputed by Unfold). The same program runs on a
 Fold and on the eager Unfold; outputs and gradients of every parameter and input tensor
-must match.
+must match. Each also runs through a compiled plan (``Fold.plan``): applied once, applied a
+second time, or applied after a pickle round trip (as when built in a DataLoader worker).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +24,7 @@ import torchfold._execute
 from torchfold import Fold, Unfold
 
 HIDDEN = 5
+VIA = ("apply", "plan", "plan twice", "pickled plan")
 KINDS = ("leaf", "lift", "pair", "combine", "attend", "scale", "repeat", "twin", "pool")
 
 
@@ -122,14 +125,26 @@ def requested(values: list[Any], picks: list[int]) -> list[list[Any]]:
     return [chosen[:half], chosen[half:]] if len(chosen) > 1 else [chosen]
 
 
+def run_fold(fold: Any, model: torch.nn.Module, requests: list[list[Any]], via: str) -> list[torch.Tensor]:
+    """``fold.apply``, or the same through a compiled plan: applied once, twice, or after a pickle round trip."""
+    if via == "apply" or isinstance(fold, Unfold):
+        return list(fold.apply(model, requests))
+    plan = fold.plan(requests)
+    if via == "plan twice":
+        plan.apply(model)
+    if via == "pickled plan":
+        plan = pickle.loads(pickle.dumps(plan))
+    return list(plan.apply(model))
+
+
 def outputs_and_gradients(
-    make: Any, program: list[tuple[Any, ...]], picks: list[int]
+    make: Any, program: list[tuple[Any, ...]], picks: list[int], via: str = "apply"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model = Zoo()
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, HIDDEN, generator=generator, requires_grad=True) for _ in range(3)]
     fold = make(model)
-    outs = fold.apply(model, requested(run_program(fold, program, inputs), picks))
+    outs = run_fold(fold, model, requested(run_program(fold, program, inputs), picks), via)
     weights = [torch.randn(out.shape, generator=generator) for out in outs]
     loss = sum((out * w).sum() for out, w in zip(outs, weights, strict=True))
     tensors = [*model.parameters(), *inputs]
@@ -153,16 +168,20 @@ def compaction(always: bool) -> Iterator[None]:
     program=st.lists(instruction, min_size=1, max_size=30),
     picks=st.lists(st.integers(0, 1000), max_size=12),
     compact=st.booleans(),
+    via=st.sampled_from(VIA),
 )
 def test_fold_equals_eager_on_random_graphs(
-    program: list[tuple[Any, ...]], picks: list[int], compact: bool
+    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str
 ) -> None:
     with compaction(compact):
-        folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks)
+        folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks, via)
     eager, eager_grads = outputs_and_gradients(Unfold, program, picks)
     assert len(folded) == len(eager)
     for a, b in zip(folded, eager, strict=True):
         torch.testing.assert_close(a, b)
+    if via == "pickled plan":  # the plan holds copies of the input tensors: no gradient reaches the originals
+        parameters = len(list(Zoo().parameters()))
+        fold_grads, eager_grads = fold_grads[:parameters], eager_grads[:parameters]
     for a, b in zip(fold_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b)
 
@@ -190,8 +209,8 @@ def encode(fold: Any, tree: Any, states: list[Any]) -> Any:
 
 
 @settings(max_examples=60, deadline=None)
-@given(trees=forests(), compact=st.booleans())
-def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: bool) -> None:
+@given(trees=forests(), compact=st.booleans(), via=st.sampled_from(VIA))
+def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: bool, via: str) -> None:
     results = []
     for make in (lambda model: Fold(), Unfold):
         model = Zoo()
@@ -199,7 +218,7 @@ def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: boo
         states: list[Any] = []
         roots = [encode(fold, t, states) for t in trees]
         with compaction(compact):
-            roots_out, states_out = fold.apply(model, [roots, states])
+            roots_out, states_out = run_fold(fold, model, [roots, states], via)
         loss = roots_out.pow(2).sum() + states_out.sin().sum()
         results.append(
             (roots_out, states_out, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))

@@ -5,6 +5,7 @@ the same depth as one batched call with :meth:`Fold.apply`.
 """
 
 from torchfold import datasets, models
+from torchfold._compile import FoldPlan
 from torchfold._distributed import (
     all_reduce_sum_,
     broadcast_parameters,
@@ -35,6 +36,7 @@ __all__ = [
     "EpochSteps",
     "Fold",
     "FoldError",
+    "FoldPlan",
     "Node",
     "Prefetcher",
     "StepPlan",

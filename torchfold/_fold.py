@@ -19,6 +19,8 @@ from torchfold._node import Group, Node, Op, Owner, op_name
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from torchfold._compile import FoldPlan
+
 __all__ = ["Fold"]
 
 _Tensor = torch.Tensor
@@ -141,12 +143,27 @@ class Fold:
             FoldError: unknown op, rows that disagree within a group, a bad split, an empty
                 request, or an exception inside an op (re-raised with the op, depth and node).
         """
-        from torchfold._execute import execute
+        plan = self.plan(nodes)
+        try:
+            return plan.apply(nn)
+        finally:  # print(fold) shows the batched shapes of the last apply
+            for group, step in zip(self.groups(), plan.steps, strict=True):
+                group.arg_shapes = step.arg_shapes
 
-        if self.volatile:
-            with torch.no_grad():
-                return execute(self, nn, nodes)
-        return execute(self, nn, nodes)
+    def plan(self, nodes: Sequence[Sequence[Node]]) -> FoldPlan:
+        """Compile what ``apply(module, nodes)`` would run into a picklable :class:`~torchfold.FoldPlan`.
+
+        ``fold.plan(nodes).apply(module)`` equals ``fold.apply(module, nodes)``. A plan holds no
+        nodes, just op names, index arrays and the tensors given to ``add``: build folds and their
+        plans in ``DataLoader`` worker processes, so that the training process only runs tensor ops.
+
+        Raises:
+            FoldError: a malformed or empty request, a node of another fold, ints mixed with
+                nodes at one argument position, or a ``nobatch`` node not shared by its group.
+        """
+        from torchfold._compile import compile_fold
+
+        return compile_fold(self, nodes)
 
     # -- inspecting -------------------------------------------------------------------------
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op, Owner
+from torchfold._node import Node, Op
 
 if TYPE_CHECKING:
     from torchfold._fold import Fold
@@ -21,20 +21,29 @@ if TYPE_CHECKING:
 __all__ = ["check_requests", "describe", "module_device", "resolve_ops"]
 
 
-def resolve_ops(nn: object, groups: Sequence[Group]) -> list[Callable[..., Any]]:
-    """The callable each group's op stands for on ``nn``, checked before anything runs."""
+class _Batched(Protocol):
+    """What resolving needs of a batched call (a compiled ``Step``)."""
+
+    op: Op
+    name: str
+    depth: int
+    num_calls: int
+
+
+def resolve_ops(nn: object, steps: Sequence[_Batched]) -> list[Callable[..., Any]]:
+    """The callable each step's op stands for on ``nn``, checked before anything runs."""
     cache: dict[Op, Callable[..., Any]] = {}
     fns = []
-    for group in groups:
-        fn = cache.get(group.op)
+    for step in steps:
+        fn = cache.get(step.op)
         if fn is None:
-            fn = cache[group.op] = _resolve(nn, group)
+            fn = cache[step.op] = _resolve(nn, step)
         fns.append(fn)
     return fns
 
 
-def _resolve(nn: object, group: Group) -> Callable[..., Any]:
-    op = group.op
+def _resolve(nn: object, step: _Batched) -> Callable[..., Any]:
+    op = step.op
     if not isinstance(op, str):
         return op
     fn = getattr(nn, op, None)
@@ -45,8 +54,8 @@ def _resolve(nn: object, group: Group) -> Callable[..., Any]:
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     what = "is not callable" if hasattr(nn, op) else "does not exist"
     raise FoldError(
-        f"unknown op {op!r} at depth {group.depth} ({len(group.calls)} nodes, first "
-        f"{Node(Owner(), group, 0)!r}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
+        f"unknown op {op!r} at depth {step.depth} ({step.num_calls} nodes, first "
+        f"Node({step.name!r}, depth={step.depth}, index=0)): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
         f"passed to apply, or pass a callable as the op{hint}"
     )
 

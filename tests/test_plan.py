@@ -1,0 +1,104 @@
+"""Compiled plans (``Fold.plan``): built in DataLoader worker processes, applied in the trainer."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import torchfold
+from torchfold import Fold, FoldError, FoldPlan
+from torchfold.datasets import Tree, Vocab, generate_sst
+from torchfold.models import TreeLSTM, encode_trees
+
+TREES = generate_sst(24, seed=3)
+VOCAB = Vocab.build(TREES)
+
+
+def build_plan(trees: list[Tree]) -> tuple[FoldPlan, torch.Tensor]:
+    """A DataLoader ``collate_fn``: record the batch on a fold and ship its plan and labels."""
+    fold = Fold()
+    nodes, labels, _ = encode_trees(fold, trees, VOCAB)
+    return fold.plan([nodes]), torch.tensor(labels)
+
+
+def loss_and_grads(
+    model: TreeLSTM, states: torch.Tensor, labels: torch.Tensor
+) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model.logits(states), labels)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_plans_built_in_dataloader_workers_equal_inline_apply() -> None:
+    torch.manual_seed(0)
+    model = TreeLSTM(len(VOCAB), 8, 12)
+    loader = DataLoader(TREES, batch_size=5, collate_fn=build_plan, num_workers=2)
+    batches = 0
+    for (plan, labels), start in zip(loader, range(0, len(TREES), 5), strict=True):
+        (states,) = plan.apply(model)
+        shipped = loss_and_grads(model, states, labels)
+        fold = Fold()
+        nodes, inline_labels, _ = encode_trees(fold, TREES[start : start + 5], VOCAB)
+        (inline_states,) = fold.apply(model, [nodes])
+        inline = loss_and_grads(model, inline_states, torch.tensor(inline_labels))
+        torch.testing.assert_close(states, inline_states)
+        assert shipped[0] == pytest.approx(inline[0], rel=1e-6)
+        for a, b in zip(shipped[1], inline[1], strict=True):
+            torch.testing.assert_close(a, b)
+        batches += 1
+    assert batches == 5
+
+
+def test_a_plan_reapplied_follows_the_current_weights() -> None:
+    model = TreeLSTM(len(VOCAB), 4, 6)
+    plan, _ = build_plan(TREES[:3])
+    (before,) = plan.apply(model)
+    with torch.no_grad():
+        model.node_gates.weight.mul_(2)
+    (after,) = plan.apply(model)
+    fold = Fold()
+    nodes, _, _ = encode_trees(fold, TREES[:3], VOCAB)
+    torch.testing.assert_close(after, fold.apply(model, [nodes])[0])
+    assert not torch.allclose(before, after)
+
+
+def test_plan_checks_the_graph_before_any_op_runs() -> None:
+    fold = Fold()
+    a = fold.add("merge", fold.add("leaf", 1), 2)
+    b = fold.add("merge", 3, fold.add("leaf", 2))
+    with pytest.raises(
+        FoldError, match=r"op 'merge' at depth \d, argument 0: ints and nodes/tensors are mixed"
+    ):
+        fold.plan([[a, b]])
+    with pytest.raises(FoldError, match="empty request"):
+        fold.plan([])
+
+
+def test_plan_runs_on_the_module_given_at_apply_and_names_unknown_ops() -> None:
+    fold = Fold()
+    plan = fold.plan([[fold.add("lef", 1)]])
+    with pytest.raises(FoldError, match=r"unknown op 'lef' at depth 0 .*Node\('lef', depth=0, index=0\)"):
+        plan.apply(TreeLSTM(5, 4, 4))
+
+
+def test_plan_repr_len_and_pickle_size() -> None:
+    plan, _ = build_plan(TREES[:4])
+    fold = Fold()
+    encode_trees(fold, TREES[:4], VOCAB)
+    assert len(plan) == len(fold)
+    assert repr(plan) == f"FoldPlan({len(fold.groups())} groups, {len(fold)} nodes, 1 request)"
+    # no nodes inside: the pickle is index arrays, a few hundred bytes per group
+    assert len(pickle.dumps(plan)) < 2000 * len(fold.groups())
+
+
+def test_volatile_fold_plans_run_without_autograd() -> None:
+    with pytest.warns(DeprecationWarning):
+        fold = torchfold.Fold(volatile=True)
+    nodes, _, _ = encode_trees(fold, TREES[:2], VOCAB)
+    (states,) = fold.plan([nodes]).apply(TreeLSTM(len(VOCAB), 4, 4))
+    assert not states.requires_grad

@@ -1,0 +1,452 @@
+"""Compiling a fold: from recorded nodes to a :class:`FoldPlan` of integer index arrays.
+
+A plan says, for every batched group in execution order, where each argument position comes
+from: a column of ints, tensors given to ``add``, one node's rows, a whole earlier result, or a
+gather (one concatenation of the sources read, then one ``index_select`` in call order).
+Positions that read the same sources (a binary node's left and right children) share one
+gather. All of it is worked out here, in call units, from the recorded graph alone: the module
+is not needed and no tensor op runs, so a plan can be built in a ``DataLoader`` worker process
+and shipped (pickled) to the training process, which then only runs tensor ops
+(:mod:`torchfold._execute`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from torchfold._errors import FoldError
+from torchfold._node import Group, Node, Op
+from torchfold._plan import check_requests
+
+if TYPE_CHECKING:
+    from torchfold._fold import Fold
+
+__all__ = ["FoldPlan", "compile_fold", "describe_arg_shapes"]
+
+_Tensor = torch.Tensor
+
+
+def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) -> str:
+    """Batched argument shapes as ``float32[3x16], int64[3]``."""
+    return ", ".join(
+        f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]" for dtype, shape in shapes or ()
+    )
+
+
+class Step:
+    """One batched call of a plan: a recorded group, without its nodes.
+
+    ``fixed`` holds the argument positions that need no gather, ``gathers`` the others.
+    """
+
+    __slots__ = (
+        "arg_shapes",
+        "arity",
+        "depth",
+        "fixed",
+        "gathers",
+        "name",
+        "num_calls",
+        "num_outputs",
+        "op",
+        "output_sources",
+        "source",
+    )
+
+    def __init__(self, group: Group, arity: int) -> None:
+        self.op: Op = group.op
+        self.name = group.name
+        self.depth = group.depth
+        self.num_calls = len(group.calls)
+        self.arity = arity
+        self.source = group.source
+        self.output_sources = tuple(group.output_sources)
+        self.num_outputs = group.num_outputs
+        self.fixed: list[tuple[int, Arg]] = []
+        self.gathers: list[Gather] = []
+        # (dtype, shape) of each batched argument at the last apply, for print(fold) and errors
+        self.arg_shapes: list[tuple[Any, tuple[int, ...]]] | None = None
+
+    def where(self, position: int) -> str:
+        return f"op {self.name!r} at depth {self.depth}, argument {position}"
+
+
+class Arg:
+    """An argument position that needs no gather. ``kind`` says what ``value`` holds:
+
+    * ``"ints"``/``"floats"``: a numpy column, made a long / default-dtype tensor on the device;
+    * ``"tensor"``: a tensor given to ``add`` (the only call of its group);
+    * ``"concat"``: tensors given to ``add``, one per call, to concatenate;
+    * ``"rows"``: ``(source, call)``: one call's rows of an earlier result (one-call groups and
+      ``nobatch`` positions), as a view;
+    * ``"whole"``: ``source``: an earlier result taken whole and in order, passed through.
+    """
+
+    __slots__ = ("kind", "value")
+
+    def __init__(self, kind: str, value: Any) -> None:
+        self.kind = kind
+        self.value = value
+
+
+class Gather:
+    """Argument positions filled by one concatenation and (unless already in order) one ``index_select``.
+
+    ``pieces`` are what is read: source numbers of earlier results (ints) and tensors given to
+    ``add``. Item ``i`` (the calls of every position, one position after another) takes call
+    ``item_call[i]`` of ``pieces[item_piece[i]]`` (a given tensor counts as one call).
+    ``index`` is each item's call in the concatenation of all pieces, or None when that is
+    already the items' order. Counting in calls, not rows, keeps the plan valid whatever number
+    of rows each call turns out to own.
+    """
+
+    __slots__ = (
+        "index",
+        "item_call",
+        "item_piece",
+        "piece_calls",
+        "pieces",
+        "positions",
+        "sizes",
+        "total_calls",
+    )
+
+    def __init__(
+        self,
+        pieces: list[int | _Tensor],
+        piece_calls: list[int],
+        item_piece: np.ndarray,
+        item_call: np.ndarray,
+        positions: list[int],
+        sizes: list[int],
+    ) -> None:
+        self.pieces = pieces
+        self.piece_calls = piece_calls
+        self.item_piece = item_piece
+        self.item_call = item_call
+        self.positions = positions  # argument positions filled, in item order
+        self.sizes = sizes  # items of each position
+        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum(piece_calls, out=offsets[1:])
+        index = offsets[item_piece] + item_call if len(pieces) > 1 else item_call
+        total = self.total_calls = int(offsets[-1])  # calls in the concatenation of all pieces
+        in_order = len(index) == total and bool((index == np.arange(total)).all())
+        self.index: np.ndarray | None = None if in_order else index
+
+
+class FoldPlan:
+    """A compiled fold: every batched call and gather, ready to run on a module.
+
+    Made by :meth:`Fold.plan <torchfold.Fold.plan>`; :meth:`apply` runs it. A plan holds no
+    nodes, only op names, integer index arrays and the tensors given to ``add``, so it pickles:
+    build folds in ``DataLoader`` worker processes and apply the plans in the training process,
+    which then does tensor work only. Applying one plan again recomputes from the current weights.
+
+    Example:
+        >>> import pickle, torch, torchfold
+        >>> class Doubler(torch.nn.Module):
+        ...     def exp(self, x):
+        ...         return 2 * x
+        >>> f = torchfold.Fold()
+        >>> a = f.add("exp", 1)
+        >>> plan = f.plan([[a, f.add("exp", a)]])
+        >>> plan
+        FoldPlan(2 groups, 2 nodes, 1 request)
+        >>> pickle.loads(pickle.dumps(plan)).apply(Doubler())
+        [tensor([2, 4])]
+    """
+
+    def __init__(
+        self,
+        steps: list[Step],
+        requests: list[Arg | Gather],
+        source_owner: list[tuple[int, int | None]],
+        num_nodes: int,
+        device: torch.device | None,
+        volatile: bool,
+    ) -> None:
+        self.steps = steps
+        self.requests = requests
+        self.source_owner = source_owner  # per source number: (step, output or None for the whole result)
+        self.num_nodes = num_nodes
+        self.device = device
+        self.volatile = volatile
+
+    def apply(self, nn: torch.nn.Module | object) -> list[_Tensor]:
+        """Run the plan's batched calls on ``nn``; one tensor per request given to ``Fold.plan``.
+
+        Raises:
+            FoldError: unknown op, rows that disagree within a group, a bad split, or an
+                exception inside an op (re-raised with the op, depth and batched shapes).
+        """
+        from torchfold._execute import run
+
+        if self.volatile:
+            with torch.no_grad():
+                return run(self, nn)
+        return run(self, nn)
+
+    def describe_item(self, source: int, call: int) -> str:
+        """How a node is shown in messages, from its source number and call: ``Node('op', depth=1, index=3)``."""
+        step, output = self.source_owner[source]
+        extra = "" if output is None else f", output={output}"
+        return f"Node({self.steps[step].name!r}, depth={self.steps[step].depth}, index={call}{extra})"
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def __repr__(self) -> str:
+        groups, requests = len(self.steps), len(self.requests)
+        return (
+            f"FoldPlan({groups} group{'s' * (groups != 1)}, {self.num_nodes} node{'s' * (self.num_nodes != 1)}, "
+            f"{requests} request{'s' * (requests != 1)})"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _no_rows(where: str, tensor: _Tensor) -> FoldError:
+    return FoldError(
+        f"{where}: a 0-dim tensor ({tensor!r}) has no rows; "
+        "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
+    )
+
+
+class _Column:
+    """One gathered argument position before merging: pieces by key, and per call its piece and call."""
+
+    __slots__ = ("item_call", "item_piece", "keys", "piece_calls", "pieces", "position")
+
+    def __init__(
+        self,
+        position: int,
+        keys: list[Any],
+        pieces: list[int | _Tensor],
+        piece_calls: list[int],
+        item_piece: np.ndarray,
+        item_call: np.ndarray,
+    ) -> None:
+        self.position = position
+        self.keys = keys  # source numbers, or ("tensor", id) for tensors given to add
+        self.pieces = pieces
+        self.piece_calls = piece_calls
+        self.item_piece = item_piece
+        self.item_call = item_call
+
+    def whole_source(self) -> int | None:
+        """The source this column takes whole and in call order, if it does."""
+        piece = self.pieces[0]
+        if len(self.pieces) != 1 or not isinstance(piece, int):
+            return None
+        calls = self.piece_calls[0]
+        if len(self.item_call) != calls or not (self.item_call == np.arange(calls)).all():
+            return None
+        return piece
+
+
+class _Compiler:
+    """Builds a :class:`FoldPlan` from a fold's groups (one pass over the nodes)."""
+
+    def __init__(self, fold: Fold) -> None:
+        self.groups = fold.groups()
+        self.source_calls = [0] * fold._token.sources  # calls of the group behind each source
+        self.source_owner: list[tuple[int, int | None]] = [(0, None)] * fold._token.sources
+        for number, group in enumerate(self.groups):
+            calls = len(group.calls)
+            self.source_calls[group.source] = calls
+            self.source_owner[group.source] = (number, None)
+            for output, source in enumerate(group.output_sources):
+                self.source_calls[source] = calls
+                self.source_owner[source] = (number, output)
+
+    def node_column(self, position: int, column: Sequence[Node]) -> _Column:
+        """A column of batched nodes: the hot path."""
+        sources = [node.source for node in column]
+        item_call = np.fromiter([node.index for node in column], dtype=np.int64, count=len(column))
+        first = sources[0]
+        if sources.count(first) == len(sources):
+            keys: list[Any] = [first]
+            item_piece = np.zeros(len(column), dtype=np.int64)
+        else:
+            keys = list(dict.fromkeys(sources))  # in first-use order
+            table = np.zeros(max(keys) + 1, dtype=np.int64)
+            table[keys] = np.arange(len(keys))
+            item_piece = table[np.fromiter(sources, dtype=np.int64, count=len(sources))]
+        source_calls = self.source_calls
+        return _Column(position, keys, list(keys), [source_calls[s] for s in keys], item_piece, item_call)
+
+    def mixed_column(self, position: int, column: Sequence[Any], where: str) -> _Column:
+        """A column mixing nodes and tensors given to ``add``."""
+        keys: list[Any] = []
+        pieces: list[int | _Tensor] = []
+        piece_calls: list[int] = []
+        piece_of: dict[Any, int] = {}
+        item_piece: list[int] = []
+        item_call: list[int] = []
+        for item in column:
+            if item.__class__ is Node:
+                key: Any = item.source
+                call = item.index
+            else:
+                if item.dim() == 0:
+                    raise _no_rows(where, item)
+                key, call = ("tensor", id(item)), 0
+            piece = piece_of.get(key)
+            if piece is None:
+                piece = piece_of[key] = len(pieces)
+                keys.append(key)
+                if item.__class__ is Node:
+                    pieces.append(item.source)
+                    piece_calls.append(self.source_calls[item.source])
+                else:
+                    pieces.append(item)
+                    piece_calls.append(1)
+            item_piece.append(piece)
+            item_call.append(call)
+        return _Column(
+            position, keys, pieces, piece_calls,
+            np.array(item_piece, dtype=np.int64), np.array(item_call, dtype=np.int64),
+        )  # fmt: skip
+
+    def step(self, group: Group) -> Step:
+        calls = group.calls
+        step = Step(group, len(calls[0]))
+        if len(calls) == 1:
+            self.single_call(step, calls[0])
+            return step
+        columns: list[_Column] = []
+        for position, column in enumerate(zip(*calls, strict=True)):
+            kinds = set(map(type, column))
+            if kinds == {Node}:
+                if all(node.batch for node in column):
+                    columns.append(self.node_column(position, column))
+                else:
+                    step.fixed.append((position, _shared(column, step.where(position))))
+            elif kinds == {int}:
+                step.fixed.append((position, Arg("ints", np.array(column, dtype=np.int64))))
+            elif kinds <= {int, float}:
+                step.fixed.append((position, Arg("floats", np.array(column, dtype=np.float64))))
+            elif int in kinds or float in kinds:
+                raise FoldError(
+                    f"{step.where(position)}: ints and nodes/tensors are mixed at one position ({len(calls)} "
+                    "calls); pass either ints everywhere or tensors/nodes everywhere (e.g. wrap the ints as "
+                    "tensors of the right shape)"
+                )
+            elif Node in kinds and not all(item.batch for item in column if item.__class__ is Node):
+                step.fixed.append((position, _shared(column, step.where(position))))
+            elif Node not in kinds and _concatenable(column):
+                step.fixed.append((position, Arg("concat", list(column))))
+            else:
+                columns.append(self.mixed_column(position, column, step.where(position)))
+        step.gathers = self.merge(step, columns)
+        return step
+
+    def single_call(self, step: Step, args: tuple[Any, ...]) -> None:
+        """A group of one call (chains, roots): each node's own rows, as a view."""
+        for position, arg in enumerate(args):
+            cls = arg.__class__
+            if cls is Node:
+                step.fixed.append((position, Arg("rows", (arg.source, arg.index))))
+            elif cls is int:
+                step.fixed.append((position, Arg("ints", np.array([arg], dtype=np.int64))))
+            elif cls is float:
+                step.fixed.append((position, Arg("floats", np.array([arg], dtype=np.float64))))
+            elif arg.dim() == 0:
+                raise _no_rows(step.where(position), arg)
+            else:
+                step.fixed.append((position, Arg("tensor", arg)))
+
+    def merge(self, step: Step, columns: list[_Column]) -> list[Gather]:
+        """Columns taking a whole result in order pass it through; the others that read a
+        common source share one gather (connected through shared sources)."""
+        clusters: list[list[_Column]] = []
+        for column in columns:
+            whole = column.whole_source()
+            if whole is not None:
+                step.fixed.append((column.position, Arg("whole", whole)))
+                continue
+            keys = set(column.keys)
+            home = next((c for c in clusters if any(not keys.isdisjoint(other.keys) for other in c)), None)
+            if home is None:
+                clusters.append([column])
+            else:
+                home.append(column)
+        return [self.gather(cluster) for cluster in clusters]
+
+    @staticmethod
+    def gather(columns: list[_Column]) -> Gather:
+        if len(columns) == 1:
+            (column,) = columns
+            return Gather(
+                column.pieces, column.piece_calls, column.item_piece, column.item_call,
+                [column.position], [len(column.item_call)],
+            )  # fmt: skip
+        pieces: list[int | _Tensor] = []
+        piece_calls: list[int] = []
+        piece_of: dict[Any, int] = {}
+        item_pieces = []
+        for column in columns:
+            remap = []
+            for key, piece, calls in zip(column.keys, column.pieces, column.piece_calls, strict=True):
+                merged = piece_of.get(key)
+                if merged is None:
+                    merged = piece_of[key] = len(pieces)
+                    pieces.append(piece)
+                    piece_calls.append(calls)
+                remap.append(merged)
+            item_pieces.append(np.array(remap, dtype=np.int64)[column.item_piece])
+        return Gather(
+            pieces,
+            piece_calls,
+            np.concatenate(item_pieces),
+            np.concatenate([column.item_call for column in columns]),
+            [column.position for column in columns],
+            [len(column.item_call) for column in columns],
+        )
+
+    def request(self, request: Sequence[Node], number: int) -> Arg | Gather:
+        """A request: its nodes' rows in order (a nobatch handle is just its rows)."""
+        column = self.node_column(0, request)
+        whole = column.whole_source()
+        if whole is not None:
+            return Arg("whole", whole)
+        return self.gather([column])
+
+
+def _shared(column: Sequence[Any], where: str) -> Arg:
+    """A ``nobatch`` position: one node's value, passed whole to the batched call."""
+    node = column[0]
+    for other in column:
+        if other is not node:
+            raise FoldError(
+                f"{where}: {node!r} is nobatch, so every call of the group must pass that same "
+                f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "
+                "calls of an op at a depth"
+            )
+    return Arg("rows", (node.source, node.index))
+
+
+def _concatenable(column: Sequence[_Tensor]) -> bool:
+    """Tensors given to ``add``, each once, all alike (rows, row shape, dtype, device): one ``cat``.
+
+    Anything else takes the general gather, which also words any error precisely.
+    """
+    first = column[0]
+    if first.dim() == 0 or len({id(t) for t in column}) != len(column):
+        return False
+    shape, dtype, device = first.shape, first.dtype, first.device
+    return all(t.shape == shape and t.dtype == dtype and t.device == device for t in column)
+
+
+def compile_fold(fold: Fold, requests: Sequence[Sequence[Node]]) -> FoldPlan:
+    """The :class:`FoldPlan` that computes ``requests`` (lists of ``fold``'s nodes)."""
+    check_requests(fold, requests)
+    compiler = _Compiler(fold)
+    steps = [compiler.step(group) for group in compiler.groups]
+    planned = [compiler.request(request, number) for number, request in enumerate(requests)]
+    return FoldPlan(steps, planned, compiler.source_owner, len(fold), fold.device, fold.volatile)

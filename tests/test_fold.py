@@ -433,6 +433,24 @@ def test_a_fold_is_freed_without_the_cycle_collector() -> None:
         gc.enable()
 
 
+def test_recording_leaves_no_garbage_for_the_cycle_collector() -> None:
+    """Dropping a fold frees its groups and nodes by reference counting (splits, nobatch, dedup)."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        fold = Fold()
+        root = balanced_tree(fold, list(range(8)))
+        h, c = fold.add("pair", root, 1.0).split(2)
+        assert fold.add("pair", root, 1.0).split(2) == (h, c)
+        fold.add("merge", h.nobatch(), c, fold.add("leaf", 3).split(3)[2])
+        del fold, root, h, c
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 def test_a_bad_argument_after_a_tensor_is_named_by_position() -> None:
     with pytest.raises(FoldError, match=r"argument 3 of 'merge' is a str \('x'\)"):
         Fold().add("merge", torch.ones(2, 3), 1, "x")

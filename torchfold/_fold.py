@@ -79,7 +79,6 @@ class Fold:
             self.device = torch.device(device)
         self.volatile = volatile
         self._groups: dict[tuple[int, Op, int], Group] = {}
-        self._num_nodes = 0
         self._token = Owner()  # what this Fold's nodes point to (see Node.owner)
 
     # -- recording --------------------------------------------------------------------------
@@ -94,12 +93,13 @@ class Fold:
         Raises:
             FoldError: an argument is a node of another fold, or of an unsupported type.
         """
+        token = self._token
         depth = 0
         floats = False
         for arg in args:
             cls = arg.__class__
             if cls is Node:
-                if arg.owner is not self._token:
+                if arg.owner is not token:
                     raise FoldError(
                         f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
                         "in the Fold that created them (build the whole graph in one Fold)"
@@ -114,22 +114,31 @@ class Fold:
                     f"{type(arg).__name__} ({arg!r}); "
                     "fold arguments must be nodes of this Fold, ints, floats or tensors"
                 )
-        group = self._groups.get((depth, op, len(args)))
+        where = (depth, op, len(args))
+        group = self._groups.get(where)
         if group is None:
             if op.__class__ is not str and not callable(op):
                 raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
-            group = Group(op, depth, len(self._groups), self._token.new_sources(1)[0])
-            self._groups[(depth, op, len(args))] = group
+            group = self._groups[where] = Group(op, depth, len(self._groups), token.new_sources(1)[0])
         # Identical calls are found by their argument tuple itself: nodes hash by identity (one
         # handle object per value), tensors by identity, ints by value. Floats are tagged so that
         # 1.0 and 1 (a float and a long tensor) stay different calls.
         key = tuple([("float", a) if a.__class__ is float else a for a in args]) if floats else args
-        node = group.nodes.get(key)
+        nodes = group.nodes
+        node = nodes.get(key)
         if node is None:
-            node = group.nodes[key] = Node(self._token, group, len(group.calls))
-            group.calls.append(args)
-            self._num_nodes += 1
+            calls = group.calls
+            node = nodes[key] = Node(token, group, len(calls))
+            calls.append(args)
         return node
+
+    def __del__(self) -> None:
+        # A group and its nodes point at each other (`group.nodes`, `node.group`): the only
+        # reference cycles of a fold. Breaking them when the Fold goes lets reference counting
+        # free the whole graph at once, instead of Python's cyclic garbage collector finding it
+        # (in a full pass over every live object) after each batch's nodes lived through passes.
+        for group in getattr(self, "_groups", {}).values():  # none if __init__ raised
+            group.nodes.clear()
 
     # -- running ----------------------------------------------------------------------------
 
@@ -172,7 +181,7 @@ class Fold:
         return sorted(self._groups.values(), key=lambda g: (g.depth, g.order))
 
     def __len__(self) -> int:
-        return self._num_nodes
+        return sum(len(group.calls) for group in self._groups.values())
 
     def __repr__(self) -> str:
         from torchfold._plan import describe

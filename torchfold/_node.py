@@ -105,7 +105,10 @@ class Node:
     # `owner` is the recording Fold's token, not the Fold itself: a node pointing at its Fold
     # would make every Fold a reference cycle, freed only by Python's cyclic garbage collector
     # (whose full passes rescan every live object: seconds per epoch with a dataset in memory).
-    __slots__ = ("_nobatch", "_outputs", "batch", "group", "index", "output", "owner", "source")
+    # A split's outputs are cached as a chain, not a tuple: `_next` of a split node is its output
+    # 0, `_next` of output i is output i + 1. Recording makes millions of nodes, and each object
+    # that lives through a garbage-collector pass is one more to rescan in the next full pass.
+    __slots__ = ("_next", "_nobatch", "batch", "group", "index", "output", "owner", "source")
 
     def __init__(
         self,
@@ -122,7 +125,7 @@ class Node:
         self.output = output
         self.batch = batch
         self.source = group.source if source < 0 else source  # the number of the tensor holding its rows
-        self._outputs: tuple[Node, ...] | None = None
+        self._next: Node | None = None
         self._nobatch: Node | None = None
 
     @property
@@ -135,28 +138,37 @@ class Node:
 
     def split(self, num: int) -> tuple[Node, ...]:
         """One handle per output of an op that returns a tuple of ``num`` tensors."""
-        outputs = self._outputs
-        if outputs is not None and len(outputs) == num:
-            return outputs
+        group = self.group
+        first = self._next
+        if first is not None and self.output is None and num == group.num_outputs:
+            outputs = [first]
+            while (first := first._next) is not None:
+                outputs.append(first)
+            return tuple(outputs)
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ValueError(f"split(num) needs a positive int, got {num!r}")
         if self.output is not None:
             raise FoldError(
                 f"{self} is already output {self.output} of a split; split the original node instead"
             )
-        group = self.group
-        if group.num_outputs and group.num_outputs != num:
-            raise FoldError(
-                f"op {group.name!r} at depth {group.depth} was split into {group.num_outputs} outputs before, "
-                f"now into {num} (at {self}); an op must return the same number of outputs for every call"
-            )
-        owner, index, batch = self.owner, self.index, self.batch
-        if not group.num_outputs:
-            group.output_sources = owner.new_sources(num)
-        group.num_outputs = num
-        sources = group.output_sources
-        outputs = self._outputs = tuple([Node(owner, group, index, i, batch, sources[i]) for i in range(num)])
-        return outputs
+        if group.num_outputs != num:
+            if group.num_outputs:
+                raise FoldError(
+                    f"op {group.name!r} at depth {group.depth} was split into {group.num_outputs} outputs "
+                    f"before, now into {num} (at {self}); an op must return the same number of outputs "
+                    "for every call"
+                )
+            group.output_sources = self.owner.new_sources(num)
+            group.num_outputs = num
+        owner, index, batch, sources = self.owner, self.index, self.batch, group.output_sources
+        if num == 2:  # the common case (an LSTM's h and c), without a loop
+            first = self._next = Node(owner, group, index, 0, batch, sources[0])
+            second = first._next = Node(owner, group, index, 1, batch, sources[1])
+            return first, second
+        node = self
+        for output, source in enumerate(sources):
+            node._next = node = Node(owner, group, index, output, batch, source)
+        return self.split(num)
 
     def nobatch(self) -> Node:
         """A handle whose value every consumer receives whole, instead of its rows being batched.

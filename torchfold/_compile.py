@@ -12,6 +12,7 @@ and shipped (pickled) to the training process, which then only runs tensor ops
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["FoldPlan", "compile_fold", "describe_arg_shapes"]
 
 _Tensor = torch.Tensor
+_is_batched = operator.attrgetter("batch")
 
 
 def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) -> str:
@@ -323,7 +325,7 @@ class _Compiler:
         for position, column in enumerate(zip(*calls, strict=True)):
             kinds = set(map(type, column))
             if kinds == {Node}:
-                if all(node.batch for node in column):
+                if all(map(_is_batched, column)):
                     columns.append(self.node_column(position, column))
                 else:
                     step.fixed.append((position, _shared(column, step.where(position))))

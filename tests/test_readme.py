@@ -1,4 +1,5 @@
-"""The README's examples run as written: the quickstart (with the plan it shows) and the training snippet."""
+"""The README's examples run as written: the quickstart (with the plan it shows), DataLoader-built
+plans and the training snippet."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import contextlib
 import io
 import re
 from pathlib import Path
+
+import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -41,3 +44,12 @@ def test_training_snippet_runs_the_trace() -> None:
     stats = scope["stats"]
     assert [s.batch_size for s in stats] == [32, 64, 96, 64, 32]  # type: ignore[attr-defined]
     assert [s.lr for s in stats] == [0.005, 0.01, 0.015, 0.01, 0.005]  # type: ignore[attr-defined]
+
+
+def test_dataloader_snippet_trains_on_plans_built_in_a_worker() -> None:
+    snippet = next(b for b in python_blocks() if "fold.plan" in b)
+    scope: dict[str, object] = {}
+    exec(compile(snippet, str(README), "exec"), scope)
+    loss = scope["loss"]
+    assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
+    assert scope["optimizer"].state  # type: ignore[attr-defined]  # Adam stepped

@@ -104,8 +104,9 @@ class Fold:
                         f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
                         "in the Fold that created them (build the whole graph in one Fold)"
                     )
-                if arg.group.depth >= depth:
-                    depth = arg.group.depth + 1
+                below = arg.group.depth
+                if below >= depth:
+                    depth = below + 1
             elif cls is float:
                 floats = True
             elif cls is not int and not isinstance(arg, _Tensor):

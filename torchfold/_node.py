@@ -141,11 +141,11 @@ class Node:
         group = self.group
         first = self._next
         if first is not None and self.output is None and num == group.num_outputs:
-            outputs = [first]
+            outputs: tuple[Node, ...] = (first,)
             while (first := first._next) is not None:
-                outputs.append(first)
-            return tuple(outputs)
-        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+                outputs += (first,)
+            return outputs
+        if (num.__class__ is not int and (isinstance(num, bool) or not isinstance(num, int))) or num < 1:
             raise ValueError(f"split(num) needs a positive int, got {num!r}")
         if self.output is not None:
             raise FoldError(

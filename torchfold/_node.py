@@ -65,7 +65,8 @@ class Group:
         self.source = source  # the number of the group's result used whole
         self.output_sources: range = range(0)  # the numbers of its outputs, once split
         self.calls: list[tuple[Any, ...]] = []  # the arguments of each call, in call order
-        self.nodes: dict[tuple[Any, ...], Node] = {}  # each distinct call's node, by its arguments
+        # each distinct call's node, by its arguments; emptied when the Fold goes (see Fold.__del__)
+        self.nodes: dict[tuple[Any, ...], Node] = {}
         self.num_outputs = 0  # how many outputs `split` promised; 0 = used as a single tensor
         # (dtype, shape) of each batched argument of the last apply, formatted only when shown
         self.arg_shapes: list[tuple[Any, tuple[int, ...]]] | None = None

@@ -30,6 +30,8 @@ __all__ = ["FoldPlan", "compile_fold", "describe_arg_shapes"]
 
 _Tensor = torch.Tensor
 _is_batched = operator.attrgetter("batch")
+_source = operator.attrgetter("source")
+_index = operator.attrgetter("index")
 
 
 def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) -> str:
@@ -99,23 +101,14 @@ class Gather:
     """Argument positions filled by one concatenation and (unless already in order) one ``index_select``.
 
     ``pieces`` are what is read: source numbers of earlier results (ints) and tensors given to
-    ``add``. Item ``i`` (the calls of every position, one position after another) takes call
-    ``item_call[i]`` of ``pieces[item_piece[i]]`` (a given tensor counts as one call).
-    ``index`` is each item's call in the concatenation of all pieces, or None when that is
-    already the items' order. Counting in calls, not rows, keeps the plan valid whatever number
-    of rows each call turns out to own.
+    ``add``; ``piece_calls`` how many calls each holds (a given tensor counts as one call).
+    ``index`` gives, for each item (the calls of every position, one position after another),
+    its call in the concatenation of all pieces, or is None when that is already the items'
+    order. Counting in calls, not rows, keeps the plan valid whatever number of rows each call
+    turns out to own.
     """
 
-    __slots__ = (
-        "index",
-        "item_call",
-        "item_piece",
-        "piece_calls",
-        "pieces",
-        "positions",
-        "sizes",
-        "total_calls",
-    )
+    __slots__ = ("index", "piece_calls", "pieces", "positions", "sizes", "total_calls")
 
     def __init__(
         self,
@@ -128,8 +121,6 @@ class Gather:
     ) -> None:
         self.pieces = pieces
         self.piece_calls = piece_calls
-        self.item_piece = item_piece
-        self.item_call = item_call
         self.positions = positions  # argument positions filled, in item order
         self.sizes = sizes  # items of each position
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
@@ -138,6 +129,14 @@ class Gather:
         total = self.total_calls = int(offsets[-1])  # calls in the concatenation of all pieces
         in_order = len(index) == total and bool((index == np.arange(total)).all())
         self.index: np.ndarray | None = None if in_order else index
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each item's piece and call in it (for messages and compaction: not kept, recomputed)."""
+        calls = np.arange(self.total_calls) if self.index is None else self.index
+        offsets = np.zeros(len(self.pieces) + 1, dtype=np.int64)
+        np.cumsum(self.piece_calls, out=offsets[1:])
+        item_piece = np.searchsorted(offsets[1:], calls, side="right")
+        return item_piece, calls - offsets[item_piece]
 
 
 class FoldPlan:
@@ -268,8 +267,8 @@ class _Compiler:
 
     def node_column(self, position: int, column: Sequence[Node]) -> _Column:
         """A column of batched nodes: the hot path."""
-        sources = [node.source for node in column]
-        item_call = np.fromiter([node.index for node in column], dtype=np.int64, count=len(column))
+        sources = list(map(_source, column))
+        item_call = np.fromiter(map(_index, column), dtype=np.int64, count=len(column))
         first = sources[0]
         if sources.count(first) == len(sources):
             keys: list[Any] = [first]

@@ -145,7 +145,8 @@ def _pieces(gather: Gather, results: _Results) -> tuple[list[_Tensor], int]:
         if isinstance(piece, int):
             found = results.tensors[piece]
             if found is None:  # a tuple result used whole: name the first item reading it
-                results.get(piece, int(gather.item_call[np.argmax(gather.item_piece == number)]))
+                item_piece, item_call = gather.items()
+                results.get(piece, int(item_call[np.argmax(item_piece == number)]))
             tensor, k = cast(_Tensor, found), results.rows[piece]
         else:
             tensor, k = piece, piece.shape[0]
@@ -165,20 +166,21 @@ def _alike(a: _Tensor, b: _Tensor) -> bool:
 def _explain(gather: Gather, results: _Results, where: Callable[[int], str]) -> FoldError:
     """The precise error for a gather whose pieces disagree: the position, and the two items."""
     plan = results.plan
+    item_piece, item_call = gather.items()
     start = 0
     for position, size in zip(gather.positions, gather.sizes, strict=True):
         items = range(start, start + size)
         start += size
         seen: list[tuple[int, int]] = []  # (piece, first item reading it) in first-use order
         for item in items:
-            piece = int(gather.item_piece[item])
+            piece = int(item_piece[item])
             if all(piece != p for p, _ in seen):
                 seen.append((piece, item))
 
         def describe(piece: int, item: int) -> str:
             value = gather.pieces[piece]
             if isinstance(value, int):
-                return plan.describe_item(value, int(gather.item_call[item]))
+                return plan.describe_item(value, int(item_call[item]))
             return f"a tensor of shape {tuple(value.shape)}"
 
         def fetch(piece: int) -> tuple[_Tensor, int]:
@@ -235,19 +237,19 @@ def _compact_sparse_sources(
     gather: Gather, tensors: list[_Tensor], rows: int, device: torch.device
 ) -> np.ndarray:
     """Replace earlier results mostly unused here by just the rows used (in ``tensors``); the new index."""
-    item_call = gather.item_call.copy()
-    uses = np.bincount(gather.item_piece, minlength=len(tensors))
+    item_piece, item_call = gather.items()
+    uses = np.bincount(item_piece, minlength=len(tensors))
     for p, tensor in enumerate(tensors):
         unused = tensor.shape[0] - int(uses[p]) * rows
         row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
         if isinstance(gather.pieces[p], int) and unused > 0 and unused * row_bytes > COMPACT_BYTES:
-            mask = gather.item_piece == p
+            mask = item_piece == p
             kept = item_call[mask]
             item_call[mask] = np.arange(len(kept), dtype=np.int64)
             tensors[p] = tensor.index_select(0, _rows_index(kept * rows, rows, device))
     offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
     np.cumsum([t.shape[0] // rows for t in tensors], out=offsets[1:])
-    return offsets[gather.item_piece] + item_call
+    return offsets[item_piece] + item_call
 
 
 def _arguments(step: Step, results: _Results, device: torch.device) -> list[Any]:

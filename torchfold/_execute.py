@@ -43,13 +43,15 @@ COMPACT_BYTES = 1 << 23
 class _Results:
     """Batched results of the steps run so far, by source number, and how many rows each call owns."""
 
-    __slots__ = ("outputs", "plan", "rows", "tensors")
+    __slots__ = ("kinds", "outputs", "plan", "rows", "tensors")
 
     def __init__(self, plan: FoldPlan) -> None:
         count = len(plan.source_owner)
         self.plan = plan
         self.tensors: list[_Tensor | None] = [None] * count
         self.rows = [0] * count
+        # per source: (rows per call, row shape, dtype, device): what must agree to gather together
+        self.kinds: list[tuple[Any, ...] | None] = [None] * count
         self.outputs = [0] * len(plan.steps)  # outputs each step returned (0: one tensor)
 
     def store(self, number: int, step: Step, out: Any) -> None:
@@ -92,7 +94,8 @@ class _Results:
                 )
         for source, value in zip(sources, outputs, strict=False):  # outputs never split are not read
             self.tensors[source] = value
-            self.rows[source] = value.shape[0] // calls
+            self.rows[source] = k = value.shape[0] // calls
+            self.kinds[source] = (k, value.shape[1:], value.dtype, value.device)
 
     def get(self, source: int, call: int) -> tuple[_Tensor, int]:
         """The batched tensor of ``source`` and its rows per call (``call``: a call reading it, for messages)."""
@@ -112,7 +115,7 @@ def _rows_index(starts: np.ndarray, rows: int, device: torch.device) -> _Tensor:
     """Indices of ``rows`` consecutive rows from each start, on ``device``."""
     if rows != 1:
         starts = (starts[:, None] + np.arange(rows, dtype=np.int64)).reshape(-1)
-    index = torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int64))
+    index = torch.from_numpy(starts)  # int64 and contiguous: made so by the compiler
     return index if device.type == "cpu" else index.to(device)
 
 
@@ -140,22 +143,23 @@ class _Mismatch(Exception):
 def _pieces(gather: Gather, results: _Results) -> tuple[list[_Tensor], int]:
     """The tensors a gather reads and the rows each call owns in them (the same for all)."""
     tensors: list[_Tensor] = []
-    rows = -1
+    kind = None
     for number, piece in enumerate(gather.pieces):
         if isinstance(piece, int):
-            found = results.tensors[piece]
-            if found is None:  # a tuple result used whole: name the first item reading it
+            tensor = results.tensors[piece]
+            if tensor is None:  # a tuple result used whole: name the first item reading it
                 item_piece, item_call = gather.items()
                 results.get(piece, int(item_call[np.argmax(item_piece == number)]))
-            tensor, k = cast(_Tensor, found), results.rows[piece]
+            this = results.kinds[piece]
         else:
-            tensor, k = piece, piece.shape[0]
-        if not tensors:
-            rows = k
-        elif k != rows or not _alike(tensor, tensors[0]):
+            tensor = piece
+            this = (piece.shape[0], piece.shape[1:], piece.dtype, piece.device)
+        if kind is None:
+            kind = this
+        elif this != kind:
             raise _Mismatch
-        tensors.append(tensor)
-    return tensors, rows
+        tensors.append(cast(_Tensor, tensor))
+    return tensors, cast(tuple[Any, ...], kind)[0]
 
 
 def _alike(a: _Tensor, b: _Tensor) -> bool:

@@ -69,3 +69,29 @@ def test_two_xla_replicas_with_all_reduce_equal_one_process(tmp_path: Path) -> N
             for p, q in zip(got["params"], expected["params"], strict=True):  # type: ignore[call-overload]
                 torch.testing.assert_close(p, q, **TOLERANCE)
             assert got["factors"] == pytest.approx(expected["factors"], rel=1e-6)
+
+
+def test_fold_on_an_xla_device_equals_the_cpu() -> None:
+    """The engine assumes no CPU: a Tree-LSTM fold (ints made on the device, merged gathers,
+    int32 indices) gives the CPU's outputs and gradients on an XLA device."""
+    import torch_xla
+
+    from torchfold import Fold
+    from torchfold.datasets import Vocab, generate_sst
+    from torchfold.models import TreeLSTM, encode_trees
+
+    trees = generate_sst(6, seed=2)
+    vocab = Vocab.build(trees)
+    results = []
+    for device in (torch.device("cpu"), torch_xla.device()):
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 12).to(device)
+        fold = Fold()
+        nodes, labels, roots = encode_trees(fold, trees, vocab)
+        states, root_states = fold.apply(model, [nodes, [nodes[r] for r in roots]])
+        assert states.device.type == device.type
+        loss = torch.nn.functional.cross_entropy(model.logits(states), torch.tensor(labels, device=device))
+        (loss + root_states.sum()).backward()
+        results.append([states, root_states] + [p.grad for p in model.parameters()])
+    for cpu, xla in zip(*results, strict=True):
+        torch.testing.assert_close(xla.cpu(), cpu, rtol=1e-5, atol=1e-6)

@@ -111,11 +111,11 @@ class _Results:
         )
 
 
-def _rows_index(starts: np.ndarray, rows: int, device: torch.device) -> _Tensor:
-    """Indices of ``rows`` consecutive rows from each start, on ``device``."""
+def _rows_index(calls: np.ndarray, rows: int, device: torch.device) -> _Tensor:
+    """Indices of the ``rows`` consecutive rows of each of ``calls``, on ``device``."""
     if rows != 1:
-        starts = (starts[:, None] + np.arange(rows, dtype=np.int64)).reshape(-1)
-    index = torch.from_numpy(starts)  # int64 and contiguous: made so by the compiler
+        calls = (calls.astype(np.int64)[:, None] * rows + np.arange(rows, dtype=np.int64)).reshape(-1)
+    index = torch.from_numpy(calls)  # int32 or int64, contiguous: made so by the compiler
     return index if device.type == "cpu" else index.to(device)
 
 
@@ -231,7 +231,7 @@ def _gathered(
     else:
         source = tensors[0]
     if index is not None:
-        source = source.index_select(0, _rows_index(index * rows if rows != 1 else index, rows, device))
+        source = source.index_select(0, _rows_index(index, rows, device))
     if len(gather.sizes) == 1:
         return [source]
     return list(source.split_with_sizes([size * rows for size in gather.sizes]))
@@ -250,7 +250,7 @@ def _compact_sparse_sources(
             mask = item_piece == p
             kept = item_call[mask]
             item_call[mask] = np.arange(len(kept), dtype=np.int64)
-            tensors[p] = tensor.index_select(0, _rows_index(kept * rows, rows, device))
+            tensors[p] = tensor.index_select(0, _rows_index(kept, rows, device))
     offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
     np.cumsum([t.shape[0] // rows for t in tensors], out=offsets[1:])
     return offsets[item_piece] + item_call

@@ -2,8 +2,9 @@
 
 Prints, in CPU milliseconds per batch (mean over the batches):
 
-* torchfold's phases (record with ``encode_trees``, ``apply``, logits + loss, backward) next to
-  the hand-batched version's forward and backward, which do the same tensor work;
+* torchfold's phases (record with ``encode_trees``, compile with ``Fold.plan``, run with
+  ``FoldPlan.apply``, logits + loss, backward) next to the hand-batched version's forward and
+  backward, which do the same tensor work;
 * recording alone with Python's cyclic GC on, after ``gc.freeze()``, and off;
 * a cProfile of torchfold training updates (Adam included), sorted by self time.
 
@@ -46,24 +47,29 @@ def mean_ms(fn: Callable[[tree_lstm.Batch], object], batches: list[tree_lstm.Bat
 
 def phases(model: TreeLSTM, batches: list[tree_lstm.Batch]) -> dict[str, float]:
     """Mean CPU ms per batch of each phase of a torchfold and a hand-batched forward/backward."""
-    total = dict.fromkeys(("record", "apply", "loss", "backward", "hand forward", "hand backward"), 0.0)
+    total = dict.fromkeys(
+        ("record", "compile", "apply", "loss", "backward", "hand forward", "hand backward"), 0.0
+    )
     for batch in batches:
         t0 = clock()
         fold = torchfold.Fold()
         nodes, labels, _ = encode_trees(fold, batch.trees, batch.vocab)
         t1 = clock()
-        (states,) = fold.apply(model, [nodes])
+        plan = fold.plan([nodes])
         t2 = clock()
-        loss = F.cross_entropy(model.logits(states), torch.tensor(labels))
+        (states,) = plan.apply(model)
         t3 = clock()
-        loss.backward()
+        loss = F.cross_entropy(model.logits(states), torch.tensor(labels))
         t4 = clock()
-        hand = tree_lstm.hand_loss(model, batch)
+        loss.backward()
         t5 = clock()
-        hand.backward()
+        hand = tree_lstm.hand_loss(model, batch)
         t6 = clock()
-        for key, seconds in zip(total, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True):
-            total[key] += seconds
+        hand.backward()
+        t7 = clock()
+        stamps = (t0, t1, t2, t3, t4, t5, t6, t7)
+        for key, start, end in zip(total, stamps, stamps[1:], strict=True):
+            total[key] += end - start
     return {key: seconds / len(batches) * 1000 for key, seconds in total.items()}
 
 
@@ -98,15 +104,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print("\n".join(line for line in harness.machine_lines(extra) if not line.startswith("clock:")) + "\n")
     phases(model, batches[:1])  # warm-up
     times = phases(model, batches)
-    fold_total = times["record"] + times["apply"] + times["loss"] + times["backward"]
+    fold_total = times["record"] + times["compile"] + times["apply"] + times["loss"] + times["backward"]
     hand_total = times["hand forward"] + times["hand backward"]
     print(
         harness.markdown_table(
-            ["version", "record", "apply / forward", "logits+loss", "backward", "total"],
             [
-                ["torchfold", times["record"], times["apply"], times["loss"], times["backward"], fold_total],
+                "version",
+                "record",
+                "compile (Fold.plan)",
+                "apply / forward",
+                "logits+loss",
+                "backward",
+                "total",
+            ],
+            [
+                [
+                    "torchfold",
+                    times["record"],
+                    times["compile"],
+                    times["apply"],
+                    times["loss"],
+                    times["backward"],
+                    fold_total,
+                ],
                 [
                     "hand-batched",
+                    "-",
                     "-",
                     times["hand forward"],
                     "(in forward)",

@@ -68,7 +68,7 @@ def phases(model: TreeLSTM, batches: list[tree_lstm.Batch]) -> dict[str, float]:
         hand.backward()
         t7 = clock()
         stamps = (t0, t1, t2, t3, t4, t5, t6, t7)
-        for key, start, end in zip(total, stamps, stamps[1:], strict=True):
+        for key, start, end in zip(total, stamps[:-1], stamps[1:], strict=True):
             total[key] += end - start
     return {key: seconds / len(batches) * 1000 for key, seconds in total.items()}
 

@@ -26,20 +26,13 @@ from torchfold._plan import check_requests
 if TYPE_CHECKING:
     from torchfold._fold import Fold
 
-__all__ = ["FoldPlan", "compile_fold", "describe_arg_shapes"]
+__all__ = ["FoldPlan", "compile_fold"]
 
 _Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
 _is_batched = operator.attrgetter("batch")
 _source = operator.attrgetter("source")
 _index = operator.attrgetter("index")
-
-
-def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) -> str:
-    """Batched argument shapes as ``float32[3x16], int64[3]``."""
-    return ", ".join(
-        f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]" for dtype, shape in shapes or ()
-    )
 
 
 class Step:

@@ -23,8 +23,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from torchfold._compile import Arg, FoldPlan, Gather, Step, describe_arg_shapes
+from torchfold._compile import Arg, FoldPlan, Gather, Step
 from torchfold._errors import FoldError
+from torchfold._node import describe_arg_shapes
 from torchfold._plan import module_device, resolve_ops
 
 __all__ = ["run"]

@@ -8,12 +8,12 @@ shared value (``nobatch``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchfold._errors import FoldError
 
-__all__ = ["Group", "Node", "Owner", "op_name"]
+__all__ = ["Group", "Node", "Owner", "describe_arg_shapes", "op_name"]
 
 Op = str | Callable[..., Any]
 
@@ -23,6 +23,13 @@ def op_name(op: Op) -> str:
     if isinstance(op, str):
         return op
     return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+
+
+def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) -> str:
+    """Batched argument shapes as ``float32[3x16], int64[3]``."""
+    return ", ".join(
+        f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]" for dtype, shape in shapes or ()
+    )
 
 
 class Owner:
@@ -77,10 +84,7 @@ class Group:
 
     def describe_arg_shapes(self) -> str:
         """The last apply's batched argument shapes, e.g. ``float32[3x16], int64[3]``."""
-        return ", ".join(
-            f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]"
-            for dtype, shape in self.arg_shapes or ()
-        )
+        return describe_arg_shapes(self.arg_shapes)
 
     def __repr__(self) -> str:
         return f"<group {self.name!r} depth {self.depth} x{len(self.calls)}>"

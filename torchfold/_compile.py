@@ -20,19 +20,26 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op
+from torchfold._node import Group, Node, Op, node_label
 from torchfold._plan import check_requests
 
 if TYPE_CHECKING:
     from torchfold._fold import Fold
 
-__all__ = ["FoldPlan", "compile_fold"]
+__all__ = ["FoldPlan", "call_offsets", "compile_fold"]
 
 _Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
 _is_batched = operator.attrgetter("batch")
 _source = operator.attrgetter("source")
 _index = operator.attrgetter("index")
+
+
+def call_offsets(counts: Sequence[int]) -> np.ndarray:
+    """Where each piece starts in a concatenation of pieces of ``counts`` calls (and the total, last)."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets
 
 
 class Step:
@@ -117,8 +124,7 @@ class Gather:
         self.piece_calls = piece_calls
         self.positions = positions  # argument positions filled, in item order
         self.sizes = sizes  # items of each position
-        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum(piece_calls, out=offsets[1:])
+        offsets = call_offsets(piece_calls)
         index = offsets[item_piece] + item_call if len(pieces) > 1 else item_call
         total = self.total_calls = int(offsets[-1])  # calls in the concatenation of all pieces
         in_order = len(index) == total and bool((index == np.arange(total)).all())
@@ -130,8 +136,7 @@ class Gather:
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Each item's piece and call in it (for messages and compaction: not kept, recomputed)."""
         calls = np.arange(self.total_calls) if self.index is None else self.index
-        offsets = np.zeros(len(self.pieces) + 1, dtype=np.int64)
-        np.cumsum(self.piece_calls, out=offsets[1:])
+        offsets = call_offsets(self.piece_calls)
         item_piece = np.searchsorted(offsets[1:], calls, side="right")
         return item_piece, calls - offsets[item_piece]
 
@@ -190,9 +195,8 @@ class FoldPlan:
 
     def describe_item(self, source: int, call: int) -> str:
         """How a node is shown in messages, from its source number and call: ``Node('op', depth=1, index=3)``."""
-        step, output = self.source_owner[source]
-        extra = "" if output is None else f", output={output}"
-        return f"Node({self.steps[step].name!r}, depth={self.steps[step].depth}, index={call}{extra})"
+        number, output = self.source_owner[source]
+        return node_label(self.steps[number].name, self.steps[number].depth, call, output)
 
     def __len__(self) -> int:
         return self.num_nodes

@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from torchfold._compile import Arg, FoldPlan, Gather, Step
+from torchfold._compile import Arg, FoldPlan, Gather, Step, call_offsets
 from torchfold._errors import FoldError
 from torchfold._node import describe_arg_shapes
 from torchfold._plan import module_device, resolve_ops
@@ -252,8 +252,7 @@ def _compact_sparse_sources(
             kept = item_call[mask]
             item_call[mask] = np.arange(len(kept), dtype=np.int64)
             tensors[p] = tensor.index_select(0, _rows_index(kept, rows, device))
-    offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
-    np.cumsum([t.shape[0] // rows for t in tensors], out=offsets[1:])
+    offsets = call_offsets([t.shape[0] // rows for t in tensors])
     return offsets[item_piece] + item_call
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torchfold._errors import FoldError
 
-__all__ = ["Group", "Node", "Owner", "describe_arg_shapes", "op_name"]
+__all__ = ["Group", "Node", "Owner", "describe_arg_shapes", "node_label", "op_name"]
 
 Op = str | Callable[..., Any]
 
@@ -23,6 +23,13 @@ def op_name(op: Op) -> str:
     if isinstance(op, str):
         return op
     return getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+
+
+def node_label(name: str, depth: int, index: int, output: int | None = None, batch: bool = True) -> str:
+    """How a node is shown (``repr`` and messages): ``Node('op', depth=1, index=3, output=0)``."""
+    extra = "" if output is None else f", output={output}"
+    extra += "" if batch else ", nobatch"
+    return f"Node({name!r}, depth={depth}, index={index}{extra})"
 
 
 def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) -> str:
@@ -186,6 +193,4 @@ class Node:
         return self._nobatch
 
     def __repr__(self) -> str:
-        extra = "" if self.output is None else f", output={self.output}"
-        extra += "" if self.batch else ", nobatch"
-        return f"Node({self.group.name!r}, depth={self.group.depth}, index={self.index}{extra})"
+        return node_label(self.group.name, self.group.depth, self.index, self.output, self.batch)

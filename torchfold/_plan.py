@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Node, Op
+from torchfold._node import Node, Op, node_label
 
 if TYPE_CHECKING:
     from torchfold._fold import Fold
@@ -58,7 +58,7 @@ def _resolve(nn: object, step: _Batched) -> Callable[..., Any]:
     what = "is not callable" if hasattr(nn, op) else "does not exist"
     raise FoldError(
         f"unknown op {op!r} at depth {step.depth} ({step.num_calls} nodes, first "
-        f"Node({step.name!r}, depth={step.depth}, index=0)): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
+        f"{node_label(step.name, step.depth, 0)}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
         f"passed to apply, or pass a callable as the op{hint}"
     )
 

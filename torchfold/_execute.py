@@ -96,7 +96,7 @@ class _Results:
         for source, value in zip(sources, outputs, strict=False):  # outputs never split are not read
             self.tensors[source] = value
             self.rows[source] = k = value.shape[0] // calls
-            self.kinds[source] = (k, value.shape[1:], value.dtype, value.device)
+            self.kinds[source] = _rows_kind(value, k)
 
     def get(self, source: int, call: int) -> tuple[_Tensor, int]:
         """The batched tensor of ``source`` and its rows per call (``call``: a call reading it, for messages)."""
@@ -154,7 +154,7 @@ def _pieces(gather: Gather, results: _Results) -> tuple[list[_Tensor], int]:
             this = results.kinds[piece]
         else:
             tensor = piece
-            this = (piece.shape[0], piece.shape[1:], piece.dtype, piece.device)
+            this = _rows_kind(piece, piece.shape[0])
         if kind is None:
             kind = this
         elif this != kind:
@@ -163,9 +163,9 @@ def _pieces(gather: Gather, results: _Results) -> tuple[list[_Tensor], int]:
     return tensors, cast(tuple[Any, ...], kind)[0]
 
 
-def _alike(a: _Tensor, b: _Tensor) -> bool:
-    """Rows of the same shape, dtype and device."""
-    return a.shape[1:] == b.shape[1:] and a.dtype == b.dtype and a.device == b.device
+def _rows_kind(tensor: _Tensor, rows: int) -> tuple[Any, ...]:
+    """What must agree between tensors gathered together: rows per call, row shape, dtype, device."""
+    return (rows, tensor.shape[1:], tensor.dtype, tensor.device)
 
 
 def _explain(gather: Gather, results: _Results, where: Callable[[int], str]) -> FoldError:
@@ -201,7 +201,7 @@ def _explain(gather: Gather, results: _Results, where: Callable[[int], str]) -> 
                     f"call but {describe(piece, item)} gives {k}; every call of a group must pass the same number "
                     "of rows at each position"
                 )
-            if not _alike(other, first):
+            if _rows_kind(other, k) != _rows_kind(first, rows):
                 return FoldError(
                     f"{where(position)}: rows disagree in shape within the group: {describe(*seen[0])} gives rows of "
                     f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {describe(piece, item)} gives "

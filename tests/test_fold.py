@@ -289,6 +289,23 @@ ERRORS = [
         r"argument 1: Node\('leaf', depth=0, index=1, nobatch\) is nobatch, so every call .* passes Node\('leaf', depth=0, index=3",
     ),
     (
+        "nobatch after a batched node",
+        lambda f: [
+            [
+                f.add("merge", f.add("leaf", 1), f.add("leaf", 2)),
+                f.add("merge", f.add("leaf", 3), f.add("leaf", 4).nobatch()),
+            ]
+        ],
+        r"argument 1: Node\('leaf', depth=0, index=3, nobatch\) is nobatch, so every call .* passes Node\('leaf', depth=0, index=1\)",
+    ),
+    (
+        "floats and nodes mixed",
+        lambda f: [
+            [f.add("merge", f.add("leaf", 1), 2.5), f.add("merge", f.add("leaf", 2), f.add("leaf", 3))]
+        ],
+        r"op 'merge' at depth \d, argument 1: floats and nodes/tensors are mixed",
+    ),
+    (
         "op raises",
         lambda f: [[f.add("merge", torch.ones(1, 6), torch.ones(1, 7))]],
         r"while applying 'merge' at depth 0 to 1 nodes \(batched argument shapes: float32\[1x6\], float32\[1x7\]\): RuntimeError",

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import torchfold
+import torchfold._execute
 from torchfold import Fold, FoldError, FoldPlan
 from torchfold.datasets import Tree, Vocab, generate_sst
 from torchfold.models import TreeLSTM, encode_trees
@@ -102,3 +103,84 @@ def test_volatile_fold_plans_run_without_autograd() -> None:
     nodes, _, _ = encode_trees(fold, TREES[:2], VOCAB)
     (states,) = fold.plan([nodes]).apply(TreeLSTM(len(VOCAB), 4, 4))
     assert not states.requires_grad
+
+
+class Lookup(torch.nn.Module):
+    """Ops that misbehave with their int input: one changes it in place, one returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.arange(24.0).reshape(8, 3))
+
+    def clamped(self, ids: torch.Tensor) -> torch.Tensor:
+        ids.clamp_(max=5)
+        return self.table[ids]
+
+    def ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def scale(self, rows: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return rows * factor
+
+
+def test_a_plan_is_not_changed_by_ops_that_change_their_inputs() -> None:
+    model, fold = Lookup(), Fold()
+    plan = fold.plan(
+        [[fold.add("clamped", 7), fold.add("clamped", 1)], [fold.add("ids", 7), fold.add("ids", 2)]]
+    )
+    first_rows, first_ids = plan.apply(model)
+    first_ids[0] = 99
+    again_rows, again_ids = plan.apply(model)
+    torch.testing.assert_close(again_rows, first_rows)
+    assert again_ids.tolist() == [7, 2]
+
+
+def test_pickling_refuses_what_would_cut_gradients_off() -> None:
+    model = Lookup()
+    fold = Fold()
+    bound = fold.plan([[fold.add(model.ids, 1), fold.add(model.ids, 2)]])
+    bound.apply(model)  # fine in this process
+    with pytest.raises(
+        FoldError, match=r"op 'Lookup.ids' at depth 0 is a method bound to a Lookup: .*fold.add\('ids'"
+    ):
+        pickle.dumps(bound)
+    weight = torch.ones(1, 3, requires_grad=True)
+    fold = Fold()
+    rows = [fold.add("clamped", i) for i in (1, 2)]
+    plan = fold.plan([[fold.add("scale", row, weight) for row in rows]])
+    with pytest.raises(
+        FoldError, match=r"op 'scale' at depth 1, argument 1: a tensor given to add requires grad"
+    ):
+        pickle.dumps(plan)
+
+
+def test_a_pickled_plan_carries_only_the_rows_given_to_add() -> None:
+    images = torch.randn(10_000, 784)  # 31 MB; the fold reads 4 rows of it
+    fold = Fold()
+    nodes = [fold.add("classify", images[i : i + 1]) for i in range(4)]
+    plan = fold.plan([nodes])
+    shipped = pickle.loads(pickle.dumps(plan))
+    assert len(pickle.dumps(plan)) < 100_000
+    model = torchfold.models.MLP()
+    torch.testing.assert_close(shipped.apply(model)[0], model(images[:4]))
+    assert plan.steps[0].fixed[0][1].value[0].untyped_storage().nbytes() == images.untyped_storage().nbytes()
+
+
+class Empty(torch.nn.Module):
+    """Ops whose calls own no rows at all."""
+
+    def none(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(0, 3)
+
+    def also_none(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(0, 3)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_calls_owning_no_rows_gather_to_nothing(monkeypatch: pytest.MonkeyPatch, compact: bool) -> None:
+    if compact:  # force the path that gathers partly used sources on their own first
+        monkeypatch.setattr(torchfold._execute, "COMPACT_BYTES", -1)
+    fold = Fold()
+    a, b, c = fold.add("none", 1), fold.add("none", 2), fold.add("also_none", 3)
+    (out,) = fold.apply(Empty(), [[c, a, b, a]])
+    assert out.shape == (0, 3)

@@ -12,6 +12,8 @@ and shipped (pickled) to the training process, which then only runs tensor ops
 
 from __future__ import annotations
 
+import copy
+import inspect
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -145,9 +147,14 @@ class FoldPlan:
     """A compiled fold: every batched call and gather, ready to run on a module.
 
     Made by :meth:`Fold.plan <torchfold.Fold.plan>`; :meth:`apply` runs it. A plan holds no
-    nodes, only op names, integer index arrays and the tensors given to ``add``, so it pickles:
+    nodes, only ops, integer index arrays and the tensors given to ``add``, so it pickles:
     build folds in ``DataLoader`` worker processes and apply the plans in the training process,
     which then does tensor work only. Applying one plan again recomputes from the current weights.
+
+    To ship a plan, record ops by name (or as plain functions) and give ``add`` only tensors
+    that need no gradient: pickling refuses ops bound to an object and tensors that require
+    grad, whose copies would cut the gradient off. A tensor given as a view of a bigger one
+    (``images[i : i + 1]``) pickles as just its rows.
 
     Example:
         >>> import pickle, torch, torchfold
@@ -193,6 +200,16 @@ class FoldPlan:
                 return run(self, nn)
         return run(self, nn)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles: the plan, with tensors given to ``add`` cut down to their own rows.
+
+        Raises:
+            FoldError: an op is a bound method (the pickle would hold a copy of its object, and
+                the module applying the plan would get no gradients through it), or a tensor
+                given to ``add`` requires grad (its copy would cut the gradient off).
+        """
+        return {**self.__dict__, "steps": [_portable(step) for step in self.steps]}
+
     def describe_item(self, source: int, call: int) -> str:
         """How a node is shown in messages, from its source number and call: ``Node('op', depth=1, index=3)``."""
         number, output = self.source_owner[source]
@@ -210,6 +227,55 @@ class FoldPlan:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def _portable(step: Step) -> Step:
+    """``step`` as it may travel to another process (see ``FoldPlan.__getstate__``)."""
+    if inspect.ismethod(step.op):
+        owner = type(step.op.__self__).__name__
+        raise FoldError(
+            f"op {step.name!r} at depth {step.depth} is a method bound to a {owner}: a pickled plan would carry its "
+            f"own copy of that {owner}, and the module applying the plan would get no gradients through it; "
+            f"record the op by name, fold.add({step.op.__name__!r}, ...), to ship plans between processes"
+        )
+    given = [arg for _, arg in step.fixed if arg.kind in ("tensor", "concat")]
+    if not given and all(isinstance(piece, int) for gather in step.gathers for piece in gather.pieces):
+        return step  # nothing but index arrays: pickles as it is
+    portable = copy.copy(step)
+    portable.fixed = [
+        (position, Arg(arg.kind, _portable_tensors(arg.value, step.where(position))))
+        if arg.kind in ("tensor", "concat")
+        else (position, arg)
+        for position, arg in step.fixed
+    ]
+    portable.gathers = []
+    for gather in step.gathers:
+        moved = copy.copy(gather)
+        moved.pieces = [
+            piece if isinstance(piece, int) else _portable_tensors(piece, step.where(gather.positions[0]))
+            for piece in gather.pieces
+        ]
+        portable.gathers.append(moved)
+    return portable
+
+
+def _portable_tensors(value: Any, where: str) -> Any:
+    """A tensor given to ``add`` (or a list of them) reduced to its own rows for pickling."""
+    if isinstance(value, list):
+        return [_portable_tensors(tensor, where) for tensor in value]
+    tensor: _Tensor = value
+    if tensor.requires_grad:
+        raise FoldError(
+            f"{where}: a tensor given to add requires grad (shape {tuple(tensor.shape)}); a pickled plan holds a copy "
+            "of it, so no gradient would reach the original: use parameters inside the module's ops instead, or "
+            "compile and apply this plan in the same process"
+        )
+    if (
+        tensor.device.type == "cpu"
+        and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    ):
+        return tensor.clone()  # a view of a bigger tensor (images[i : i + 1]) would pickle all of it
+    return tensor
 
 
 def _no_rows(where: str, tensor: _Tensor) -> FoldError:
@@ -291,23 +357,20 @@ class _Compiler:
         item_piece: list[int] = []
         item_call: list[int] = []
         for item in column:
+            value: int | _Tensor
             if item.__class__ is Node:
                 key: Any = item.source
-                call = item.index
+                value, call, calls = item.source, item.index, self.source_calls[item.source]
             else:
                 if item.dim() == 0:
                     raise _no_rows(where, item)
-                key, call = ("tensor", id(item)), 0
+                key, value, call, calls = ("tensor", id(item)), item, 0, 1
             piece = piece_of.get(key)
             if piece is None:
                 piece = piece_of[key] = len(pieces)
                 keys.append(key)
-                if item.__class__ is Node:
-                    pieces.append(item.source)
-                    piece_calls.append(self.source_calls[item.source])
-                else:
-                    pieces.append(item)
-                    piece_calls.append(1)
+                pieces.append(value)
+                piece_calls.append(calls)
             item_piece.append(piece)
             item_call.append(call)
         return _Column(
@@ -335,7 +398,8 @@ class _Compiler:
                 step.fixed.append((position, Arg("floats", np.array(column, dtype=np.float64))))
             elif int in kinds or float in kinds:
                 raise FoldError(
-                    f"{step.where(position)}: ints and nodes/tensors are mixed at one position ({len(calls)} "
+                    f"{step.where(position)}: {'ints' if int in kinds else 'floats'} and nodes/tensors are mixed at "
+                    f"one position ({len(calls)} "
                     "calls); pass either ints everywhere or tensors/nodes everywhere (e.g. wrap the ints as "
                     "tensors of the right shape)"
                 )
@@ -411,7 +475,7 @@ class _Compiler:
             [len(column.item_call) for column in columns],
         )
 
-    def request(self, request: Sequence[Node], number: int) -> Arg | Gather:
+    def request(self, request: Sequence[Node]) -> Arg | Gather:
         """A request: its nodes' rows in order (a nobatch handle is just its rows)."""
         column = self.node_column(0, request)
         whole = column.whole_source()
@@ -422,7 +486,7 @@ class _Compiler:
 
 def _shared(column: Sequence[Any], where: str) -> Arg:
     """A ``nobatch`` position: one node's value, passed whole to the batched call."""
-    node = column[0]
+    node = next(item for item in column if item.__class__ is Node and not item.batch)
     for other in column:
         if other is not node:
             raise FoldError(
@@ -450,5 +514,5 @@ def compile_fold(fold: Fold, requests: Sequence[Sequence[Node]]) -> FoldPlan:
     check_requests(fold, requests)
     compiler = _Compiler(fold)
     steps = [compiler.step(group) for group in compiler.groups]
-    planned = [compiler.request(request, number) for number, request in enumerate(requests)]
+    planned = [compiler.request(request) for request in requests]
     return FoldPlan(steps, planned, compiler.source_owner, len(fold), fold.device, fold.volatile)

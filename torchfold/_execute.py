@@ -44,13 +44,12 @@ COMPACT_BYTES = 1 << 23
 class _Results:
     """Batched results of the steps run so far, by source number, and how many rows each call owns."""
 
-    __slots__ = ("kinds", "outputs", "plan", "rows", "tensors")
+    __slots__ = ("kinds", "outputs", "plan", "tensors")
 
     def __init__(self, plan: FoldPlan) -> None:
         count = len(plan.source_owner)
         self.plan = plan
         self.tensors: list[_Tensor | None] = [None] * count
-        self.rows = [0] * count
         # per source: (rows per call, row shape, dtype, device): what must agree to gather together
         self.kinds: list[tuple[Any, ...] | None] = [None] * count
         self.outputs = [0] * len(plan.steps)  # outputs each step returned (0: one tensor)
@@ -95,14 +94,13 @@ class _Results:
                 )
         for source, value in zip(sources, outputs, strict=False):  # outputs never split are not read
             self.tensors[source] = value
-            self.rows[source] = k = value.shape[0] // calls
-            self.kinds[source] = _rows_kind(value, k)
+            self.kinds[source] = _rows_kind(value, value.shape[0] // calls)
 
     def get(self, source: int, call: int) -> tuple[_Tensor, int]:
         """The batched tensor of ``source`` and its rows per call (``call``: a call reading it, for messages)."""
         tensor = self.tensors[source]
         if tensor is not None:
-            return tensor, self.rows[source]
+            return tensor, cast(tuple[Any, ...], self.kinds[source])[0]
         number, _ = self.plan.source_owner[source]
         step, count = self.plan.steps[number], self.outputs[number]
         # A source that was split is checked by store(); so this is a result used whole that was a tuple.
@@ -128,10 +126,12 @@ def _value(arg: Arg, results: _Results, device: torch.device) -> _Tensor:
         source, call = value
         tensor, k = results.get(source, call)
         return tensor if tensor.shape[0] == k else tensor[call * k : (call + 1) * k]
+    # Ints and floats become a fresh tensor at every apply (never a view of the plan's array),
+    # so an op that changes its input in place cannot change the plan.
     if kind == "ints":
-        return torch.from_numpy(value).to(device)
+        return torch.from_numpy(value).to(device, copy=True)
     if kind == "floats":
-        return torch.from_numpy(value).to(device=device, dtype=torch.get_default_dtype())
+        return torch.from_numpy(value).to(device=device, dtype=torch.get_default_dtype(), copy=True)
     if kind == "concat":
         return torch.cat(value, 0)
     return value  # "tensor": given to add
@@ -172,42 +172,42 @@ def _explain(gather: Gather, results: _Results, where: Callable[[int], str]) -> 
     """The precise error for a gather whose pieces disagree: the position, and the two items."""
     plan = results.plan
     item_piece, item_call = gather.items()
+
+    def describe(piece: int, item: int) -> str:
+        value = gather.pieces[piece]
+        if isinstance(value, int):
+            return plan.describe_item(value, int(item_call[item]))
+        return f"a tensor of shape {tuple(value.shape)}"
+
+    def fetch(piece: int) -> tuple[_Tensor, int]:
+        value = gather.pieces[piece]
+        return results.get(value, 0) if isinstance(value, int) else (value, value.shape[0])
+
     start = 0
     for position, size in zip(gather.positions, gather.sizes, strict=True):
-        items = range(start, start + size)
+        seen: dict[int, int] = {}  # piece -> the first item reading it, in first-use order
+        for item in range(start, start + size):
+            seen.setdefault(int(item_piece[item]), item)
         start += size
-        seen: list[tuple[int, int]] = []  # (piece, first item reading it) in first-use order
-        for item in items:
-            piece = int(item_piece[item])
-            if all(piece != p for p, _ in seen):
-                seen.append((piece, item))
-
-        def describe(piece: int, item: int) -> str:
-            value = gather.pieces[piece]
-            if isinstance(value, int):
-                return plan.describe_item(value, int(item_call[item]))
-            return f"a tensor of shape {tuple(value.shape)}"
-
-        def fetch(piece: int) -> tuple[_Tensor, int]:
-            value = gather.pieces[piece]
-            return results.get(value, 0) if isinstance(value, int) else (value, value.shape[0])
-
-        first, rows = fetch(seen[0][0])
-        for piece, item in seen[1:]:
+        (reference, first_item), *others = seen.items()
+        first, rows = fetch(reference)
+        for piece, item in others:
             other, k = fetch(piece)
             if k != rows:
                 return FoldError(
-                    f"{where(position)}: rows disagree within the group: {describe(*seen[0])} gives {rows} rows per "
-                    f"call but {describe(piece, item)} gives {k}; every call of a group must pass the same number "
-                    "of rows at each position"
+                    f"{where(position)}: rows disagree within the group: {describe(reference, first_item)} gives "
+                    f"{rows} rows per call but {describe(piece, item)} gives {k}; every call of a group must pass "
+                    "the same number of rows at each position"
                 )
             if _rows_kind(other, k) != _rows_kind(first, rows):
                 return FoldError(
-                    f"{where(position)}: rows disagree in shape within the group: {describe(*seen[0])} gives rows of "
-                    f"{tuple(first.shape[1:])} {first.dtype} on {first.device}, but {describe(piece, item)} gives "
-                    f"{tuple(other.shape[1:])} {other.dtype} on {other.device}; calls of one group must pass "
-                    "same-shaped rows at each position (use different ops for different shapes)"
+                    f"{where(position)}: rows disagree in shape within the group: {describe(reference, first_item)} "
+                    f"gives rows of {tuple(first.shape[1:])} {first.dtype} on {first.device}, but "
+                    f"{describe(piece, item)} gives {tuple(other.shape[1:])} {other.dtype} on {other.device}; calls "
+                    "of one group must pass same-shaped rows at each position (use different ops for different shapes)"
                 )
+    # Unreachable: positions of one gather are linked by shared sources, so a disagreement
+    # between them is one within some position, reported above.
     return FoldError(f"{where(gather.positions[0])}: the sources gathered together disagree in row shape")
 
 
@@ -222,11 +222,8 @@ def _gathered(
     index = gather.index
     if len(tensors) > 1:
         first = tensors[0]
-        if (
-            index is not None
-            and gather.total_calls * first.numel() // max(first.shape[0], 1) * rows * first.element_size()
-            > COMPACT_BYTES
-        ):
+        row_bytes = math.prod(first.shape[1:]) * first.element_size()
+        if index is not None and rows and gather.total_calls * rows * row_bytes > COMPACT_BYTES:
             index = _compact_sparse_sources(gather, tensors, rows, device)
         source = torch.cat(tensors, 0)
     else:

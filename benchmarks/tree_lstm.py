@@ -361,7 +361,8 @@ class WorkerPlannedTrainer(Trainer):
     """
 
     def __init__(self, model: TreeLSTM, batches: list[Batch], lr: float, workers: int):
-        super().__init__(model, fold_loss, batches, lr)
+        # step() below takes plans from the loader; the loss given here is only the same computation
+        super().__init__(model, shipped_plan_loss, batches, lr)
         order = _Cycle(len(batches))
         self.loader = iter(
             torch.utils.data.DataLoader(

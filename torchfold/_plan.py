@@ -1,7 +1,8 @@
-"""Planning a fold: resolving ops, checking requests, and describing the plan in words.
+"""Checks around a plan: resolving ops, checking requests, and describing a fold in words.
 
 Everything here runs before any op does, so a mistake in the graph (an unknown op, a
-malformed request) is reported before a single tensor is computed.
+malformed request) is reported before a single tensor is computed. The compiled plan itself
+(``FoldPlan``) is built in :mod:`torchfold._compile` and run by :mod:`torchfold._execute`.
 """
 
 from __future__ import annotations

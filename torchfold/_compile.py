@@ -285,6 +285,27 @@ def _no_rows(where: str, tensor: _Tensor) -> FoldError:
     )
 
 
+class _Pieces:
+    """The pieces a column or gather reads, numbered in first-use order by key."""
+
+    __slots__ = ("calls", "keys", "numbers", "values")
+
+    def __init__(self) -> None:
+        self.keys: list[Any] = []  # source numbers, or ("tensor", id) for tensors given to add
+        self.values: list[int | _Tensor] = []
+        self.calls: list[int] = []  # calls in each piece (a given tensor counts as one)
+        self.numbers: dict[Any, int] = {}
+
+    def number(self, key: Any, value: int | _Tensor, calls: int) -> int:
+        number = self.numbers.get(key)
+        if number is None:
+            number = self.numbers[key] = len(self.values)
+            self.keys.append(key)
+            self.values.append(value)
+            self.calls.append(calls)
+        return number
+
+
 class _Column:
     """One gathered argument position before merging: pieces by key, and per call its piece and call."""
 
@@ -350,31 +371,20 @@ class _Compiler:
 
     def mixed_column(self, position: int, column: Sequence[Any], where: str) -> _Column:
         """A column mixing nodes and tensors given to ``add``."""
-        keys: list[Any] = []
-        pieces: list[int | _Tensor] = []
-        piece_calls: list[int] = []
-        piece_of: dict[Any, int] = {}
+        pieces = _Pieces()
         item_piece: list[int] = []
         item_call: list[int] = []
         for item in column:
-            value: int | _Tensor
             if item.__class__ is Node:
-                key: Any = item.source
-                value, call, calls = item.source, item.index, self.source_calls[item.source]
+                item_piece.append(pieces.number(item.source, item.source, self.source_calls[item.source]))
+                item_call.append(item.index)
             else:
                 if item.dim() == 0:
                     raise _no_rows(where, item)
-                key, value, call, calls = ("tensor", id(item)), item, 0, 1
-            piece = piece_of.get(key)
-            if piece is None:
-                piece = piece_of[key] = len(pieces)
-                keys.append(key)
-                pieces.append(value)
-                piece_calls.append(calls)
-            item_piece.append(piece)
-            item_call.append(call)
+                item_piece.append(pieces.number(("tensor", id(item)), item, 1))
+                item_call.append(0)
         return _Column(
-            position, keys, pieces, piece_calls,
+            position, pieces.keys, pieces.values, pieces.calls,
             np.array(item_piece, dtype=np.int64), np.array(item_call, dtype=np.int64),
         )  # fmt: skip
 
@@ -452,23 +462,17 @@ class _Compiler:
                 column.pieces, column.piece_calls, column.item_piece, column.item_call,
                 [column.position], [len(column.item_call)],
             )  # fmt: skip
-        pieces: list[int | _Tensor] = []
-        piece_calls: list[int] = []
-        piece_of: dict[Any, int] = {}
+        pieces = _Pieces()
         item_pieces = []
         for column in columns:
-            remap = []
-            for key, piece, calls in zip(column.keys, column.pieces, column.piece_calls, strict=True):
-                merged = piece_of.get(key)
-                if merged is None:
-                    merged = piece_of[key] = len(pieces)
-                    pieces.append(piece)
-                    piece_calls.append(calls)
-                remap.append(merged)
+            remap = [
+                pieces.number(key, piece, calls)
+                for key, piece, calls in zip(column.keys, column.pieces, column.piece_calls, strict=True)
+            ]
             item_pieces.append(np.array(remap, dtype=np.int64)[column.item_piece])
         return Gather(
-            pieces,
-            piece_calls,
+            pieces.values,
+            pieces.calls,
             np.concatenate(item_pieces),
             np.concatenate([column.item_call for column in columns]),
             [column.position for column in columns],

@@ -296,6 +296,14 @@ class _Pieces:
         self.calls: list[int] = []  # calls in each piece (a given tensor counts as one)
         self.numbers: dict[Any, int] = {}
 
+    @classmethod
+    def of_sources(cls, sources: list[int], calls: list[int]) -> _Pieces:
+        """Earlier results only, already in first-use order (the node-column fast path)."""
+        pieces = cls()
+        pieces.keys, pieces.values, pieces.calls = sources, list(sources), calls
+        pieces.numbers = {source: number for number, source in enumerate(sources)}
+        return pieces
+
     def number(self, key: Any, value: int | _Tensor, calls: int) -> int:
         number = self.numbers.get(key)
         if number is None:
@@ -307,32 +315,23 @@ class _Pieces:
 
 
 class _Column:
-    """One gathered argument position before merging: pieces by key, and per call its piece and call."""
+    """One gathered argument position before merging: the pieces it reads, and per call its piece and call."""
 
-    __slots__ = ("item_call", "item_piece", "keys", "piece_calls", "pieces", "position")
+    __slots__ = ("item_call", "item_piece", "pieces", "position")
 
-    def __init__(
-        self,
-        position: int,
-        keys: list[Any],
-        pieces: list[int | _Tensor],
-        piece_calls: list[int],
-        item_piece: np.ndarray,
-        item_call: np.ndarray,
-    ) -> None:
+    def __init__(self, position: int, pieces: _Pieces, item_piece: np.ndarray, item_call: np.ndarray) -> None:
         self.position = position
-        self.keys = keys  # source numbers, or ("tensor", id) for tensors given to add
         self.pieces = pieces
-        self.piece_calls = piece_calls
         self.item_piece = item_piece
         self.item_call = item_call
 
     def whole_source(self) -> int | None:
         """The source this column takes whole and in call order, if it does."""
-        piece = self.pieces[0]
-        if len(self.pieces) != 1 or not isinstance(piece, int):
+        values = self.pieces.values
+        piece = values[0]
+        if len(values) != 1 or not isinstance(piece, int):
             return None
-        calls = self.piece_calls[0]
+        calls = self.pieces.calls[0]
         if len(self.item_call) != calls or not (self.item_call == np.arange(calls)).all():
             return None
         return piece
@@ -367,7 +366,9 @@ class _Compiler:
             table[keys] = np.arange(len(keys))
             item_piece = table[np.fromiter(sources, dtype=np.int64, count=len(sources))]
         source_calls = self.source_calls
-        return _Column(position, keys, list(keys), [source_calls[s] for s in keys], item_piece, item_call)
+        return _Column(
+            position, _Pieces.of_sources(keys, [source_calls[s] for s in keys]), item_piece, item_call
+        )
 
     def mixed_column(self, position: int, column: Sequence[Any], where: str) -> _Column:
         """A column mixing nodes and tensors given to ``add``."""
@@ -384,9 +385,8 @@ class _Compiler:
                 item_piece.append(pieces.number(("tensor", id(item)), item, 1))
                 item_call.append(0)
         return _Column(
-            position, pieces.keys, pieces.values, pieces.calls,
-            np.array(item_piece, dtype=np.int64), np.array(item_call, dtype=np.int64),
-        )  # fmt: skip
+            position, pieces, np.array(item_piece, dtype=np.int64), np.array(item_call, dtype=np.int64)
+        )
 
     def step(self, group: Group) -> Step:
         calls = group.calls
@@ -446,8 +446,10 @@ class _Compiler:
             if whole is not None:
                 step.fixed.append((column.position, Arg("whole", whole)))
                 continue
-            keys = set(column.keys)
-            home = next((c for c in clusters if any(not keys.isdisjoint(other.keys) for other in c)), None)
+            keys = set(column.pieces.keys)
+            home = next(
+                (c for c in clusters if any(not keys.isdisjoint(other.pieces.keys) for other in c)), None
+            )
             if home is None:
                 clusters.append([column])
             else:
@@ -459,7 +461,7 @@ class _Compiler:
         if len(columns) == 1:
             (column,) = columns
             return Gather(
-                column.pieces, column.piece_calls, column.item_piece, column.item_call,
+                column.pieces.values, column.pieces.calls, column.item_piece, column.item_call,
                 [column.position], [len(column.item_call)],
             )  # fmt: skip
         pieces = _Pieces()
@@ -467,7 +469,9 @@ class _Compiler:
         for column in columns:
             remap = [
                 pieces.number(key, piece, calls)
-                for key, piece, calls in zip(column.keys, column.pieces, column.piece_calls, strict=True)
+                for key, piece, calls in zip(
+                    column.pieces.keys, column.pieces.values, column.pieces.calls, strict=True
+                )
             ]
             item_pieces.append(np.array(remap, dtype=np.int64)[column.item_piece])
         return Gather(

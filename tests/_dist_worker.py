@@ -232,6 +232,9 @@ def handshake_rank(rank: int, scenarios: list[dict[str, Any]]) -> list[str]:
             outcomes.append("absent")
             continue
         start = time.monotonic()
+        real_store = torch.distributed.TCPStore
+        if rank in scenario.get("slow_reader", ()):
+            torch.distributed.TCPStore = _SlowReads.wrapping(real_store)  # type: ignore[misc]
         try:
             init_distributed(
                 "gloo",
@@ -245,4 +248,25 @@ def handshake_rank(rank: int, scenarios: list[dict[str, Any]]) -> list[str]:
             torch.distributed.destroy_process_group()
         except (ValueError, TimeoutError) as e:
             outcomes.append(f"{type(e).__name__} after {time.monotonic() - start:.1f} s: {e}")
+        finally:
+            torch.distributed.TCPStore = real_store  # type: ignore[misc]
     return outcomes
+
+
+class _SlowReads:
+    """A TCPStore client whose every ``get`` takes 0.5 s: a rank still reading the handshake
+    when the others (rank 0, the store's host, included) have already decided."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    @classmethod
+    def wrapping(cls, store_type: Any) -> Any:
+        return lambda *args, **kwargs: cls(store_type(*args, **kwargs))
+
+    def get(self, key: str) -> bytes:
+        time.sleep(0.5)
+        return self._store.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)

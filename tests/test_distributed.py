@@ -149,9 +149,17 @@ def test_mismatched_ranks_fail_with_a_clear_error_within_the_timeout(tmp_path: P
         {"world_size": [2, 2], "config": [same, {**same, "trace": fingerprint(TRACE[:-1])}]},
         {"world_size": [3, 2], "config": [same, same]},
         {"world_size": [2, 2], "config": [same, same], "absent": [1]},
+        # rank 1 still reading when rank 0, which hosts the store, has decided: both report the mismatch
+        {
+            "world_size": [2, 2],
+            "config": [same, {**same, "minibatch_size": MINIBATCH + 1}],
+            "slow_reader": [1],
+            "timeout": 6.0,
+        },
     ]
-    for scenario in scenarios:
-        scenario.update(port=free_port(), timeout=2.0)
+    for scenario in scenarios:  # 6 s above: rank 1 arrives ~2 s before rank 0, still in the "absent" scenario
+        scenario.setdefault("timeout", 2.0)
+        scenario.update(port=free_port())
     outcomes = run_ranks(handshake_rank, [(scenarios,), (scenarios,)], tmp_path, timeout=60)
     assert all(o is not None and "ok" in o for o in outcomes), outcomes
     rank0, rank1 = (o["ok"] for o in outcomes if o is not None)
@@ -175,6 +183,12 @@ def test_mismatched_ranks_fail_with_a_clear_error_within_the_timeout(tmp_path: P
     for outcome in (rank0[1], rank0[2]):
         seconds = float(outcome.split(" after ")[1].split(" s")[0])
         assert 2.0 <= seconds < 6.0
+    for rank, outcome in enumerate((rank0[3], rank1[3])):
+        assert outcome.startswith("ValueError"), outcome
+        assert (
+            f"(seen by rank {rank}): minibatch_size differs (rank 0: {MINIBATCH}, rank 1: {MINIBATCH + 1})"
+            in outcome
+        )
 
 
 def test_single_process_helpers() -> None:

@@ -267,7 +267,32 @@ def _mismatches(infos: Mapping[int, Mapping[str, Any]]) -> list[str]:
 def _handshake(
     store: dist.Store, rank: int, world_size: int, config: Mapping[str, Any], timeout_s: float
 ) -> None:
-    """Every rank publishes its world size and config, waits for all the others, and compares."""
+    """Every rank publishes its world size and config, waits for all the others, and compares.
+
+    Rank 0 hosts the store: it leaves only once every rank that joined has finished reading
+    (or after another ``timeout_s``), so that a rank still comparing gets its own clear error
+    instead of a closed connection when rank 0 raises first.
+    """
+    try:
+        _compare(store, rank, world_size, config, timeout_s)
+    finally:
+        store.set(f"{_HANDSHAKE_PREFIX}/done/{rank}", "1")
+        if rank == 0:
+            _wait_for_readers(store, world_size, timeout_s)
+
+
+def _wait_for_readers(store: dist.Store, world_size: int, timeout_s: float) -> None:
+    joined = [r for r in range(world_size) if store.check([f"{_HANDSHAKE_PREFIX}/{r}"])]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(store.check([f"{_HANDSHAKE_PREFIX}/done/{r}"]) for r in joined):
+            return
+        time.sleep(_POLL_S)
+
+
+def _compare(
+    store: dist.Store, rank: int, world_size: int, config: Mapping[str, Any], timeout_s: float
+) -> None:
     mine = {"world_size": world_size, **config}
     store.set(f"{_HANDSHAKE_PREFIX}/{rank}", json.dumps(mine, sort_keys=True, default=str))
     keys = {r: f"{_HANDSHAKE_PREFIX}/{r}" for r in range(world_size)}

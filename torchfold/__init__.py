@@ -25,6 +25,7 @@ from torchfold._node import Node
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._prefetch import Prefetcher
 from torchfold._sampler import StepPlan, TraceBatchSampler
+from torchfold._static import StaticPlan, StaticShapes, StaticShapesWarning
 from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
 from torchfold._unfold import Unfold, UnfoldNode
 from torchfold._version import __version__
@@ -39,6 +40,9 @@ __all__ = [
     "FoldPlan",
     "Node",
     "Prefetcher",
+    "StaticPlan",
+    "StaticShapes",
+    "StaticShapesWarning",
     "StepPlan",
     "StepStats",
     "TraceBatchSampler",

@@ -88,8 +88,9 @@ class Arg:
     * ``"ints"``/``"floats"``: a numpy column, made a long / default-dtype tensor on the device;
     * ``"tensor"``: a tensor given to ``add`` (the only call of its group);
     * ``"concat"``: tensors given to ``add``, one per call, to concatenate;
-    * ``"rows"``: ``(source, call)``: one call's rows of an earlier result (one-call groups and
-      ``nobatch`` positions), as a view;
+    * ``"rows"``: ``(source, call)``: one call's rows of an earlier result (one-call groups), as a view;
+    * ``"shared"``: ``(source, call)``: the same, for a ``nobatch`` node: passed whole to the
+      batched call, however many calls it has (static shapes pad ``"rows"`` but never this);
     * ``"whole"``: ``source``: an earlier result taken whole and in order, passed through.
     """
 
@@ -178,6 +179,7 @@ class FoldPlan:
         num_nodes: int,
         device: torch.device | None,
         volatile: bool,
+        pad_on_xla: bool = True,
     ) -> None:
         self.steps = steps
         self.requests = requests
@@ -185,16 +187,61 @@ class FoldPlan:
         self.num_nodes = num_nodes
         self.device = device
         self.volatile = volatile
+        # On an XLA device, pad into the module's StaticShapes envelope (Fold(shapes="auto"))
+        self.pad_on_xla = pad_on_xla
 
-    def apply(self, nn: torch.nn.Module | object) -> list[_Tensor]:
+    @property
+    def sizes(self) -> list[int]:
+        """Nodes each request asks for: the rows of each output, per row a node owns."""
+        sizes = []
+        for request in self.requests:
+            if isinstance(request, Gather):
+                sizes.append(sum(request.sizes))
+            elif request.kind == "whole":
+                sizes.append(self.steps[self.source_owner[request.value][0]].num_calls)
+            else:
+                sizes.append(1)
+        return sizes
+
+    @property
+    def capacities(self) -> list[int]:
+        """Rows per node of each output of ``apply(padded=True)``: the sizes, as nothing is padded."""
+        return self.sizes
+
+    def pad(self, request: int, values: Any, fill: float = 0) -> _Tensor:
+        """``values`` (one per node of request ``request``) as a tensor: nothing to pad in an unpadded plan.
+
+        The same call as :meth:`StaticPlan.pad <torchfold.StaticPlan.pad>`, so one loss works
+        with padded and unpadded plans.
+        """
+        tensor = torch.as_tensor(values)
+        size = self.sizes[request]
+        if tensor.dim() == 0 or tensor.shape[0] != size:
+            raise ValueError(
+                f"pad(request={request}): values have shape {tuple(tensor.shape)} but the request has {size} nodes; "
+                "give one value (row) per node of the request"
+            )
+        return tensor
+
+    def apply(self, nn: torch.nn.Module | object, *, padded: bool = False) -> list[_Tensor]:
         """Run the plan's batched calls on ``nn``; one tensor per request given to ``Fold.plan``.
+
+        On an XLA device the plan is padded into the module's :class:`~torchfold.StaticShapes`
+        envelope first (unless its Fold was made with ``shapes=None``), so that the graphs XLA
+        compiles repeat; the outputs are the same. ``padded`` is for the same call on a
+        :class:`~torchfold.StaticPlan`: nothing here is padded, so the outputs are exact.
 
         Raises:
             FoldError: unknown op, rows that disagree within a group, a bad split, or an
                 exception inside an op (re-raised with the op, depth and batched shapes).
         """
         from torchfold._execute import run
+        from torchfold._plan import module_device
 
+        if self.pad_on_xla and (self.device if self.device is not None else module_device(nn)).type == "xla":
+            from torchfold._static import StaticShapes
+
+            return StaticShapes.of(nn).fit(self).apply(nn)
         if self.volatile:
             with torch.no_grad():
                 return run(self, nn)
@@ -427,7 +474,8 @@ class _Compiler:
         for position, arg in enumerate(args):
             cls = arg.__class__
             if cls is Node:
-                step.fixed.append((position, Arg("rows", (arg.source, arg.index))))
+                kind = "rows" if arg.batch else "shared"
+                step.fixed.append((position, Arg(kind, (arg.source, arg.index))))
             elif cls is int:
                 step.fixed.append((position, Arg("ints", np.array([arg], dtype=np.int64))))
             elif cls is float:
@@ -502,7 +550,7 @@ def _shared(column: Sequence[Any], where: str) -> Arg:
                 f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "
                 "calls of an op at a depth"
             )
-    return Arg("rows", (node.source, node.index))
+    return Arg("shared", (node.source, node.index))
 
 
 def _concatenable(column: Sequence[_Tensor]) -> bool:
@@ -523,4 +571,6 @@ def compile_fold(fold: Fold, requests: Sequence[Sequence[Node]]) -> FoldPlan:
     compiler = _Compiler(fold)
     steps = [compiler.step(group) for group in compiler.groups]
     planned = [compiler.request(request) for request in requests]
-    return FoldPlan(steps, planned, compiler.source_owner, len(fold), fold.device, fold.volatile)
+    return FoldPlan(
+        steps, planned, compiler.source_owner, len(fold), fold.device, fold.volatile, fold.shapes == "auto"
+    )

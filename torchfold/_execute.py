@@ -122,7 +122,7 @@ def _value(arg: Arg, results: _Results, device: torch.device) -> _Tensor:
     kind, value = arg.kind, arg.value
     if kind == "whole":
         return results.get(value, 0)[0]
-    if kind == "rows":
+    if kind == "rows" or kind == "shared":
         source, call = value
         tensor, k = results.get(source, call)
         return tensor if tensor.shape[0] == k else tensor[call * k : (call + 1) * k]

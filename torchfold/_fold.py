@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from torchfold._compile import FoldPlan
+    from torchfold._static import StaticPlan, StaticShapes
 
 __all__ = ["Fold"]
 
@@ -43,6 +44,11 @@ class Fold:
     Args:
         device: where int/float arguments are materialised. ``None`` (default) uses the device
             of the module's first parameter or buffer at ``apply`` time, else the CPU.
+        shapes: ``"auto"`` (default): pad plans into static shapes on XLA devices only (one
+            :class:`~torchfold.StaticShapes` envelope per module), so XLA compiles each graph
+            once instead of once per batch; a :class:`~torchfold.StaticShapes`: pad every plan
+            of this fold into it, on any device (``plan`` then returns a
+            :class:`~torchfold.StaticPlan`); ``None``: never pad.
         cuda: legacy TorchFold flag, same as ``device="cuda"``.
         volatile: legacy TorchFold flag, same as running ``apply`` under ``torch.no_grad()``.
 
@@ -62,6 +68,7 @@ class Fold:
         self,
         device: torch.device | str | None = None,
         *,
+        shapes: StaticShapes | str | None = "auto",
         cuda: bool = False,
         volatile: bool = False,
     ) -> None:
@@ -78,6 +85,14 @@ class Fold:
         if device is not None:
             self.device = torch.device(device)
         self.volatile = volatile
+        from torchfold._static import StaticShapes
+
+        if not (shapes is None or shapes == "auto" or isinstance(shapes, StaticShapes)):
+            raise ValueError(
+                f"Fold(shapes={shapes!r}): shapes must be 'auto' (pad on XLA), None (never pad) or a "
+                "torchfold.StaticShapes envelope"
+            )
+        self.shapes = shapes
         self._groups: dict[tuple[int, Op, int], Group] = {}
         self._token = Owner()  # what this Fold's nodes point to (see Node.owner)
 
@@ -143,7 +158,9 @@ class Fold:
 
     # -- running ----------------------------------------------------------------------------
 
-    def apply(self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[Node]]) -> list[torch.Tensor]:
+    def apply(
+        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[Node]], *, padded: bool = False
+    ) -> list[torch.Tensor]:
         """Run every recorded group once, batched, and return one tensor per list of ``nodes``.
 
         The rows of each returned tensor are the values of the listed nodes, in list order.
@@ -153,14 +170,18 @@ class Fold:
             FoldError: unknown op, rows that disagree within a group, a bad split, an empty
                 request, or an exception inside an op (re-raised with the op, depth and node).
         """
+        from torchfold._compile import FoldPlan
+
         plan = self.plan(nodes)
+        if not isinstance(plan, FoldPlan):  # padded into static shapes
+            return plan.apply(nn, padded=padded)
         try:
             return plan.apply(nn)
         finally:  # print(fold) shows the batched shapes of the last apply
             for group, step in zip(self.groups(), plan.steps, strict=True):
                 group.arg_shapes = step.arg_shapes
 
-    def plan(self, nodes: Sequence[Sequence[Node]]) -> FoldPlan:
+    def plan(self, nodes: Sequence[Sequence[Node]]) -> FoldPlan | StaticPlan:
         """Compile what ``apply(module, nodes)`` would run into a picklable :class:`~torchfold.FoldPlan`.
 
         ``fold.plan(nodes).apply(module)`` equals ``fold.apply(module, nodes)``. A plan holds no
@@ -172,8 +193,12 @@ class Fold:
                 nodes at one argument position, or a ``nobatch`` node not shared by its group.
         """
         from torchfold._compile import compile_fold
+        from torchfold._static import StaticShapes
 
-        return compile_fold(self, nodes)
+        plan = compile_fold(self, nodes)
+        if isinstance(self.shapes, StaticShapes):
+            return self.shapes.fit(plan)
+        return plan
 
     # -- inspecting -------------------------------------------------------------------------
 

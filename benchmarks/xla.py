@@ -1,0 +1,183 @@
+"""Tree-LSTM training on XLA with and without static shapes, beside plain CPU: compilations and speed.
+
+Trains ``torchfold.models.TreeLSTM`` (embedding = hidden = 128, Adam, a loss at every node,
+each tree weighing the same) on consecutive SST training batches, one Fold per batch, one
+``torch_xla.sync()`` per step, in one process:
+
+* ``cpu``: plain PyTorch on the CPU (no padding: the CPU default);
+* ``xla unpadded``: ``Fold(shapes=None)``: every batch is a new graph (run on fewer batches);
+* ``xla static``: ``Fold(shapes=StaticShapes(...))`` with ``apply(padded=True)`` and the loss
+  weighting padded rows 0, so that forward, loss, backward and update repeat one graph per
+  envelope version;
+* ``xla static, fitted``: the same, after fitting the envelope to the first ``--warmup`` batches'
+  plans on the host (``StaticShapes.fit``: no tensor op, milliseconds), so warm-up compiles once.
+
+Prints, per variant, new compilations in the warm-up and after it, compile seconds, padding
+waste (padded calls / real calls - 1) and steady-state sentences/s (batches after the warm-up).
+Run with torch_xla on its CPU backend::
+
+    PJRT_DEVICE=CPU .venv-xla/bin/python benchmarks/xla.py --trees 25 --batches 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import torch
+import torch.nn.functional as F
+from harness import add_sst_data_argument, machine_lines, markdown_table
+
+from torchfold import Fold, StaticShapes
+from torchfold.datasets import Tree, Vocab, load_sst
+from torchfold.models import TreeLSTM, encode_trees
+
+
+def node_weights(roots: list[int], trees: int) -> list[float]:
+    """Per node: 1 / (nodes of its tree * trees), so the loss is a mean per tree, then over trees."""
+    weights: list[float] = []
+    start = 0
+    for root in roots:
+        size = root + 1 - start
+        weights += [1 / (size * trees)] * size
+        start = root + 1
+    return weights
+
+
+def train(
+    device: torch.device,
+    batches: list[list[Tree]],
+    vocab: Vocab,
+    shapes: StaticShapes | None,
+    on_step: Callable[[int], None],
+) -> list[float]:
+    """One training run; returns the loss of every step (read after the run: no host sync in the loop)."""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 128, 128).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for number, trees in enumerate(batches):
+        fold = Fold(shapes=shapes if shapes is not None else None)
+        nodes, labels, roots = encode_trees(fold, trees, vocab)
+        plan = fold.plan([nodes])
+        [states] = plan.apply(model, padded=True)
+        weights = plan.pad(0, node_weights(roots, len(trees))).to(device, torch.float32)
+        targets = plan.pad(0, labels).to(device)
+        loss = (F.cross_entropy(model.logits(states), targets, reduction="none") * weights).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        on_step(number)
+    return [float(loss) for loss in losses]
+
+
+def run_variant(
+    name: str,
+    device: torch.device,
+    batches: list[list[Tree]],
+    vocab: Vocab,
+    shapes: StaticShapes | None,
+    warmup: int,
+) -> dict[str, Any]:
+    xla = device.type == "xla"
+    stamps: list[float] = []
+    compiles: list[tuple[int, float]] = []
+    if xla:
+        import torch_xla
+        import torch_xla.debug.metrics as met
+
+        def compile_state() -> tuple[int, float]:
+            data = met.metric_data("CompileTime")
+            return (0, 0.0) if data is None else (int(data[0]), data[1] / 1e9)
+
+        def on_step(number: int) -> None:
+            torch_xla.sync()
+            torch_xla._XLAC._xla_wait_device_ops(devices=[])  # time the step, not its launch
+            stamps.append(time.perf_counter())
+            compiles.append(compile_state())
+
+        compiles.append(compile_state())
+    else:
+
+        def on_step(number: int) -> None:
+            stamps.append(time.perf_counter())
+
+    start = time.perf_counter()
+    losses = train(device, batches, vocab, shapes, on_step)
+    row: dict[str, Any] = {"variant": name, "batches": len(batches)}
+    steady = stamps[-1] - stamps[warmup - 1] if len(stamps) > warmup else float("nan")
+    sentences = sum(len(trees) for trees in batches[warmup:])
+    row["wall s"] = round(stamps[-1] - start, 1)
+    row["steady sentences/s"] = round(sentences / steady, 1)
+    if xla:
+        row["compilations, warm-up"] = compiles[warmup][0] - compiles[0][0] if len(compiles) > warmup else "-"
+        row["compilations after"] = compiles[-1][0] - compiles[min(warmup, len(compiles) - 1)][0]
+        row["compile s"] = round(compiles[-1][1] - compiles[0][1], 1)
+    if shapes is not None:
+        row["waste"] = round(shapes.waste, 2)
+        row["envelope versions"] = shapes.version
+    row["final loss"] = round(losses[-1], 4)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_sst_data_argument(parser, "SST train.txt (default: the shared data)")
+    parser.add_argument("--trees", type=int, default=25, help="trees per batch")
+    parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=20, help="batches before steady state")
+    parser.add_argument("--unpadded-batches", type=int, default=8, help="batches for the unpadded XLA run")
+    parser.add_argument("--variants", default="cpu,xla unpadded,xla static,xla static fitted")
+    args = parser.parse_args()
+    import torch_xla
+
+    torch.set_num_threads(1)
+    # autograd learns the XLA device when it is first used: before any backward on the CPU
+    torch.zeros(1, device=torch_xla.device()).sum().item()
+    trees = load_sst(args.data.parent if args.data else None, "train", max_trees=args.trees * args.batches)
+    vocab = Vocab.build(trees)
+    batches = [trees[i * args.trees : (i + 1) * args.trees] for i in range(args.batches)]
+    rows = []
+    for variant in args.variants.split(","):
+        if variant == "cpu":
+            rows.append(run_variant(variant, torch.device("cpu"), batches, vocab, None, args.warmup))
+        elif variant == "xla unpadded":
+            count = min(args.unpadded_batches, len(batches))
+            rows.append(
+                run_variant(variant, torch_xla.device(), batches[:count], vocab, None, min(2, count - 1))
+            )
+        elif variant == "xla static":
+            rows.append(run_variant(variant, torch_xla.device(), batches, vocab, StaticShapes(), args.warmup))
+        elif variant == "xla static fitted":
+            shapes = StaticShapes()
+            for batch in batches[: args.warmup]:  # host only: record and compile plans, fit the envelope
+                fold = Fold()
+                nodes, _, _ = encode_trees(fold, batch, vocab)
+                shapes.fit(fold.plan([nodes]))
+            shapes.real_calls = shapes.padded_calls = 0  # count the waste of the training run only
+            rows.append(run_variant(variant, torch_xla.device(), batches, vocab, shapes, args.warmup))
+        else:
+            parser.error(f"unknown variant {variant!r}")
+        print(rows[-1], flush=True)
+    print(
+        "\n".join(
+            machine_lines([f"torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}"])
+        )
+    )
+    print(f"{args.trees} trees per batch, {args.batches} batches, warm-up {args.warmup} batches")
+    columns = sorted(
+        {key for row in rows for key in row}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99
+    )
+    print(markdown_table(columns, [[row.get(c, "-") for c in columns] for row in rows]))
+
+
+if __name__ == "__main__":
+    main()

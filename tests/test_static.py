@@ -1,0 +1,292 @@
+"""Static shapes: plans padded into a StaticShapes envelope equal eager PyTorch, and repeat their graphs.
+
+The property tests run random programs (the zoo of ``test_fold_properties``: split outputs,
+``nobatch`` context, floats, blocks of 2 rows per call, repeated calls) and random tree
+forests through one envelope shared by several examples, so most plans are padded into an
+envelope grown by others; outputs and gradients must equal the eager ``Unfold``. That a
+graph repeats is checked on the CPU by recording every aten op and its shapes: two batches
+fitted to one envelope version must run the very same sequence.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fold_properties import Zoo, encode, forests, instruction, requested, run_program
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchfold import Fold, FoldError, StaticPlan, StaticShapes, StaticShapesWarning, Unfold
+from torchfold.datasets import Vocab, load_sst
+from torchfold.models import TreeLSTM, encode_trees
+
+
+def _no_mixed_positions(program: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Static shapes refuse a position mixing given tensors and nodes (tested below): lift nodes only."""
+    return [(kind, i, j, k, False if kind == "lift" else flag, f) for kind, i, j, k, flag, f in program]
+
+
+def _outputs_and_grads(
+    make: Any, program: list[tuple[Any, ...]], picks: list[int], via: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = Zoo()
+    fold = make(model)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
+    requests = requested(run_program(fold, program, inputs), picks)
+    if isinstance(fold, Unfold):
+        outs = list(fold.apply(model, requests))
+    else:
+        plan = fold.plan(requests)
+        assert isinstance(plan, StaticPlan)
+        if via == "pickled":
+            plan = pickle.loads(pickle.dumps(plan))
+        if via == "padded":
+            padded = plan.apply(model, padded=True)
+            for out, size, capacity in zip(padded, plan.sizes, plan.capacities, strict=True):
+                assert out.shape[0] % capacity == 0 and capacity >= size
+            rows = [out.shape[0] // capacity for out, capacity in zip(padded, plan.capacities, strict=True)]
+            outs = [out[: size * k] for out, size, k in zip(padded, plan.sizes, rows, strict=True)]
+        else:
+            outs = plan.apply(model)
+    weights = [torch.randn(out.shape, generator=torch.Generator().manual_seed(2)) for out in outs]
+    loss = sum((out * w).sum() for out, w in zip(outs, weights, strict=True))
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return outs, [
+        torch.zeros_like(p) if g is None else g for p, g in zip(model.parameters(), grads, strict=True)
+    ]
+
+
+# One envelope for every example: most plans are fitted into an envelope that others grew.
+SHARED = StaticShapes(min_rows=2, level_step=3, warmup=10**9)  # growing is what it is for here
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    program=st.lists(instruction, min_size=1, max_size=30),
+    picks=st.lists(st.integers(0, 1000), max_size=12),
+    via=st.sampled_from(["apply", "pickled", "padded"]),
+    shared=st.booleans(),
+)
+def test_padded_plans_equal_eager_on_random_graphs(
+    program: list[tuple[Any, ...]], picks: list[int], via: str, shared: bool
+) -> None:
+    program = _no_mixed_positions(program)
+    shapes = SHARED if shared else StaticShapes(min_rows=1)
+    padded, padded_grads = _outputs_and_grads(lambda model: Fold(shapes=shapes), program, picks, via)
+    eager, eager_grads = _outputs_and_grads(Unfold, program, picks, via)
+    for a, b in zip(padded, eager, strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(padded_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees=forests())
+def test_padded_forests_equal_eager_and_a_seen_forest_never_grows_the_envelope(trees: list[Any]) -> None:
+    results = []
+    for make in (lambda model: Fold(shapes=SHARED), Unfold):
+        model = Zoo()
+        fold = make(model)
+        states: list[Any] = []
+        roots = [encode(fold, t, states) for t in trees]
+        roots_out, states_out = fold.apply(model, [roots, states])
+        loss = roots_out.pow(2).sum() + states_out.sin().sum()
+        results.append(
+            (roots_out, states_out, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))
+        )
+    (r1, s1, g1), (r2, s2, g2) = results
+    torch.testing.assert_close(r1, r2)
+    torch.testing.assert_close(s1, s2)
+    # An op of the envelope that this forest lacks runs on padding only: its parameters get a
+    # zero gradient where the unpadded run leaves None (a static graph cannot skip it).
+    for a, b, p in zip(g1, g2, Zoo().parameters(), strict=True):
+        torch.testing.assert_close(
+            torch.zeros_like(p) if a is None else a, torch.zeros_like(p) if b is None else b
+        )
+    version = SHARED.version
+    fold = Fold(shapes=SHARED)
+    states = []
+    roots = [encode(fold, t, states) for t in trees]
+    fold.plan([roots, states])
+    assert SHARED.version == version
+
+
+class _OpLog(TorchDispatchMode):
+    """Every aten op run, with its tensor arguments' shapes: what an XLA trace would hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def _sst_batches(count: int, size: int) -> tuple[list[Any], Vocab]:
+    trees = load_sst(split="train", max_trees=count * size)
+    return [trees[i * size : (i + 1) * size] for i in range(count)], Vocab.build(trees)
+
+
+def _tree_lstm_step(model: TreeLSTM, plan: Any, labels: list[int]) -> torch.Tensor:
+    [states] = plan.apply(model, padded=True)
+    losses = torch.nn.functional.cross_entropy(
+        model.logits(states), plan.pad(0, labels, fill=-100), reduction="sum"
+    )
+    losses.backward()
+    return losses
+
+
+def test_two_sst_batches_fitted_to_one_envelope_run_the_same_ops_on_the_same_shapes() -> None:
+    batches, vocab = _sst_batches(8, 10)
+    shapes = StaticShapes()
+    model = TreeLSTM(len(vocab), 8, 8)
+    plans = []
+    for trees in batches:
+        fold = Fold(shapes=shapes)
+        nodes, labels, _ = encode_trees(fold, trees, vocab)
+        plans.append((fold.plan([nodes]), labels))
+    final = shapes.version
+    logs = []
+    for trees in batches[:2]:  # refit the first two into the final envelope
+        fold = Fold(shapes=shapes)
+        nodes, labels, _ = encode_trees(fold, trees, vocab)
+        plan = fold.plan([nodes])
+        model.zero_grad(set_to_none=True)
+        with _OpLog() as log:
+            _tree_lstm_step(model, plan, labels)
+        logs.append(log.ops)
+    assert shapes.version == final  # refitting seen batches never grows it
+    assert logs[0] == logs[1] and len(logs[0]) > 50
+    # unpadded plans of the same two batches differ: the check above can fail
+    unpadded = []
+    for trees in batches[:2]:
+        fold = Fold(shapes=None)
+        nodes, _, _ = encode_trees(fold, trees, vocab)
+        with _OpLog() as log:
+            fold.apply(model, [nodes])
+        unpadded.append(log.ops)
+    assert unpadded[0] != unpadded[1]
+
+
+def test_padded_tree_lstm_loss_and_gradients_equal_the_unpadded_run_in_float64() -> None:
+    batches, vocab = _sst_batches(3, 6)
+    shapes = StaticShapes(min_rows=16)
+    for trees in batches:
+        grads = []
+        for fold in (Fold(shapes=shapes), Fold(shapes=None)):
+            torch.manual_seed(0)
+            model = TreeLSTM(len(vocab), 8, 8).double()
+            nodes, labels, roots = encode_trees(fold, trees, vocab)
+            plan = fold.plan([nodes, [nodes[r] for r in roots]])
+            states, root_states = plan.apply(model, padded=True)
+            weights = plan.pad(0, torch.full((len(nodes),), 1 / len(nodes), dtype=torch.float64))
+            losses = torch.nn.functional.cross_entropy(
+                model.logits(states), plan.pad(0, labels), reduction="none"
+            )
+            # a mean over the padded output with the pads weighted 0, and a log that a zero row would make -inf
+            loss = (losses * weights).sum() + root_states[: plan.sizes[1]].abs().log().mean()
+            loss.backward()
+            grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+        for a, b in zip(*grads, strict=True):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert shapes.waste > 0  # padding did happen
+
+
+def test_padded_calls_repeat_a_real_call_so_no_nan_reaches_the_gradients() -> None:
+    class Reciprocal(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([[2.0]]))
+
+        def leaf(self, n: torch.Tensor) -> torch.Tensor:
+            return n.to(self.w.dtype).unsqueeze(1) @ self.w  # a padded 0 would make 1/x infinite below
+
+        def inv(self, x: torch.Tensor) -> torch.Tensor:
+            return 1 / x
+
+    fold = Fold(shapes=StaticShapes(min_rows=8))
+    leaves = [fold.add("leaf", n) for n in (1, 2, 3)]
+    [out] = fold.apply(Reciprocal(), [[fold.add("inv", leaf) for leaf in leaves]])
+    model = Reciprocal()
+    plan = fold.plan([[fold.add("inv", leaf) for leaf in leaves]])
+    padded = plan.apply(model, padded=True)[0]
+    assert padded.shape == (8, 1) and torch.isfinite(padded).all()
+    (padded * plan.pad(0, torch.ones(3, 1))).sum().backward()
+    assert model.w.grad is not None
+    torch.testing.assert_close(model.w.grad, torch.tensor([[-(1 + 1 / 2 + 1 / 3) / 4]]))
+    torch.testing.assert_close(out, torch.tensor([[1 / 2], [1 / 4], [1 / 6]]))
+
+
+def test_growth_after_warmup_warns_once_per_growth_and_never_truncates() -> None:
+    shapes = StaticShapes(min_rows=2, warmup=1)
+
+    class Ops(torch.nn.Module):
+        def leaf(self, n: torch.Tensor) -> torch.Tensor:
+            return n.float().unsqueeze(1)
+
+    def plan(count: int) -> Any:
+        fold = Fold(shapes=shapes)
+        return fold.plan([[fold.add("leaf", i) for i in range(count)]])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan(2)  # the first plan sets the envelope up: no warning
+        plan(1)  # fits
+    with pytest.warns(StaticShapesWarning, match=r"did not fit .* expect one new compilation"):
+        big = plan(5)
+    assert big.capacities == [8]
+    torch.testing.assert_close(big.apply(Ops()), [torch.arange(5.0).unsqueeze(1)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_rows": 0}, r"min_rows=0\): min_rows must be an int >= 1"),
+        ({"min_rows": True}, r"min_rows=True"),
+        ({"growth": 1.0}, r"growth=1.0\): growth must be a finite number > 1"),
+        ({"growth": float("inf")}, r"growth must be a finite number"),
+        ({"sizes": ()}, r"sizes=\(\)\): sizes must be positive ints"),
+        ({"sizes": (8, 8, 16)}, r"sizes must increase strictly"),
+        ({"sizes": (8, -1)}, r"sizes must be positive ints"),
+        ({"level_step": 0}, r"level_step=0"),
+    ],
+)
+def test_invalid_ladders_are_refused_naming_the_value(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StaticShapes(**kwargs)
+
+
+def test_explicit_ladder_grows_past_its_last_size() -> None:
+    shapes = StaticShapes(sizes=(4, 10), growth=3)
+    assert [shapes.bucket(n) for n in (1, 4, 5, 10, 11, 31)] == [4, 4, 10, 10, 30, 90]
+
+
+def test_a_position_mixing_nodes_and_given_tensors_is_refused_with_the_fix() -> None:
+    fold = Fold(shapes=StaticShapes())
+    a = fold.add("leaf", 1)
+    mixed = [fold.add("combine", a, a, a), fold.add("combine", a, a, torch.ones(1, 5))]
+    with pytest.raises(
+        FoldError, match=r"op 'combine' at depth 1, argument 2: static shapes cannot pad .*fold.add\('input'"
+    ):
+        fold.plan([mixed])
+
+
+def test_fold_shapes_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"Fold\(shapes='xla'\): shapes must be 'auto'"):
+        Fold(shapes="xla")
+
+
+def test_cpu_folds_are_not_padded_by_default() -> None:
+    fold = Fold()
+    plan = fold.plan([[fold.add("leaf", 1)]])
+    assert not isinstance(plan, StaticPlan)
+    assert plan.sizes == plan.capacities == [1]

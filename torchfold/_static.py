@@ -1,0 +1,807 @@
+"""Static shapes: pad compiled plans so that the graphs XLA compiles repeat from batch to batch.
+
+XLA (TPUs, and ``torch_xla`` on the CPU) compiles one program per distinct sequence of tensor
+operations and shapes. An unpadded plan has a different sequence of (depth, op, calls) for every
+batch of trees, so every batch compiles anew (seconds each). :class:`StaticShapes` is a
+grow-only *envelope* learned over the batches it sees:
+
+* one **slot** per (depth, op signature), holding a capacity taken from a bucket ladder
+  (powers of two from ``min_rows`` by default) that only grows;
+* the number of depth levels is the deepest level seen times ``headroom``, rounded up to a
+  multiple of ``level_step``; the levels past the deepest one seen repeat its ops at the
+  smallest bucket, so a somewhat deeper batch still fits;
+* each argument position of an op reads the concatenation of all earlier slots' outputs of the
+  op outputs ("streams") it has ever read, so which tensors a gather concatenates depends on the
+  envelope only, never on the batch.
+
+:meth:`StaticShapes.fit` pads a :class:`~torchfold.FoldPlan` into the envelope, growing it when
+the plan does not fit, and returns a :class:`StaticPlan`. Every plan fitted to one version of
+the envelope runs the same tensor operations on the same shapes; only the index data differs.
+So after a warm-up the number of compiled graphs stays fixed.
+
+Padding never shows: a padded call repeats the arguments of a real call of its column (a real
+row, an int or float the column holds, a given tensor's rows), so padded rows are finite and
+computed like real ones, and no real row and no request reads them. ``apply`` returns exactly the
+requested rows; ``apply(model, padded=True)`` returns them padded to the envelope's capacity, for
+a loss whose shape must not vary either (weight the padded rows with 0, see :meth:`StaticPlan.pad`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchfold._compile import Arg, FoldPlan, Step
+from torchfold._errors import FoldError
+from torchfold._node import Op
+from torchfold._plan import module_device, resolve_ops
+
+__all__ = ["StaticPlan", "StaticShapes", "StaticShapesWarning"]
+
+_Tensor = torch.Tensor
+# An op as the envelope knows it: (op, arity, outputs split, the kind of every argument position)
+OpKey = tuple[Any, ...]
+# One output of an op (None: its single result) that argument positions read
+Stream = tuple[OpKey, int | None]
+
+
+_NUMPY_DEFAULT = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+_BY_MODULE: weakref.WeakKeyDictionary[Any, StaticShapes] = weakref.WeakKeyDictionary()
+
+
+class StaticShapesWarning(UserWarning):
+    """A plan did not fit a warmed-up envelope: it grows, and the next run compiles a new graph."""
+
+
+@dataclass
+class _Column:
+    """One argument position of one batched call, as padding sees it.
+
+    ``kind`` is ``"nodes"`` (rows of earlier results: ``sources`` and ``calls`` per call),
+    ``"shared"`` (one ``nobatch`` node passed whole), ``"ints"``/``"floats"`` (a numpy column)
+    or ``"given"`` (tensors given to ``add``, one per call).
+    """
+
+    kind: str
+    sources: np.ndarray | None = None
+    calls: np.ndarray | None = None
+    values: Any = None
+
+
+@dataclass
+class _Batch:
+    """A plan decoded for fitting: per step its slot and columns, per request its column."""
+
+    slots: list[tuple[int, OpKey]]
+    names: list[str]
+    calls: list[int]
+    columns: list[list[_Column]]
+    requests: list[_Column]
+    streams: list[Stream]  # per source number
+
+
+def _decode(plan: FoldPlan) -> _Batch:
+    columns = [_step_columns(plan, step) for step in plan.steps]
+    keys: list[OpKey] = [
+        (step.op, step.arity, step.num_outputs, tuple(column.kind for column in cols))
+        for step, cols in zip(plan.steps, columns, strict=True)
+    ]
+    streams: list[Stream] = [(keys[number], output) for number, output in plan.source_owner]
+    return _Batch(
+        slots=[(step.depth, key) for step, key in zip(plan.steps, keys, strict=True)],
+        names=[step.name for step in plan.steps],
+        calls=[step.num_calls for step in plan.steps],
+        columns=columns,
+        requests=[_nodes_column(plan, request, "apply request") for request in plan.requests],
+        streams=streams,
+    )
+
+
+def _step_columns(plan: FoldPlan, step: Step) -> list[_Column]:
+    columns: list[_Column | None] = [None] * step.arity
+    for position, arg in step.fixed:
+        kind, value = arg.kind, arg.value
+        if kind in ("ints", "floats"):
+            columns[position] = _Column(kind, values=value)
+        elif kind == "tensor":
+            columns[position] = _Column("given", values=[value])
+        elif kind == "concat":
+            columns[position] = _Column("given", values=list(value))
+        elif kind == "shared":
+            source, call = value
+            columns[position] = _Column("shared", np.array([source]), np.array([call]))
+        else:  # rows, whole
+            columns[position] = _nodes_column(plan, arg, step.where(position))
+    for gather in step.gathers:
+        item_piece, item_call = gather.items()
+        given = [number for number, piece in enumerate(gather.pieces) if not isinstance(piece, int)]
+        if given:
+            first_item = int(np.flatnonzero(np.isin(item_piece, given))[0])
+            position = gather.positions[
+                int(np.searchsorted(np.cumsum(gather.sizes), first_item, side="right"))
+            ]
+            raise FoldError(
+                f"{step.where(position)}: static shapes cannot pad a position that mixes nodes and "
+                "tensors given to add; record the tensors through an op (fold.add('input', tensor) with "
+                "def input(self, x): return x) so that the position reads nodes only"
+            )
+        item_source = np.asarray(gather.pieces, dtype=np.int64)[item_piece]
+        start = 0
+        for position, size in zip(gather.positions, gather.sizes, strict=True):
+            end = start + size
+            columns[position] = _Column("nodes", item_source[start:end], item_call[start:end])
+            start = end
+    return [column for column in columns if column is not None]
+
+
+def _nodes_column(plan: FoldPlan, arg: Any, where: str) -> _Column:
+    """A position or request reading rows of earlier results, whatever shortcut the compiler chose."""
+    if isinstance(arg, Arg):
+        if arg.kind == "whole":
+            source = arg.value
+            calls = plan.steps[plan.source_owner[source][0]].num_calls
+            return _Column("nodes", np.full(calls, source, dtype=np.int64), np.arange(calls, dtype=np.int64))
+        if arg.kind == "rows":
+            source, call = arg.value
+            return _Column("nodes", np.array([source], dtype=np.int64), np.array([call], dtype=np.int64))
+        raise AssertionError(f"{where}: unexpected argument kind {arg.kind!r}")  # pragma: no cover
+    item_piece, item_call = arg.items()
+    return _Column("nodes", np.asarray(arg.pieces, dtype=np.int64)[item_piece], item_call)
+
+
+def _count(column: _Column) -> int:
+    """Calls in a nodes column."""
+    assert column.sources is not None
+    return len(column.sources)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"StaticShapes({name}={value!r}): {name} must be an int >= {minimum}")
+    return value
+
+
+class StaticShapes:
+    """A grow-only envelope of padded shapes: plans fitted to it repeat the same XLA graphs.
+
+    The default for folds applied on an XLA device (one envelope per module); pass one to
+    :class:`~torchfold.Fold` (``Fold(shapes=StaticShapes())``) to choose the ladder, to share it,
+    or to pad on a CPU or GPU too (static shapes are what CUDA graphs need as well).
+
+    Args:
+        min_rows: the smallest bucket, in calls (default 16).
+        growth: each bucket of the ladder is this factor times the previous one (default 1.5).
+        sizes: an explicit ladder instead (increasing ints); a group larger than its last size
+            gets a bucket grown from it by ``growth``, with a warning, never an error.
+        level_step: the number of depth levels is rounded up to a multiple of this (default 8).
+        headroom: a group that outgrows its slot gets the bucket of this many times its calls
+            (default 1.3): more room against later growth, for more padding.
+        warmup: plans fitted before growing the envelope warns (default 20); growth during the
+            warm-up is expected and silent.
+
+    Example:
+        >>> import torch, torchfold
+        >>> class Sum(torch.nn.Module):
+        ...     def leaf(self, x):
+        ...         return x.float().unsqueeze(1)
+        ...     def add(self, a, b):
+        ...         return a + b
+        >>> shapes = torchfold.StaticShapes(min_rows=4)
+        >>> f = torchfold.Fold(shapes=shapes)
+        >>> a, b, c = f.add("leaf", 1), f.add("leaf", 2), f.add("leaf", 3)
+        >>> plan = f.plan([[f.add("add", f.add("add", a, b), c)]])
+        >>> plan.apply(Sum())
+        [tensor([[6.]])]
+        >>> plan.apply(Sum(), padded=True)[0].shape, plan.sizes, plan.capacities
+        (torch.Size([4, 1]), [1], [4])
+    """
+
+    def __init__(
+        self,
+        *,
+        min_rows: int = 16,
+        growth: float = 1.5,
+        sizes: Sequence[int] | None = None,
+        level_step: int = 8,
+        headroom: float = 1.3,
+        warmup: int = 20,
+    ) -> None:
+        self.min_rows = _check_int("min_rows", min_rows, 1)
+        if (
+            isinstance(growth, bool)
+            or not isinstance(growth, int | float)
+            or not growth > 1
+            or math.isinf(growth)
+        ):
+            raise ValueError(f"StaticShapes(growth={growth!r}): growth must be a finite number > 1, like 2.0")
+        self.growth = float(growth)
+        self.sizes: tuple[int, ...] | None = None
+        if sizes is not None:
+            ladder = tuple(sizes)
+            if not ladder or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in ladder):
+                raise ValueError(
+                    f"StaticShapes(sizes={sizes!r}): sizes must be positive ints, like (8, 32, 128)"
+                )
+            if any(b <= a for a, b in itertools.pairwise(ladder)):
+                raise ValueError(
+                    f"StaticShapes(sizes={sizes!r}): sizes must increase strictly, like (8, 32, 128)"
+                )
+            self.sizes = ladder
+        self.level_step = _check_int("level_step", level_step, 1)
+        if (
+            isinstance(headroom, bool)
+            or not isinstance(headroom, int | float)
+            or not 1 <= headroom < math.inf
+        ):
+            raise ValueError(
+                f"StaticShapes(headroom={headroom!r}): headroom must be a finite number >= 1, like 1.25"
+            )
+        self.headroom = float(headroom)
+        self.warmup = _check_int("warmup", warmup, 0)
+        self._capacity: dict[tuple[int, OpKey], int] = {}
+        self._order: dict[OpKey, int] = {}  # ops in first-seen order: the order of slots at a depth
+        self._names: dict[OpKey, str] = {}
+        self._streams: dict[tuple[OpKey, int], set[Stream]] = {}  # what each position of an op reads
+        self._fills: dict[tuple[OpKey, int], Any] = {}  # a value that pads an ints/floats/given position
+        self._requests: list[tuple[int, set[Stream]]] = []
+        self._deepest = -1
+        self._levels = 0
+        self._layout: _Layout | None = None
+        #: how many times the envelope grew: the number of distinct graphs it has asked for
+        self.version = 0
+        #: plans fitted so far
+        self.plans = 0
+        #: calls that plans held, and calls run after padding (``padded_calls / real_calls - 1`` is the waste)
+        self.real_calls = 0
+        self.padded_calls = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticShapes(version={self.version}, plans={self.plans}, slots={len(self._capacity)}, "
+            f"levels={self._levels}, waste={self.waste:.2f})"
+        )
+
+    @classmethod
+    def of(cls, module: object) -> StaticShapes:
+        """The envelope that folds applied on an XLA device use for ``module`` (made on first use).
+
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> StaticShapes.of(model) is StaticShapes.of(model)
+        True
+        """
+        shapes = _BY_MODULE.get(module)
+        if shapes is None:
+            shapes = _BY_MODULE[module] = cls()
+        return shapes
+
+    @property
+    def waste(self) -> float:
+        """Padded calls per real call over all plans fitted (0.0: no padding)."""
+        return self.padded_calls / self.real_calls - 1 if self.real_calls else 0.0
+
+    def bucket(self, calls: int) -> int:
+        """The capacity the ladder gives a group of ``calls`` calls.
+
+        >>> StaticShapes().bucket(9), StaticShapes().bucket(17), StaticShapes(sizes=(10, 100)).bucket(101)
+        (16, 24, 150)
+        """
+        if self.sizes is not None:
+            for size in self.sizes:
+                if size >= calls:
+                    return size
+            size = self.sizes[-1]
+        else:
+            size = self.min_rows
+        while size < calls:
+            size = max(size + 1, math.ceil(size * self.growth))
+        return size
+
+    # -- fitting ----------------------------------------------------------------------------
+
+    def fit(self, plan: FoldPlan) -> StaticPlan:
+        """Pad ``plan`` into the envelope (growing it first if the plan does not fit)."""
+        if isinstance(plan, StaticPlan):
+            raise TypeError("fit expects an unpadded FoldPlan; this plan is already padded")
+        if not isinstance(plan, FoldPlan):
+            raise TypeError(f"fit expects a FoldPlan (from Fold.plan), got {type(plan).__name__}")
+        batch = _decode(plan)
+        if not self._fits(batch):
+            self._grow(batch)
+        self.plans += 1
+        layout = self._layout
+        if layout is None:
+            layout = self._layout = _Layout(self)
+        padded = layout.pad(plan, batch)
+        self.real_calls += sum(batch.calls)
+        self.padded_calls += layout.total_calls
+        return padded
+
+    def _streams_of(self, batch: _Batch, column: _Column) -> set[Stream]:
+        assert column.sources is not None
+        return {batch.streams[s] for s in np.unique(column.sources).tolist()}
+
+    def _fits(self, batch: _Batch) -> bool:
+        if self._layout is None or len(batch.requests) != len(self._requests):
+            return False
+        capacity = self._capacity
+        for slot, calls, columns in zip(batch.slots, batch.calls, batch.columns, strict=True):
+            if capacity.get(slot, 0) < calls:
+                return False
+            key = slot[1]
+            for position, column in enumerate(columns):
+                if (
+                    column.kind in ("nodes", "shared")
+                    and not self._streams_of(batch, column) <= self._streams[(key, position)]
+                ):
+                    return False
+        for (room, streams), column in zip(self._requests, batch.requests, strict=True):
+            if _count(column) > room or not self._streams_of(batch, column) <= streams:
+                return False
+        return True
+
+    def _grow(self, batch: _Batch) -> None:
+        for slot, name, calls, columns in zip(
+            batch.slots, batch.names, batch.calls, batch.columns, strict=True
+        ):
+            depth, key = slot
+            have = self._capacity.get(slot, 0)
+            if calls > have:
+                self._capacity[slot] = self.bucket(math.ceil(calls * self.headroom))
+            self._order.setdefault(key, len(self._order))
+            self._names.setdefault(key, name)
+            for position, column in enumerate(columns):
+                where = (key, position)
+                if column.kind in ("nodes", "shared"):
+                    self._streams.setdefault(where, set()).update(self._streams_of(batch, column))
+                elif where not in self._fills:
+                    first = column.values[0]
+                    self._fills[where] = first.detach().clone() if isinstance(first, _Tensor) else first
+            self._deepest = max(self._deepest, depth)
+        # Levels past the deepest seen repeat its ops at the smallest bucket: a batch a little
+        # deeper than all before it then fits without a new graph.
+        wanted = math.ceil((self._deepest + 1) * self.headroom)
+        self._levels = max(self._levels, -(-wanted // self.level_step) * self.level_step)
+        deepest_ops = [key for depth, key in self._capacity if depth == self._deepest]
+        for depth in range(self._deepest + 1, self._levels):
+            for key in deepest_ops:
+                self._capacity.setdefault((depth, key), self.bucket(1))
+        if len(batch.requests) != len(self._requests):
+            self._requests = [(0, set()) for _ in batch.requests]
+        self._requests = [
+            (
+                room if _count(column) <= room else self.bucket(math.ceil(_count(column) * self.headroom)),
+                streams | self._streams_of(batch, column),
+            )
+            for (room, streams), column in zip(self._requests, batch.requests, strict=True)
+        ]
+        grown = self._layout is not None
+        self._layout = None
+        self.version += 1
+        if grown and self.plans >= self.warmup:
+            warnings.warn(
+                f"a fold did not fit the static shapes learned over {self.plans} plans, so they grow "
+                f"(version {self.version}): expect one new compilation; a larger min_rows, growth or level_step "
+                "leaves more room",
+                StaticShapesWarning,
+                stacklevel=4,
+            )
+
+
+class _Piece:
+    """One earlier slot output that a gather concatenates: its slot, its output and its calls."""
+
+    __slots__ = ("calls", "output", "slot")
+
+    def __init__(self, slot: int, output: int | None, calls: int) -> None:
+        self.slot = slot
+        self.output = output
+        self.calls = calls
+
+
+class _StaticGather:
+    """Positions of a slot (or a request) filled by one concatenation and one ``index_select``.
+
+    ``offsets`` maps a (slot, output) to where its calls start in the concatenation; ``items``
+    is the number of calls each position takes (the slot's capacity, or 1 for a shared node).
+    """
+
+    __slots__ = ("items", "offsets", "pieces", "positions", "streams", "total")
+
+    def __init__(
+        self, streams: frozenset[Stream], pieces: list[_Piece], positions: list[int], items: int
+    ) -> None:
+        # Gathers reading one set of streams read prefixes of one list of pieces (slots are in
+        # depth order), so apply keeps one running concatenation per set: O(levels) ops, not O(levels²).
+        self.streams = streams
+        self.pieces = pieces
+        self.positions = positions
+        self.items = items
+        self.offsets: dict[tuple[int, int | None], int] = {}
+        total = 0
+        for piece in pieces:
+            self.offsets[(piece.slot, piece.output)] = total
+            total += piece.calls
+        self.total = total
+
+
+class _Slot:
+    """One batched call of a static plan: an op at a depth, run on ``num_calls`` (its capacity) calls."""
+
+    __slots__ = ("arity", "depth", "fixed", "gathers", "key", "name", "num_calls", "num_outputs", "op")
+
+    def __init__(self, depth: int, key: OpKey, name: str, capacity: int) -> None:
+        self.key = key
+        self.op: Op = key[0]
+        self.arity: int = key[1]
+        self.num_outputs: int = key[2]
+        self.depth = depth
+        self.name = name
+        self.num_calls = capacity
+        self.gathers: list[_StaticGather] = []
+        self.fixed: list[tuple[int, str]] = []  # ints / floats / given positions
+
+    def outputs(self) -> list[int | None]:
+        return list(range(self.num_outputs)) if self.num_outputs else [None]
+
+
+class _Layout:
+    """The slots and gathers of one version of an envelope: what every plan fitted to it runs."""
+
+    def __init__(self, shapes: StaticShapes) -> None:
+        order = shapes._order
+        keys = sorted(shapes._capacity, key=lambda slot: (slot[0], order[slot[1]]))
+        self.slots = [
+            _Slot(depth, key, shapes._names[key], shapes._capacity[(depth, key)]) for depth, key in keys
+        ]
+        self.index = {slot: number for number, slot in enumerate(keys)}
+        self.total_calls = sum(slot.num_calls for slot in self.slots)
+        self.fills = shapes._fills
+        for number, slot in enumerate(self.slots):
+            kinds = slot.key[3]
+            by_streams: dict[frozenset[Stream], list[int]] = {}
+            for position, kind in enumerate(kinds):
+                if kind == "nodes":
+                    by_streams.setdefault(frozenset(shapes._streams[(slot.key, position)]), []).append(
+                        position
+                    )
+                elif kind == "shared":
+                    shared = frozenset(shapes._streams[(slot.key, position)])
+                    slot.gathers.append(_StaticGather(shared, self._pieces(number, shared), [position], 1))
+                else:
+                    slot.fixed.append((position, kind))
+            for streams, positions in by_streams.items():
+                slot.gathers.append(
+                    _StaticGather(streams, self._pieces(number, streams), positions, slot.num_calls)
+                )
+        self.requests = [
+            _StaticGather(frozenset(streams), self._pieces(len(self.slots), streams), [0], room)
+            for room, streams in shapes._requests
+        ]
+
+    def _pieces(self, before: int, streams: set[Stream] | frozenset[Stream]) -> list[_Piece]:
+        """The outputs of slots before ``before`` (at a lower depth) that belong to ``streams``."""
+        depth = self.slots[before].depth if before < len(self.slots) else math.inf
+        pieces = [
+            _Piece(number, output, slot.num_calls)
+            for number, slot in enumerate(self.slots[:before])
+            if slot.depth < depth
+            for output in slot.outputs()
+            if (slot.key, output) in streams
+        ]
+        if not pieces:  # pragma: no cover - a real call reads an earlier slot, so an envelope has one
+            raise FoldError(
+                f"static shapes: no earlier output to read for streams {sorted(map(str, streams))}"
+            )
+        return pieces
+
+    def pad(self, plan: FoldPlan, batch: _Batch) -> StaticPlan:
+        """``plan``'s index arrays and columns, padded to this layout."""
+        slot_of_step = [self.index[slot] for slot in batch.slots]
+        # per source number: (slot, output) of the step that produces it
+        owner = [(slot_of_step[number], output) for number, output in plan.source_owner]
+        columns_of: dict[int, list[_Column]] = {slot_of_step[i]: cols for i, cols in enumerate(batch.columns)}
+        calls_of = {slot_of_step[i]: calls for i, calls in enumerate(batch.calls)}
+        ints: list[np.ndarray] = []
+        floats: list[np.ndarray] = []
+        int_at = [0]
+        float_at = [0]
+
+        def put(target: list[np.ndarray], at: list[int], values: np.ndarray) -> tuple[int, int]:
+            start = at[0]
+            target.append(values)
+            at[0] += len(values)
+            return start, at[0]
+
+        slots_args: list[list[tuple[int, str, Any]]] = []
+        for number, slot in enumerate(self.slots):
+            columns = columns_of.get(number)
+            real = calls_of.get(number, 0)
+            args: list[tuple[int, str, Any]] = []
+            for gather in slot.gathers:
+                index = np.concatenate(
+                    [
+                        _padded_index(gather, owner, None if columns is None else columns[p], real)
+                        for p in gather.positions
+                    ]
+                )
+                args.append((-1, "gather", put(ints, int_at, index)))
+            for position, kind in slot.fixed:
+                column = None if columns is None else columns[position]
+                fill = self.fills[(slot.key, position)]
+                if kind == "ints":
+                    args.append(
+                        (
+                            position,
+                            kind,
+                            put(ints, int_at, _padded_values(column, fill, slot.num_calls, np.int64)),
+                        )
+                    )
+                elif kind == "floats":
+                    values = _padded_values(column, fill, slot.num_calls, np.float64)
+                    args.append((position, kind, put(floats, float_at, values)))
+                else:
+                    args.append((position, kind, _padded_tensors(column, fill, slot.num_calls)))
+            slots_args.append(args)
+        requests = []
+        for gather, column in zip(self.requests, batch.requests, strict=True):
+            requests.append(put(ints, int_at, _padded_index(gather, owner, column, _count(column))))
+        return StaticPlan(
+            self,
+            slots_args,
+            requests,
+            np.concatenate(ints) if ints else np.zeros(0, dtype=np.int64),
+            np.concatenate(floats) if floats else np.zeros(0, dtype=np.float64),
+            sizes=[_count(column) for column in batch.requests],
+            real_calls=sum(batch.calls),
+            num_nodes=plan.num_nodes,
+            device=plan.device,
+            volatile=plan.volatile,
+        )
+
+
+def _padded_index(
+    gather: _StaticGather, owner: list[tuple[int, int | None]], column: _Column | None, real: int
+) -> np.ndarray:
+    """A position's calls in the gather's concatenation; padded calls repeat the first real call."""
+    index = np.zeros(gather.items, dtype=np.int64)
+    if column is not None and real:
+        assert column.sources is not None and column.calls is not None
+        unique, inverse = np.unique(column.sources, return_inverse=True)
+        starts = np.array([gather.offsets[owner[source]] for source in unique.tolist()], dtype=np.int64)
+        taken = starts[inverse] + column.calls
+        index[: len(taken)] = taken
+        index[len(taken) :] = taken[0]
+    return index
+
+
+def _padded_values(column: _Column | None, fill: Any, capacity: int, dtype: Any) -> np.ndarray:
+    values = np.full(capacity, fill if column is None else column.values[0], dtype=dtype)
+    if column is not None:
+        values[: len(column.values)] = column.values
+    return values
+
+
+def _padded_tensors(column: _Column | None, fill: _Tensor, capacity: int) -> _Tensor:
+    """Tensors given to ``add``, concatenated, then the first call's rows repeated up to ``capacity`` calls."""
+    given: list[_Tensor] = [fill] if column is None else column.values
+    first = given[0]
+    if first.dim() == 0:
+        first = first.reshape(1)
+    missing = capacity - (0 if column is None else len(given))
+    parts = ([] if column is None else list(given)) + [first] * missing
+    return torch.cat(parts, 0)
+
+
+class StaticPlan:
+    """A plan padded into a :class:`StaticShapes` envelope: every plan of one envelope version
+    runs the same tensor operations on the same shapes, so XLA compiles it once.
+
+    Made by :meth:`StaticShapes.fit` (or ``Fold(shapes=...).plan(...)``); it pickles like a
+    :class:`~torchfold.FoldPlan`. All index arrays and int/float columns are packed into one
+    int64 and one float64 array, moved to the device once per :meth:`apply`.
+    """
+
+    def __init__(
+        self,
+        layout: _Layout,
+        slot_args: list[list[tuple[int, str, Any]]],
+        requests: list[tuple[int, int]],
+        ints: np.ndarray,
+        floats: np.ndarray,
+        *,
+        sizes: list[int],
+        real_calls: int,
+        num_nodes: int,
+        device: torch.device | None,
+        volatile: bool,
+    ) -> None:
+        self.slots = layout.slots
+        self.request_gathers = layout.requests
+        self.slot_args = slot_args
+        self.requests = requests
+        self.ints = ints
+        self.floats = floats
+        #: calls (nodes) each request asks for, and how many rows ``apply(padded=True)`` returns for it
+        self.sizes = sizes
+        self.capacities = [gather.items for gather in layout.requests]
+        self.real_calls = real_calls
+        self.num_nodes = num_nodes
+        self.device = device
+        self.volatile = volatile
+
+    @property
+    def padded_calls(self) -> int:
+        """Calls run, padding included (``real_calls`` are the plan's own)."""
+        return sum(slot.num_calls for slot in self.slots)
+
+    def pad(self, request: int, values: Any, fill: float = 0) -> _Tensor:
+        """``values`` (one per node of request ``request``) as a tensor padded to its capacity with ``fill``.
+
+        With ``apply(model, padded=True)``, pad per-node targets and weights so that the padded
+        rows weigh nothing: ``(losses * plan.pad(0, weights)).sum()``, or cross-entropy with
+        ``ignore_index`` and ``plan.pad(0, labels, fill=-100)``. Give host values (a list, a
+        numpy array or a CPU tensor) and move the result to the device: its shape is the
+        capacity's, so on XLA it never makes a new graph.
+
+        >>> import torch, torchfold
+        >>> f = torchfold.Fold(shapes=torchfold.StaticShapes(min_rows=4))
+        >>> plan = f.plan([[f.add(torch.neg, 1), f.add(torch.neg, 2)]])
+        >>> plan.pad(0, [0.5, 0.5])
+        tensor([0.5000, 0.5000, 0.0000, 0.0000])
+        """
+        size, capacity = self.sizes[request], self.capacities[request]
+        if isinstance(values, _Tensor) and values.device.type != "cpu":
+            tensor = values  # already on a device: padded there (on XLA, sizes that vary then compile anew)
+            _check_pad_rows(request, tuple(tensor.shape), size)
+            out = tensor.new_full((capacity, *tensor.shape[1:]), fill)
+            out[:size] = tensor
+            return out
+        # On the host, in numpy: only the padded tensor is made, so its shape never varies.
+        array = values.numpy() if isinstance(values, _Tensor) else np.asarray(values)
+        if array.dtype == np.float64 and not isinstance(values, np.ndarray | _Tensor):
+            array = array.astype(
+                _NUMPY_DEFAULT.get(torch.get_default_dtype(), np.float32)
+            )  # Python floats: torch's default dtype
+        _check_pad_rows(request, array.shape, size)
+        padded = np.full((capacity, *array.shape[1:]), fill, dtype=array.dtype)
+        padded[:size] = array
+        return torch.from_numpy(padded)
+
+    def apply(self, nn: torch.nn.Module | object, *, padded: bool = False) -> list[_Tensor]:
+        """Run the padded plan on ``nn``; one tensor per request (padded to its capacity if ``padded``).
+
+        Raises:
+            FoldError: unknown op, or an op returning something other than rows per call.
+        """
+        if self.volatile:
+            with torch.no_grad():
+                return _run(self, nn, padded)
+        return _run(self, nn, padded)
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticPlan({len(self.slots)} slots, {self.num_nodes} nodes in {self.real_calls} calls padded to "
+            f"{self.padded_calls}, requests {self.sizes} of {self.capacities})"
+        )
+
+
+def _check_pad_rows(request: int, shape: tuple[int, ...], size: int) -> None:
+    if len(shape) == 0 or shape[0] != size:
+        raise ValueError(
+            f"pad(request={request}): values have shape {shape} but the request has {size} nodes; "
+            "give one value (row) per node of the request"
+        )
+
+
+def _store(slot: _Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
+    """The outputs of a slot's call, checked: a tensor, or a tuple of ``num_outputs`` tensors."""
+    where = f"op {slot.name!r} at depth {slot.depth}"
+    if isinstance(out, _Tensor):
+        outputs: list[tuple[int | None, Any]] = [(None, out)]
+        if slot.num_outputs:
+            raise FoldError(
+                f"{where} returned a single tensor but its nodes were split into {slot.num_outputs}"
+            )
+    elif isinstance(out, tuple | list):
+        if len(out) != slot.num_outputs:
+            raise FoldError(
+                f"{where} returned {len(out)} outputs but its nodes were "
+                f"{'split into ' + str(slot.num_outputs) if slot.num_outputs else 'used whole'}; "
+                f"call .split({len(out)}) on them"
+            )
+        outputs = list(enumerate(out))
+    else:
+        raise FoldError(
+            f"{where} returned a {type(out).__name__}; ops must return a tensor or a tuple of tensors"
+        )
+    for output, value in outputs:
+        if (
+            not isinstance(value, _Tensor)
+            or value.dim() == 0
+            or value.shape[0] == 0
+            or value.shape[0] % slot.num_calls
+        ):
+            shape = tuple(value.shape) if isinstance(value, _Tensor) else type(value).__name__
+            raise FoldError(
+                f"{where} ran {slot.num_calls} calls (padded) and returned {shape} as output {output}: "
+                f"ops must return rows per call, a leading dim that is a positive multiple of {slot.num_calls}"
+            )
+    return outputs
+
+
+def _take(
+    gather: _StaticGather,
+    results: dict[tuple[int, int | None], _Tensor],
+    memories: dict[frozenset[Stream], tuple[_Tensor, int]],
+    index: _Tensor,
+) -> tuple[_Tensor, int]:
+    """The rows of a gather: its pieces' running concatenation, extended as needed, then one ``index_select``."""
+    memory = memories.get(gather.streams)
+    have = 0 if memory is None else memory[1]
+    tensors = [results[(piece.slot, piece.output)] for piece in gather.pieces[have:]]
+    if memory is not None:
+        tensors.insert(0, memory[0])
+    source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+    memories[gather.streams] = (source, len(gather.pieces))
+    rows = source.shape[0] // gather.total
+    if rows != 1:
+        index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
+    return source.index_select(0, index), rows
+
+
+def _run(plan: StaticPlan, nn: object, padded: bool) -> list[_Tensor]:
+    device = plan.device if plan.device is not None else module_device(nn)
+    fns: list[Callable[..., Any]] = resolve_ops(nn, plan.slots)
+    # One transfer each for all indices and int columns, and all float columns; fresh tensors at
+    # every apply, so an op changing its input in place cannot change the plan.
+    ints = torch.from_numpy(plan.ints).to(device, copy=True)
+    floats = torch.from_numpy(plan.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
+    results: dict[tuple[int, int | None], _Tensor] = {}
+    memories: dict[frozenset[Stream], tuple[_Tensor, int]] = {}
+    for number, (slot, fn, args_plan) in enumerate(zip(plan.slots, fns, plan.slot_args, strict=True)):
+        args: list[Any] = [None] * slot.arity
+        gathers = iter(slot.gathers)
+        for position, kind, value in args_plan:
+            if kind == "gather":
+                gather = next(gathers)
+                taken, rows = _take(gather, results, memories, ints[value[0] : value[1]])
+                if len(gather.positions) == 1:
+                    args[gather.positions[0]] = taken
+                else:
+                    for where, part in zip(gather.positions, taken.split(gather.items * rows), strict=True):
+                        args[where] = part
+            elif kind == "ints":
+                args[position] = ints[value[0] : value[1]]
+            elif kind == "floats":
+                args[position] = floats[value[0] : value[1]]
+            else:
+                args[position] = value.to(device)
+        try:
+            out = fn(*args)
+        except FoldError:
+            raise
+        except Exception as error:
+            error.add_note(
+                f"torchfold: while applying {slot.name!r} at depth {slot.depth} to {slot.num_calls} calls "
+                f"(padded; static shapes)"
+            )
+            raise
+        for output, value in _store(slot, out):
+            results[(number, output)] = value
+    outputs = []
+    for gather, (start, end), size in zip(plan.request_gathers, plan.requests, plan.sizes, strict=True):
+        taken, rows = _take(gather, results, memories, ints[start:end])
+        outputs.append(taken if padded else taken[: size * rows])
+    return outputs

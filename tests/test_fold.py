@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -435,6 +436,26 @@ def test_draw_writes_a_png(tmp_path: Path, max_nodes: int) -> None:
     fig = fold.draw(path, max_nodes=max_nodes)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"6 nodes, 4 batched calls, 4 depths", fig.axes[0].get_title())
+
+
+def test_a_deep_chain_is_refused_quickly_and_a_part_of_it_drawn() -> None:
+    fold = Fold()
+    node = fold.add("exp", 1)
+    for _ in range(4999):
+        node = fold.add("exp", node)
+    start = time.monotonic()
+    with pytest.raises(
+        ValueError,
+        match=r"5000 batched groups over 5000 depths, more than max_groups=200: .*depths=range\(0, 200\)",
+    ):
+        fold.draw()
+    assert time.monotonic() - start < 1  # drawing it all took a minute
+    fig = fold.draw(depths=range(100, 110))
+    assert fig.axes[0].get_title() == "10 nodes, 10 batched calls, 10 depths (depths 100-109 of 5000)"
+    labels = {text.get_text() for text in fig.axes[0].texts}
+    assert "exp@99" in labels  # where the first drawn node's argument comes from
+    with pytest.raises(ValueError, match=r"depths=range\(6000, 6001\): this fold has no group there"):
+        fold.draw(depths=range(6000, 6001))
 
 
 def test_public_names() -> None:

@@ -223,6 +223,8 @@ class Fold:
         """Draw the graph by depth, one box per batched group; save it to ``path`` if given.
 
         Keyword arguments go to :func:`torchfold._draw.draw_fold` (``max_nodes``, ``title``...).
+        A fold of more than ``max_groups=200`` groups is refused (slow, unreadable): draw a part
+        of it with ``depths=range(start, stop)``.
         """
         from torchfold._draw import draw_fold
 

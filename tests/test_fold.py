@@ -644,6 +644,20 @@ def test_ints_and_floats_at_one_position_are_refused_by_both_twins(make: Any) ->
 
 
 @pytest.mark.parametrize("make", TWINS)
+def test_ints_and_nodes_at_one_position_are_refused_by_both_twins(make: Any) -> None:
+    model = Cell()
+    r = make(model)
+    with pytest.raises(
+        FoldError, match=r"op 'merge' at depth 1, argument 1: ints and nodes/tensors are mixed"
+    ):
+        _values(
+            r,
+            model,
+            [[r.add("merge", r.add("leaf", 1), 2), r.add("merge", r.add("leaf", 3), r.add("leaf", 2))]],
+        )
+
+
+@pytest.mark.parametrize("make", TWINS)
 def test_ints_and_floats_in_different_groups_are_fine(make: Any) -> None:
     model = Arithmetic()
     recorder = make(model)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op, ints_and_floats_mixed, node_label
+from torchfold._node import Group, Node, Op, ints_and_floats_mixed, literals_and_rows_mixed, node_label
 from torchfold._plan import check_requests
 
 if TYPE_CHECKING:
@@ -419,16 +419,13 @@ class _Compiler:
                 step.fixed.append((position, Arg("ints", np.array(column, dtype=np.int64))))
             elif kinds == {float}:
                 step.fixed.append((position, Arg("floats", np.array(column, dtype=np.float64))))
-            elif kinds == {int, float}:  # the eager Unfold would give the int calls a LongTensor
+            elif kinds == {int, float}:  # one tensor, one dtype (the eager Unfold refuses the same mix)
                 int_value = next(item for item in column if item.__class__ is int)
                 float_value = next(item for item in column if item.__class__ is float)
                 raise FoldError(ints_and_floats_mixed(step.where(position), int_value, float_value))
             elif int in kinds or float in kinds:
                 raise FoldError(
-                    f"{step.where(position)}: {'ints' if int in kinds else 'floats'} and nodes/tensors are mixed at "
-                    f"one position ({len(calls)} "
-                    "calls); pass either ints everywhere or tensors/nodes everywhere (e.g. wrap the ints as "
-                    "tensors of the right shape)"
+                    literals_and_rows_mixed(step.where(position), "ints" if int in kinds else "floats")
                 )
             elif Node in kinds and not all(item.batch for item in column if item.__class__ is Node):
                 step.fixed.append((position, _shared(column, step.where(position))))

@@ -163,6 +163,16 @@ class Fold:
         one ``LongTensor`` on the fold's device) or all floats. Every op name is looked up on
         ``nn`` before anything runs.
 
+        Example:
+            >>> import torch, torchfold
+            >>> class Doubler(torch.nn.Module):
+            ...     def exp(self, x):
+            ...         return 2 * x
+            >>> f = torchfold.Fold()
+            >>> nodes = [f.add("exp", value) for value in (1, 2)]
+            >>> f.apply(Doubler(), [nodes, [7, 9]])  # ints, e.g. labels, come back as one LongTensor
+            [tensor([2, 4]), tensor([7, 9])]
+
         Raises:
             FoldError: unknown op, rows that disagree within a group, a bad split, an empty
                 or malformed request.
@@ -182,6 +192,12 @@ class Fold:
         """Make int and float arguments on the GPU from now on (the original TorchFold's method); returns the fold.
 
         Same as ``Fold(device="cuda")``.
+
+        Example:
+            >>> import torch, torchfold
+            >>> fold = torchfold.Fold()
+            >>> if torch.cuda.is_available():
+            ...     fold = fold.cuda()
 
         Raises:
             RuntimeError: CUDA is not available.

@@ -21,6 +21,7 @@ __all__ = [
     "Owner",
     "describe_arg_shapes",
     "ints_and_floats_mixed",
+    "literals_and_rows_mixed",
     "node_label",
     "op_name",
     "outside_int64",
@@ -37,6 +38,14 @@ def outside_int64(value: int) -> str:
     """An int too large for a LongTensor, as messages name it (its size only when its digits would be a page)."""
     shown = repr(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
     return f"{shown}, outside int64 [-2**63, 2**63 - 1]"
+
+
+def literals_and_rows_mixed(where: str, literals: str) -> str:
+    """The message for ints (or floats) batched with nodes or tensors at one argument position."""
+    return (
+        f"{where}: {literals} and nodes/tensors are mixed at one position; pass either {literals} everywhere or "
+        f"tensors/nodes everywhere (e.g. wrap the {literals} as tensors of the right shape)"
+    )
 
 
 def ints_and_floats_mixed(where: str, int_value: int, float_value: float) -> str:

@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import INT64_MAX, INT64_MIN, Op, ints_and_floats_mixed, op_name, outside_int64
+from torchfold._node import (
+    INT64_MAX,
+    INT64_MIN,
+    Op,
+    ints_and_floats_mixed,
+    literals_and_rows_mixed,
+    op_name,
+    outside_int64,
+)
 from torchfold._plan import check_request_items, cuda_device, module_device
 
 __all__ = ["Unfold", "UnfoldNode"]
@@ -103,6 +111,12 @@ class Unfold:
     def cuda(self) -> Unfold:
         """Make int and float arguments on the GPU from now on (the original TorchFold's method); returns self.
 
+        Example:
+            >>> import torch, torchfold
+            >>> unfold = torchfold.Unfold(torch.nn.Linear(2, 2))
+            >>> if torch.cuda.is_available():
+            ...     unfold = unfold.cuda()
+
         Raises:
             RuntimeError: CUDA is not available.
         """
@@ -140,11 +154,7 @@ class Unfold:
             where = f"op {op_name(op)!r} at depth {depth}, argument {position}"
             if None not in seen:
                 raise FoldError(ints_and_floats_mixed(where, seen[int], seen[float]))
-            literal = "ints" if int in seen else "floats"
-            raise FoldError(
-                f"{where}: {literal} and nodes/tensors are mixed at one position; pass either {literal} everywhere "
-                f"or tensors/nodes everywhere (e.g. wrap the {literal} as tensors of the right shape)"
-            )
+            raise FoldError(literals_and_rows_mixed(where, "ints" if int in seen else "floats"))
 
     def add(self, op: Op, *args: Any) -> UnfoldNode:
         """Run ``op(*args)`` now and return its value wrapped as a node."""

@@ -211,12 +211,12 @@ class FoldPlan:
                 given to ``add`` requires grad (its copy would cut the gradient off).
         """
         requests = [
-            Arg(request.kind, _portable_tensors(request.value, "a request"))
+            Arg(request.kind, _portable_tensors(request.value, f"apply request {number}"))
             if isinstance(request, Arg) and request.kind == "concat"
-            else _portable_gather(request, "a request")
+            else _portable_gather(request, f"apply request {number}")
             if isinstance(request, Gather)
             else request
-            for request in self.requests
+            for number, request in enumerate(self.requests)
         ]
         return {**self.__dict__, "steps": [_portable(step) for step in self.steps], "requests": requests}
 

@@ -666,6 +666,16 @@ def test_ints_and_floats_in_different_groups_are_fine(make: Any) -> None:
     assert [t.tolist() for t in _values(recorder, model, [[ints], [floats]])] == [[7], [4.5]]
 
 
+@pytest.mark.parametrize("make", TWINS)
+def test_an_op_losing_all_rows_is_an_error_in_both_twins(make: Any) -> None:
+    model = Cell()
+    recorder = make(model)
+    with pytest.raises(
+        FoldError, match=r"op '_keep_large' at depth 0 .*returned shape \(0, 2\): no rows for"
+    ):
+        _values(recorder, model, [[recorder.add(_keep_large, torch.ones(1, 2))]])
+
+
 def test_splitting_fewer_outputs_than_returned_is_an_error_in_both_twins() -> None:
     message = r"split into 2 outputs, but it returned 3; call .split\(3\)"
     fold = Fold()

@@ -172,7 +172,17 @@ class Unfold:
         depth = 1 + max((a.depth for a in args if isinstance(a, UnfoldNode)), default=-1)
         self._check_batchable(op, depth, args)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
-            return UnfoldNode(op, fn(*values), depth)
+            value = fn(*values)
+        for output in value if isinstance(value, tuple | list) else (value,):
+            if (
+                isinstance(output, torch.Tensor) and output.dim() and output.shape[0] == 0
+            ):  # as a Fold refuses
+                raise FoldError(
+                    f"op {op_name(op)!r} at depth {depth} returned shape {tuple(output.shape)}: no rows for its call; "
+                    "every call must own at least one row (an op that filters rows loses track of which call owns "
+                    "which: mask values instead)"
+                )
+        return UnfoldNode(op, value, depth)
 
     def apply(
         self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[UnfoldNode | torch.Tensor | int | float]]

@@ -102,7 +102,7 @@ def check_request_items(number: int, request: Sequence[Any], node_type: type) ->
         if cls is int:
             if not INT64_MIN <= item <= INT64_MAX:
                 raise FoldError(
-                    f"request {number}, item {j} is {outside_int64(item)}; ints become a LongTensor"
+                    f"request {number}, item {j} is {outside_int64(item)}; ints become a LongTensor: pass a tensor instead"
                 )
             kind = "int"
         elif cls is float:

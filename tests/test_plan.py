@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
@@ -172,15 +173,30 @@ class Empty(torch.nn.Module):
     def none(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(0, 3)
 
-    def also_none(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(0, 3)
 
-
-@pytest.mark.parametrize("compact", [False, True])
-def test_calls_owning_no_rows_gather_to_nothing(monkeypatch: pytest.MonkeyPatch, compact: bool) -> None:
-    if compact:  # force the path that gathers partly used sources on their own first
-        monkeypatch.setattr(torchfold._execute, "COMPACT_BYTES", -1)
+def test_calls_owning_no_rows_are_refused() -> None:
+    """0 rows for 3 calls would be read as 0 rows per call: requests would silently come back empty."""
     fold = Fold()
-    a, b, c = fold.add("none", 1), fold.add("none", 2), fold.add("also_none", 3)
-    (out,) = fold.apply(Empty(), [[c, a, b, a]])
-    assert out.shape == (0, 3)
+    nodes = [fold.add("none", i) for i in (1, 2, 3)]
+    with pytest.raises(
+        FoldError, match=r"op 'none' at depth 0 ran 3 calls batched and returned shape \(0, 3\)"
+    ):
+        fold.apply(Empty(), [nodes])
+
+
+def test_applying_a_plan_leaves_it_unchanged_even_from_two_threads() -> None:
+    """A compiled plan is a value: workers ship it, several threads may apply it at once."""
+    model = TreeLSTM(len(VOCAB), 4, 6)
+    plan, _ = build_plan(TREES[:6])
+    before = pickle.dumps(plan)
+    (expected,) = plan.apply(model)
+    results: list[torch.Tensor] = []
+    threads = [threading.Thread(target=lambda: results.extend(plan.apply(model))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 2
+    for got in results:
+        torch.testing.assert_close(got, expected)
+    assert pickle.dumps(plan) == before

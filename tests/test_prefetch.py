@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +82,53 @@ def test_a_stuck_build_times_out_instead_of_hanging() -> None:
         next(ready)
     release.set()
     assert time.monotonic() - start < 5
+
+
+def _never_returns_after_the_first(never: threading.Event) -> Any:
+    def build(batch: list[int]) -> int:
+        if batch != BATCHES[0]:
+            never.wait()  # a build stuck for good (a dead lock, a hung read)
+        return len(batch)
+
+    return build
+
+
+def _body_timed_out(ready: Prefetcher[list[int], int]) -> None:
+    for _ in ready:
+        pass
+
+
+def _body_raised(ready: Prefetcher[list[int], int]) -> None:
+    next(ready)
+    raise KeyError("the training step failed")
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [(_body_timed_out, "no batch was ready within timeout=0.3s"), (_body_raised, "training step")],
+    ids=["after a timeout", "after an error in the loop"],
+)
+def test_leaving_the_with_block_does_not_wait_for_a_build_stuck_for_good(body: Any, error: str) -> None:
+    never = threading.Event()
+    raised: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            with Prefetcher(BATCHES, _never_returns_after_the_first(never), timeout=0.3) as ready:
+                body(ready)
+        except (FoldError, KeyError) as caught:
+            raised.append(caught)
+
+    runner = threading.Thread(target=loop, daemon=True)  # so that a regression fails, not hangs, the suite
+    start = time.monotonic()
+    runner.start()
+    runner.join(10)
+    try:
+        assert not runner.is_alive(), "the with-block still waits for the stuck build"
+        assert time.monotonic() - start < 2  # within about the timeout
+        assert len(raised) == 1 and error in str(raised[0])
+    finally:
+        never.set()
 
 
 def test_close_stops_the_worker_early() -> None:

@@ -290,3 +290,22 @@ def test_cpu_folds_are_not_padded_by_default() -> None:
     plan = fold.plan([[fold.add("leaf", 1)]])
     assert not isinstance(plan, StaticPlan)
     assert plan.sizes == plan.capacities == [1]
+
+
+def test_request_lists_of_ints_and_tensors_work_with_static_shapes_like_the_original_api() -> None:
+    shapes = StaticShapes(min_rows=4)
+    for count in (3, 2):  # the second fits the envelope the first made
+        outs = []
+        for fold in (Fold(shapes=shapes), Fold(shapes=None)):
+            nodes = [fold.add("leaf", i) for i in range(count)]
+            labels = list(range(count))
+            targets = [torch.tensor([[float(i)]]) for i in range(count)]
+            outs.append(fold.apply(Zoo(), [nodes, labels, targets]))
+        for padded, plain in zip(*outs, strict=True):
+            torch.testing.assert_close(padded, plain)
+    fold = Fold(shapes=shapes)
+    node = fold.add("leaf", 1)
+    with pytest.raises(
+        FoldError, match=r"apply request 0: static shapes cannot pad a request that mixes nodes and tensors"
+    ):
+        fold.plan([[node, torch.ones(1, 5)]])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op, node_label
+from torchfold._node import Group, Node, Op, ints_and_floats_mixed, literals_and_rows_mixed, node_label
 from torchfold._plan import check_requests
 
 if TYPE_CHECKING:
@@ -51,7 +51,6 @@ class Step:
     """
 
     __slots__ = (
-        "arg_shapes",
         "arity",
         "depth",
         "fixed",
@@ -75,8 +74,6 @@ class Step:
         self.num_outputs = group.num_outputs
         self.fixed: list[tuple[int, Arg]] = []
         self.gathers: list[Gather] = []
-        # (dtype, shape) of each batched argument at the last apply, for print(fold) and errors
-        self.arg_shapes: list[tuple[Any, tuple[int, ...]]] | None = None
 
     def where(self, position: int) -> str:
         return f"op {self.name!r} at depth {self.depth}, argument {position}"
@@ -230,11 +227,17 @@ class FoldPlan:
         envelope first (unless its Fold was made with ``shapes=None``), so that the graphs XLA
         compiles repeat; the outputs are the same. ``padded`` is for the same call on a
         :class:`~torchfold.StaticPlan`: nothing here is padded, so the outputs are exact.
+        The plan is not changed, so several threads may apply one plan at once.
 
         Raises:
-            FoldError: unknown op, rows that disagree within a group, a bad split, or an
-                exception inside an op (re-raised with the op, depth and batched shapes).
+            FoldError: unknown op, rows that disagree within a group, or a bad split.
+            Exception: an exception raised inside an op, of its own type, with a note naming
+                the op, the depth, the nodes and the batched argument shapes.
         """
+        return self._run(nn)
+
+    def _run(self, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
+        """``apply``, also giving each step's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
         from torchfold._execute import run
         from torchfold._plan import module_device
 
@@ -242,10 +245,8 @@ class FoldPlan:
             from torchfold._static import StaticShapes
 
             return StaticShapes.of(nn).fit(self).apply(nn)
-        if self.volatile:
-            with torch.no_grad():
-                return run(self, nn)
-        return run(self, nn)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
+            return run(self, nn, arg_shapes)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles: the plan, with tensors given to ``add`` cut down to their own rows.
@@ -255,7 +256,15 @@ class FoldPlan:
                 the module applying the plan would get no gradients through it), or a tensor
                 given to ``add`` requires grad (its copy would cut the gradient off).
         """
-        return {**self.__dict__, "steps": [_portable(step) for step in self.steps]}
+        requests = [
+            Arg(request.kind, _portable_tensors(request.value, f"apply request {number}"))
+            if isinstance(request, Arg) and request.kind == "concat"
+            else _portable_gather(request, f"apply request {number}")
+            if isinstance(request, Gather)
+            else request
+            for number, request in enumerate(self.requests)
+        ]
+        return {**self.__dict__, "steps": [_portable(step) for step in self.steps], "requests": requests}
 
     def describe_item(self, source: int, call: int) -> str:
         """How a node is shown in messages, from its source number and call: ``Node('op', depth=1, index=3)``."""
@@ -295,15 +304,18 @@ def _portable(step: Step) -> Step:
         else (position, arg)
         for position, arg in step.fixed
     ]
-    portable.gathers = []
-    for gather in step.gathers:
-        moved = copy.copy(gather)
-        moved.pieces = [
-            piece if isinstance(piece, int) else _portable_tensors(piece, step.where(gather.positions[0]))
-            for piece in gather.pieces
-        ]
-        portable.gathers.append(moved)
+    portable.gathers = [_portable_gather(gather, step.where(gather.positions[0])) for gather in step.gathers]
     return portable
+
+
+def _portable_gather(gather: Gather, where: str) -> Gather:
+    if all(isinstance(piece, int) for piece in gather.pieces):
+        return gather
+    moved = copy.copy(gather)
+    moved.pieces = [
+        piece if isinstance(piece, int) else _portable_tensors(piece, where) for piece in gather.pieces
+    ]
+    return moved
 
 
 def _portable_tensors(value: Any, where: str) -> Any:
@@ -451,14 +463,15 @@ class _Compiler:
                     step.fixed.append((position, _shared(column, step.where(position))))
             elif kinds == {int}:
                 step.fixed.append((position, Arg("ints", np.array(column, dtype=np.int64))))
-            elif kinds <= {int, float}:
+            elif kinds == {float}:
                 step.fixed.append((position, Arg("floats", np.array(column, dtype=np.float64))))
+            elif kinds == {int, float}:  # one tensor, one dtype (the eager Unfold refuses the same mix)
+                int_value = next(item for item in column if item.__class__ is int)
+                float_value = next(item for item in column if item.__class__ is float)
+                raise FoldError(ints_and_floats_mixed(step.where(position), int_value, float_value))
             elif int in kinds or float in kinds:
                 raise FoldError(
-                    f"{step.where(position)}: {'ints' if int in kinds else 'floats'} and nodes/tensors are mixed at "
-                    f"one position ({len(calls)} "
-                    "calls); pass either ints everywhere or tensors/nodes everywhere (e.g. wrap the ints as "
-                    "tensors of the right shape)"
+                    literals_and_rows_mixed(step.where(position), "ints" if int in kinds else "floats")
                 )
             elif Node in kinds and not all(item.batch for item in column if item.__class__ is Node):
                 step.fixed.append((position, _shared(column, step.where(position))))
@@ -531,9 +544,22 @@ class _Compiler:
             [len(column.item_call) for column in columns],
         )
 
-    def request(self, request: Sequence[Node]) -> Arg | Gather:
-        """A request: its nodes' rows in order (a nobatch handle is just its rows)."""
-        column = self.node_column(0, request)
+    def request(self, request: Sequence[Any], number: int = 0) -> Arg | Gather:
+        """A request: its items' rows in order (a nobatch handle is just its rows; ints make one
+        LongTensor). ``check_requests`` made sure that ints and floats come alone."""
+        cls = request[0].__class__
+        if cls is int or cls is float:
+            return Arg(
+                "ints" if cls is int else "floats",
+                np.array(request, dtype=np.int64 if cls is int else np.float64),
+            )
+        kinds = set(map(type, request))
+        if Node not in kinds:
+            return Arg("concat", list(request))  # tensors only: any number of rows each, like the original
+        if kinds == {Node}:
+            column = self.node_column(0, request)
+        else:  # nodes and tensors: one gather, so each tensor counts as one call's rows
+            column = self.mixed_column(0, request, f"apply request {number}")
         whole = column.whole_source()
         if whole is not None:
             return Arg("whole", whole)
@@ -565,12 +591,12 @@ def _concatenable(column: Sequence[_Tensor]) -> bool:
     return all(t.shape == shape and t.dtype == dtype and t.device == device for t in column)
 
 
-def compile_fold(fold: Fold, requests: Sequence[Sequence[Node]]) -> FoldPlan:
+def compile_fold(fold: Fold, requests: Sequence[Sequence[Any]]) -> FoldPlan:
     """The :class:`FoldPlan` that computes ``requests`` (lists of ``fold``'s nodes)."""
     check_requests(fold, requests)
     compiler = _Compiler(fold)
     steps = [compiler.step(group) for group in compiler.groups]
-    planned = [compiler.request(request) for request in requests]
+    planned = [compiler.request(request, number) for number, request in enumerate(requests)]
     return FoldPlan(
         steps, planned, compiler.source_owner, len(fold), fold.device, fold.volatile, fold.shapes == "auto"
     )

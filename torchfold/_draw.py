@@ -40,6 +40,8 @@ def draw_fold(
     path: str | Path | None = None,
     *,
     max_nodes: int = 60,
+    max_groups: int = 200,
+    depths: range | None = None,
     title: str | None = None,
     ax: Axes | None = None,
 ) -> Figure:
@@ -49,8 +51,15 @@ def draw_fold(
         fold: the fold to draw (before or after ``apply``).
         path: if given, the figure is saved there (format from the suffix, e.g. ``.png``).
         max_nodes: above this many nodes, draw one box per group instead of every node.
+        max_groups: refuse to draw more groups than this (matplotlib takes seconds per hundred
+            boxes and the picture is unreadable): draw a part with ``depths`` instead.
+        depths: draw only the groups at these depths (e.g. ``range(0, 20)``); arguments
+            coming from groups left out are shown as ``op@depth`` labels.
         title: figure title; default: a summary of nodes, groups and depths.
         ax: draw into these axes instead of a new figure.
+
+    Raises:
+        ValueError: more than ``max_groups`` groups to draw, or no group at ``depths``.
 
     Example:
         >>> import torchfold
@@ -58,10 +67,24 @@ def draw_fold(
         >>> a = f.add("leaf", 1)
         >>> fig = f.draw(title="one leaf")
     """
+    groups = fold.groups()
+    all_depths = len({g.depth for g in groups})
+    if depths is not None:
+        groups = [g for g in groups if g.depth in depths]
+        if not groups:
+            raise ValueError(
+                f"depths={depths!r}: this fold has no group there (its depths are 0 to {all_depths - 1})"
+            )
+    if len(groups) > max_groups:
+        first, stop = groups[0].depth, groups[max_groups].depth  # groups come sorted by depth
+        raise ValueError(
+            f"this fold has {len(groups)} batched groups over {all_depths} depths, more than max_groups={max_groups}: "
+            f"so large a drawing is slow and unreadable; draw a part, e.g. fold.draw(depths=range({first}, "
+            f"{max(stop, first + 1)})), or raise max_groups"
+        )
     if ax is None:
         import matplotlib.pyplot as plt
 
-    groups = fold.groups()
     colors: dict[Any, str] = {}
     for group in groups:
         colors.setdefault(group.op, _COLORS[len(colors) % len(_COLORS)])
@@ -73,17 +96,19 @@ def draw_fold(
         fig, ax = plt.subplots(figsize=(min(width, 24), min(height, 24)))
     else:
         fig = ax.get_figure(root=True)  # type: ignore[assignment]
-    if len(fold) > max_nodes:
+    nodes = sum(len(g.calls) for g in groups)
+    if nodes > max_nodes:
         _draw_groups(ax, groups, colors)
     else:
         _draw_nodes(ax, groups, colors)
-    depths = sorted({g.depth for g in groups})
-    ax.set_xticks([_X_STEP * d for d in depths], [f"depth {d}" for d in depths])
+    drawn = sorted({g.depth for g in groups})
+    ax.set_xticks([_X_STEP * d for d in drawn], [f"depth {d}" for d in drawn])
     ax.tick_params(axis="x", length=0)
     ax.set_yticks([])
     for side in ("top", "right", "left", "bottom"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or f"{len(fold)} nodes, {len(groups)} batched calls, {len(depths)} depths", pad=22)
+    part = "" if len(drawn) == all_depths else f" (depths {drawn[0]}-{drawn[-1]} of {all_depths})"
+    ax.set_title(title or f"{nodes} nodes, {len(groups)} batched calls, {len(drawn)} depths{part}", pad=22)
     ax.set_aspect("equal")  # round nodes and boxes whatever the fold's width and height
     ax.autoscale_view()
     ax.margins(0.08)
@@ -161,8 +186,12 @@ def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> No
             ax.scatter([x], [y], s=380, color=colors[group.op], zorder=3, edgecolors="white")
             ax.text(x, y, str(index), ha="center", va="center", color="white", fontsize=8, zorder=4)
             for slot, arg in enumerate(args):
-                if isinstance(arg, Node):
-                    _arrow(ax, position[(arg.group, arg.index)], (x, y), arg.output, dashed=not arg.batch)
+                source = position.get((arg.group, arg.index)) if isinstance(arg, Node) else None
+                if source is not None:
+                    _arrow(ax, source, (x, y), arg.output, dashed=not arg.batch)
+                elif isinstance(arg, Node):  # from a depth not drawn
+                    spot = (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))
+                    literals.append((f"{arg.group.name}@{arg.group.depth}", spot))
                 else:
                     literals.append((_literal(arg), (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))))
     for text, (lx, ly) in literals:
@@ -182,5 +211,5 @@ def _draw_groups(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> N
         ax.text(x, y, f"{group.name}\n×{len(group.calls)}", ha="center", va="center", fontsize=8)
     for group in groups:
         feeders = {arg.group for args in group.calls for arg in args if isinstance(arg, Node)}
-        for source in sorted(feeders, key=lambda g: (g.depth, g.order)):
+        for source in sorted(feeders & position.keys(), key=lambda g: (g.depth, g.order)):
             _arrow(ax, position[source], position[group])

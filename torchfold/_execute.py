@@ -17,6 +17,7 @@ work is a loop over groups: all per-node bookkeeping happened when the plan was 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -25,7 +26,7 @@ import torch
 
 from torchfold._compile import Arg, FoldPlan, Gather, Step, call_offsets
 from torchfold._errors import FoldError
-from torchfold._node import describe_arg_shapes
+from torchfold._node import describe_arg_shapes, node_label
 from torchfold._plan import module_device, resolve_ops
 
 __all__ = ["run"]
@@ -68,15 +69,20 @@ class _Results:
                 f"op {step.name!r} at depth {step.depth} returned a {type(out).__name__}; "
                 "ops must return a tensor or a tuple of tensors"
             )
-        if step.num_outputs > len(outputs) or (step.num_outputs and isinstance(out, _Tensor)):
+        if step.num_outputs and (step.num_outputs != len(outputs) or isinstance(out, _Tensor)):
             returned = "a single tensor" if isinstance(out, _Tensor) else len(outputs)
             fix = (
                 "use the node without .split()"
                 if isinstance(out, _Tensor)
                 else f"call .split({len(outputs)})"
             )
+            problem = (
+                "split leaves outputs unused"
+                if step.num_outputs < len(outputs)
+                else "split index out of range"
+            )
             raise FoldError(
-                f"split index out of range: nodes of op {step.name!r} at depth {step.depth} were split into "
+                f"{problem}: nodes of op {step.name!r} at depth {step.depth} were split into "
                 f"{step.num_outputs} outputs, but it returned {returned}; {fix}"
             )
         for key, value in enumerate(outputs):
@@ -84,6 +90,14 @@ class _Results:
                 raise FoldError(
                     f"op {step.name!r} at depth {step.depth} returned a {type(value).__name__} as output "
                     f"{key}; ops must return a tensor or a tuple of tensors"
+                )
+            if value.dim() and value.shape[0] == 0:
+                # a filter (x[mask]) that dropped every row: no call can own its rows any more
+                where = "" if isinstance(out, _Tensor) else f" as output {key}"
+                raise FoldError(
+                    f"op {step.name!r} at depth {step.depth} ran {calls} calls batched and returned shape "
+                    f"{tuple(value.shape)}{where}: no rows for {calls} calls; every call must own at least one row "
+                    "(an op that filters rows loses track of which call owns which: mask values instead)"
                 )
             if value.dim() == 0 or value.shape[0] % calls:
                 where = "" if isinstance(out, _Tensor) else f" as output {key}"
@@ -265,28 +279,43 @@ def _arguments(step: Step, results: _Results, device: torch.device) -> list[Any]
     return args
 
 
+def _add_note(error: BaseException, note: str) -> None:
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:  # where Python 3.11 keeps notes; 3.10 does not print them, but they can be read
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
 def _request_label(number: int) -> Callable[[int], str]:
     return lambda _: f"apply request {number}"
 
 
-def run(plan: FoldPlan, nn: object) -> list[_Tensor]:
-    """Run ``plan``'s steps on ``nn`` and return one batched tensor per request."""
+def run(plan: FoldPlan, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
+    """Run ``plan``'s steps on ``nn`` and return one batched tensor per request.
+
+    The plan is only read (several threads may run it). ``arg_shapes``, if given, receives the
+    (dtype, shape) of each step's batched arguments, one list per step run.
+    """
     device = plan.device if plan.device is not None else module_device(nn)
     fns: list[Callable[..., Any]] = resolve_ops(nn, plan.steps)
     results = _Results(plan)
     for number, (step, fn) in enumerate(zip(plan.steps, fns, strict=True)):
         args = _arguments(step, results, device)
-        step.arg_shapes = [(a.dtype, a.shape) for a in args]
+        shapes = [(a.dtype, a.shape) for a in args]
+        if arg_shapes is not None:
+            arg_shapes.append(shapes)
         try:
             out = fn(*args)
         except FoldError:
             raise
         except Exception as error:
-            shapes = describe_arg_shapes(step.arg_shapes)
-            raise FoldError(
-                f"while applying {step.name!r} at depth {step.depth} to {step.num_calls} nodes "
-                f"(batched argument shapes: {shapes}): {type(error).__name__}: {error}"
-            ) from error
+            # The type stays (``except torch.OutOfMemoryError`` must still catch it); where it happened is a note.
+            _add_note(
+                error,
+                f"while applying {step.name!r} at depth {step.depth} to {step.num_calls} nodes, first "
+                f"{node_label(step.name, step.depth, 0)} (batched argument shapes: {describe_arg_shapes(shapes)})",
+            )
+            raise
         results.store(number, step, out)
     outputs = []
     for number, request in enumerate(plan.requests):

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Group, Node, Op, Owner, op_name
+from torchfold._node import INT64_MAX, INT64_MIN, Group, Node, Op, Owner, op_name, outside_int64
+from torchfold._plan import cuda_device
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["Fold"]
 
 _Tensor = torch.Tensor
+RequestItem = Node | torch.Tensor | int | float  # what the lists given to apply may hold
 
 
 class Fold:
@@ -106,7 +108,8 @@ class Fold:
             *args: nodes of this fold, ints, floats or tensors (leading dim = rows).
 
         Raises:
-            FoldError: an argument is a node of another fold, or of an unsupported type.
+            FoldError: an argument is a node of another fold, an int outside int64, or of an
+                unsupported type.
         """
         token = self._token
         depth = 0
@@ -124,7 +127,13 @@ class Fold:
                     depth = below + 1
             elif cls is float:
                 floats = True
-            elif cls is not int and not isinstance(arg, _Tensor):
+            elif cls is int:
+                if not INT64_MIN <= arg <= INT64_MAX:  # would fail only at apply, as a bare OverflowError
+                    raise FoldError(
+                        f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is "
+                        f"{outside_int64(arg)}; ints become a LongTensor: pass a float or a tensor instead"
+                    )
+            elif not isinstance(arg, _Tensor):
                 raise FoldError(
                     f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
                     f"{type(arg).__name__} ({arg!r}); "
@@ -159,29 +168,63 @@ class Fold:
     # -- running ----------------------------------------------------------------------------
 
     def apply(
-        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[Node]], *, padded: bool = False
+        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[RequestItem]], *, padded: bool = False
     ) -> list[torch.Tensor]:
         """Run every recorded group once, batched, and return one tensor per list of ``nodes``.
 
         The rows of each returned tensor are the values of the listed nodes, in list order.
-        Every op name is looked up on ``nn`` before anything runs.
+        As in the original TorchFold, a list may also hold tensors, whose rows are concatenated
+        with the nodes' (each with as many rows as one node's value), or be all ints (they make
+        one ``LongTensor`` on the fold's device) or all floats. Every op name is looked up on
+        ``nn`` before anything runs.
+
+        Example:
+            >>> import torch, torchfold
+            >>> class Doubler(torch.nn.Module):
+            ...     def exp(self, x):
+            ...         return 2 * x
+            >>> f = torchfold.Fold()
+            >>> nodes = [f.add("exp", value) for value in (1, 2)]
+            >>> f.apply(Doubler(), [nodes, [7, 9]])  # ints, e.g. labels, come back as one LongTensor
+            [tensor([2, 4]), tensor([7, 9])]
 
         Raises:
             FoldError: unknown op, rows that disagree within a group, a bad split, an empty
-                request, or an exception inside an op (re-raised with the op, depth and node).
+                or malformed request.
+            Exception: an exception raised inside an op, of its own type (so ``except
+                torch.OutOfMemoryError`` still catches it), with a note naming the op, the
+                depth, the nodes and the batched argument shapes.
         """
         from torchfold._compile import FoldPlan
 
         plan = self.plan(nodes)
         if not isinstance(plan, FoldPlan):  # padded into static shapes
             return plan.apply(nn, padded=padded)
+        shapes: list[list[tuple[Any, Any]]] = []
         try:
-            return plan.apply(nn)
-        finally:  # print(fold) shows the batched shapes of the last apply
-            for group, step in zip(self.groups(), plan.steps, strict=True):
-                group.arg_shapes = step.arg_shapes
+            return plan._run(nn, shapes)
+        finally:  # print(fold) shows the batched shapes of the last apply (kept here: the plan is not written)
+            for number, group in enumerate(self.groups()):
+                group.arg_shapes = shapes[number] if number < len(shapes) else None
 
-    def plan(self, nodes: Sequence[Sequence[Node]]) -> FoldPlan | StaticPlan:
+    def cuda(self) -> Fold:
+        """Make int and float arguments on the GPU from now on (the original TorchFold's method); returns the fold.
+
+        Same as ``Fold(device="cuda")``.
+
+        Example:
+            >>> import torch, torchfold
+            >>> fold = torchfold.Fold()
+            >>> if torch.cuda.is_available():
+            ...     fold = fold.cuda()
+
+        Raises:
+            RuntimeError: CUDA is not available.
+        """
+        self.device = cuda_device("Fold")
+        return self
+
+    def plan(self, nodes: Sequence[Sequence[RequestItem]]) -> FoldPlan | StaticPlan:
         """Compile what ``apply(module, nodes)`` would run into a picklable :class:`~torchfold.FoldPlan`.
 
         ``fold.plan(nodes).apply(module)`` equals ``fold.apply(module, nodes)``. A plan holds no
@@ -190,7 +233,8 @@ class Fold:
 
         Raises:
             FoldError: a malformed or empty request, a node of another fold, ints mixed with
-                nodes at one argument position, or a ``nobatch`` node not shared by its group.
+                nodes or with floats at one argument position, or a ``nobatch`` node not shared
+                by its group.
         """
         from torchfold._compile import compile_fold
         from torchfold._static import StaticShapes
@@ -218,6 +262,8 @@ class Fold:
         """Draw the graph by depth, one box per batched group; save it to ``path`` if given.
 
         Keyword arguments go to :func:`torchfold._draw.draw_fold` (``max_nodes``, ``title``...).
+        A fold of more than ``max_groups=200`` groups is refused (slow, unreadable): draw a part
+        of it with ``depths=range(start, stop)``.
         """
         from torchfold._draw import draw_fold
 

@@ -13,9 +13,47 @@ from typing import Any
 
 from torchfold._errors import FoldError
 
-__all__ = ["Group", "Node", "Owner", "describe_arg_shapes", "node_label", "op_name"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "Group",
+    "Node",
+    "Owner",
+    "describe_arg_shapes",
+    "ints_and_floats_mixed",
+    "literals_and_rows_mixed",
+    "node_label",
+    "op_name",
+    "outside_int64",
+]
 
 Op = str | Callable[..., Any]
+
+# ints become int64 tensors: what fits
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+def outside_int64(value: int) -> str:
+    """An int too large for a LongTensor, as messages name it (its size only when its digits would be a page)."""
+    shown = repr(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
+    return f"{shown}, outside int64 [-2**63, 2**63 - 1]"
+
+
+def literals_and_rows_mixed(where: str, literals: str) -> str:
+    """The message for ints (or floats) batched with nodes or tensors at one argument position."""
+    return (
+        f"{where}: {literals} and nodes/tensors are mixed at one position; pass either {literals} everywhere or "
+        f"tensors/nodes everywhere (e.g. wrap the {literals} as tensors of the right shape)"
+    )
+
+
+def ints_and_floats_mixed(where: str, int_value: int, float_value: float) -> str:
+    """The message for ints and floats batched together (one tensor can only have one dtype)."""
+    return (
+        f"{where}: ints and floats are mixed ({int_value!r} and {float_value!r}); batched "
+        f"together they make one tensor of one dtype: pass floats everywhere ({float(int_value)!r}, not {int_value!r})"
+    )
 
 
 def op_name(op: Op) -> str:

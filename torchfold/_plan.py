@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Node, Op, node_label
+from torchfold._node import INT64_MAX, INT64_MIN, Node, Op, ints_and_floats_mixed, node_label, outside_int64
 
 if TYPE_CHECKING:
     from torchfold._fold import Fold
 
-__all__ = ["check_requests", "describe", "module_device", "resolve_ops"]
+__all__ = ["check_request_items", "check_requests", "cuda_device", "describe", "module_device", "resolve_ops"]
 
 _owner = operator.attrgetter("owner")
 
@@ -64,7 +64,7 @@ def _resolve(nn: object, step: _Batched) -> Callable[..., Any]:
     )
 
 
-def check_requests(fold: Fold, requests: Sequence[Sequence[Node]]) -> None:
+def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
     """Reject empty or malformed ``apply`` requests, and nodes of other folds."""
     example = "f.apply(model, [[node_a, node_b], [node_c]])"
     if isinstance(requests, Node) or not isinstance(requests, Sequence) or isinstance(requests, str):
@@ -83,15 +83,65 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Node]]) -> None:
             )
         if set(map(type, request)) == {Node} and set(map(_owner, request)) == {fold._token}:
             continue  # the common case, checked without a Python loop; else find the culprit
+        check_request_items(i, request, Node)
         for j, node in enumerate(request):
-            if node.__class__ is not Node:
-                raise FoldError(
-                    f"request {i}, item {j} is {node!r}, not a node; apply returns values of nodes only"
-                )
-            if node.owner is not fold._token:
+            if node.__class__ is Node and node.owner is not fold._token:
                 raise FoldError(
                     f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
                 )
+
+
+def check_request_items(number: int, request: Sequence[Any], node_type: type) -> None:
+    """Items of a request that are not nodes: as in the original TorchFold, tensors (their rows are
+    concatenated with the nodes' rows, in list order), or ints (one ``LongTensor``) or floats, each
+    kind on its own. Shared by Fold and its eager twin, so that both accept the same requests."""
+    first = None  # the kind of item 0: "int", "float" or "rows" (a node or a tensor)
+    tensor = None  # the first tensor item
+    for j, item in enumerate(request):
+        cls = item.__class__
+        if cls is int:
+            if not INT64_MIN <= item <= INT64_MAX:
+                raise FoldError(
+                    f"request {number}, item {j} is {outside_int64(item)}; ints become a LongTensor: pass a tensor instead"
+                )
+            kind = "int"
+        elif cls is float:
+            kind = "float"
+        elif cls is node_type:
+            kind = "rows"
+        elif isinstance(item, torch.Tensor):
+            if item.dim() == 0:
+                raise FoldError(
+                    f"request {number}, item {j}: a 0-dim tensor ({item!r}) has no rows to concatenate; "
+                    "pass x.reshape(1)"
+                )
+            kind = "rows"
+            if tensor is None:
+                tensor = item
+            elif (item.shape[1:], item.dtype, item.device) != (tensor.shape[1:], tensor.dtype, tensor.device):
+                raise FoldError(
+                    f"request {number}, item {j}: a tensor of rows {tuple(item.shape[1:])} {item.dtype} on "
+                    f"{item.device}, but an earlier one has rows {tuple(tensor.shape[1:])} {tensor.dtype} on "
+                    f"{tensor.device}; the items of a request are concatenated: pass same-shaped rows"
+                )
+        else:
+            raise FoldError(
+                f"request {number}, item {j} is {item!r}, not a node, an int, a float or a tensor; a request "
+                "is concatenated into one tensor (ints: one LongTensor)"
+            )
+        if first is None:
+            first = kind
+        elif kind != first:
+            where = f"request {number}, item {j}"
+            if {kind, first} == {"int", "float"}:
+                ints = [x for x in request if x.__class__ is int]
+                floats = [x for x in request if x.__class__ is float]
+                raise FoldError(ints_and_floats_mixed(where, ints[0], floats[0]))
+            literal = first if first != "rows" else kind
+            raise FoldError(
+                f"{where}: {literal}s and nodes/tensors are mixed in one request; ask for them in separate "
+                "lists, or pass the values as tensors"
+            )
 
 
 def module_device(nn: object) -> torch.device:
@@ -102,6 +152,16 @@ def module_device(nn: object) -> torch.device:
         for buffer in nn.buffers():
             return buffer.device
     return torch.device("cpu")
+
+
+def cuda_device(owner: str) -> torch.device:
+    """Where ``owner.cuda()`` puts int and float arguments; refused clearly on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{owner}.cuda(): CUDA is not available here (torch.cuda.is_available() is False); create the "
+            f"{owner} with device='cpu', or leave device unset to follow the module's device"
+        )
+    return torch.device("cuda")
 
 
 def _describe_arg(arg: Any) -> str:

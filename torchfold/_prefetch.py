@@ -79,6 +79,7 @@ class Prefetcher(Generic[B, T], Iterator[T]):
         self._ready: queue.Queue[object] = queue.Queue(maxsize=prefetch_factor)
         self._stop = threading.Event()
         self._finished = False
+        self._timed_out = False  # a build was overdue: closing does not wait for it
         self._thread = threading.Thread(
             target=self._work, args=(iter(batches),), name="torchfold-prefetch", daemon=True
         )
@@ -114,6 +115,7 @@ class Prefetcher(Generic[B, T], Iterator[T]):
         try:
             item = self._ready.get(timeout=self._timeout)
         except queue.Empty:
+            self._timed_out = True
             self.close(wait=False)  # the build may be stuck: do not wait for it to return
             raise FoldError(
                 f"Prefetcher: no batch was ready within timeout={self._timeout}s; the build function may be "
@@ -133,8 +135,10 @@ class Prefetcher(Generic[B, T], Iterator[T]):
     def close(self, wait: bool = True) -> None:
         """Stop the worker and drop batches built ahead (safe to call more than once).
 
-        With ``wait`` (default) this returns once the worker has finished the build it is in;
-        a worker still in a build after ``close(wait=False)`` discards its result when done.
+        With ``wait`` (default) this returns once the worker has finished the build it is in,
+        waiting at most ``timeout`` seconds if one was given, and not at all after a batch was
+        not ready in time. A worker still in a build when ``close`` returns discards its result
+        when done; it is a daemon thread, so one stuck for good does not keep the program alive.
         """
         self._finished = True
         self._stop.set()
@@ -143,8 +147,8 @@ class Prefetcher(Generic[B, T], Iterator[T]):
                 self._ready.get_nowait()
             except queue.Empty:
                 break
-        if wait:
-            self._thread.join()
+        if wait and not self._timed_out:
+            self._thread.join(self._timeout)  # a build stuck for good must not hang the with-block
 
     def __enter__(self) -> Prefetcher[B, T]:
         return self

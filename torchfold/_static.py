@@ -100,7 +100,7 @@ def _decode(plan: FoldPlan) -> _Batch:
         names=[step.name for step in plan.steps],
         calls=[step.num_calls for step in plan.steps],
         columns=columns,
-        requests=[_nodes_column(plan, request, "apply request") for request in plan.requests],
+        requests=[_request_column(plan, request, number) for number, request in enumerate(plan.requests)],
         streams=streams,
     )
 
@@ -142,6 +142,20 @@ def _step_columns(plan: FoldPlan, step: Step) -> list[_Column]:
     return [column for column in columns if column is not None]
 
 
+def _request_column(plan: FoldPlan, request: Any, number: int) -> _Column:
+    """A request: node rows (padded like a position), ints or floats (padded), or given tensors (passed as is)."""
+    if isinstance(request, Arg) and request.kind in ("ints", "floats"):
+        return _Column(request.kind, values=request.value)
+    if isinstance(request, Arg) and request.kind == "concat":
+        return _Column("given", values=list(request.value))
+    if not isinstance(request, Arg) and not all(isinstance(piece, int) for piece in request.pieces):
+        raise FoldError(
+            f"apply request {number}: static shapes cannot pad a request that mixes nodes and tensors; ask for "
+            "the nodes in one request and pass the tensors (targets) to the loss yourself, padded with plan.pad"
+        )
+    return _nodes_column(plan, request, f"apply request {number}")
+
+
 def _nodes_column(plan: FoldPlan, arg: Any, where: str) -> _Column:
     """A position or request reading rows of earlier results, whatever shortcut the compiler chose."""
     if isinstance(arg, Arg):
@@ -158,9 +172,10 @@ def _nodes_column(plan: FoldPlan, arg: Any, where: str) -> _Column:
 
 
 def _count(column: _Column) -> int:
-    """Calls in a nodes column."""
-    assert column.sources is not None
-    return len(column.sources)
+    """Calls (items) in a column."""
+    if column.sources is not None:
+        return len(column.sources)
+    return len(column.values)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -251,7 +266,7 @@ class StaticShapes:
         self._names: dict[OpKey, str] = {}
         self._streams: dict[tuple[OpKey, int], set[Stream]] = {}  # what each position of an op reads
         self._fills: dict[tuple[OpKey, int], Any] = {}  # a value that pads an ints/floats/given position
-        self._requests: list[tuple[int, set[Stream]]] = []
+        self._requests: list[tuple[str, int, set[Stream]]] = []  # per request: kind, capacity, streams
         self._deepest = -1
         self._levels = 0
         self._layout: _Layout | None = None
@@ -343,8 +358,10 @@ class StaticShapes:
                     and not self._streams_of(batch, column) <= self._streams[(key, position)]
                 ):
                     return False
-        for (room, streams), column in zip(self._requests, batch.requests, strict=True):
-            if _count(column) > room or not self._streams_of(batch, column) <= streams:
+        for (kind, room, streams), column in zip(self._requests, batch.requests, strict=True):
+            if kind != column.kind or (kind != "given" and _count(column) > room):
+                return False
+            if kind == "nodes" and not self._streams_of(batch, column) <= streams:
                 return False
         return True
 
@@ -374,14 +391,15 @@ class StaticShapes:
         for depth in range(self._deepest + 1, self._levels):
             for key in deepest_ops:
                 self._capacity.setdefault((depth, key), self.bucket(1))
-        if len(batch.requests) != len(self._requests):
-            self._requests = [(0, set()) for _ in batch.requests]
+        if [kind for kind, _, _ in self._requests] != [column.kind for column in batch.requests]:
+            self._requests = [(column.kind, 0, set()) for column in batch.requests]
         self._requests = [
             (
+                kind,
                 room if _count(column) <= room else self.bucket(math.ceil(_count(column) * self.headroom)),
-                streams | self._streams_of(batch, column),
+                streams | self._streams_of(batch, column) if kind == "nodes" else streams,
             )
-            for (room, streams), column in zip(self._requests, batch.requests, strict=True)
+            for (kind, room, streams), column in zip(self._requests, batch.requests, strict=True)
         ]
         grown = self._layout is not None
         self._layout = None
@@ -482,9 +500,16 @@ class _Layout:
                 slot.gathers.append(
                     _StaticGather(streams, self._pieces(number, streams), positions, slot.num_calls)
                 )
-        self.requests = [
-            _StaticGather(frozenset(streams), self._pieces(len(self.slots), streams), [0], room)
-            for room, streams in shapes._requests
+        # per request: its kind and capacity, and for node rows the gather that reads them
+        self.requests: list[tuple[str, int, _StaticGather | None]] = [
+            (
+                kind,
+                room,
+                _StaticGather(frozenset(streams), self._pieces(len(self.slots), streams), [0], room)
+                if kind == "nodes"
+                else None,
+            )
+            for kind, room, streams in shapes._requests
         ]
 
     def _pieces(self, before: int, streams: set[Stream] | frozenset[Stream]) -> list[_Piece]:
@@ -551,16 +576,28 @@ class _Layout:
                 else:
                     args.append((position, kind, _padded_tensors(column, fill, slot.num_calls)))
             slots_args.append(args)
-        requests = []
-        for gather, column in zip(self.requests, batch.requests, strict=True):
-            requests.append(put(ints, int_at, _padded_index(gather, owner, column, _count(column))))
+        requests: list[tuple[str, Any]] = []
+        for (kind, room, reads), column in zip(self.requests, batch.requests, strict=True):
+            if reads is not None:
+                requests.append(
+                    (kind, put(ints, int_at, _padded_index(reads, owner, column, _count(column))))
+                )
+            elif kind == "ints":
+                requests.append((kind, put(ints, int_at, _padded_values(column, 0, room, np.int64))))
+            elif kind == "floats":
+                requests.append((kind, put(floats, float_at, _padded_values(column, 0, room, np.float64))))
+            else:  # tensors only: any number of rows each, passed as they are
+                requests.append((kind, torch.cat(column.values, 0)))
         return StaticPlan(
             self,
             slots_args,
             requests,
             np.concatenate(ints) if ints else np.zeros(0, dtype=np.int64),
             np.concatenate(floats) if floats else np.zeros(0, dtype=np.float64),
-            sizes=[_count(column) for column in batch.requests],
+            sizes=[
+                int(sum(t.shape[0] for t in column.values)) if column.kind == "given" else _count(column)
+                for column in batch.requests
+            ],
             real_calls=sum(batch.calls),
             num_nodes=plan.num_nodes,
             device=plan.device,
@@ -614,7 +651,7 @@ class StaticPlan:
         self,
         layout: _Layout,
         slot_args: list[list[tuple[int, str, Any]]],
-        requests: list[tuple[int, int]],
+        requests: list[tuple[str, Any]],
         ints: np.ndarray,
         floats: np.ndarray,
         *,
@@ -632,7 +669,10 @@ class StaticPlan:
         self.floats = floats
         #: calls (nodes) each request asks for, and how many rows ``apply(padded=True)`` returns for it
         self.sizes = sizes
-        self.capacities = [gather.items for gather in layout.requests]
+        self.capacities = [
+            size if kind == "given" else room
+            for (kind, room, _), size in zip(layout.requests, sizes, strict=True)
+        ]
         self.real_calls = real_calls
         self.num_nodes = num_nodes
         self.device = device
@@ -801,7 +841,14 @@ def _run(plan: StaticPlan, nn: object, padded: bool) -> list[_Tensor]:
         for output, value in _store(slot, out):
             results[(number, output)] = value
     outputs = []
-    for gather, (start, end), size in zip(plan.request_gathers, plan.requests, plan.sizes, strict=True):
-        taken, rows = _take(gather, results, memories, ints[start:end])
+    for (_, _, reads), (kind, value), size in zip(
+        plan.request_gathers, plan.requests, plan.sizes, strict=True
+    ):
+        if reads is not None:
+            taken, rows = _take(reads, results, memories, ints[value[0] : value[1]])
+        elif kind == "ints" or kind == "floats":
+            taken, rows = (ints if kind == "ints" else floats)[value[0] : value[1]], 1
+        else:
+            taken, rows = value.to(device), 1
         outputs.append(taken if padded else taken[: size * rows])
     return outputs

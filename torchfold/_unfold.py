@@ -12,8 +12,16 @@ from typing import Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import Op, op_name
-from torchfold._plan import module_device
+from torchfold._node import (
+    INT64_MAX,
+    INT64_MIN,
+    Op,
+    ints_and_floats_mixed,
+    literals_and_rows_mixed,
+    op_name,
+    outside_int64,
+)
+from torchfold._plan import check_request_items, cuda_device, module_device
 
 __all__ = ["Unfold", "UnfoldNode"]
 
@@ -21,11 +29,12 @@ __all__ = ["Unfold", "UnfoldNode"]
 class UnfoldNode:
     """The value of one eager call, with the ``split``/``nobatch`` API of a fold node."""
 
-    __slots__ = ("op", "value")
+    __slots__ = ("depth", "op", "value")
 
-    def __init__(self, op: Op, value: Any) -> None:
+    def __init__(self, op: Op, value: Any, depth: int = 0) -> None:
         self.op = op
         self.value = value
+        self.depth = depth  # as a Fold counts it: what would be batched with what
 
     def split(self, num: int) -> tuple[UnfoldNode, ...]:
         """One node per output of a call that returned a tuple of ``num`` tensors."""
@@ -36,12 +45,13 @@ class UnfoldNode:
                 f"split index out of range: op {op_name(self.op)!r} returned a single tensor, not {num} outputs; "
                 "use the node without .split()"
             )
-        if len(self.value) < num:
+        if len(self.value) != num:
+            problem = "split leaves outputs unused" if num < len(self.value) else "split index out of range"
             raise FoldError(
-                f"split index out of range: op {op_name(self.op)!r} returned {len(self.value)} outputs, "
-                f"split({num}) asks for more"
+                f"{problem}: op {op_name(self.op)!r} at depth {self.depth} was split into {num} outputs, "
+                f"but it returned {len(self.value)}; call .split({len(self.value)})"
             )
-        return tuple(UnfoldNode(self.op, self.value[i]) for i in range(num))
+        return tuple(UnfoldNode(self.op, self.value[i], self.depth) for i in range(num))
 
     def nobatch(self) -> UnfoldNode:
         """A no-op here: eager values are never batched."""
@@ -76,9 +86,10 @@ class Unfold:
         >>> class Doubler(torch.nn.Module):
         ...     def exp(self, x):
         ...         return 2 * x
-        >>> u = torchfold.Unfold(Doubler())
+        >>> model = Doubler()
+        >>> u = torchfold.Unfold(model)
         >>> a = u.add("exp", 1)
-        >>> u.apply(Doubler(), [[a, u.add("exp", a)]])
+        >>> u.apply(model, [[a, u.add("exp", a)]])
         [tensor([2, 4])]
     """
 
@@ -93,20 +104,57 @@ class Unfold:
         self.nn = nn
         self.device = torch.device("cuda") if cuda else torch.device(device) if device else module_device(nn)
         self.volatile = volatile
+        # per (depth, op, arity, position), the first int or float passed there and the first
+        # node/tensor (None): a Fold batches those calls into one tensor, so it refuses mixes
+        self._seen: dict[tuple[int, Op, int, int], dict[type | None, Any]] = {}
+
+    def cuda(self) -> Unfold:
+        """Make int and float arguments on the GPU from now on (the original TorchFold's method); returns self.
+
+        Example:
+            >>> import torch, torchfold
+            >>> unfold = torchfold.Unfold(torch.nn.Linear(2, 2))
+            >>> if torch.cuda.is_available():
+            ...     unfold = unfold.cuda()
+
+        Raises:
+            RuntimeError: CUDA is not available.
+        """
+        self.device = cuda_device("Unfold")
+        return self
 
     def _argument(self, op: Op, position: int, arg: Any) -> Any:
         if isinstance(arg, UnfoldNode):
             return arg.tensor()
         if isinstance(arg, bool) or not isinstance(arg, int | float | torch.Tensor):
             raise FoldError(
-                f"argument {position} of {op_name(op)!r} is a {type(arg).__name__} ({arg!r}); "
+                f"argument {position + 1} of {op_name(op)!r} is a {type(arg).__name__} ({arg!r}); "
                 "arguments must be nodes, ints, floats or tensors"
             )
         if isinstance(arg, int):
+            if not INT64_MIN <= arg <= INT64_MAX:
+                raise FoldError(
+                    f"argument {position + 1} of {op_name(op)!r} is {outside_int64(arg)}; ints become a LongTensor: "
+                    "pass a float or a tensor instead"
+                )
             return torch.tensor([arg], dtype=torch.long, device=self.device)
         if isinstance(arg, float):
             return torch.tensor([arg], dtype=torch.get_default_dtype(), device=self.device)
         return arg
+
+    def _check_batchable(self, op: Op, depth: int, args: tuple[Any, ...]) -> None:
+        """Refuse what a Fold could not batch with earlier calls of the same group (same message)."""
+        for position, arg in enumerate(args):
+            cls = arg.__class__
+            seen = self._seen.setdefault((depth, op, len(args), position), {})
+            kind = cls if cls is int or cls is float else None  # None: rows (a node or a tensor)
+            seen.setdefault(kind, arg)
+            if len(seen) == 1:
+                continue
+            where = f"op {op_name(op)!r} at depth {depth}, argument {position}"
+            if None not in seen:
+                raise FoldError(ints_and_floats_mixed(where, seen[int], seen[float]))
+            raise FoldError(literals_and_rows_mixed(where, "ints" if int in seen else "floats"))
 
     def add(self, op: Op, *args: Any) -> UnfoldNode:
         """Run ``op(*args)`` now and return its value wrapped as a node."""
@@ -121,13 +169,54 @@ class Unfold:
         else:
             raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
         values = [self._argument(op, i, a) for i, a in enumerate(args)]
+        depth = 1 + max((a.depth for a in args if isinstance(a, UnfoldNode)), default=-1)
+        self._check_batchable(op, depth, args)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
-            return UnfoldNode(op, fn(*values))
+            value = fn(*values)
+        for output in value if isinstance(value, tuple | list) else (value,):
+            if (
+                isinstance(output, torch.Tensor) and output.dim() and output.shape[0] == 0
+            ):  # as a Fold refuses
+                raise FoldError(
+                    f"op {op_name(op)!r} at depth {depth} returned shape {tuple(output.shape)}: no rows for its call; "
+                    "every call must own at least one row (an op that filters rows loses track of which call owns "
+                    "which: mask values instead)"
+                )
+        return UnfoldNode(op, value, depth)
 
     def apply(
-        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[UnfoldNode]]
+        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[UnfoldNode | torch.Tensor | int | float]]
     ) -> list[torch.Tensor]:
-        """Concatenate the values of each list of nodes along dim 0."""
+        """Concatenate the values of each list of nodes along dim 0 (lists take what ``Fold.apply`` takes).
+
+        Raises:
+            ValueError: ``nn`` is not the module this Unfold was created with (its ops ran on that one).
+            FoldError: an empty or malformed request.
+        """
+        if nn is not self.nn:
+            raise ValueError(
+                f"Unfold.apply was given another {type(nn).__name__} than the one this Unfold ran its ops on "
+                f"(a {type(self.nn).__name__} given to Unfold(...)); pass that same module to apply"
+            )
         if not nodes or any(len(request) == 0 for request in nodes):
             raise FoldError("empty request: apply needs a non-empty list of non-empty lists of nodes")
-        return [torch.cat([node.tensor() for node in request], 0) for request in nodes]
+        return [self._request(number, request) for number, request in enumerate(nodes)]
+
+    def _request(self, number: int, request: Sequence[Any]) -> torch.Tensor:
+        check_request_items(number, request, UnfoldNode)
+        cls = request[0].__class__
+        if cls is int or cls is float:
+            dtype = torch.long if cls is int else torch.get_default_dtype()
+            return torch.tensor(request, dtype=dtype, device=self.device)
+        values = [item.tensor() if isinstance(item, UnfoldNode) else item for item in request]
+        if any(isinstance(item, UnfoldNode) for item in request) and any(
+            not isinstance(item, UnfoldNode) for item in request
+        ):  # a Fold gathers them as calls: each item's rows count as one call's
+            rows = [len(value) for value in values]
+            if len(set(rows)) > 1:
+                other = next(j for j, count in enumerate(rows) if count != rows[0])
+                raise FoldError(
+                    f"apply request {number}: rows disagree: item 0 gives {rows[0]} rows but item {other} gives "
+                    f"{rows[other]}; a request mixing nodes and tensors needs the same number of rows per item"
+                )
+        return torch.cat(values, 0)

@@ -49,6 +49,9 @@ def node_weights(roots: list[int], trees: int) -> list[float]:
     return weights
 
 
+PHASES: dict[str, float] = {}
+
+
 def train(
     device: torch.device,
     batches: list[list[Tree]],
@@ -62,9 +65,12 @@ def train(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     losses = []
     for number, trees in enumerate(batches):
+        started = time.perf_counter()
         fold = Fold(shapes=shapes if shapes is not None else None)
         nodes, labels, roots = encode_trees(fold, trees, vocab)
         plan = fold.plan([nodes])
+        planned = time.perf_counter()
+        PHASES["record + plan (+ pad)"] += planned - started
         [states] = plan.apply(model, padded=True)
         weights = plan.pad(0, node_weights(roots, len(trees))).to(device, torch.float32)
         targets = plan.pad(0, labels).to(device)
@@ -73,7 +79,10 @@ def train(
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
+        traced = time.perf_counter()
+        PHASES["apply + loss + backward + step"] += traced - planned
         on_step(number)
+        PHASES["sync (launch, wait when timed)"] += time.perf_counter() - traced
     return [float(loss) for loss in losses]
 
 
@@ -97,8 +106,9 @@ def run_variant(
             return (0, 0.0) if data is None else (int(data[0]), data[1] / 1e9)
 
         def on_step(number: int) -> None:
-            torch_xla.sync()
-            torch_xla._XLAC._xla_wait_device_ops(devices=[])  # time the step, not its launch
+            torch_xla.sync()  # launches the step's graph; it runs while the next one is traced
+            if number in (warmup - 1, len(batches) - 1):  # the steady window starts and ends idle
+                torch_xla._XLAC._xla_wait_device_ops(devices=[])
             stamps.append(time.perf_counter())
             compiles.append(compile_state())
 
@@ -108,6 +118,12 @@ def run_variant(
         def on_step(number: int) -> None:
             stamps.append(time.perf_counter())
 
+    PHASES.clear()
+    PHASES.update(
+        dict.fromkeys(
+            ["record + plan (+ pad)", "apply + loss + backward + step", "sync (launch, wait when timed)"], 0.0
+        )
+    )
     start = time.perf_counter()
     losses = train(device, batches, vocab, shapes, on_step)
     row: dict[str, Any] = {"variant": name, "batches": len(batches)}
@@ -123,6 +139,9 @@ def run_variant(
         row["waste"] = round(shapes.waste, 2)
         row["envelope versions"] = shapes.version
     row["final loss"] = round(losses[-1], 4)
+    row["ms/batch: " + ", ".join(PHASES)] = " / ".join(
+        f"{1000 * v / len(batches):.0f}" for v in PHASES.values()
+    )
     return row
 
 

@@ -7,10 +7,12 @@ without it fails instead of passing.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,3 +97,128 @@ def test_fold_on_an_xla_device_equals_the_cpu() -> None:
         results.append([states, root_states] + [p.grad for p in model.parameters()])
     for cpu, xla in zip(*results, strict=True):
         torch.testing.assert_close(xla.cpu(), cpu, rtol=1e-5, atol=1e-6)
+
+
+def _sst_batches(count: int, size: int) -> tuple[list[list[Any]], Any]:
+    from torchfold.datasets import Vocab, load_sst
+
+    trees = load_sst(split="train", max_trees=count * size)
+    return [trees[i * size : (i + 1) * size] for i in range(count)], Vocab.build(trees)
+
+
+def _padded_step(
+    model: torch.nn.Module, fold: Any, trees: list[Any], vocab: Any, device: torch.device
+) -> torch.Tensor:
+    """One Tree-LSTM training step's loss on padded outputs: a loss at every node, padded rows weighing 0."""
+    from torchfold.models import encode_trees
+
+    nodes, labels, roots = encode_trees(fold, trees, vocab)
+    plan = fold.plan([nodes])
+    [states] = plan.apply(model, padded=True)
+    sizes = [roots[0] + 1] + [b - a for a, b in itertools.pairwise(roots)]
+    weights = [1 / (size * len(trees)) for size in sizes for _ in range(size)]
+    losses = torch.nn.functional.cross_entropy(
+        model.logits(states), plan.pad(0, labels).to(device), reduction="none"
+    )
+    return (losses * plan.pad(0, weights).to(device)).sum()
+
+
+def test_static_shapes_stop_compiling_after_the_warm_up_on_sst_batches() -> None:
+    """40 consecutive SST batches of 8 trees, a training step each: every compilation happens in the
+    first 20 batches (the count is deterministic: the same data gives the same envelope)."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from torchfold import Fold, StaticShapes
+    from torchfold.models import TreeLSTM
+
+    device = torch_xla.device()
+    batches, vocab = _sst_batches(40, 8)
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 8, 8).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shapes = StaticShapes()
+
+    def compilations() -> int:
+        data = met.metric_data("CompileTime")
+        return 0 if data is None else int(data[0])
+
+    counts = [compilations()]
+    for trees in batches:
+        optimizer.zero_grad(set_to_none=True)
+        _padded_step(model, Fold(shapes=shapes), trees, vocab, device).backward()
+        optimizer.step()
+        torch_xla.sync()
+        counts.append(compilations())
+    new = [b - a for a, b in itertools.pairwise(counts)]
+    assert sum(new[20:]) == 0, f"compilations per batch: {new}"
+    assert 1 <= sum(new[:20]) <= 2 * shapes.version + 1, (
+        new
+    )  # a graph per envelope version (+ the first step's)
+    assert shapes.version <= 3
+
+
+def test_a_training_step_on_static_shapes_makes_no_device_to_host_transfer() -> None:
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from torchfold import Fold, StaticShapes
+    from torchfold.models import TreeLSTM
+
+    device = torch_xla.device()
+    batches, vocab = _sst_batches(2, 6)
+    model = TreeLSTM(len(vocab), 8, 8).to(device)
+    torch_xla.sync()
+
+    def transfers() -> int:
+        data = met.metric_data("TransferFromDeviceTime")
+        return 0 if data is None else int(data[0])
+
+    before = transfers()
+    for trees in batches:
+        _padded_step(model, Fold(shapes=StaticShapes()), trees, vocab, device).backward()
+        torch_xla.sync()
+    assert transfers() == before
+
+
+def test_padded_plans_on_xla_equal_unpadded_ones_on_the_cpu() -> None:
+    import torch_xla
+
+    from torchfold import Fold, StaticShapes
+    from torchfold.models import TreeLSTM
+
+    batches, vocab = _sst_batches(3, 5)
+    shapes = StaticShapes()
+    for trees in batches:  # the later batches are padded into an envelope the first one grew
+        results = []
+        for device, fold in (
+            (torch.device("cpu"), Fold(shapes=None)),
+            (torch_xla.device(), Fold(shapes=shapes)),
+        ):
+            torch.manual_seed(0)
+            model = TreeLSTM(len(vocab), 8, 12).to(device)
+            loss = _padded_step(model, fold, trees, vocab, device)
+            loss.backward()
+            results.append([loss] + [p.grad for p in model.parameters()])
+        for cpu, xla in zip(*results, strict=True):
+            torch.testing.assert_close(xla.cpu(), cpu, rtol=1e-5, atol=1e-6)
+    assert shapes.waste > 0
+
+
+def test_apply_on_xla_pads_by_default_and_returns_exact_outputs() -> None:
+    import torch_xla
+
+    from torchfold import Fold, StaticShapes
+    from torchfold.models import TreeLSTM, encode_trees
+
+    batches, vocab = _sst_batches(1, 4)
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 8, 8)
+    outs = []
+    for device in (torch.device("cpu"), torch_xla.device()):
+        fold = Fold()
+        nodes, _, _ = encode_trees(fold, batches[0], vocab)
+        [states] = fold.apply(model.to(device), [nodes])
+        outs.append(states.cpu())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    assert StaticShapes.of(model).plans == 1  # the XLA apply went through the module's envelope

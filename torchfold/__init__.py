@@ -20,6 +20,7 @@ from torchfold._distributed import (
 from torchfold._elastic import ElasticConfig
 from torchfold._errors import FoldError
 from torchfold._fold import Fold
+from torchfold._loader import Minibatch, Step, StepLoader
 from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
 from torchfold._node import Node
 from torchfold._optim import AccumulatingOptimizer
@@ -37,8 +38,11 @@ __all__ = [
     "Fold",
     "FoldError",
     "FoldPlan",
+    "Minibatch",
     "Node",
     "Prefetcher",
+    "Step",
+    "StepLoader",
     "StepPlan",
     "StepStats",
     "TraceBatchSampler",

@@ -333,3 +333,15 @@ def test_targets_are_safe_to_keep() -> None:
     assert [t.tolist() for t in kept] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     assert all(isinstance(t, np.ndarray) for t in kept)
     assert Counter(len(t) for t in kept) == {3: 4}
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_iterating_leaves_the_global_generators_alone(num_workers: int) -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with StepLoader(list(range(20)), 4, build=square_build, num_workers=num_workers) as loader:
+        for _ in range(2):
+            list(loader)
+            loader.set_epoch(loader.epoch + 1)
+    torch.testing.assert_close(torch.rand(3), expected)

@@ -318,6 +318,9 @@ class StepLoader(Generic[T, R]):
             multiprocessing_context=multiprocessing_context if num_workers else None,
             worker_init_fn=worker_init_fn,
             timeout=timeout,
+            # DataLoader draws its workers' base seed at every iter(): from its own generator, not
+            # torch's global one, which the training loop's dropout must find where a resume left it.
+            generator=torch.Generator().manual_seed(seed),
         )
         self._next_step = self.sampler.epoch_steps.first_step
         self._generation = 0  # bumped by every iter(): an older iteration may not go on

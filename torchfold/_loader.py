@@ -19,12 +19,13 @@ out, also with workers and read-ahead in flight (the read-ahead is simply built 
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -44,7 +45,8 @@ R = TypeVar("R")
 _STATE_VERSION = 1
 
 
-class Minibatch(NamedTuple, Generic[R]):
+@dataclass(frozen=True)
+class Minibatch(Generic[R]):
     """One minibatch of a step: what ``build`` made of its items, how many samples, which ones.
 
     Args:
@@ -99,8 +101,9 @@ def to_device(data: Any, device: torch.device) -> Any:
         return data.to(device, non_blocking=True)
     if isinstance(data, np.ndarray):
         return torch.from_numpy(data).to(device, non_blocking=True)
-    if isinstance(data, tuple) and not hasattr(data, "_fields"):
-        return tuple(to_device(part, device) for part in data)
+    if isinstance(data, tuple):
+        parts = [to_device(part, device) for part in data]
+        return type(data)(*parts) if hasattr(data, "_fields") else tuple(parts)  # a namedtuple keeps its type
     if isinstance(data, list):
         return [to_device(part, device) for part in data]
     if isinstance(data, dict):
@@ -124,7 +127,7 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
             data = items if self.build is None else self.build(items)
         except Exception as e:
             where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
-            e.add_note(f"torchfold.StepLoader: while building the minibatch of {where}")
+            _add_note(e, f"torchfold.StepLoader: while building the minibatch of {where}")
             raise
         if self.build is not None and not (
             isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan)
@@ -138,6 +141,14 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
                 "(fold.plan([nodes]), labels)"
             )
         return Minibatch(data, len(indices), list(indices))
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; on Python 3.10, which prints no notes, appended to its message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
 
 
 def _first(batch: Minibatch[Any]) -> Minibatch[Any]:
@@ -427,7 +438,7 @@ class StepLoader(Generic[T, R]):
             for _ in range(plan.local_minibatches):
                 minibatch: Minibatch[Any] = next(batches)
                 if self.device is not None:
-                    minibatch = minibatch._replace(data=to_device(minibatch.data, self.device))
+                    minibatch = dataclasses.replace(minibatch, data=to_device(minibatch.data, self.device))
                 minibatches.append(minibatch)
             self._next_step = plan.step + 1
             yield Step(plan, tuple(minibatches))

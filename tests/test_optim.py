@@ -54,15 +54,21 @@ def _plain_step(
     opt.step()
 
 
+@pytest.mark.parametrize("minibatch_size", [None, 16])
 @pytest.mark.parametrize("rule", ["constant", "linear", "sqrt"])
 @pytest.mark.parametrize(
     "make_opt",
     [lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), lambda p: torch.optim.Adam(p, lr=LR)],
     ids=["sgd", "adam"],
 )
-def test_accumulated_minibatches_equal_one_big_batch(rule: str, make_opt) -> None:
+def test_accumulated_minibatches_equal_one_big_batch(rule: str, make_opt, minibatch_size: int | None) -> None:
     model, ref_model = make_model(), make_model()
-    opt = AccumulatingOptimizer(make_opt(model.parameters()), lr_rule=rule, ref_batch_size=REF)  # type: ignore[arg-type]
+    opt = AccumulatingOptimizer(
+        make_opt(model.parameters()),
+        lr_rule=rule,  # type: ignore[arg-type]
+        ref_batch_size=REF,
+        minibatch_size=minibatch_size,
+    )
     ref_opt = make_opt(ref_model.parameters())
     for step, sizes in zip(_batches(STEPS), STEPS, strict=True):
         for xb, yb in step:
@@ -446,6 +452,7 @@ def test_state_dict_is_the_inner_optimizers_with_the_wrappers_beside_it() -> Non
         ({"reduction": "max"}, ValueError, "reduction must be 'mean' or 'sum'"),
         ({"adascale_smoothing": 1.0}, ValueError, r"adascale_smoothing must be in \[0, 1\)"),
         ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
+        ({"minibatch_size": 0}, ValueError, "minibatch_size must be a positive int, got 0"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict, error: type[Exception], match: str) -> None:

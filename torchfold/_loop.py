@@ -96,7 +96,8 @@ class TraceTrainer:
 
     Args:
         model: the module whose methods are the fold ops; trained in place.
-        optimizer: an :class:`~torchfold.AccumulatingOptimizer` over ``model``'s parameters.
+        optimizer: an :class:`~torchfold.AccumulatingOptimizer` over ``model``'s parameters (its
+            ``minibatch_size``, when unset, becomes the loader's ``batch_size``).
         loader: this rank's :class:`~torchfold.StepLoader`, with a ``build`` returning
             ``(FoldPlan, targets)`` (a trace, or PopTorch's constant batch, sets the steps).
         loss: ``loss(model, outputs, targets) -> scalar`` (see :class:`PlanLoss`).
@@ -173,6 +174,8 @@ class TraceTrainer:
             )
         self.model = model
         self.optimizer = optimizer
+        if optimizer.minibatch_size is None:
+            optimizer.minibatch_size = loader.batch_size  # full minibatches then need no weighting pass
         self.loader = loader
         self.loss = loss
         if device is None:

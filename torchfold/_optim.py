@@ -27,8 +27,9 @@ from typing import Any, Literal, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from torchfold._distributed import all_reduce_sum_, xla_sync
+from torchfold._distributed import all_reduce_sum_, get_world_size, xla_sync
 from torchfold._trace import scaled_lr
+from torchfold._validate import check_int
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -37,8 +38,8 @@ _LRRuleName = Literal["constant", "linear", "sqrt", "adascale"]
 _LR_RULES: tuple[_LRRuleName, ...] = ("constant", "linear", "sqrt", "adascale")
 
 # Stats that ride along with the gradients in the same all-reduce.
-_SAMPLES, _MINIBATCHES, _PLAIN_RANKS, _WEIGHTED_SQNORM = 0, 1, 2, 3
-_N_STATS = 4
+_SAMPLES, _MINIBATCHES, _PLAIN_RANKS, _WEIGHTED_SQNORM, _UNIT = 0, 1, 2, 3, 4
+_N_STATS = 5
 
 
 def _grad_hook(ref: weakref.ref[AccumulatingOptimizer], grad: torch.Tensor) -> torch.Tensor | None:
@@ -100,6 +101,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             keeps it in ``no_sync()`` mode from now on (until :meth:`close`), since it does the
             gradient all-reduce itself, once per step; DDP's per-backward all-reduce would hang
             when ranks run different numbers of minibatches.
+        minibatch_size: the usual number of samples per minibatch, the same on every rank
+            (optional, no effect on the result): gradients are then weighted by
+            ``num_samples / minibatch_size``, so a full minibatch needs no weighting pass over the
+            gradients, and a step of one full minibatch no division pass. ``TraceTrainer`` sets it
+            to its loader's ``batch_size`` when it is unset.
         adascale_smoothing: weight of the past in the exponential moving averages of AdaScale's
             variance estimates, in ``[0, 1)`` (default 0.9; 0 uses each step's estimate alone).
 
@@ -127,6 +133,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         reduction: Literal["mean", "sum"] = "mean",
         module: torch.nn.Module | None = None,
         adascale_smoothing: float = 0.9,
+        minibatch_size: int | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is deliberately not called: the wrapped optimizer owns the
         # parameter groups and state; this class only forwards to it (schedulers need the isinstance).
@@ -156,6 +163,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.ref_batch_size = ref_batch_size
         self.reduction = reduction
         self.adascale_smoothing = adascale_smoothing
+        if minibatch_size is not None:
+            check_int("minibatch_size", minibatch_size)
+        self.minibatch_size = minibatch_size
         self.module = module
         self._no_sync = contextlib.ExitStack()
         if isinstance(module, DistributedDataParallel):
@@ -259,6 +269,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 self._hooks.append(p.register_hook(functools.partial(_grad_hook, ref)))
                 self._hooked.add(id(p))
 
+    def _unit(self) -> float:
+        """What a minibatch's sample count is measured in (see ``minibatch_size``)."""
+        return float(self.minibatch_size) if self.minibatch_size is not None else 1.0
+
     def _step_in_progress(self) -> bool:
         return bool(self._local_minibatches or self._plain or self._weight is not None)
 
@@ -332,7 +346,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         if self._synced:
             raise RuntimeError("optimizer.minibatch() after synchronize(); call step() and zero_grad() first")
-        self._weight = float(num_samples) if self.reduction == "mean" else 1.0
+        self._weight = num_samples / self._unit() if self.reduction == "mean" else 1.0
         self._minibatch_samples = num_samples
         try:
             yield
@@ -378,6 +392,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         stats[_SAMPLES] = self._local_samples
         stats[_MINIBATCHES] = self._local_minibatches
         stats[_PLAIN_RANKS] = float(self._plain)
+        stats[_UNIT] = self._unit()
         if self._local_sqnorm is not None:
             stats[_WEIGHTED_SQNORM] = self._local_sqnorm.to(device=device, dtype=stats_dtype)
         grads: list[torch.Tensor] = []
@@ -390,6 +405,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         num_samples, num_minibatches = round(totals[_SAMPLES]), round(totals[_MINIBATCHES])
         plain_ranks = round(totals[_PLAIN_RANKS])
         self._reset_step()
+        if totals[_UNIT] != self._unit() * get_world_size():
+            raise RuntimeError(
+                f"the ranks' optimizers have different minibatch_size (this rank: {self.minibatch_size}); give "
+                "every rank the same (or none)"
+            )
         if num_minibatches == 0 and plain_ranks == 0:
             raise RuntimeError(
                 "step() with no gradient from any rank: no loss.backward() ran since the last zero_grad(); "
@@ -417,7 +437,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             if plain_ranks:
                 divisor = float(plain_ranks)
             else:
-                divisor = float(num_samples) if self.reduction == "mean" else 1.0
+                divisor = num_samples / self._unit() if self.reduction == "mean" else 1.0
             for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 if totals[_N_STATS + i] == 0:
                     p.grad = None  # no rank produced a gradient for it: leave it out of the update

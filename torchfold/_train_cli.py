@@ -10,6 +10,7 @@ resumes from the newest one exactly.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -184,10 +185,13 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     model = TreeLSTM(len(vocab), args.embedding_dim, args.hidden_dim).to(device=device, dtype=dtype)
     params = model.parameters()
+    fused = (
+        True if device.type in ("cpu", "cuda") else None
+    )  # one kernel for all parameters (CPU: 5x less time)
     base: torch.optim.Optimizer = (
-        torch.optim.Adam(params, lr=args.lr)
+        torch.optim.Adam(params, lr=args.lr, fused=fused)
         if args.optimizer == "adam"
-        else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+        else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, fused=fused)
     )
     ref = args.ref_batch_size if args.ref_batch_size is not None else trace[0]
     optimizer = AccumulatingOptimizer(
@@ -203,6 +207,10 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         num_workers=args.workers,
     )
     history = open(args.history, "w") if args.history and loader.rank == 0 else None  # noqa: SIM115
+    # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
+    # forked into the workers, out of their copy-on-write pages).
+    gc.collect()
+    gc.freeze()
 
     def record(stats: StepStats) -> None:
         if history is not None:

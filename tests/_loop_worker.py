@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchfold._fold import Fold
 from torchfold.datasets import Tree, Vocab, data_root, generate_sst, parse_tree
 
 MINIBATCH = 6
@@ -68,23 +67,16 @@ def make_model(vocab: Vocab, seed: int = 0) -> torch.nn.Module:
     return TreeLSTM(len(vocab), EMBEDDING, HIDDEN).double()
 
 
-class DropoutTreeLoss:
-    """The built-in Tree-LSTM loss with dropout on the node states and a Python-random jitter.
+def dropout_tree_loss(model: torch.nn.Module, outputs: Sequence[torch.Tensor], targets: Any) -> torch.Tensor:
+    """The Tree-LSTM loss with dropout on the node states and a Python-random jitter.
 
     Uses torch's and Python's generators in every minibatch, so only a resume that restores every
     rank's generators continues exactly.
     """
-
-    def __init__(self, vocab: Vocab) -> None:
-        self.vocab = vocab
-
-    def __call__(self, model: torch.nn.Module, fold: Fold, items: Sequence[Tree]) -> torch.Tensor:
-        from torchfold.models import encode_trees
-
-        nodes, labels, _ = encode_trees(fold, items, self.vocab)
-        [states] = fold.apply(model, [nodes])
-        logits = model.logits(F.dropout(states, p=0.3, training=True))  # type: ignore[operator]
-        return F.cross_entropy(logits, torch.tensor(labels)) * (1.0 + 0.1 * random.random())
+    [states] = outputs
+    labels, _ = targets
+    logits = model.logits(F.dropout(states, p=0.3, training=True))  # type: ignore[operator]
+    return F.cross_entropy(logits, torch.as_tensor(labels)) * (1.0 + 0.1 * random.random())
 
 
 def make_trainer(
@@ -96,11 +88,13 @@ def make_trainer(
     checkpoint_every: int = 0,
     seed: int = 0,
     on_step: Any = None,
+    num_workers: int = 0,
 ) -> Any:
     """A TraceTrainer on ``trees`` for this process's rank, Adam with ``lr_rule``."""
-    from torchfold._loop import TraceTrainer, TreeLSTMLoss
+    from torchfold._loader import StepLoader
+    from torchfold._loop import TraceTrainer
     from torchfold._optim import AccumulatingOptimizer
-    from torchfold._sampler import TraceBatchSampler
+    from torchfold.models import TreeLSTMBuild, tree_lstm_loss
 
     vocab = Vocab.build(trees)
     random.seed(seed)  # with make_model's torch seed: every run starts from the same generator states
@@ -110,14 +104,14 @@ def make_trainer(
         lr_rule=lr_rule,  # type: ignore[arg-type]
         ref_batch_size=None if lr_rule == "constant" else REF_BATCH,
     )
-    sampler = TraceBatchSampler(trees, TRACE, MINIBATCH, seed=3)
-    loss = DropoutTreeLoss(vocab) if dropout else TreeLSTMLoss(vocab)
+    loader = StepLoader(
+        trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=TRACE, seed=3, num_workers=num_workers
+    )
     return TraceTrainer(
         model,
         optimizer,
-        sampler,
-        trees,
-        loss,
+        loader,
+        dropout_tree_loss if dropout else tree_lstm_loss,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         progress=False,

@@ -21,6 +21,8 @@ import fold_overhead  # noqa: E402
 import harness  # noqa: E402
 import mnist  # noqa: E402
 import profile_tree_lstm  # noqa: E402
+import slow_transform  # noqa: E402
+import trainer_tree_lstm  # noqa: E402
 import tree_lstm  # noqa: E402
 
 from torchfold.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
@@ -91,6 +93,22 @@ def test_tree_lstm_dynet_matches_pytorch_first_loss(
     rates = tree_lstm.main(["--quick", "--data", str(data), "--dynet-python", str(DYNET_PYTHON)])
     assert "dynet" in rates  # main raises if DyNet's first-batch loss differs from PyTorch's
     assert "dynet38" in capsys.readouterr().out
+
+
+def test_trainer_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(40, seed=0)) + "\n")
+    rates = trainer_tree_lstm.main(["--quick", "--data", str(data)])  # checks the first losses agree
+    assert set(rates) == {"hand-batched", "TraceTrainer"} and all(r > 0 for r in rates.values())
+    assert "| TraceTrainer " in capsys.readouterr().out
+
+
+def test_slow_transform_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(40, seed=0)) + "\n")
+    result = slow_transform.main(["--quick", "--data", str(data)])
+    assert result["sync_ms"] > result["train_only_ms"] > 0
+    assert "asynchronous loader hides" in capsys.readouterr().out
 
 
 def test_profile_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -158,8 +158,8 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
             r"was written by a run with 2 processes, this one has 1; resume with the same",
         ),
         (
-            lambda s: s.pop("sampler"),
-            r"lacks \['sampler'\]: it was not written by TraceTrainer.save_checkpoint",
+            lambda s: s.pop("loader"),
+            r"lacks \['loader'\]: it was not written by TraceTrainer.save_checkpoint",
         ),
         (
             lambda s: s["model"].update(classifier_weight=s["model"].pop("classifier.weight")),
@@ -174,8 +174,8 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
             "its optimizer state does not fit this run: state_dict was saved with lr_rule='sqrt'",
         ),
         (
-            lambda s: s["sampler"].update(minibatch_size=4),
-            "its sampler state does not fit this run: sampler state was saved with minibatch_size=4",
+            lambda s: s["loader"]["sampler"].update(minibatch_size=4),
+            "its loader state does not fit this run: sampler state was saved with minibatch_size=4",
         ),
     ],
 )

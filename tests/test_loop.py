@@ -32,13 +32,14 @@ from _loop_worker import (
 
 from torchfold._checkpoint import list_checkpoints, load_checkpoint
 from torchfold._fold import Fold
-from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
+from torchfold._loader import StepLoader
+from torchfold._loop import StepStats, TraceTrainer
 from torchfold._optim import AccumulatingOptimizer
-from torchfold._sampler import TraceBatchSampler, minibatches_per_rank
+from torchfold._sampler import minibatches_per_rank
 from torchfold._trace import scaled_lr
 from torchfold._train_cli import main as train_main
 from torchfold.datasets import Tree, Vocab
-from torchfold.models import encode_trees
+from torchfold.models import TreeLSTMBuild, encode_trees, tree_lstm_loss
 
 # The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to
 # the trees left (drop_last=False), and epoch 1 starts at the trace step after epoch 0's last.
@@ -184,14 +185,17 @@ def test_resume_in_one_process_is_exact_and_checkpoints_load_weights_only(
 ) -> None:
     whole = make_trainer(trees, dropout=True)
     whole.fit()
-    first = make_trainer(trees, dropout=True, checkpoint_dir=str(tmp_path), checkpoint_every=4)
+    # Worker processes build ahead: the checkpoint still holds the position of the last step trained.
+    first = make_trainer(trees, dropout=True, checkpoint_dir=str(tmp_path), checkpoint_every=4, num_workers=1)
     assert [s.step for s in first.fit(max_steps=10)] == list(range(10))
+    first.loader.close()
     assert [step for step, _ in list_checkpoints(tmp_path)] == [8, 10]  # every 4 steps, and where fit stopped
     state = load_checkpoint(tmp_path / "step-00000010.pt")  # weights_only=True inside
-    assert state["step"] == 10 and state["sampler"]["next_step"] == 10 and state["world_size"] == 1
-    second = make_trainer(trees, dropout=True, checkpoint_dir=str(tmp_path), seed=5)
+    assert state["step"] == 10 and state["loader"]["sampler"]["next_step"] == 10 and state["world_size"] == 1
+    second = make_trainer(trees, dropout=True, checkpoint_dir=str(tmp_path), seed=5, num_workers=1)
     assert second.resume() == tmp_path / "step-00000010.pt"
     assert [s.step for s in second.fit()] == [10, 11, 12, 13]
+    second.loader.close()
     for name, p in params_of(whole.model).items():
         assert torch.equal(params_of(second.model)[name], p), name
 
@@ -211,8 +215,8 @@ def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     opt = AccumulatingOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), lr_rule="linear", ref_batch_size=6
     )
-    sampler = TraceBatchSampler(trees, 12, MINIBATCH)
-    trainer = TraceTrainer(model, opt, sampler, trees, TreeLSTMLoss(vocab), log_every=2, log=lines.append)
+    loader = StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=12)
+    trainer = TraceTrainer(model, opt, loader, tree_lstm_loss, log_every=2, log=lines.append)
     assert trainer.progress is False  # stderr is not a terminal under pytest
     history = trainer.fit(max_steps=4)
     assert len(history) == 4 and len(lines) == 2
@@ -225,12 +229,13 @@ def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     ("change", "error", "match"),
     [
         ({"optimizer": "sgd"}, TypeError, "optimizer must be a torchfold AccumulatingOptimizer"),
-        ({"sampler": 3}, TypeError, "sampler must be a TraceBatchSampler, got int"),
-        ({"dataset": list(range(7))}, ValueError, "the sampler was made for 120 items but dataset has 7"),
+        ({"loader": 3}, TypeError, "loader must be a torchfold StepLoader, got int"),
+        ({"build": None}, ValueError, "the loader has no build function: give it build="),
+        ({"loss": "nll"}, TypeError, r"loss must be callable as loss\(model, outputs, targets\)"),
         (
-            {"sampler_rank": (1, 2)},
+            {"loader_rank": (1, 2)},
             ValueError,
-            "the sampler is for rank 1 of 2 but this process is rank 0 of 1",
+            "the loader is for rank 1 of 2 but this process is rank 0 of 1",
         ),
         ({"checkpoint_every": -1}, ValueError, "checkpoint_every must be an int >= 0, got -1"),
         ({"keep_checkpoints": 0}, ValueError, "keep_checkpoints must be an int >= 1, got 0"),
@@ -240,13 +245,13 @@ def test_bad_arguments(trees: list[Tree], change: dict, error: type[Exception], 
     vocab = Vocab.build(trees)
     model = make_model(vocab)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank, replicas = change.pop("sampler_rank", (0, 1))
+    rank, replicas = change.pop("loader_rank", (0, 1))
+    build = change.pop("build", TreeLSTMBuild(vocab))
     args: dict = {
         "model": model,
         "optimizer": sgd if change.pop("optimizer", None) else AccumulatingOptimizer(sgd),
-        "sampler": TraceBatchSampler(trees, 12, MINIBATCH, num_replicas=replicas, rank=rank),
-        "dataset": trees,
-        "loss_fn": TreeLSTMLoss(vocab),
+        "loader": StepLoader(trees, MINIBATCH, build=build, trace=12, replication_factor=replicas, rank=rank),
+        "loss": tree_lstm_loss,
     }
     args.update(change)
     with pytest.raises(error, match=match):
@@ -257,22 +262,25 @@ def test_unbounded_trace_needs_an_end_and_loss_must_be_a_scalar(trees: list[Tree
     vocab = Vocab.build(trees)
     model = make_model(vocab)
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    trainer = TraceTrainer(model, opt, TraceBatchSampler(trees, 12, MINIBATCH), trees, TreeLSTMLoss(vocab))
-    with pytest.raises(ValueError, match="has no end: pass max_steps= or epochs= to fit"):
+    loader = StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=12)
+    trainer = TraceTrainer(model, opt, loader, tree_lstm_loss)
+    with pytest.raises(ValueError, match=r"have no end .*: pass max_steps= or epochs= to fit"):
         trainer.fit()
     assert len(trainer.fit(epochs=1)) == NUM_TREES // 12
 
-    def per_node(model: torch.nn.Module, fold: Fold, items: list[Tree]) -> torch.Tensor:
-        nodes, labels, _ = encode_trees(fold, items, vocab)
-        return F.cross_entropy(
-            model.logits(fold.apply(model, [nodes])[0]), torch.tensor(labels), reduction="none"
-        )  # type: ignore[operator]
+    def per_node(model: torch.nn.Module, outputs: list[torch.Tensor], targets: tuple) -> torch.Tensor:
+        return F.cross_entropy(model.logits(outputs[0]), torch.as_tensor(targets[0]), reduction="none")  # type: ignore[operator]
 
-    bad = TraceTrainer(model, opt, TraceBatchSampler(trees, 12, MINIBATCH), trees, per_node)
+    poptorch_style = StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), gradient_accumulation=2)
+    bad = TraceTrainer(model, opt, poptorch_style, per_node)
     with pytest.raises(
-        TypeError, match=r"loss_fn must return a scalar tensor \(the minibatch's loss\), got Tensor\("
+        TypeError, match=r"loss must return a scalar tensor \(the minibatch's loss\), got Tensor\("
     ):
         bad.fit(max_steps=1)
+    opt.zero_grad()
+    good = TraceTrainer(model, opt, poptorch_style, tree_lstm_loss)
+    history = good.fit(max_steps=3)  # the loader handed step 0 to the failed fit: it goes on from step 1
+    assert [(s.step, s.batch_size, s.num_minibatches) for s in history] == [(1, 12, 2), (2, 12, 2)]
 
 
 def _cli_args(trace: Path, data: Path, ckpt: Path) -> list[str]:

@@ -54,15 +54,21 @@ def _plain_step(
     opt.step()
 
 
+@pytest.mark.parametrize("minibatch_size", [None, 16])
 @pytest.mark.parametrize("rule", ["constant", "linear", "sqrt"])
 @pytest.mark.parametrize(
     "make_opt",
     [lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), lambda p: torch.optim.Adam(p, lr=LR)],
     ids=["sgd", "adam"],
 )
-def test_accumulated_minibatches_equal_one_big_batch(rule: str, make_opt) -> None:
+def test_accumulated_minibatches_equal_one_big_batch(rule: str, make_opt, minibatch_size: int | None) -> None:
     model, ref_model = make_model(), make_model()
-    opt = AccumulatingOptimizer(make_opt(model.parameters()), lr_rule=rule, ref_batch_size=REF)  # type: ignore[arg-type]
+    opt = AccumulatingOptimizer(
+        make_opt(model.parameters()),
+        lr_rule=rule,  # type: ignore[arg-type]
+        ref_batch_size=REF,
+        minibatch_size=minibatch_size,
+    )
     ref_opt = make_opt(ref_model.parameters())
     for step, sizes in zip(_batches(STEPS), STEPS, strict=True):
         for xb, yb in step:
@@ -262,11 +268,12 @@ def test_parameters_without_gradients_are_left_out_of_the_update() -> None:
     torch.testing.assert_close(unused.detach(), torch.ones(3, dtype=torch.float64))
 
 
-def test_step_without_minibatches_changes_nothing() -> None:
+def test_step_without_any_gradient_is_an_error_and_changes_nothing() -> None:
     model = make_model()
     before = copy.deepcopy(model.state_dict())
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
-    opt.step()
+    with pytest.raises(RuntimeError, match="step\\(\\) with no gradient from any rank"):
+        opt.step()
     assert opt.steps == 0
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name])
@@ -279,12 +286,156 @@ def test_passes_through_param_groups_state_and_zero_grad() -> None:
     assert opt.param_groups is inner.param_groups and opt.defaults is inner.defaults
     xb, yb = _batches([[8]])[0][0]
     opt.backward(F.cross_entropy(model(xb), yb), num_samples=8)
-    assert all(p.grad is None for p in model.parameters())  # the wrapper holds the sum until step()
+    assert all(p.grad is not None for p in model.parameters())  # gradients live in p.grad
     opt.step()
     assert opt.state is inner.state and len(opt.state) == 4
     assert all(p.grad is not None for p in model.parameters())
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_plain_backward_and_step_equal_the_wrapped_optimizer() -> None:
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR, momentum=0.9)
+    for step in _batches(STEPS):
+        x = torch.cat([xb for xb, _ in step])
+        y = torch.cat([yb for _, yb in step])
+        F.cross_entropy(model(x), y).backward()  # no sample count: used as it is
+        opt.step()
+        opt.zero_grad()
+        _plain_step(ref_model, ref_opt, step, LR)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    assert opt.steps == len(STEPS)
+
+
+def test_clipping_between_synchronize_and_step_equals_clipping_one_big_batch() -> None:
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), lr_rule="linear", ref_batch_size=REF
+    )
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
+    for step, sizes in zip(_batches(STEPS), STEPS, strict=True):
+        for xb, yb in step:
+            with opt.minibatch(len(xb)):
+                F.cross_entropy(model(xb), yb).backward()
+        opt.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+        opt.step()
+        opt.zero_grad()
+        x = torch.cat([xb for xb, _ in step])
+        y = torch.cat([yb for _, yb in step])
+        ref_opt.param_groups[0]["lr"] = LR * sum(sizes) / REF
+        F.cross_entropy(ref_model(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(norm, ref_norm)
+        assert norm > 0.1  # the clipping did something
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grad_scaler_with_autocast_on_cpu_matches_one_big_batch(dtype: torch.dtype) -> None:
+    def new() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(784, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
+
+    model, ref_model = new(), new()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    for step in _batches(STEPS):
+        for xb, yb in step:
+            with opt.minibatch(len(xb)):
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = F.cross_entropy(model(xb.float()), yb)
+                scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        x = torch.cat([xb for xb, _ in step]).float()
+        y = torch.cat([yb for _, yb in step])
+        with torch.autocast("cpu", dtype=dtype):
+            ref_loss = F.cross_entropy(ref_model(x), y)
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=1.0)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0.02, atol=2e-3)  # low-precision matmuls summed in other orders
+
+
+def test_a_step_skipped_by_the_grad_scaler_leaves_weights_and_the_next_step_works() -> None:
+    model = make_model().float()
+    before = copy.deepcopy(model.state_dict())
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # times the loss: overflows float32
+    xb, yb = _batches([[8]])[0][0]
+    with opt.minibatch(8):
+        scaler.scale(F.cross_entropy(model(xb.float()), yb) * 1e3).backward()
+    opt.synchronize()
+    scaler.step(opt)  # finds inf and skips optimizer.step()
+    scaler.update()
+    opt.zero_grad()
+    assert opt.steps == 0 and scaler.get_scale() < 2.0**127
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name])
+    with opt.minibatch(8):
+        F.cross_entropy(model(xb.float()), yb).backward()
+    opt.step()
+    assert opt.steps == 1 and opt.last_batch_size == 8
+
+
+def test_stray_and_mixed_backwards_are_errors() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    xb, yb = _batches([[4]])[0][0]
+    F.cross_entropy(model(xb), yb).backward()  # a stray plain backward...
+    with pytest.raises(RuntimeError, match=r"outside optimizer\.minibatch"):
+        opt.backward(F.cross_entropy(model(xb), yb), num_samples=4)  # ...before a weighted one
+    opt.zero_grad()
+    opt.backward(F.cross_entropy(model(xb), yb), num_samples=4)
+    with pytest.raises(RuntimeError, match=r"outside optimizer\.minibatch"):
+        F.cross_entropy(model(xb), yb).backward()  # and after one
+    opt.zero_grad()
+    linear = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), lr_rule="linear", ref_batch_size=4
+    )
+    F.cross_entropy(model(xb), yb).backward()
+    with pytest.raises(RuntimeError, match="lr_rule='linear' needs the step's sample count"):
+        linear.step()
+
+
+def test_state_dict_is_the_inner_optimizers_with_the_wrappers_beside_it() -> None:
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), lr=LR)
+    opt = AccumulatingOptimizer(inner, lr_rule="sqrt", ref_batch_size=REF)
+    xb, yb = _batches([[8]])[0][0]
+    opt.backward(F.cross_entropy(model(xb), yb), num_samples=8)
+    opt.step()
+    state = opt.state_dict()
+    plain = inner.state_dict()
+    assert set(state) == {*plain, "torchfold"} and state["torchfold"]["steps"] == 1
+    assert state["param_groups"] == plain["param_groups"]
+    fresh = torch.optim.Adam(make_model().parameters(), lr=LR)
+    fresh.load_state_dict(state)  # the wrapped optimizer's kind loads it as it is
+    torch.testing.assert_close(fresh.state_dict()["state"], plain["state"])
+    other = AccumulatingOptimizer(
+        torch.optim.Adam(make_model().parameters(), lr=LR), lr_rule="sqrt", ref_batch_size=REF
+    )
+    other.load_state_dict(plain)  # and the wrapper loads a plain optimizer's state
+    assert other.steps == 0
+    other.load_state_dict(state)
+    assert other.steps == 1
 
 
 @pytest.mark.parametrize(
@@ -301,6 +452,7 @@ def test_passes_through_param_groups_state_and_zero_grad() -> None:
         ({"reduction": "max"}, ValueError, "reduction must be 'mean' or 'sum'"),
         ({"adascale_smoothing": 1.0}, ValueError, r"adascale_smoothing must be in \[0, 1\)"),
         ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
+        ({"minibatch_size": 0}, ValueError, "minibatch_size must be a positive int, got 0"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict, error: type[Exception], match: str) -> None:
@@ -334,5 +486,5 @@ def test_misuse_is_rejected() -> None:
         ValueError, match="saved with lr_rule='constant' but this wrapper has lr_rule='linear'"
     ):
         other.load_state_dict(opt.state_dict())
-    with pytest.raises(ValueError, match="keys 'optimizer' and 'torchfold'"):
-        other.load_state_dict(other.optimizer.state_dict())
+    with pytest.raises(ValueError, match="keys 'state' and 'param_groups'"):
+        other.load_state_dict({"model": {}})

@@ -30,15 +30,15 @@ def test_quickstart_runs_and_prints_the_documented_plan() -> None:
     assert printed.split("\n", 1)[1] == shown.group(1)
 
 
-def test_training_snippet_runs_the_trace() -> None:
-    snippet = next(b for b in python_blocks() if "TraceTrainer" in b)
+def test_training_snippets_run_the_trace() -> None:
+    loop = next(b for b in python_blocks() if "optimizer.minibatch" in b)
     scope: dict[str, object] = {}
+    exec(compile(loop, str(README), "exec"), scope)
+    assert scope["optimizer"].steps == 5  # type: ignore[attr-defined]
+    assert scope["optimizer"].last_batch_size == 32  # type: ignore[attr-defined]
+    trainer = next(b for b in python_blocks() if "TraceTrainer" in b)
     exec(
-        compile(
-            snippet.replace("TreeLSTMLoss(vocab))", "TreeLSTMLoss(vocab), progress=False)"),
-            str(README),
-            "exec",
-        ),
+        compile(trainer.replace("tree_lstm_loss)", "tree_lstm_loss, progress=False)"), str(README), "exec"),
         scope,
     )
     stats = scope["stats"]

@@ -1,39 +1,37 @@
-"""The trace-aware training loop: one Fold per minibatch, a global batch size that follows a trace.
+"""The trace-aware training loop on a :class:`~torchfold.StepLoader`: plans built in workers, applied here.
 
-:class:`TraceTrainer` runs the steps a :class:`~torchfold.TraceBatchSampler` plans. In each step,
-every minibatch of this rank (there may be none) is recorded on a fresh :class:`~torchfold.Fold`
-by the user's loss function, applied, and its loss accumulated by an
-:class:`~torchfold.AccumulatingOptimizer`; then every rank ends the step together (the optimizer
-all-reduces the gradients, scales them by the true global batch and updates with the LR rule).
-So the number and size of the folds change from step to step with the trace, while the update
-equals one step on the whole global batch.
+:class:`TraceTrainer` runs the steps its loader yields. The loader's ``build(items) ->
+(FoldPlan, targets)`` records and compiles every minibatch's folds (in worker processes when it
+has ``num_workers``); the trainer applies each plan, computes ``loss(model, outputs, targets)``,
+backpropagates it inside ``optimizer.minibatch(num_samples)`` and, after this rank's minibatches
+of the step (there may be none), ends the step on every rank together: the
+:class:`~torchfold.AccumulatingOptimizer` all-reduces the gradients, scales them by the true
+global batch and updates with the LR rule. So the number and size of the folds change from step
+to step with the trace, while the update equals one step on the whole global batch.
 
-The loop is generic over the structure type: ``loss_fn(model, fold, items)`` records one
-minibatch of items (trees, graphs, ...) on ``fold``, applies it and returns the minibatch's loss,
-averaged over its items (summed when the optimizer has ``reduction="sum"``).
-:class:`TreeLSTMLoss` is the built-in one, for :class:`~torchfold.models.TreeLSTM` on SST trees.
+The loop is generic over the structure type: it never looks inside items or targets. For SST
+Tree-LSTMs the two halves are :class:`torchfold.models.TreeLSTMBuild` (for the loader) and
+:func:`torchfold.models.tree_lstm_loss` (for the trainer).
 
 Around the steps: a tqdm progress bar and a log line every ``log_every`` steps (step, global
 batch, learning rate, loss, samples/s), both on the main rank only; a checkpoint every
-``checkpoint_every`` steps (model, optimizer, sampler position, the generators of every rank)
+``checkpoint_every`` steps (model, optimizer, loader position, the generators of every rank)
 that :meth:`TraceTrainer.resume` continues from exactly. Under ``torchrun`` each process runs
 the same code; create the process group first (:func:`torchfold._distributed.init_distributed`).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from torchfold._checkpoint import (
@@ -46,56 +44,20 @@ from torchfold._checkpoint import (
     set_rng_state,
 )
 from torchfold._distributed import all_reduce_sum_, broadcast_parameters, get_rank, get_world_size
-from torchfold._fold import Fold
+from torchfold._loader import Step, StepLoader, to_device
 from torchfold._optim import AccumulatingOptimizer
-from torchfold._sampler import StepPlan, TraceBatchSampler
-from torchfold.datasets import Tree, Vocab
-from torchfold.models import encode_trees
 
-__all__ = ["FoldLoss", "StepStats", "TraceTrainer", "TreeLSTMLoss"]
-
-T = TypeVar("T")
-T_contra = TypeVar("T_contra", contravariant=True)
+__all__ = ["PlanLoss", "StepStats", "TraceTrainer"]
 
 
-class FoldLoss(Protocol[T_contra]):
-    """Records one minibatch of ``items`` on ``fold``, applies it with ``model``, returns its loss."""
+class PlanLoss(Protocol):
+    """``loss(model, outputs, targets)``: a minibatch's scalar loss from its applied plan and its targets.
 
-    def __call__(self, model: torch.nn.Module, fold: Fold, items: Sequence[T_contra]) -> torch.Tensor: ...
-
-
-class TreeLSTMLoss:
-    """The built-in loss for SST: softmax cross-entropy at every node, averaged per tree, then over trees.
-
-    Each tree weighs the same whatever its size (its loss is the mean over its nodes), so the
-    loss of a minibatch is a mean over its trees, and minibatches of a step combine into exactly
-    the loss of the whole global batch.
-
-    Args:
-        vocab: maps the trees' words to the model's embedding ids.
-
-    >>> import torchfold
-    >>> from torchfold.datasets import parse_tree
-    >>> from torchfold.models import TreeLSTM
-    >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
-    >>> vocab = Vocab.build(trees)
-    >>> _ = torch.manual_seed(0)
-    >>> loss = TreeLSTMLoss(vocab)(TreeLSTM(len(vocab), 4, 8), torchfold.Fold(), trees)
-    >>> loss.shape, loss.requires_grad
-    (torch.Size([]), True)
+    ``outputs`` is ``plan.apply(model)`` (one tensor per request of the plan); the loss is averaged
+    over the minibatch's samples (summed when the optimizer has ``reduction="sum"``).
     """
 
-    def __init__(self, vocab: Vocab) -> None:
-        self.vocab = vocab
-
-    def __call__(self, model: torch.nn.Module, fold: Fold, items: Sequence[Tree]) -> torch.Tensor:
-        nodes, labels, roots = encode_trees(fold, items, self.vocab)
-        [states] = fold.apply(model, [nodes])
-        logits = model.logits(states)  # type: ignore[operator]
-        losses = F.cross_entropy(logits, torch.tensor(labels, device=logits.device), reduction="none")
-        sizes = torch.tensor([roots[0] + 1] + [b - a for a, b in itertools.pairwise(roots)])
-        weights = (sizes.to(losses) * len(items)).reciprocal().repeat_interleave(sizes.to(losses.device))
-        return (losses * weights).sum()
+    def __call__(self, model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -108,7 +70,7 @@ class StepStats:
         batch_size: global number of samples in the step.
         num_minibatches: minibatches in the step over all ranks.
         local_minibatches: minibatches this rank ran (may be 0).
-        local_nodes: nodes recorded on this rank's folds in the step.
+        local_nodes: nodes in this rank's plans in the step.
         lr: learning rate of the first parameter group in the update (after the LR rule).
         loss: mean loss over the step's global batch (over all ranks).
         seconds: wall time of the step on this rank.
@@ -125,21 +87,21 @@ class StepStats:
     seconds: float
 
 
-class TraceTrainer(Generic[T]):
-    """Train a fold model for the steps of a batch-size trace, with checkpoints that resume exactly.
+class TraceTrainer:
+    """Train a fold model for the steps of a :class:`~torchfold.StepLoader`, with checkpoints that resume exactly.
 
-    Every rank constructs the trainer with its own sampler (``num_replicas`` = world size,
-    ``rank`` = its rank) and calls :meth:`fit`; the constructor copies rank 0's parameters to all
-    ranks (a collective). Items are ``dataset[i]`` for the indices the sampler yields; they need
-    not be tensors (no ``DataLoader`` collation is involved).
+    Every rank constructs the trainer with its own loader (``replication_factor`` = world size,
+    ``rank`` = its rank: the defaults once the process group exists) and calls :meth:`fit`; the
+    constructor copies rank 0's parameters to all ranks (a collective).
 
     Args:
         model: the module whose methods are the fold ops; trained in place.
-        optimizer: an :class:`~torchfold.AccumulatingOptimizer` over ``model``'s parameters.
-        sampler: this rank's :class:`~torchfold.TraceBatchSampler` over ``dataset``.
-        dataset: the items (indexable), e.g. a list of :class:`~torchfold.datasets.Tree`.
-        loss_fn: ``loss_fn(model, fold, items) -> loss`` (see :class:`FoldLoss`).
-        device: where folds materialise int/float arguments (default: the model's device).
+        optimizer: an :class:`~torchfold.AccumulatingOptimizer` over ``model``'s parameters (its
+            ``minibatch_size``, when unset, becomes the loader's ``batch_size``).
+        loader: this rank's :class:`~torchfold.StepLoader`, with a ``build`` returning
+            ``(FoldPlan, targets)`` (a trace, or PopTorch's constant batch, sets the steps).
+        loss: ``loss(model, outputs, targets) -> scalar`` (see :class:`PlanLoss`).
+        device: where targets go and plans run (default: the model's device).
         checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written).
         checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
         keep_checkpoints: how many of the newest checkpoints to keep (default 2).
@@ -150,18 +112,17 @@ class TraceTrainer(Generic[T]):
 
     Example:
         >>> import torchfold
-        >>> from torchfold import AccumulatingOptimizer, TraceBatchSampler
-        >>> from torchfold.datasets import generate_sst
-        >>> from torchfold.models import TreeLSTM
+        >>> from torchfold.datasets import Vocab, generate_sst
+        >>> from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
         >>> trees = generate_sst(40, seed=0)
         >>> vocab = Vocab.build(trees)
         >>> _ = torch.manual_seed(0)
         >>> model = TreeLSTM(len(vocab), embedding_dim=8, hidden_dim=8)
-        >>> optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-        ...                                   lr_rule="linear", ref_batch_size=8)
-        >>> sampler = TraceBatchSampler(trees, [8, 16, 4, 12], minibatch_size=4)  # 40 trees: one epoch
-        >>> trainer = TraceTrainer(model, optimizer, sampler, trees, TreeLSTMLoss(vocab), progress=False)
-        >>> [(s.step, s.batch_size, s.num_minibatches, s.lr) for s in trainer.fit()]
+        >>> optimizer = torchfold.AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+        ...                                             lr_rule="linear", ref_batch_size=8)
+        >>> loader = torchfold.StepLoader(trees, 4, build=TreeLSTMBuild(vocab), trace=[8, 16, 4, 12])
+        >>> trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False)
+        >>> [(s.step, s.batch_size, s.num_minibatches, s.lr) for s in trainer.fit()]  # 40 trees: one epoch
         [(0, 8, 2, 0.01), (1, 16, 4, 0.02), (2, 4, 1, 0.005), (3, 12, 3, 0.015)]
     """
 
@@ -169,9 +130,8 @@ class TraceTrainer(Generic[T]):
         self,
         model: torch.nn.Module,
         optimizer: AccumulatingOptimizer,
-        sampler: TraceBatchSampler,
-        dataset: Sequence[T],
-        loss_fn: FoldLoss[T],
+        loader: StepLoader[Any, Any],
+        loss: PlanLoss,
         *,
         device: torch.device | str | None = None,
         checkpoint_dir: str | Path | None = None,
@@ -190,15 +150,15 @@ class TraceTrainer(Generic[T]):
                 f"all-reduces once per step), got {type(optimizer).__name__}; wrap it: "
                 f"AccumulatingOptimizer({type(optimizer).__name__}(...), lr_rule=...)"
             )
-        if not isinstance(sampler, TraceBatchSampler):
-            raise TypeError(f"sampler must be a TraceBatchSampler, got {type(sampler).__name__}")
-        if len(dataset) != sampler.dataset_size:
+        if not isinstance(loader, StepLoader):
+            raise TypeError(f"loader must be a torchfold StepLoader, got {type(loader).__name__}")
+        if loader.build is None:
             raise ValueError(
-                f"the sampler was made for {sampler.dataset_size} items but dataset has {len(dataset)}; "
-                "make the sampler from this dataset"
+                "the loader has no build function: give it build=... returning (FoldPlan, targets) for a minibatch "
+                "of items (e.g. torchfold.models.TreeLSTMBuild(vocab))"
             )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(model, fold, items), got {loss_fn!r}")
+        if not callable(loss):
+            raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
         for name, value, minimum in (
             ("checkpoint_every", checkpoint_every, 0),
             ("log_every", log_every, 0),
@@ -207,16 +167,17 @@ class TraceTrainer(Generic[T]):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         world_size, rank = get_world_size(), get_rank()
-        if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+        if (loader.replication_factor, loader.rank) != (world_size, rank):
             raise ValueError(
-                f"the sampler is for rank {sampler.rank} of {sampler.num_replicas} but this process is rank "
-                f"{rank} of {world_size}; create the sampler after the process group (its defaults then fit)"
+                f"the loader is for rank {loader.rank} of {loader.replication_factor} but this process is rank "
+                f"{rank} of {world_size}; create the loader after the process group (its defaults then fit)"
             )
         self.model = model
         self.optimizer = optimizer
-        self.sampler = sampler
-        self.dataset = dataset
-        self.loss_fn = loss_fn
+        if optimizer.minibatch_size is None:
+            optimizer.minibatch_size = loader.batch_size  # full minibatches then need no weighting pass
+        self.loader = loader
+        self.loss = loss
         if device is None:
             first = next(iter(model.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -231,10 +192,7 @@ class TraceTrainer(Generic[T]):
         )
         self.log = log if log is not None else tqdm.write
         self.on_step = on_step
-        try:
-            self.next_step: int = sampler.state_dict()["next_step"]
-        except ValueError as e:
-            raise ValueError(f"the sampler is already being iterated; pass a fresh sampler ({e})") from e
+        self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
@@ -243,21 +201,21 @@ class TraceTrainer(Generic[T]):
 
     def _last_step(self, max_steps: int | None, epochs: int | None) -> tuple[int, int | None]:
         """The global step to stop before, and the number of epochs (``None``: bounded by steps)."""
+        sampler = self.loader.sampler
         if epochs is None:
-            epochs = self.sampler.num_epochs
+            epochs = sampler.num_epochs
         if epochs is None and max_steps is None:
             raise ValueError(
-                f"the trace {self.sampler.trace.source!r} has no end: pass max_steps= or epochs= to fit()"
+                f"the loader's steps have no end (trace {sampler.trace.source!r}): pass max_steps= or epochs= to fit()"
             )
         end = math.inf
         if epochs is not None:
-            if epochs <= self.sampler.epoch:
+            if epochs <= self.loader.epoch:
                 end = self.next_step
             else:
-                last = self.sampler.trace.epoch(
-                    epochs - 1, self.sampler.dataset_size, drop_last=self.sampler.drop_last
-                )
-                end = last.end_step
+                end = sampler.trace.epoch(
+                    epochs - 1, sampler.dataset_size, drop_last=sampler.drop_last
+                ).end_step
         if max_steps is not None:
             end = min(end, max_steps)
         return int(end), epochs
@@ -278,22 +236,19 @@ class TraceTrainer(Generic[T]):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
         end, num_epochs = self._last_step(max_steps, epochs)
-        # Re-anchor the sampler at our position (a previous fit() may have stopped mid-epoch).
-        self.sampler.load_state_dict(self.sampler.state_dict(next_step=self.next_step))
         history: list[StepStats] = []
-        epoch = self.sampler.epoch
+        epoch = self.loader.epoch
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
         with tqdm(
             total=max(0, end - self.next_step), unit="step", disable=not self.progress, dynamic_ncols=True
         ) as bar:
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
-                self.sampler.set_epoch(epoch)
-                batches = iter(self.sampler)
-                for plan in self.sampler.steps():
-                    if plan.step >= end:
-                        break
-                    stats = self.train_step(plan, batches)
+                self.loader.set_epoch(epoch)
+                steps = iter(self.loader)
+                # next() only while steps remain: the loader's position is then the trainer's
+                while self.next_step < end and (step := next(steps, None)) is not None:
+                    stats = self.train_step(step)
                     history.append(stats)
                     self._after_step(stats, end, bar)
                 epoch += 1
@@ -301,41 +256,45 @@ class TraceTrainer(Generic[T]):
             self.save_checkpoint()  # the final position (unless the last step just wrote it)
         return history
 
-    def train_step(self, plan: StepPlan, batches: Iterator[list[int]]) -> StepStats:
-        """Run one step: this rank's ``plan.local_minibatches`` folds from ``batches``, then the update.
+    def _to_device(self, data: Any) -> Any:
+        """Where a minibatch meets the trainer's device (the one place: tensors and numpy arrays, no blocking)."""
+        return to_device(data, self.device)
+
+    def train_step(self, step: Step[Any]) -> StepStats:
+        """Run one step: this rank's minibatches of ``step`` (maybe none), then the update.
 
         Every rank must call it for every step, also when it has no minibatch in it.
         """
         start = time.perf_counter()
+        plan = step.plan
         self.model.train()
         weight_by_samples = self.optimizer.reduction == "mean"
         # Summed on the device and read once per step (no host sync per minibatch on accelerators).
         dtype = torch.float32 if self.device.type in ("xla", "mps") else torch.float64
         loss_sum = torch.zeros((), dtype=dtype, device=self.device)
         samples, nodes = 0, 0
-        for _ in range(plan.local_minibatches):
-            indices = next(batches)
-            items = [self.dataset[i] for i in indices]
-            fold = Fold(device=self.device)
-            loss = self.loss_fn(self.model, fold, items)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(
-                    f"loss_fn must return a scalar tensor (the minibatch's loss), got "
-                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-                )
-            nodes += len(fold)
-            self.optimizer.backward(loss, num_samples=len(items))
+        for minibatch in step:
+            fold_plan, targets = self._to_device(minibatch.data)
+            with self.optimizer.minibatch(minibatch.num_samples):
+                loss = self.loss(self.model, fold_plan.apply(self.model), targets)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise TypeError(
+                        f"loss must return a scalar tensor (the minibatch's loss), got "
+                        f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                    )
+                loss.backward()
+            nodes += len(fold_plan)
             loss_sum += loss.detach().to(device=self.device, dtype=dtype) * (
-                len(items) if weight_by_samples else 1
+                minibatch.num_samples if weight_by_samples else 1
             )
-            samples += len(items)
+            samples += minibatch.num_samples
         self.optimizer.step()
         self.optimizer.zero_grad()
-        if plan.num_minibatches and self.optimizer.last_batch_size != plan.batch_size:
+        if self.optimizer.last_batch_size != plan.batch_size:
             raise RuntimeError(
                 f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
-                f"sampler planned {plan.batch_size}; every rank needs a sampler with num_replicas = world size "
-                "and the same trace, dataset, minibatch size and seed"
+                f"loader planned {plan.batch_size}; every rank needs a loader with replication_factor = world size "
+                "and the same trace, dataset, batch size and seed"
             )
         totals = torch.stack([loss_sum, torch.tensor(float(samples), dtype=dtype, device=self.device)])
         all_reduce_sum_([totals])
@@ -385,7 +344,7 @@ class TraceTrainer(Generic[T]):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume at :attr:`next_step`: model, optimizer, sampler, generators.
+        """Everything needed to resume at :attr:`next_step`: model, optimizer, loader, generators.
 
         A collective: every rank must call it (each contributes its generators' states).
         """
@@ -405,13 +364,13 @@ class TraceTrainer(Generic[T]):
             "world_size": get_world_size(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(next_step=self.next_step),
+            "loader": self.loader.state_dict(),
             "rng": states,
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "state_dict") -> None:
         """Restore a :meth:`state_dict`; ``source`` (e.g. the file) is named in errors."""
-        missing = sorted({"step", "world_size", "model", "optimizer", "sampler", "rng"} - set(state))
+        missing = sorted({"step", "world_size", "model", "optimizer", "loader", "rng"} - set(state))
         if missing:
             raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
         world_size, rank = get_world_size(), get_rank()
@@ -423,7 +382,7 @@ class TraceTrainer(Generic[T]):
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
             ("optimizer", self.optimizer.load_state_dict),
-            ("sampler", self.sampler.load_state_dict),
+            ("loader", self.loader.load_state_dict),
         ]
         for name, load in parts:
             try:

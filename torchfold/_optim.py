@@ -1,28 +1,35 @@
 """An optimizer wrapper for steps made of a varying number of minibatches, with learning-rate rules.
 
+The training loop stays ordinary: ``loss.backward()`` per minibatch, ``optimizer.step()`` and
+``optimizer.zero_grad()`` per step; gradients live in ``p.grad`` all the time, so clipping,
+``GradScaler`` and gradient logging work between backward and step.
+
 Semantics (``reduction="mean"``): a step whose global batch of ``B`` samples is split into ``m``
 minibatches, spread over the ranks in any way (a rank may have none), updates the parameters
 exactly like one step of the wrapped optimizer on the mean loss over the ``B`` samples, with the
-learning rate multiplied by the rule's factor. Minibatches may differ in size: minibatch ``i``
-with ``n_i`` samples and mean-loss gradient ``g_i`` contributes ``n_i * g_i``, and the summed
-gradient is divided once, by ``B = sum(n_i)`` counted over all ranks. With ``reduction="sum"``
-(losses summed over samples) the gradients are summed and not divided: one step on the summed
-loss over the ``B`` samples. That division (in :meth:`AccumulatingOptimizer.step`) is the only
-place where gradients are scaled; the user's loss is used as it is.
+learning rate multiplied by the rule's factor. Minibatches may differ in size: a minibatch of
+``n_i`` samples, run inside ``with optimizer.minibatch(n_i):``, has its mean-loss gradient ``g_i``
+weighted by ``n_i`` as it reaches ``p.grad`` (a gradient hook: the one place where gradients are
+weighted), and :meth:`~AccumulatingOptimizer.synchronize` sums over the ranks and divides once, by
+``B = sum(n_i)`` counted over all ranks. With ``reduction="sum"`` (losses summed over samples) the
+gradients are summed and not divided. A ``loss.backward()`` outside ``minibatch()`` is plain
+PyTorch: its gradient is used as it is (averaged over the ranks that have one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from torchfold._distributed import all_reduce_sum_, xla_sync
+from torchfold._distributed import all_reduce_sum_, get_world_size, xla_sync
 from torchfold._trace import scaled_lr
+from torchfold._validate import check_int
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -31,17 +38,42 @@ _LRRuleName = Literal["constant", "linear", "sqrt", "adascale"]
 _LR_RULES: tuple[_LRRuleName, ...] = ("constant", "linear", "sqrt", "adascale")
 
 # Stats that ride along with the gradients in the same all-reduce.
-_SAMPLES, _MINIBATCHES, _WEIGHTED_SQNORM = 0, 1, 2
-_N_STATS = 3
+_SAMPLES, _MINIBATCHES, _PLAIN_RANKS, _WEIGHTED_SQNORM, _UNIT = 0, 1, 2, 3, 4
+_N_STATS = 5
+
+
+def _grad_hook(ref: weakref.ref[AccumulatingOptimizer], grad: torch.Tensor) -> torch.Tensor | None:
+    optimizer = ref()
+    return None if optimizer is None else optimizer._weigh(grad)
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
     """Wrap an optimizer so that each step accumulates any number of minibatches and all-reduces once.
 
-    The loop stays ordinary: for each minibatch of this rank in the current step, compute the loss
-    and call :meth:`backward`; then call :meth:`step` once per step on every rank (also on a rank
-    that had no minibatch in this step: it contributes zero gradients and still joins the
-    all-reduce, so nothing hangs), then :meth:`zero_grad`.
+    The loop stays ordinary. For each minibatch of this rank in the current step, run the forward
+    and ``loss.backward()`` inside ``with optimizer.minibatch(num_samples):`` (or call
+    ``optimizer.backward(loss, num_samples)``, the same in one line); then call :meth:`step` once
+    per step on every rank (also on a rank that had no minibatch in this step: it contributes zero
+    gradients and still joins the all-reduce, so nothing hangs), then :meth:`zero_grad`.
+    :meth:`step` calls :meth:`synchronize` if you have not: call it yourself first to see the
+    step's averaged gradients in ``p.grad``, e.g. to clip them or to unscale them with a
+    ``GradScaler`` (after ``synchronize()``, so that every rank sees the same inf/NaN check)::
+
+        for step in loader:
+            for mb in step:
+                with optimizer.minibatch(mb.num_samples):
+                    scaler.scale(loss_of(mb)).backward()
+            optimizer.synchronize()          # all-reduce once, divide once
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+    A plain ``loss.backward()`` outside :meth:`minibatch` works as in PyTorch (its gradient is
+    used as it is; over several ranks, averaged over those that have one), for the ``"constant"``
+    rule, which needs no sample count. A step mixing the two, or a :meth:`step` for which no rank
+    produced any gradient, raises ``RuntimeError``.
 
     The learning rate in ``param_groups`` stays the reference learning rate: :meth:`step` multiplies
     it by the rule's factor for the update only and restores it, so LR schedulers attached to this
@@ -53,10 +85,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     where ``var`` is the per-sample gradient variance (trace of the covariance) and ``sqr`` the
     squared norm of the true gradient, both estimated from the spread of this step's
-    per-minibatch gradients (each minibatch's own gradient, measured in :meth:`backward` before it
-    joins the sum) and smoothed over steps with ``adascale_smoothing``. The gain is 1 when
-    ``B == R``, lies between 1 and ``B / R``, and stays 1 (never NaN) until some step has had at
-    least two minibatches to estimate the variance from.
+    per-minibatch gradients (each minibatch's own gradient, seen by the gradient hook before it
+    joins ``p.grad``; so one backward per minibatch) and smoothed over steps with
+    ``adascale_smoothing``. The gain is 1 when ``B == R``, lies between 1 and ``B / R``, stays 1
+    (never NaN) until some step has had at least two minibatches to estimate the variance from,
+    and does not change when a ``GradScaler`` scales the loss.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
@@ -68,6 +101,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             keeps it in ``no_sync()`` mode from now on (until :meth:`close`), since it does the
             gradient all-reduce itself, once per step; DDP's per-backward all-reduce would hang
             when ranks run different numbers of minibatches.
+        minibatch_size: the usual number of samples per minibatch, the same on every rank
+            (optional, no effect on the result): gradients are then weighted by
+            ``num_samples / minibatch_size``, so a full minibatch needs no weighting pass over the
+            gradients, and a step of one full minibatch no division pass. ``TraceTrainer`` sets it
+            to its loader's ``batch_size`` when it is unset.
         adascale_smoothing: weight of the past in the exponential moving averages of AdaScale's
             variance estimates, in ``[0, 1)`` (default 0.9; 0 uses each step's estimate alone).
 
@@ -76,8 +114,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     ...                             lr_rule="linear", ref_batch_size=4)
     >>> x, y = torch.randn(8, 3), torch.randn(8, 1)
     >>> for xb, yb in zip(x.split(3), y.split(3)):  # minibatches of 3, 3 and 2 samples
-    ...     opt.backward(torch.nn.functional.mse_loss(model(xb), yb), num_samples=len(xb))
-    >>> opt.step()  # one update on the mean loss over the 8 samples, lr 0.1 * 8 / 4
+    ...     with opt.minibatch(len(xb)):
+    ...         torch.nn.functional.mse_loss(model(xb), yb).backward()
+    >>> opt.synchronize()  # p.grad: the gradient of the mean loss over the 8 samples
+    >>> norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    >>> opt.step()  # lr 0.1 * 8 / 4 for this update
     >>> opt.zero_grad()
     >>> opt.last_batch_size, opt.last_lr_factor, opt.param_groups[0]["lr"]
     (8, 2.0, 0.1)
@@ -92,6 +133,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         reduction: Literal["mean", "sum"] = "mean",
         module: torch.nn.Module | None = None,
         adascale_smoothing: float = 0.9,
+        minibatch_size: int | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is deliberately not called: the wrapped optimizer owns the
         # parameter groups and state; this class only forwards to it (schedulers need the isinstance).
@@ -121,6 +163,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.ref_batch_size = ref_batch_size
         self.reduction = reduction
         self.adascale_smoothing = adascale_smoothing
+        if minibatch_size is not None:
+            check_int("minibatch_size", minibatch_size)
+        self.minibatch_size = minibatch_size
         self.module = module
         self._no_sync = contextlib.ExitStack()
         if isinstance(module, DistributedDataParallel):
@@ -132,11 +177,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                     "forward_sync_buffers=False in newer PyTorch)"
                 )
             self._no_sync.enter_context(module.no_sync())
-        # Accumulated (weighted) gradient sums, one per parameter, and this step's local stats.
-        self._acc: list[torch.Tensor | None] = []
+        # The gradient hooks: they weigh each minibatch's gradient by its sample count.
+        self._hooked: set[int] = set()
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hook_params(self._params())
+        # This step's local state (reset by zero_grad() and after step()).
+        self._weight: float | None = None  # inside minibatch(): the weight of the gradients arriving
+        self._minibatch_samples = 0
         self._local_samples = 0
         self._local_minibatches = 0
+        self._plain = False  # a backward outside minibatch() reached p.grad in this step
         self._local_sqnorm: torch.Tensor | None = None
+        self._synced = False
+        self._factor = 1.0
+        self._needs_zero_grad = False  # synchronize() ran: p.grad holds a finished step's gradient
         # AdaScale's smoothed estimates and progress; part of state_dict().
         self._var_avg: float | None = None
         self._sqr_avg: float | None = None
@@ -145,7 +199,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.last_batch_size = 0
         self.last_num_minibatches = 0
         self.last_lr_factor = 1.0
-        self._stepped_grads: list[weakref.ref[torch.Tensor]] = []
 
     # -- pass-through to the wrapped optimizer -------------------------------------------------
 
@@ -175,13 +228,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer (only between steps)."""
-        if self._local_minibatches:
+        if self._step_in_progress():
             raise RuntimeError("add_param_group() in the middle of a step; call it after step()")
         self.optimizer.add_param_group(param_group)
+        self._hook_params(self._params())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' ``.grad`` (the wrapper's accumulated sums are cleared by :meth:`step`)."""
+        """Clear the parameters' ``.grad`` and start a new step (a step skipped by a ``GradScaler`` included)."""
+        if self._weight is not None:
+            raise RuntimeError("zero_grad() inside optimizer.minibatch(); call it after step()")
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._reset_step()
+        self._needs_zero_grad = False
 
     def __repr__(self) -> str:
         return (
@@ -204,96 +262,169 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def backward(self, loss: torch.Tensor, num_samples: int) -> None:
-        """Backpropagate one minibatch's loss and add its gradient to this step's sum.
+    def _hook_params(self, params: list[torch.Tensor]) -> None:
+        ref = weakref.ref(self)
+        for p in params:
+            if id(p) not in self._hooked and p.requires_grad:
+                self._hooks.append(p.register_hook(functools.partial(_grad_hook, ref)))
+                self._hooked.add(id(p))
 
-        Call it once per minibatch, on the loss of that minibatch alone (for ``reduction="mean"``:
-        averaged over its ``num_samples`` samples, as ``torch.nn.functional`` losses do by
-        default). ``.grad`` is emptied afterwards; the sum is kept by the wrapper until :meth:`step`.
+    def _unit(self) -> float:
+        """What a minibatch's sample count is measured in (see ``minibatch_size``)."""
+        return float(self.minibatch_size) if self.minibatch_size is not None else 1.0
+
+    def _step_in_progress(self) -> bool:
+        return bool(self._local_minibatches or self._plain or self._weight is not None)
+
+    def _reset_step(self) -> None:
+        self._local_samples = self._local_minibatches = 0
+        self._plain = False
+        self._local_sqnorm = None
+        self._synced = False
+
+    def _check_fresh_gradients(self) -> None:
+        """The first gradient of a step must not land on the previous step's."""
+        if self._needs_zero_grad and any(p.grad is not None for p in self._params()):
+            raise RuntimeError(
+                "the parameters still hold the gradients of the previous step; call optimizer.zero_grad() after "
+                "optimizer.step(), before the next step's first backward()"
+            )
+        self._needs_zero_grad = False
+        if self._synced:  # synchronized, but no step() followed (e.g. a GradScaler skipped it)
+            self._reset_step()
+
+    def _weigh(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient hook: weigh one parameter's gradient of the minibatch being backpropagated."""
+        if not (self._local_minibatches or self._plain):
+            self._check_fresh_gradients()
+        if self._weight is None:
+            if self._local_minibatches:
+                raise RuntimeError(
+                    "a loss.backward() outside optimizer.minibatch(num_samples) in a step whose other minibatches "
+                    "ran inside it: its gradient would be mixed in unweighted; run every backward of the step "
+                    "inside optimizer.minibatch(...)"
+                )
+            self._plain = True
+            return None
+        if self.lr_rule == "adascale":
+            # n_i * |mean-loss gradient|^2, whatever the reduction (see _adascale_gain).
+            n = self._minibatch_samples
+            term = grad.detach().pow(2).sum() * (float(n) if self.reduction == "mean" else 1.0 / n)
+            self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
+        return grad * self._weight if self._weight != 1.0 else None
+
+    @contextlib.contextmanager
+    def minibatch(self, num_samples: int) -> Iterator[None]:
+        """Backpropagate one minibatch of ``num_samples`` samples inside this context.
+
+        Gradients reaching ``p.grad`` inside it are weighted by ``num_samples`` (with
+        ``reduction="mean"``), so that the step's gradient is the mean over all its samples
+        however they were split. Run one ``loss.backward()`` per context, on the loss of that
+        minibatch alone (for ``reduction="mean"``: averaged over its samples, as
+        ``torch.nn.functional`` losses do by default).
 
         Args:
-            loss: a scalar loss of this minibatch.
             num_samples: how many samples the minibatch has (its share of the global batch).
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(
                 f"num_samples must be a positive int (the minibatch's sample count), got {num_samples!r}"
             )
+        if self._weight is not None:
+            raise RuntimeError("optimizer.minibatch() is already open; one minibatch at a time")
         if isinstance(self.module, DistributedDataParallel) and self.module.require_backward_grad_sync:
             raise RuntimeError(
                 "the DistributedDataParallel module is no longer in no_sync() mode (close() was called or "
                 "someone re-enabled it); its own all-reduce would hang ranks with fewer minibatches"
             )
-        params = self._params()
-        if not self._local_minibatches and any(
-            ref() is not None and ref() is p.grad for ref, p in zip(self._stepped_grads, params, strict=False)
-        ):
+        if not (self._local_minibatches or self._plain):
+            self._check_fresh_gradients()
+        if self._plain:
             raise RuntimeError(
-                "the parameters still hold the gradients of the previous step; call optimizer.zero_grad() after "
-                "optimizer.step(), before the next step's first backward()"
+                "a loss.backward() outside optimizer.minibatch(num_samples) already ran in this step: its gradient "
+                "would be mixed in unweighted; run every backward of the step inside optimizer.minibatch(...)"
             )
-        loss.backward()
-        if len(self._acc) != len(params):
-            if self._local_minibatches:
-                raise RuntimeError("the parameter groups changed in the middle of a step")
-            self._acc = [None] * len(params)
-        weight = float(num_samples) if self.reduction == "mean" else 1.0
-        sqnorm: torch.Tensor | None = None
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                g = p.grad
-                if g is None:
-                    continue
-                if self.lr_rule == "adascale":
-                    s = g.detach().pow(2).sum()
-                    sqnorm = s if sqnorm is None else sqnorm + s
-                acc = self._acc[i]
-                self._acc[i] = g.detach() * weight if acc is None else acc.add_(g.detach(), alpha=weight)
-                p.grad = None
-        if sqnorm is not None:
-            # n_i * |mean-loss gradient|^2, whatever the reduction (see _adascale_gain).
-            scale = float(num_samples) if self.reduction == "mean" else 1.0 / num_samples
-            term = sqnorm * scale
-            self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
+        if self._synced:
+            raise RuntimeError("optimizer.minibatch() after synchronize(); call step() and zero_grad() first")
+        self._weight = num_samples / self._unit() if self.reduction == "mean" else 1.0
+        self._minibatch_samples = num_samples
+        try:
+            yield
+        finally:
+            self._weight = None
         self._local_samples += num_samples
         self._local_minibatches += 1
-        if loss.device.type == "xla":
+        params = self._params()
+        if params and params[0].device.type == "xla":
             # One lazy graph per minibatch: compiled once and reused however many minibatches a
             # step has, instead of one new graph per distinct count.
             xla_sync()
 
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """End the step: all-reduce the summed gradients, scale them once, update with the rule's LR.
+    def backward(self, loss: torch.Tensor, num_samples: int) -> None:
+        """``loss.backward()`` inside ``minibatch(num_samples)``: one minibatch in one line."""
+        with self.minibatch(num_samples):
+            loss.backward()
 
-        Every rank must call it once per step, also a rank without minibatches in this step.
+    def synchronize(self) -> None:
+        """Finish the step's gradients: all-reduce once, divide once, leave the result in ``p.grad``.
+
+        Every rank must call it once per step (also a rank without minibatches; :meth:`step`
+        calls it if you have not). Afterwards ``p.grad`` holds the gradient of the mean loss over
+        the step's global batch (``reduction="mean"``) on every rank, ready for clipping or a
+        ``GradScaler``'s ``unscale_``; a parameter that no rank has a gradient for gets ``None``.
+
+        Raises:
+            RuntimeError: no rank produced a gradient in this step, or some ranks ran plain
+                backwards and others minibatches with sample counts.
         """
-        if closure is not None:
-            raise TypeError("AccumulatingOptimizer.step() takes no closure; call backward() per minibatch")
+        if self._synced:
+            return
+        if self._weight is not None:
+            raise RuntimeError(
+                "synchronize() inside optimizer.minibatch(); call it after the step's minibatches"
+            )
         params = self._params()
         if not params:
-            return
-        if len(self._acc) != len(params):
-            self._acc = [None] * len(params)
+            raise RuntimeError("the optimizer has no parameters to synchronize")
         device = params[0].device
         stats_dtype = torch.float32 if device.type in ("xla", "mps") else torch.float64
         stats = torch.zeros(_N_STATS + len(params), dtype=stats_dtype, device=device)
         stats[_SAMPLES] = self._local_samples
         stats[_MINIBATCHES] = self._local_minibatches
+        stats[_PLAIN_RANKS] = float(self._plain)
+        stats[_UNIT] = self._unit()
         if self._local_sqnorm is not None:
             stats[_WEIGHTED_SQNORM] = self._local_sqnorm.to(device=device, dtype=stats_dtype)
         grads: list[torch.Tensor] = []
-        for i, (p, acc) in enumerate(zip(params, self._acc, strict=True)):
-            if acc is not None:
+        for i, p in enumerate(params):
+            if p.grad is not None:
                 stats[_N_STATS + i] = 1.0
-            grads.append(acc if acc is not None else torch.zeros_like(p))
-        all_reduce_sum_([*grads, stats])
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        all_reduce_sum_([*grads, stats])  # idle ranks join with zeros
         totals = stats.tolist()
         num_samples, num_minibatches = round(totals[_SAMPLES]), round(totals[_MINIBATCHES])
-        self._acc = [None] * len(params)
-        self._local_samples = self._local_minibatches = 0
-        self._local_sqnorm = None
-        if num_minibatches == 0:
-            return  # no rank had data in this step: nothing to learn from, nothing to update
+        plain_ranks = round(totals[_PLAIN_RANKS])
+        self._reset_step()
+        if totals[_UNIT] != self._unit() * get_world_size():
+            raise RuntimeError(
+                f"the ranks' optimizers have different minibatch_size (this rank: {self.minibatch_size}); give "
+                "every rank the same (or none)"
+            )
+        if num_minibatches == 0 and plain_ranks == 0:
+            raise RuntimeError(
+                "step() with no gradient from any rank: no loss.backward() ran since the last zero_grad(); "
+                "backpropagate at least one minibatch (on some rank) before optimizer.step()"
+            )
+        if num_minibatches and plain_ranks:
+            raise RuntimeError(
+                f"{plain_ranks} rank(s) ran loss.backward() outside optimizer.minibatch(num_samples) while others "
+                "gave sample counts; run every backward inside optimizer.minibatch(...) on every rank"
+            )
+        if plain_ranks and self.lr_rule != "constant":
+            raise RuntimeError(
+                f"lr_rule={self.lr_rule!r} needs the step's sample count, but loss.backward() ran outside "
+                "optimizer.minibatch(num_samples); wrap each minibatch's backward in it"
+            )
         with torch.no_grad():
             if self.lr_rule == "adascale":
                 total = torch.stack([g.to(stats_dtype).pow(2).sum() for g in grads]).sum()
@@ -302,14 +433,34 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                     num_samples, num_minibatches, totals[_WEIGHTED_SQNORM], grad_sqnorm
                 )
             else:
-                factor = self._rule_factor(num_samples)
+                factor = self._rule_factor(num_samples) if num_minibatches else 1.0
+            if plain_ranks:
+                divisor = float(plain_ranks)
+            else:
+                divisor = num_samples / self._unit() if self.reduction == "mean" else 1.0
             for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 if totals[_N_STATS + i] == 0:
                     p.grad = None  # no rank produced a gradient for it: leave it out of the update
                     continue
-                if self.reduction == "mean":
-                    g.div_(num_samples)  # the one place where gradients are scaled
+                if divisor != 1.0:
+                    g.div_(divisor)  # the one place where gradients are divided
                 p.grad = g
+        self._factor = factor
+        self._synced = True
+        self._needs_zero_grad = True
+        self.last_batch_size = num_samples
+        self.last_num_minibatches = num_minibatches or plain_ranks
+        self.last_lr_factor = factor
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """End the step: :meth:`synchronize` (unless done), then update with the rule's learning rate.
+
+        Every rank must call it once per step, also a rank without minibatches in this step.
+        """
+        if closure is not None:
+            raise TypeError("AccumulatingOptimizer.step() takes no closure; run backward per minibatch")
+        self.synchronize()
+        factor = self._factor
         ref_lrs = [group["lr"] for group in self.optimizer.param_groups]
         try:
             for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
@@ -318,12 +469,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         finally:
             for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
                 group["lr"] = lr
-        self._stepped_grads = [weakref.ref(g) for g in grads]
+        self._synced = False
         self.steps += 1
         self.scale_invariant_steps += factor if self.lr_rule == "adascale" else 1.0
-        self.last_batch_size = num_samples
-        self.last_num_minibatches = num_minibatches
-        self.last_lr_factor = factor
 
     def _rule_factor(self, batch_size: int) -> float:
         if self.lr_rule == "constant":
@@ -359,13 +507,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus the wrapper's own (rule, AdaScale averages, counters)."""
-        if self._local_minibatches:
+        """The wrapped optimizer's state dict, unchanged, with the wrapper's own beside it under ``"torchfold"``.
+
+        The wrapped optimizer loads it as it is (it ignores the extra key), and so does this wrapper.
+        """
+        if self._step_in_progress():
             raise RuntimeError(
                 "state_dict() in the middle of a step would lose accumulated gradients; call it after step()"
             )
         return {
-            "optimizer": self.optimizer.state_dict(),
+            **self.optimizer.state_dict(),
             "torchfold": {
                 "lr_rule": self.lr_rule,
                 "ref_batch_size": self.ref_batch_size,
@@ -378,20 +529,33 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the rule, reference batch and reduction must match this wrapper."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"optimizer", "torchfold"}:
-            raise ValueError(
-                "state_dict must come from AccumulatingOptimizer.state_dict() (keys 'optimizer' and 'torchfold'); "
-                "to load a plain optimizer's state, call .optimizer.load_state_dict()"
-            )
-        mine = state_dict["torchfold"]
-        for key in ("lr_rule", "ref_batch_size", "reduction"):
-            if mine[key] != getattr(self, key):
+        """Restore a :meth:`state_dict`; the rule, reference batch and reduction must match this wrapper.
+
+        A plain optimizer's state dict (no ``"torchfold"`` key) restores the wrapped optimizer only.
+        """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            if isinstance(state_dict, dict) and set(state_dict) == {"optimizer", "torchfold"}:
+                state_dict = {
+                    **state_dict["optimizer"],
+                    "torchfold": state_dict["torchfold"],
+                }  # written by torchfold 0.1.0
+            else:
+                keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
                 raise ValueError(
-                    f"state_dict was saved with {key}={mine[key]!r} but this wrapper has {key}={getattr(self, key)!r}"
+                    f"state_dict must come from AccumulatingOptimizer.state_dict() or an optimizer's state_dict() "
+                    f"(keys 'state' and 'param_groups'), got {keys}"
                 )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self._var_avg = mine["adascale_var_avg"]
-        self._sqr_avg = mine["adascale_sqr_avg"]
-        self.scale_invariant_steps = float(mine["scale_invariant_steps"])
-        self.steps = int(mine["steps"])
+        inner = {key: value for key, value in state_dict.items() if key != "torchfold"}
+        mine = state_dict.get("torchfold")
+        if mine is not None:
+            for key in ("lr_rule", "ref_batch_size", "reduction"):
+                if mine[key] != getattr(self, key):
+                    raise ValueError(
+                        f"state_dict was saved with {key}={mine[key]!r} but this wrapper has {key}={getattr(self, key)!r}"
+                    )
+        self.optimizer.load_state_dict(inner)
+        if mine is not None:
+            self._var_avg = mine["adascale_var_avg"]
+            self._sqr_avg = mine["adascale_sqr_avg"]
+            self.scale_invariant_steps = float(mine["scale_invariant_steps"])
+            self.steps = int(mine["steps"])

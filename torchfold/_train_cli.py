@@ -10,6 +10,7 @@ resumes from the newest one exactly.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -20,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from torchfold._distributed import default_device, fingerprint, init_distributed
-from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
+from torchfold._loader import StepLoader
+from torchfold._loop import StepStats, TraceTrainer
 from torchfold._optim import AccumulatingOptimizer
-from torchfold._sampler import TraceBatchSampler
 from torchfold._trace import BatchSizeTrace, as_trace
 from torchfold._validate import non_negative_int, positive_float, positive_int
 from torchfold.datasets import ENV_VAR, Tree, TreeParseError, Vocab, data_root, generate_sst, load_sst
-from torchfold.models import TreeLSTM
+from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 
 __all__ = ["build_parser", "main"]
 
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads per process (default 1)")
+    p.add_argument(
+        "--workers",
+        type=non_negative_int,
+        default=1,
+        help="worker processes per rank that record and compile the folds (default 1; 0: in the training process)",
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     p.add_argument(
         "--timeout", type=positive_float, default=60.0, help="seconds to wait for other ranks (default 60)"
@@ -178,17 +185,32 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     model = TreeLSTM(len(vocab), args.embedding_dim, args.hidden_dim).to(device=device, dtype=dtype)
     params = model.parameters()
+    fused = (
+        True if device.type in ("cpu", "cuda") else None
+    )  # one kernel for all parameters (CPU: 5x less time)
     base: torch.optim.Optimizer = (
-        torch.optim.Adam(params, lr=args.lr)
+        torch.optim.Adam(params, lr=args.lr, fused=fused)
         if args.optimizer == "adam"
-        else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+        else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, fused=fused)
     )
     ref = args.ref_batch_size if args.ref_batch_size is not None else trace[0]
     optimizer = AccumulatingOptimizer(
         base, lr_rule=args.lr_rule, ref_batch_size=None if args.lr_rule == "constant" else ref
     )
-    sampler = TraceBatchSampler(trees, trace, args.minibatch_size, seed=args.seed, drop_last=args.drop_last)
-    history = open(args.history, "w") if args.history and sampler.rank == 0 else None  # noqa: SIM115
+    loader = StepLoader(
+        trees,
+        args.minibatch_size,
+        build=TreeLSTMBuild(vocab),
+        trace=trace,
+        seed=args.seed,
+        drop_last=args.drop_last,
+        num_workers=args.workers,
+    )
+    history = open(args.history, "w") if args.history and loader.rank == 0 else None  # noqa: SIM115
+    # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
+    # forked into the workers, out of their copy-on-write pages).
+    gc.collect()
+    gc.freeze()
 
     def record(stats: StepStats) -> None:
         if history is not None:
@@ -197,9 +219,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     trainer = TraceTrainer(
         model,
         optimizer,
-        sampler,
-        trees,
-        TreeLSTMLoss(vocab),
+        loader,
+        tree_lstm_loss,
         device=device,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -213,7 +234,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         print(
             f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
             f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
-            f"{sampler.num_replicas} process(es), minibatch {args.minibatch_size}, device {device}"
+            f"{loader.replication_factor} process(es), minibatch {args.minibatch_size}, "
+            f"{args.workers} fold-building worker(s) each, device {device}"
         )
     resumed = None if args.no_resume else trainer.resume()
     if resumed is not None and main_rank:
@@ -221,6 +243,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     try:
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     finally:
+        loader.close()
         if history is not None:
             history.close()
     if main_rank:

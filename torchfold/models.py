@@ -3,7 +3,9 @@
 Every op takes and returns batched tensors (one row per node), so the same method serves a
 :class:`~torchfold.Fold` (one call per group of nodes), an :class:`~torchfold.Unfold` (one
 call per node) and plain eager code. :func:`encode_tree` records a tree on a fold;
-:func:`forward_tree` is the plain recursive computation it must match.
+:func:`forward_tree` is the plain recursive computation it must match. :class:`TreeLSTMBuild`
+and :func:`tree_lstm_loss` are the two halves of the SST training loss for a
+:class:`~torchfold.StepLoader` (building plans in workers) and :class:`~torchfold.train.TraceTrainer`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,24 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from torchfold._compile import FoldPlan
+from torchfold._fold import Fold
 from torchfold.datasets import Tree, Vocab
 
-__all__ = ["MLP", "TreeLSTM", "encode_tree", "encode_trees", "forward_tree"]
+__all__ = [
+    "MLP",
+    "TreeLSTM",
+    "TreeLSTMBuild",
+    "encode_tree",
+    "encode_trees",
+    "forward_tree",
+    "tree_lstm_loss",
+]
 
 
 class TreeLSTM(nn.Module):
@@ -199,6 +213,65 @@ def forward_tree(model: TreeLSTM, tree: Tree, vocab: Vocab) -> tuple[torch.Tenso
 
     visit(tree)
     return torch.cat(states), labels
+
+
+class TreeLSTMBuild:
+    """The half of the SST loss that runs in loader workers: a minibatch of trees to a plan and targets.
+
+    Records every tree on one fold and returns ``(plan, (labels, sizes))``: ``plan`` gives every
+    node's ``h`` (post-order, tree after tree), ``labels`` every node's label and ``sizes`` every
+    tree's node count, both int64 numpy arrays (they cross processes cheaper than tensors).
+    :func:`tree_lstm_loss` is the other half.
+
+    Args:
+        vocab: maps the trees' words to the model's embedding ids.
+
+    >>> from torchfold.datasets import parse_tree
+    >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
+    >>> plan, (labels, sizes) = TreeLSTMBuild(Vocab(["a", "film", "bad"]))(trees)
+    >>> plan, labels.tolist(), sizes.tolist()
+    (FoldPlan(2 groups, 4 nodes, 1 request), [2, 4, 3, 1], [3, 1])
+    """
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+
+    def __call__(self, trees: Sequence[Tree]) -> tuple[FoldPlan, tuple[np.ndarray, np.ndarray]]:
+        fold = Fold()
+        nodes, labels, roots = encode_trees(fold, trees, self.vocab)
+        sizes = np.diff(np.asarray([-1, *roots], dtype=np.int64))
+        return fold.plan([nodes]), (np.asarray(labels, dtype=np.int64), sizes)
+
+
+def tree_lstm_loss(
+    model: nn.Module, outputs: Sequence[torch.Tensor], targets: tuple[Any, Any]
+) -> torch.Tensor:
+    """The half of the SST loss that runs in the trainer: cross-entropy at every node, per tree, then over trees.
+
+    Each tree weighs the same whatever its size (its loss is the mean over its nodes), so the
+    loss of a minibatch is a mean over its trees, and minibatches of a step combine into exactly
+    the loss of the whole global batch. Reads no value back to the host.
+
+    Args:
+        model: the :class:`TreeLSTM` (its ``logits``).
+        outputs: ``plan.apply(model)`` for a plan of :class:`TreeLSTMBuild`.
+        targets: its ``(labels, sizes)`` (numpy arrays or tensors).
+
+    >>> from torchfold.datasets import parse_tree
+    >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
+    >>> vocab = Vocab.build(trees)
+    >>> plan, targets = TreeLSTMBuild(vocab)(trees)
+    >>> _ = torch.manual_seed(0)
+    >>> model = TreeLSTM(len(vocab), 4, 8)
+    >>> loss = tree_lstm_loss(model, plan.apply(model), targets)
+    >>> loss.shape, loss.requires_grad
+    (torch.Size([]), True)
+    """
+    [states] = outputs
+    labels, sizes = (torch.as_tensor(t, device=states.device) for t in targets)
+    losses = F.cross_entropy(model.logits(states), labels, reduction="none")  # type: ignore[operator]
+    weights = (sizes.to(losses) * len(sizes)).reciprocal()
+    return (losses * weights.repeat_interleave(sizes, output_size=len(labels))).sum()
 
 
 class MLP(nn.Module):

@@ -1,0 +1,347 @@
+"""StepLoader: PopTorch batching, disjoint ranks, leftovers, trace steps, workers, exact resume, shutdown."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _loader_worker import failing_build, slow_build, square_build, wrong_build
+from _loop_worker import sst_trees
+
+from torchfold._loader import StepLoader
+from torchfold._sampler import TraceBatchSampler
+from torchfold.datasets import Vocab
+from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+
+TESTS = Path(__file__).resolve().parent
+
+
+class Squares(torch.nn.Module):
+    def square(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def _indices(loader: StepLoader) -> list[list[list[int]]]:
+    return [[mb.indices for mb in step] for step in loader]
+
+
+def _flat(steps: list[list[list[int]]]) -> list[int]:
+    return [i for step in steps for mb in step for i in mb]
+
+
+@pytest.mark.parametrize(
+    ("size", "batch", "drop_last", "sizes"),
+    [
+        (101, 6, False, [6] * 16 + [5]),
+        (101, 6, True, [6] * 16),
+        (12, 6, False, [6, 6]),
+        (7, 7, False, [7]),
+    ],
+)
+def test_leftovers_are_a_smaller_step_or_dropped_never_lost_or_repeated(
+    size: int, batch: int, drop_last: bool, sizes: list[int]
+) -> None:
+    loader = StepLoader(list(range(size)), batch, drop_last=drop_last, seed=1)
+    assert len(loader) == len(sizes)
+    steps = _indices(loader)
+    assert [sum(len(mb) for mb in step) for step in steps] == sizes
+    seen = _flat(steps)
+    assert len(seen) == len(set(seen)) == size - loader.dropped_samples
+    assert loader.dropped_samples == (size - sum(sizes) if drop_last else 0)
+
+
+@pytest.mark.parametrize(("batch", "accumulation"), [(4, 1), (3, 2), (5, 3)])
+def test_ranks_read_disjoint_parts_of_one_seeded_permutation(batch: int, accumulation: int) -> None:
+    def epoch(e: int) -> list[list[int]]:
+        per_rank = []
+        for rank in range(3):
+            loader = StepLoader(
+                list(range(100)),
+                batch,
+                replication_factor=3,
+                rank=rank,
+                gradient_accumulation=accumulation,
+                seed=7,
+            )
+            loader.set_epoch(e)
+            steps = list(loader)
+            assert all(len(step) <= accumulation for step in steps)
+            assert all(step.batch_size <= batch * 3 * accumulation for step in steps)
+            per_rank.append([i for step in steps for mb in step for i in mb.indices])
+        return per_rank
+
+    first, again, second = epoch(0), epoch(0), epoch(1)
+    assert first == again  # seeded: the same on every process
+    assert sorted(i for rank in first for i in rank) == list(range(100))  # disjoint, nothing lost
+    assert sorted(i for rank in second for i in rank) == list(range(100))
+    assert first != second  # set_epoch changes the order
+
+
+def test_poptorch_sizes_and_the_combined_batch() -> None:
+    loader = StepLoader(
+        list(range(200)),
+        2,
+        device_iterations=3,
+        replication_factor=2,
+        rank=1,
+        gradient_accumulation=4,
+        seed=0,
+    )
+    assert loader.combined_batch_size == 2 * 3 * 2 * 4
+    assert len(loader) == 13  # 12 steps of 16 and one of the 8 left
+    steps = list(loader)
+    assert len(steps) == 13 and len(loader) == 0
+    assert all(len(step) == 4 and step.batch_size == 16 for step in steps[:-1])
+    assert steps[-1].batch_size == 8 and len(steps[-1]) == 2 and steps[-1].plan.num_minibatches == 4
+
+
+def test_trace_mode_yields_the_samplers_minibatches_step_by_step() -> None:
+    trace = [12, 6, 18, 30, 6, 24, 12, 18, 36]
+    for rank in range(2):
+        loader = StepLoader(list(range(100)), 6, trace=trace, replication_factor=2, rank=rank, seed=3)
+        sampler = TraceBatchSampler(100, trace, 6, num_replicas=2, rank=rank, seed=3)
+        steps = list(loader)
+        assert [step.plan for step in steps] == sampler.steps()
+        assert [mb.indices for step in steps for mb in step] == list(sampler)
+        assert [len(step) for step in steps] == [p.local_minibatches for p in sampler.steps()]
+        assert any(len(step) > 1 for step in steps)
+        assert any(len(step) == 0 for step in steps) == (rank == 1)  # steps of 6: one minibatch, rank 0's
+
+
+def _tree_steps(loader: StepLoader, model: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for step in loader:
+        for mb in step:
+            plan, targets = mb.data
+            out.append((mb.indices, [tree_lstm_loss(model, plan.apply(model), targets).item()]))
+    return out
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_build_the_same_plans_as_the_training_process(context: str) -> None:
+    trees = sst_trees(60)
+    vocab = Vocab.build(trees)
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 8, 8).double()
+    build = TreeLSTMBuild(vocab)
+    in_process = _tree_steps(StepLoader(trees, 6, build=build, trace=[12, 18, 30], seed=2), model)
+    workers = 2 if context == "fork" else 1  # a spawned worker imports torch: seconds
+    with StepLoader(
+        trees,
+        6,
+        build=build,
+        trace=[12, 18, 30],
+        seed=2,
+        num_workers=workers,
+        multiprocessing_context=context,
+    ) as loader:
+        assert _tree_steps(loader, model) == in_process
+
+
+def test_state_dict_resumes_mid_epoch_exactly_with_workers_in_flight() -> None:
+    trace = [6, 12, 18, 6, 24, 12, 6, 18, 36, 30, 24, 12]  # epoch 1: steps 8..11, the last cut to 10
+
+    def loader() -> StepLoader:
+        return StepLoader(
+            list(range(100)),
+            2,
+            build=square_build,
+            trace=trace,
+            seed=5,
+            num_workers=2,
+            prefetch_factor=4,
+            drop_last=False,
+        )
+
+    with loader() as whole:
+        whole.set_epoch(1)
+        expected = _indices(whole)
+    with loader() as first:
+        first.set_epoch(1)
+        got, it = [], iter(first)
+        for _ in range(2):  # workers are building the next steps meanwhile
+            got.append([mb.indices for mb in next(it)])
+        buffer = io.BytesIO()
+        torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    with loader() as resumed:
+        resumed.load_state_dict(torch.load(buffer, weights_only=True))
+        resumed.set_epoch(1)  # the resumed epoch: keeps the position
+        assert len(resumed) == len(expected) - 2
+        got += _indices(resumed)
+    assert got == expected
+    assert sorted(i for step in got for mb in step for i in mb) == list(range(100))
+
+
+def test_iterating_again_goes_on_from_the_last_step_handed_out() -> None:
+    loader = StepLoader(list(range(30)), 3, seed=0)
+    it = iter(loader)
+    head = [next(it).step for _ in range(4)]
+    assert [step.step for step in loader] == list(range(4, 10))
+    assert head == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(it)
+    assert list(loader) == []  # the epoch is over until set_epoch(1)
+    loader.set_epoch(1)
+    assert len(list(loader)) == 10
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_build_error_is_raised_with_the_worker_traceback_and_the_items(num_workers: int) -> None:
+    loader = StepLoader(list(range(40)), 4, build=failing_build, shuffle=False, num_workers=num_workers)
+    with loader, pytest.raises(ValueError, match="item 13 is corrupt") as info:
+        list(loader)
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert "dataset indices [12, 13, 14, 15]" in text
+    if num_workers:
+        assert "DataLoader worker process" in text and "failing_build" in text  # the worker's traceback
+
+
+def test_a_build_returning_the_wrong_type_is_named() -> None:
+    loader = StepLoader(list(range(8)), 4, build=wrong_build, shuffle=False)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"build returned list for the minibatch of dataset indices \[0, 1, 2, 3\]"
+    ):
+        list(loader)
+
+
+def test_device_moves_numpy_targets_to_tensors() -> None:
+    loader = StepLoader(list(range(6)), 3, build=square_build, shuffle=False, device="cpu")
+    step = next(iter(loader))
+    plan, targets = step.minibatches[0].data
+    assert isinstance(targets, torch.Tensor) and targets.tolist() == [0, 1, 2]
+    assert plan.apply(Squares())[0].tolist() == [0.0, 1.0, 4.0]
+
+
+def _children() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children() if p.pid is not None}
+
+
+def test_early_break_and_close_leave_no_worker() -> None:
+    before = _children()
+    loader = StepLoader(list(range(60)), 2, build=slow_build, num_workers=2, prefetch_factor=2)
+    for step in loader:
+        assert step.step == 0
+        break
+    assert _children() - before  # persistent workers wait for the next epoch...
+    loader.close()
+    assert _children() == before  # ...until close()
+    loader.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+
+
+def test_keyboard_interrupt_leaves_no_orphan_process(tmp_path: Path) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "import multiprocessing, sys\n"
+        f"sys.path.insert(0, {str(TESTS)!r})\n"
+        "from _loader_worker import slow_build\n"
+        "from torchfold import StepLoader\n"
+        "if __name__ == '__main__':\n"
+        "    loader = StepLoader(list(range(400)), 2, build=slow_build, num_workers=2)\n"
+        "    for step in loader:\n"
+        "        pids = [p.pid for p in multiprocessing.active_children()]\n"
+        "        print(*pids, flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
+    assert proc.stdout is not None
+    workers = [int(pid) for pid in proc.stdout.readline().split()]
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split()[2] == "Z")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"batch_size": 40},
+            ValueError,
+            r"combined batch size .* = 40 is larger than the dataset \(30 items\)",
+        ),
+        (
+            {"batch_size": 4, "replication_factor": 2, "device_iterations": 2, "gradient_accumulation": 2},
+            ValueError,
+            r"4 \* 2 \* 2 \* 2 = 32 is larger than the dataset",
+        ),
+        ({"device_iterations": 0}, ValueError, "device_iterations must be a positive int, got 0"),
+        ({"replication_factor": True}, TypeError, "replication_factor must be an int, got bool True"),
+        ({"gradient_accumulation": 1.5}, TypeError, "gradient_accumulation must be an int, got float 1.5"),
+        (
+            {"batch_size": 4, "trace": [12, 10]},
+            ValueError,
+            "batch size 10 is not a multiple of minibatch_size=4",
+        ),
+        ({"trace": [4], "gradient_accumulation": 2}, ValueError, "leave gradient_accumulation=1"),
+        ({"prefetch_factor": 2}, ValueError, "pass num_workers >= 1"),
+        ({"build": "plan"}, TypeError, "build must be callable"),
+        (
+            {"build": lambda items: items, "num_workers": 1, "multiprocessing_context": "spawn"},
+            TypeError,
+            "cannot be pickled for 'spawn' worker processes",
+        ),
+        (
+            {"rank": 2, "replication_factor": 2},
+            ValueError,
+            r"Invalid rank 2, rank should be in the interval \[0, 1\]",
+        ),
+    ],
+)
+def test_bad_arguments_fail_before_any_worker_starts(
+    kwargs: dict, error: type[Exception], match: str
+) -> None:
+    before = _children()
+    with pytest.raises(error, match=match):
+        StepLoader(list(range(30)), **kwargs)
+    assert _children() == before
+
+
+def test_targets_are_safe_to_keep() -> None:
+    with StepLoader(list(range(12)), 3, build=square_build, shuffle=False, num_workers=1) as loader:
+        kept = [mb.data[1] for step in loader for mb in step]
+    assert [t.tolist() for t in kept] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert all(isinstance(t, np.ndarray) for t in kept)
+    assert Counter(len(t) for t in kept) == {3: 4}
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_iterating_leaves_the_global_generators_alone(num_workers: int) -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with StepLoader(list(range(20)), 4, build=square_build, num_workers=num_workers) as loader:
+        for _ in range(2):
+            list(loader)
+            loader.set_epoch(loader.epoch + 1)
+    torch.testing.assert_close(torch.rand(3), expected)

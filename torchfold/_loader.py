@@ -1,0 +1,481 @@
+"""A step loader: one item per optimizer step, minibatches built (folds recorded) in worker processes.
+
+:class:`StepLoader` is a thin layer over ``torch.utils.data.DataLoader`` with PopTorch's batching
+model. Each optimizer step has a global batch; the loader cuts it into minibatches of
+``batch_size`` samples, deals them to the ``replication_factor`` processes (minibatch ``j`` of a
+step to rank ``j % replication_factor``, so a rank may get several, one or none) and yields, per
+step, this rank's minibatches as one :class:`Step`. The global batch is either PopTorch's
+constant ``batch_size * replication_factor * gradient_accumulation`` or, with ``trace=``, what a
+:class:`~torchfold.BatchSizeTrace` says for that step. Either way the split is the one of
+:class:`~torchfold.TraceBatchSampler` (the loader drives one), so ranks read disjoint samples of
+one seeded permutation that changes with :meth:`StepLoader.set_epoch`.
+
+With ``build``, every minibatch's items go through ``build(items) -> (FoldPlan, targets)`` in
+``num_workers`` worker processes (recording and compiling the folds there), ``prefetch_factor``
+minibatches ahead per worker; the training process only applies plans. The loader owns its
+position: :meth:`StepLoader.state_dict` (no arguments) resumes after the last step it handed
+out, also with workers and read-ahead in flight (the read-ahead is simply built again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from torchfold._compile import FoldPlan
+from torchfold._distributed import get_world_size
+from torchfold._sampler import StepPlan, TraceBatchSampler
+from torchfold._static import StaticPlan
+from torchfold._trace import TraceLike
+from torchfold._validate import check_int
+
+__all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Minibatch(Generic[R]):
+    """One minibatch of a step: what ``build`` made of its items, how many samples, which ones.
+
+    Args:
+        data: ``build(items)`` (e.g. ``(plan, targets)``), or the list of items without ``build``.
+        num_samples: how many samples it holds: give it to ``optimizer.minibatch(num_samples)``.
+        indices: the dataset indices of its items.
+    """
+
+    data: R
+    num_samples: int
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class Step(Generic[R]):
+    """This rank's minibatches of one optimizer step (possibly none), and the step's plan.
+
+    Iterating a step gives its :class:`Minibatch` es; ``plan`` says the step's global batch and
+    how its minibatches are spread over the ranks.
+    """
+
+    plan: StepPlan
+    minibatches: tuple[Minibatch[R], ...]
+
+    def __iter__(self) -> Iterator[Minibatch[R]]:
+        return iter(self.minibatches)
+
+    def __len__(self) -> int:
+        return len(self.minibatches)
+
+    @property
+    def step(self) -> int:
+        """The global step index (counts across epochs)."""
+        return self.plan.step
+
+    @property
+    def batch_size(self) -> int:
+        """The step's global batch size (over all ranks)."""
+        return self.plan.batch_size
+
+
+def to_device(data: Any, device: torch.device) -> Any:
+    """``data`` with its tensors and numpy arrays as tensors on ``device`` (tuples, lists, dicts walked).
+
+    Copies are ``non_blocking``: nothing waits for the device. A :class:`FoldPlan` stays as it is;
+    it materialises its arguments on the module's device when applied.
+
+    >>> to_device((np.array([1, 2]), [torch.ones(1)], "label"), torch.device("cpu"))
+    (tensor([1, 2]), [tensor([1.])], 'label')
+    """
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data).to(device, non_blocking=True)
+    if isinstance(data, tuple):
+        parts = [to_device(part, device) for part in data]
+        return type(data)(*parts) if hasattr(data, "_fields") else tuple(parts)  # a namedtuple keeps its type
+    if isinstance(data, list):
+        return [to_device(part, device) for part in data]
+    if isinstance(data, dict):
+        return {key: to_device(value, device) for key, value in data.items()}
+    return data
+
+
+class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
+    """What the workers run: ``dataset[i]`` for a minibatch's indices, then ``build`` on the items."""
+
+    def __init__(self, dataset: Sequence[Any], build: Callable[[list[Any]], Any] | None) -> None:
+        self.dataset = dataset
+        self.build = build
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[int]) -> Minibatch[Any]:
+        try:
+            items = [self.dataset[i] for i in indices]
+            data = items if self.build is None else self.build(items)
+        except Exception as e:
+            where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
+            _add_note(e, f"torchfold.StepLoader: while building the minibatch of {where}")
+            raise
+        if self.build is not None and not (
+            isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)
+        ):
+            got = type(data).__name__
+            if isinstance(data, tuple):
+                got = f"a tuple of {len(data)} ({', '.join(type(part).__name__ for part in data)})"
+            raise TypeError(
+                f"build returned {got} for the minibatch of dataset indices {indices[:8]}"
+                f"{'...' if len(indices) > 8 else ''}; it must return (FoldPlan or StaticPlan, targets), e.g. "
+                "(fold.plan([nodes]), labels)"
+            )
+        return Minibatch(data, len(indices), list(indices))
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; on Python 3.10, which prints no notes, appended to its message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
+
+
+def _first(batch: Minibatch[Any]) -> Minibatch[Any]:
+    return batch  # collate_fn: a minibatch is already whole (module level: spawn pickles it)
+
+
+class StepLoader(Generic[T, R]):
+    """Yield one :class:`Step` per optimizer step: this rank's minibatches of that step, built ahead.
+
+    The loop stays ordinary (``optimizer`` an :class:`~torchfold.AccumulatingOptimizer`)::
+
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for step in loader:
+                for mb in step:                          # may be none on some ranks
+                    plan, targets = mb.data
+                    with optimizer.minibatch(mb.num_samples):
+                        loss_fn(model, plan.apply(model), targets).backward()
+                optimizer.step()                         # every rank, every step
+                optimizer.zero_grad()
+
+    Args:
+        dataset: the items (indexable, with ``len()``), e.g. a list of trees.
+        batch_size: samples per minibatch on one replica (PopTorch's ``batch_size``; default 1).
+        build: ``build(items) -> (FoldPlan, targets)``, run for each minibatch in the workers
+            (record the items on a ``Fold`` and return ``fold.plan(...)`` and the targets, numpy
+            preferred). ``None`` (default): a minibatch is the list of its items.
+        trace: the global batch size of every step (a :class:`~torchfold.BatchSizeTrace`, a
+            ``step,batchsize`` CSV path, a list or an int); every size a multiple of
+            ``batch_size``. ``None`` (default): PopTorch's constant
+            ``batch_size * replication_factor * gradient_accumulation``.
+        device_iterations: PopTorch's optimizer steps per host step (default 1). The loader hands
+            out one step at a time, so it only enters :attr:`combined_batch_size` and its check.
+        replication_factor: processes sharing each step (default: the ``torch.distributed``
+            world size, else 1); each reads a disjoint part of every step.
+        gradient_accumulation: minibatches per replica per step (default 1; without ``trace``).
+        rank: this process (default: the ``torch.distributed`` rank, else 0).
+        shuffle: a new seeded permutation every epoch (default ``True``), the same on every rank.
+        seed: the permutation's seed, the same on every rank (default 0).
+        drop_last: ``False`` (default): the samples left at the end of an epoch make a last,
+            smaller step (short minibatches, some ranks maybe idle). ``True``: they are left out
+            of that epoch (:attr:`dropped_samples` says how many).
+        num_workers: worker processes that build minibatches (default 0: in this process, when
+            asked). With workers, building runs ahead of training.
+        prefetch_factor: minibatches each worker builds ahead (default 2; needs workers).
+        multiprocessing_context: ``"spawn"``, ``"forkserver"``, ``"fork"`` or a context (default:
+            Python's). Under ``spawn``, ``build`` and the dataset are pickled to the workers and the
+            training script must guard its entry point with ``if __name__ == "__main__":``.
+        worker_init_fn: called in each worker with its id at start (e.g. ``gc.freeze()``).
+        timeout: seconds to wait for a worker's minibatch before raising (default 0: no limit).
+        device: move each minibatch's tensors and numpy arrays there, without blocking (default:
+            leave them where they are).
+
+    Raises:
+        TypeError / ValueError: bad arguments, before any worker starts; worker errors are raised
+            in the training loop with the worker's traceback and the failing dataset indices.
+
+    Example (101 items in minibatches of 6: 16 full steps and one of 5; with ``drop_last`` those
+    5 wait for the next epoch's permutation):
+
+    >>> loader = StepLoader(list(range(101)), batch_size=6, shuffle=False)
+    >>> len(loader), loader.combined_batch_size
+    (17, 6)
+    >>> steps = list(loader)
+    >>> [len(mb.data) for step in steps[-2:] for mb in step]
+    [6, 5]
+    >>> StepLoader(list(range(101)), batch_size=6, drop_last=True).dropped_samples
+    5
+    >>> ranks = [StepLoader(list(range(10)), 2, trace=[4, 4, 2], replication_factor=2, rank=r, shuffle=False)
+    ...          for r in range(2)]
+    >>> [[mb.indices for mb in step] for step in ranks[1]]  # rank 0 has the last step alone
+    [[[2, 3]], [[6, 7]], []]
+    """
+
+    def __init__(
+        self,
+        dataset: Sequence[T],
+        batch_size: int = 1,
+        *,
+        build: Callable[[list[T]], R] | None = None,
+        trace: TraceLike | None = None,
+        device_iterations: int = 1,
+        replication_factor: int | None = None,
+        gradient_accumulation: int = 1,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: str | Any = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        timeout: float = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"dataset must be indexable and have len() (a list, a map-style Dataset), got {type(dataset).__name__}"
+            )
+        check_int("batch_size", batch_size)
+        check_int("device_iterations", device_iterations)
+        check_int("gradient_accumulation", gradient_accumulation)
+        if replication_factor is None:
+            replication_factor = get_world_size()
+        check_int("replication_factor", replication_factor)
+        check_int("num_workers", num_workers, minimum=0)
+        if prefetch_factor is not None:
+            check_int("prefetch_factor", prefetch_factor)
+            if num_workers == 0:
+                raise ValueError(
+                    f"prefetch_factor={prefetch_factor} needs worker processes to build ahead; pass num_workers >= 1 "
+                    "or leave prefetch_factor=None"
+                )
+        if build is not None and not callable(build):
+            raise TypeError(f"build must be callable as build(items) -> (FoldPlan, targets), got {build!r}")
+        if trace is not None and gradient_accumulation != 1:
+            raise ValueError(
+                f"gradient_accumulation={gradient_accumulation} with a trace: the trace sets every step's global "
+                "batch, and so its minibatches; leave gradient_accumulation=1"
+            )
+        if len(dataset) == 0:
+            raise ValueError("dataset is empty; a loader needs at least one item")
+        self.combined_batch_size: int | None = None
+        if trace is None:
+            self.combined_batch_size = (
+                batch_size * device_iterations * replication_factor * gradient_accumulation
+            )
+            if self.combined_batch_size > len(dataset):
+                raise ValueError(
+                    f"the combined batch size batch_size * device_iterations * replication_factor * "
+                    f"gradient_accumulation = {batch_size} * {device_iterations} * {replication_factor} * "
+                    f"{gradient_accumulation} = {self.combined_batch_size} is larger than the dataset "
+                    f"({len(dataset)} items); lower one of them"
+                )
+            trace = batch_size * replication_factor * gradient_accumulation
+        self.sampler = TraceBatchSampler(
+            len(dataset),
+            trace,
+            minibatch_size=batch_size,
+            num_replicas=replication_factor,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        if num_workers and build is not None:
+            method: str = (
+                multiprocessing.get_start_method()
+                if multiprocessing_context is None
+                else multiprocessing_context
+                if isinstance(multiprocessing_context, str)
+                else multiprocessing_context.get_start_method()
+            )
+            if method != "fork":
+                try:
+                    pickle.dumps(build)
+                except Exception as e:
+                    raise TypeError(
+                        f"build {build!r} cannot be pickled for {method!r} worker processes ({e}); define it at "
+                        "module level (or as an instance of a module-level class), not as a lambda or a local function"
+                    ) from e
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.build = build
+        self.device_iterations = device_iterations
+        self.replication_factor = replication_factor
+        self.gradient_accumulation = gradient_accumulation
+        self.num_workers = num_workers
+        self.device = torch.device(device) if device is not None else None
+        self._loader = torch.utils.data.DataLoader(
+            _Builder(dataset, build),
+            batch_size=None,
+            sampler=self.sampler,
+            collate_fn=_first,  # type: ignore[arg-type]
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers else None,
+            persistent_workers=num_workers > 0,  # no start-up cost per epoch or resume (spawn: seconds)
+            multiprocessing_context=multiprocessing_context if num_workers else None,
+            worker_init_fn=worker_init_fn,
+            timeout=timeout,
+            # DataLoader draws its workers' base seed at every iter(): from its own generator, not
+            # torch's global one, which the training loop's dropout must find where a resume left it.
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._next_step = self.sampler.epoch_steps.first_step
+        self._generation = 0  # bumped by every iter(): an older iteration may not go on
+        self._closed = False
+
+    # -- position --------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the ``replication_factor`` ones."""
+        return self.sampler.rank
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self.sampler.epoch
+
+    @property
+    def next_step(self) -> int:
+        """The global step the next ``iter()`` starts at (after the last step handed out)."""
+        return self._next_step
+
+    @property
+    def num_epochs(self) -> int | None:
+        """Complete epochs a trace covers over the dataset (``None``: unbounded, as PopTorch's constant)."""
+        return self.sampler.num_epochs if self.sampler.trace.num_steps is not None else None
+
+    @property
+    def dropped_samples(self) -> int:
+        """Samples left out of the current epoch (only with ``drop_last=True``)."""
+        return len(self.dataset) - self.sampler.epoch_steps.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: its permutation (``seed + epoch``) and its steps.
+
+        .. warning::
+            Call it at the start of every epoch, before ``iter()``, with the same value on every
+            rank; otherwise every epoch yields the same order. After :meth:`load_state_dict`,
+            calling it with the resumed epoch keeps the mid-epoch position.
+        """
+        if epoch != self.sampler.epoch:
+            self.sampler.set_epoch(epoch)
+            self._next_step = self.sampler.epoch_steps.first_step
+            self._generation += 1
+
+    def steps(self) -> list[StepPlan]:
+        """The plans of the steps the next ``iter()`` yields (the current epoch from :attr:`next_step`)."""
+        self._anchor()
+        return self.sampler.steps()
+
+    def __len__(self) -> int:
+        """Steps the next ``iter()`` yields: the rest of the current epoch."""
+        return len(self.steps())
+
+    def _anchor(self) -> None:
+        self.sampler.load_state_dict(self.sampler.state_dict(next_step=self._next_step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last step handed out, and the settings it is only valid with.
+
+        The same on every rank (rank 0 may save it for all); ints, bools and strings only
+        (``torch.load(weights_only=True)`` reads it).
+        """
+        return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict(next_step=self._next_step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the position saved by :meth:`state_dict` (mid-epoch too); an iteration in progress ends.
+
+        Raises:
+            ValueError: the state was saved with another trace, world size, dataset size, batch
+                size, seed, shuffle or drop_last.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "sampler" not in state:
+            raise ValueError(
+                f"state must come from StepLoader.state_dict() (version {_STATE_VERSION}, with 'sampler'), got "
+                f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
+            )
+        self.sampler.load_state_dict(state["sampler"])
+        self._next_step = int(state["sampler"]["next_step"])
+        self._generation += 1
+
+    # -- iterating -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Step[R]]:
+        if self._closed:
+            raise RuntimeError("the StepLoader is closed; make a new one")
+        self._generation += 1
+        generation = self._generation
+        self._anchor()  # at our position: an abandoned iteration's read-ahead is simply dropped
+        plans = self.sampler.steps()
+        return self._steps(plans, generation)
+
+    def _steps(self, plans: list[StepPlan], generation: int) -> Iterator[Step[R]]:
+        if not plans:
+            return
+        batches = iter(self._loader)
+        for plan in plans:
+            if self._generation != generation or self._closed:
+                raise RuntimeError(
+                    "this StepLoader iteration was superseded (a new iter(), set_epoch(), load_state_dict() or "
+                    "close()); iterate the loader again"
+                )
+            minibatches = []
+            for _ in range(plan.local_minibatches):
+                minibatch: Minibatch[Any] = next(batches)
+                if self.device is not None:
+                    minibatch = dataclasses.replace(minibatch, data=to_device(minibatch.data, self.device))
+                minibatches.append(minibatch)
+            self._next_step = plan.step + 1
+            yield Step(plan, tuple(minibatches))
+
+    # -- shutting down ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes and drop what they built ahead (safe to call more than once)."""
+        self._closed = True
+        iterator = getattr(self._loader, "_iterator", None)
+        if iterator is not None:
+            # DataLoader keeps persistent workers in its iterator; this is how it stops them itself.
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._loader._iterator = None
+
+    def __enter__(self) -> StepLoader[T, R]:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    def __repr__(self) -> str:
+        how = (
+            f"combined_batch_size={self.combined_batch_size}"
+            if self.combined_batch_size is not None
+            else f"trace={self.sampler.trace.source!r}"
+        )
+        return (
+            f"StepLoader({len(self.dataset)} items, batch_size={self.batch_size}, {how}, "
+            f"rank {self.rank} of {self.replication_factor}, num_workers={self.num_workers})"
+        )

@@ -1,0 +1,55 @@
+"""The training half of torchfold: batch-size traces, the step loader, the optimizer wrapper, the loop.
+
+Everything for training with a global batch size that changes every step, on one process or
+many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) stays at the root.
+
+>>> import torchfold.train as tt
+>>> loader = tt.StepLoader(list(range(10)), batch_size=2, trace=[4, 6], shuffle=False)
+>>> [[mb.indices for mb in step] for step in loader]
+[[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
+"""
+
+from torchfold._distributed import (
+    all_reduce_sum_,
+    broadcast_parameters,
+    check_same_on_all_ranks,
+    default_device,
+    fingerprint,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+)
+from torchfold._elastic import ElasticConfig
+from torchfold._loader import Minibatch, Step, StepLoader, to_device
+from torchfold._loop import PlanLoss, StepStats, TraceTrainer
+from torchfold._optim import AccumulatingOptimizer
+from torchfold._sampler import StepPlan, TraceBatchSampler
+from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+
+__all__ = [
+    "AccumulatingOptimizer",
+    "BatchSizeTrace",
+    "ElasticConfig",
+    "EpochSteps",
+    "Minibatch",
+    "PlanLoss",
+    "Step",
+    "StepLoader",
+    "StepPlan",
+    "StepStats",
+    "TraceBatchSampler",
+    "TraceTrainer",
+    "all_reduce_sum_",
+    "as_trace",
+    "broadcast_parameters",
+    "check_same_on_all_ranks",
+    "default_device",
+    "fingerprint",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "scaled_lr",
+    "to_device",
+]

@@ -43,7 +43,7 @@ from torchfold._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold._distributed import all_reduce_sum_, broadcast_parameters, get_rank, get_world_size
+from torchfold._distributed import all_reduce_sum_, broadcast_parameters, get_rank, get_world_size, xla_sync
 from torchfold._loader import Step, StepLoader, to_device
 from torchfold._optim import AccumulatingOptimizer
 
@@ -276,13 +276,19 @@ class TraceTrainer:
         for minibatch in step:
             fold_plan, targets = self._to_device(minibatch.data)
             with self.optimizer.minibatch(minibatch.num_samples):
-                loss = self.loss(self.model, fold_plan.apply(self.model), targets)
+                # padded=True: a static-shape plan's outputs keep their capacity (the build padded
+                # the targets to match), so every minibatch runs the same graph on XLA
+                loss = self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise TypeError(
                         f"loss must return a scalar tensor (the minibatch's loss), got "
                         f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
                     )
                 loss.backward()
+            if self.device.type == "xla":
+                # One graph per minibatch (forward, backward, gradient accumulation): a step with a
+                # new number of minibatches then reuses the graphs compiled before
+                xla_sync()
             nodes += len(fold_plan)
             loss_sum += loss.detach().to(device=self.device, dtype=dtype) * (
                 minibatch.num_samples if weight_by_samples else 1

@@ -21,6 +21,7 @@ from torch import nn
 
 from torchfold._compile import FoldPlan
 from torchfold._fold import Fold
+from torchfold._static import StaticPlan, StaticShapes
 from torchfold.datasets import Tree, Vocab
 
 __all__ = [
@@ -218,29 +219,37 @@ def forward_tree(model: TreeLSTM, tree: Tree, vocab: Vocab) -> tuple[torch.Tenso
 class TreeLSTMBuild:
     """The half of the SST loss that runs in loader workers: a minibatch of trees to a plan and targets.
 
-    Records every tree on one fold and returns ``(plan, (labels, sizes))``: ``plan`` gives every
-    node's ``h`` (post-order, tree after tree), ``labels`` every node's label and ``sizes`` every
-    tree's node count, both int64 numpy arrays (they cross processes cheaper than tensors).
-    :func:`tree_lstm_loss` is the other half.
+    Records every tree on one fold and returns ``(plan, (labels, weights))``: ``plan`` gives every
+    node's ``h`` (post-order, tree after tree), ``labels`` every node's label (int64) and
+    ``weights`` its weight in the minibatch's loss, ``1 / (nodes of its tree * trees)`` (float64),
+    as numpy arrays (they cross processes cheaper than tensors). :func:`tree_lstm_loss` is the
+    other half.
+
+    With ``shapes``, plans are padded into that :class:`~torchfold.StaticShapes` envelope (for
+    XLA: the graphs repeat) and so are the targets, padded rows weighing 0.
 
     Args:
         vocab: maps the trees' words to the model's embedding ids.
+        shapes: pad plans and targets into this envelope (default ``None``: no padding).
 
     >>> from torchfold.datasets import parse_tree
     >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
-    >>> plan, (labels, sizes) = TreeLSTMBuild(Vocab(["a", "film", "bad"]))(trees)
-    >>> plan, labels.tolist(), sizes.tolist()
-    (FoldPlan(2 groups, 4 nodes, 1 request), [2, 4, 3, 1], [3, 1])
+    >>> plan, (labels, weights) = TreeLSTMBuild(Vocab(["a", "film", "bad"]))(trees)
+    >>> plan, labels.tolist(), weights.tolist()
+    (FoldPlan(2 groups, 4 nodes, 1 request), [2, 4, 3, 1], [0.16666666666666666, 0.16666666666666666, 0.16666666666666666, 0.5])
     """
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, shapes: StaticShapes | None = None) -> None:
         self.vocab = vocab
+        self.shapes = shapes
 
-    def __call__(self, trees: Sequence[Tree]) -> tuple[FoldPlan, tuple[np.ndarray, np.ndarray]]:
-        fold = Fold()
+    def __call__(self, trees: Sequence[Tree]) -> tuple[FoldPlan | StaticPlan, tuple[np.ndarray, np.ndarray]]:
+        fold = Fold(shapes=self.shapes)
         nodes, labels, roots = encode_trees(fold, trees, self.vocab)
-        sizes = np.diff(np.asarray([-1, *roots], dtype=np.int64))
-        return fold.plan([nodes]), (np.asarray(labels, dtype=np.int64), sizes)
+        sizes = np.diff(np.asarray([-1, *roots], dtype=np.int64)).astype(np.int64)
+        weights = np.repeat(1 / (sizes * len(sizes)), sizes)
+        plan = fold.plan([nodes])
+        return plan, (plan.pad(0, np.asarray(labels, dtype=np.int64)).numpy(), plan.pad(0, weights).numpy())
 
 
 def tree_lstm_loss(
@@ -254,8 +263,9 @@ def tree_lstm_loss(
 
     Args:
         model: the :class:`TreeLSTM` (its ``logits``).
-        outputs: ``plan.apply(model)`` for a plan of :class:`TreeLSTMBuild`.
-        targets: its ``(labels, sizes)`` (numpy arrays or tensors).
+        outputs: ``plan.apply(model, padded=True)`` for a plan of :class:`TreeLSTMBuild` (padded
+            rows, if any, weigh 0).
+        targets: its ``(labels, weights)`` (numpy arrays or tensors).
 
     >>> from torchfold.datasets import parse_tree
     >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
@@ -268,10 +278,9 @@ def tree_lstm_loss(
     (torch.Size([]), True)
     """
     [states] = outputs
-    labels, sizes = (torch.as_tensor(t, device=states.device) for t in targets)
+    labels, weights = (torch.as_tensor(t, device=states.device) for t in targets)
     losses = F.cross_entropy(model.logits(states), labels, reduction="none")  # type: ignore[operator]
-    weights = (sizes.to(losses) * len(sizes)).reciprocal()
-    return (losses * weights.repeat_interleave(sizes, output_size=len(labels))).sum()
+    return (losses * weights.to(losses.dtype)).sum()
 
 
 class MLP(nn.Module):

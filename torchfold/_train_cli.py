@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchfold._distributed import default_device, fingerprint, init_distributed
+from torchfold._distributed import default_device, init_distributed
 from torchfold._loop import StepStats, TraceTrainer, TreeLSTMLoss
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._sampler import TraceBatchSampler
@@ -149,12 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    config = {
-        "trace": trace.fingerprint(),
-        "trees": len(trees),
-        "minibatch_size": args.minibatch_size,
-        "seed": args.seed,
-        "settings": fingerprint({k: v for k, v in vars(args).items() if k not in ("no_progress", "history")}),
+    # The settings themselves (all small), so that a mismatch names the option and both values.
+    config: dict[str, object] = {
+        "trace batch sizes (fingerprint)": trace.fingerprint(),
+        "training trees": len(trees),
+        **{
+            f"--{k.replace('_', '-')}": v
+            for k, v in vars(args).items()
+            if k not in ("no_progress", "history")
+        },
     }
     joined = False
     try:

@@ -177,6 +177,39 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
             lambda s: s["sampler"].update(minibatch_size=4),
             "its sampler state does not fit this run: sampler state was saved with minibatch_size=4",
         ),
+        # Files that load but hold values no run writes: refused before anything is restored.
+        (
+            lambda s: s.update(rng="garbage"),
+            r"its rng should be a list of 1 generator states \(one per process\), got 'garbage'; the file was "
+            "damaged or edited",
+        ),
+        (
+            lambda s: s["rng"][0].update(torch=torch.zeros(10, dtype=torch.uint8)),
+            r"generator states of rank 0 are unusable: 'torch' should be a torch.uint8 tensor of shape "
+            r"\(5056,\), got a torch.uint8 tensor of shape \(10,\)",
+        ),
+        (
+            lambda s: s["rng"][0].update(torch=torch.full((5056,), 255, dtype=torch.uint8)),
+            "generator states of rank 0 are unusable: 'torch' is not a state of torch's generator",
+        ),
+        (
+            lambda s: s["rng"][0].update(python=[3, [1, 2], None]),
+            "'python' is not a state of Python's random module",
+        ),
+        (
+            lambda s: s["rng"][0].update(numpy=["MT19937", torch.zeros(3, dtype=torch.int64), 0, 0, 0.0]),
+            "'numpy' is not a state of NumPy's global generator",
+        ),
+        (
+            lambda s: s.update(step="ninety"),
+            r"its step should be an int >= 0 \(steps completed\), got 'ninety'",
+        ),
+        (lambda s: s.update(step=True), r"its step should be an int >= 0 \(steps completed\), got True"),
+        (lambda s: s.update(world_size="1"), "its world_size should be an int >= 1, got '1'"),
+        (
+            lambda s: s["optimizer"].update(optimizer="x"),
+            "its optimizer state does not fit this run: 'str' object has no attribute",
+        ),
     ],
 )
 def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
@@ -184,9 +217,12 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
 ) -> None:
     path = _edit(saved, tmp_path, change)
     trainer = make_trainer(sst_trees())
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     with pytest.raises(ValueError, match=match) as info:
         trainer.load_checkpoint(path)
     assert f"checkpoint {path}" in str(info.value)
+    if "rng" in match or "step" in match:  # checked before anything is restored
+        assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
 
 
 def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
@@ -225,3 +261,4 @@ def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
         assert "batch size 7 is not a multiple of minibatch_size=6" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+

@@ -280,6 +280,54 @@ def test_train_cli_ranks_that_disagree_exit_with_one_line_naming_the_setting(
         assert done.stderr.count("\n") == 1, f"rank {rank}: {done.stderr}"
 
 
+class _ClosedStore:
+    """A store client whose host (rank 0) has gone by the time this rank touches one of ``gone_at``
+    (key suffixes): from then on every call fails like a real TCPStore's."""
+
+    def __init__(self, entries: dict[str, str], gone_at: tuple[str, ...]) -> None:
+        self.entries, self.gone_at, self.gone = entries, gone_at, False
+
+    def _call(self, key: str) -> None:
+        self.gone = self.gone or key.endswith(self.gone_at)
+        if self.gone:
+            raise torch.distributed.DistNetworkError("Broken pipe\nException raised from sendBytes at ...")
+
+    def add(self, key: str, amount: int) -> int:
+        self._call(key)
+        return 0
+
+    def set(self, key: str, value: str) -> None:
+        self._call(key)
+        self.entries[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        self._call(keys[0])
+        return all(k in self.entries for k in keys)
+
+    def get(self, key: str) -> bytes:
+        self._call(key)
+        return self.entries[key].encode()
+
+
+def test_a_rank_that_loses_the_store_says_so_in_one_line_and_keeps_its_own_error() -> None:
+    from torchfold._distributed import _handshake
+
+    # Rank 0 left while rank 1 was still waiting for it: one clear line, not a C++ trace.
+    with pytest.raises(RuntimeError) as info:
+        _handshake(_ClosedStore({}, gone_at=("/0",)), 1, 2, {}, timeout_s=5.0)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "torchfold: rank 1 lost the rendezvous store during the startup handshake: rank 0, which hosts it, "
+        "stopped first; its own error says why (Broken pipe)"
+    )
+    # Rank 1 found the mismatch, but rank 0 was gone before rank 1 could mark itself finished:
+    # its own error stands (it used to be replaced by the Broken pipe of that last call).
+    rank0 = {"torchfold/handshake/0": '{"world_size": 2, "seed": 1}'}
+    store = _ClosedStore(rank0, gone_at=("/left", "/done/1"))
+    with pytest.raises(ValueError, match=r"seed differs \(rank 0: 1, rank 1: 2\)"):
+        _handshake(store, 1, 2, {"seed": 2}, timeout_s=5.0)  # type: ignore[arg-type]
+    assert store.gone
+
+
 def test_single_process_helpers() -> None:
     assert (get_world_size(), get_rank(), is_main_process()) == (1, 0, True)
     assert default_device() == torch.device("cpu")

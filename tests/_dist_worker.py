@@ -231,6 +231,7 @@ def handshake_rank(rank: int, scenarios: list[dict[str, Any]]) -> list[str]:
         if rank in scenario.get("absent", ()):
             outcomes.append("absent")
             continue
+        time.sleep(scenario.get("delay", {}).get(rank, 0.0))
         start = time.monotonic()
         real_store = torch.distributed.TCPStore
         if rank in scenario.get("slow_reader", ()):

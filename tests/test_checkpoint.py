@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,39 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
             lambda s: s["loader"]["sampler"].update(minibatch_size=4),
             "its loader state does not fit this run: sampler state was saved with minibatch_size=4",
         ),
+        # Files that load but hold values no run writes: refused before anything is restored.
+        (
+            lambda s: s.update(rng="garbage"),
+            r"its rng should be a list of 1 generator states \(one per process\), got 'garbage'; the file was "
+            "damaged or edited",
+        ),
+        (
+            lambda s: s["rng"][0].update(torch=torch.zeros(10, dtype=torch.uint8)),
+            r"generator states of rank 0 are unusable: 'torch' should be a torch.uint8 tensor of shape "
+            r"\(5056,\), got a torch.uint8 tensor of shape \(10,\)",
+        ),
+        (
+            lambda s: s["rng"][0].update(torch=torch.full((5056,), 255, dtype=torch.uint8)),
+            "generator states of rank 0 are unusable: 'torch' is not a state of torch's generator",
+        ),
+        (
+            lambda s: s["rng"][0].update(python=[3, [1, 2], None]),
+            "'python' is not a state of Python's random module",
+        ),
+        (
+            lambda s: s["rng"][0].update(numpy=["MT19937", torch.zeros(3, dtype=torch.int64), 0, 0, 0.0]),
+            "'numpy' is not a state of NumPy's global generator",
+        ),
+        (
+            lambda s: s.update(step="ninety"),
+            r"its step should be an int >= 0 \(steps completed\), got 'ninety'",
+        ),
+        (lambda s: s.update(step=True), r"its step should be an int >= 0 \(steps completed\), got True"),
+        (lambda s: s.update(world_size="1"), "its world_size should be an int >= 1, got '1'"),
+        (
+            lambda s: s["optimizer"].update(optimizer="x"),
+            "its optimizer state does not fit this run: 'str' object has no attribute",
+        ),
     ],
 )
 def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
@@ -184,9 +218,12 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
 ) -> None:
     path = _edit(saved, tmp_path, change)
     trainer = make_trainer(sst_trees())
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     with pytest.raises(ValueError, match=match) as info:
         trainer.load_checkpoint(path)
     assert f"checkpoint {path}" in str(info.value)
+    if "rng" in match or "step" in match:  # checked before anything is restored
+        assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
 
 
 def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
@@ -225,3 +262,115 @@ def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
         assert "batch size 7 is not a multiple of minibatch_size=6" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+
+
+def _cli(tmp_path: Path, *extra: str) -> list[str]:
+    data = tmp_path / "data"
+    if not data.exists():
+        data.mkdir()
+        (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()[:24]))
+    return [
+        *("--trace", "12", "--data", str(data), "--minibatch-size", "6", "--hidden-dim", "4"),
+        *("--embedding-dim", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"),
+        *("--log-every", "0", "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9"),
+        *extra,
+    ]
+
+
+def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    threads = torch.get_num_threads()
+    try:
+        code = train_main(args)
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_cli_resume_refuses_another_lr_momentum_or_optimizer_unless_overridden(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run_cli(_cli(tmp_path, "--max-steps", "2"), capsys)[0] == 0
+    ck = tmp_path / "ck" / "step-00000002.pt"
+    refused = [
+        (
+            ("--lr", "0.02"),
+            "was written with --lr 0.01, this run has --lr 0.02; resume with --lr 0.01, or add "
+            "--override-lr to train on with --lr 0.02",
+        ),
+        (
+            ("--momentum", "0.5"),
+            "was written with --momentum 0.9, this run has --momentum 0.5; resume with "
+            "--momentum 0.9, or add --override-momentum to train on with --momentum 0.5",
+        ),
+        (
+            ("--optimizer", "adam"),
+            "was written with --optimizer sgd, this run has --optimizer adam; resume with "
+            "--optimizer sgd, or start afresh (--no-resume or another --checkpoint-dir)",
+        ),
+    ]
+    for change, message in refused:
+        code, out, err = _run_cli([*_cli(tmp_path, "--max-steps", "3"), *change], capsys)
+        assert code == 2 and err == f"torchfold train: error: checkpoint {ck} {message}\n", err
+        assert "resumed" not in out
+    code, out, err = _run_cli(
+        [
+            *_cli(tmp_path, "--max-steps", "3"),
+            "--lr",
+            "0.02",
+            "--override-lr",
+            "--momentum",
+            "0.5",
+            "--override-momentum",
+        ],
+        capsys,
+    )
+    assert (code, err) == (0, ""), err
+    assert "--override-lr: training on with --lr 0.02 instead of the checkpoint's 0.01" in out
+    assert "--override-momentum: training on with --momentum 0.5 instead of the checkpoint's 0.9" in out
+    [group] = load_checkpoint(tmp_path / "ck" / "step-00000003.pt")["optimizer"]["optimizer"]["param_groups"]
+    assert (group["lr"], group["momentum"]) == (0.02, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("--lr", "inf"), "argument --lr: must be a finite positive number, got inf"),
+        (("--lr", "1e300"), "--lr 1e+300 is beyond float32's range (at most 3.4e+38)"),
+        (("--momentum", "nan"), "argument --momentum: must be a finite number >= 0, got nan"),
+        (
+            ("--seed", "99999999999999999999"),
+            "argument --seed: must be an integer from 0 to 9223372036854775807 (2**63 - 1), got 99999999999999999999",
+        ),
+        (
+            ("--max-words", "1"),
+            "--max-words 1: no training tree in {data} has at most 1 words (the shortest has 3); use --max-words 3 "
+            "or more",
+        ),
+    ],
+)
+def test_the_cli_names_the_bad_option_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: tuple[str, ...], message: str
+) -> None:
+    code, out, err = _run_cli([*_cli(tmp_path, "--max-steps", "1"), *change], capsys)
+    assert code == 2 and "resumed" not in out
+    assert err.splitlines()[-1].endswith(message.format(data=tmp_path / "data")), err
+
+
+def test_the_cli_stops_with_exit_1_when_the_loss_becomes_non_finite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An SGD learning rate near float32's limit: the loss overflows within a few steps.
+    args = _cli(tmp_path, "--max-steps", "10", "--checkpoint-every", "2", "--lr", "3e38")
+    code, out, err = _run_cli(args, capsys)
+    assert code == 1 and "done:" not in out
+    found = re.fullmatch(
+        r"torchfold train: error: step (\d+): the loss became (inf|nan), so training stopped before saving this "
+        rf"step; the last checkpoint written is {re.escape(str(tmp_path / 'ck'))}/step-(\d+)\.pt: resume from it "
+        r"\(or an earlier one\) with a lower learning rate\n",
+        err,
+    )
+    assert found is not None, err
+    step, saved = int(found.group(1)), int(found.group(3))
+    assert 0 < saved <= step < 10
+    assert [s for s, _ in list_checkpoints(tmp_path / "ck")][-1] == saved  # nothing saved after it

@@ -7,6 +7,9 @@ down, one process group per world size runs all the LR rules (and DDP) one after
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +44,7 @@ from torchfold._optim import AccumulatingOptimizer
 from torchfold._sampler import minibatches_per_rank
 from torchfold._trace import scaled_lr
 
+REPO = Path(__file__).resolve().parents[1]
 MINIBATCH = 8
 # Global batches of 8 leave two of three ranks (one of two) without a minibatch; 40 gives 2/2/1.
 TRACE = [8, 24, 16, 40, 8, 32, 56, 16]
@@ -170,25 +174,158 @@ def test_mismatched_ranks_fail_with_a_clear_error_within_the_timeout(tmp_path: P
             f"ranks disagree at startup (seen by rank {rank}): trace differs (rank 0: '{trace0}', rank 1: '{trace1}')"
             in outcome
         )
-    # Rank 0 expects 3 ranks and waits for rank 2 until its timeout; rank 1 sees rank 0's world size.
-    assert rank0[1].startswith("TimeoutError")
-    assert (
-        "waited 2 s for ranks [2] of world_size=3 to join the startup handshake; ranks [0, 1] joined (their world sizes: {0: 3, 1: 2})"
-        in rank0[1]
-    )
-    assert rank1[1].startswith("ValueError")
-    assert "world_size differs (rank 0: 3, rank 1: 2)" in rank1[1]
+    # Rank 0 expects 3 ranks, rank 1 says 2: both see it as soon as both have joined (rank 0 no
+    # longer waits for a rank 2 until its timeout).
+    for rank, outcome in enumerate((rank0[1], rank1[1])):
+        assert outcome.startswith("ValueError")
+        assert f"(seen by rank {rank}): world_size differs (rank 0: 3, rank 1: 2)" in outcome
+        assert float(outcome.split(" after ")[1].split(" s")[0]) < 2.0
     assert rank0[2].startswith("TimeoutError") and "waited 2 s for ranks [1] of world_size=2" in rank0[2]
     assert rank1[2] == "absent"
-    for outcome in (rank0[1], rank0[2]):
-        seconds = float(outcome.split(" after ")[1].split(" s")[0])
-        assert 2.0 <= seconds < 6.0
+    seconds = float(rank0[2].split(" after ")[1].split(" s")[0])
+    assert 2.0 <= seconds < 6.0
     for rank, outcome in enumerate((rank0[3], rank1[3])):
         assert outcome.startswith("ValueError"), outcome
         assert (
             f"(seen by rank {rank}): minibatch_size differs (rank 0: {MINIBATCH}, rank 1: {MINIBATCH + 1})"
             in outcome
         )
+
+
+@pytest.mark.slow
+def test_mismatched_world_sizes_fail_clearly_on_every_rank_every_time(tmp_path: Path) -> None:
+    """Rank 0 with world size 2, rank 1 with 3, launched 8 times: both ranks name the mismatch at once.
+
+    Rank 1 used to wait for a rank 2 until its timeout while rank 0, the store's host, waited for
+    rank 1 to finish reading for the same time: whoever's clock ran out first decided, and rank 1
+    often died on the closed store with a C++ stack trace ending in 'Broken pipe'. Starts are
+    staggered both ways, and a third of the launches give rank 1 slow store reads.
+    """
+    same = {"trace": fingerprint(TRACE)}
+    for launch in range(8):
+        scenario = {
+            "world_size": [2, 3],
+            "config": [same, same],
+            "timeout": 2.0,
+            "port": free_port(),
+            "delay": {launch % 2: 0.05 * (launch % 4)},
+            "slow_reader": [1] if launch % 3 == 0 else [],
+        }
+        outcomes = run_ranks(handshake_rank, [([scenario],), ([scenario],)], tmp_path, timeout=30)
+        messages = []
+        for rank, outcome in enumerate(outcomes):
+            assert outcome is not None and "ok" in outcome, f"launch {launch}, rank {rank}: {outcome}"
+            messages += outcome["ok"]
+        for rank, message in enumerate(messages):
+            assert message.startswith("ValueError after "), f"launch {launch}, rank {rank}: {message}"
+            assert (
+                f"ranks disagree at startup (seen by rank {rank}): world_size differs (rank 0: 2, rank 1: 3)"
+                in message
+            )
+        for rank, message in enumerate(messages):
+            seconds = float(message.split(" after ")[1].split(" s")[0])
+            assert seconds < 2.0, f"launch {launch}, rank {rank} waited for its timeout: {message}"
+
+
+def _train_cli_ranks(per_rank: list[tuple[int, list[str]]]) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``python -m torchfold train`` once per ``(WORLD_SIZE, extra arguments)``, as ranks 0, 1, ..."""
+    port = free_port()
+    base = ["--trace", "12", "--minibatch-size", "6", "--max-train", "24", "--generate", "24"]
+    base += [
+        "--embedding-dim",
+        "4",
+        "--hidden-dim",
+        "4",
+        "--max-steps",
+        "1",
+        "--no-progress",
+        "--timeout",
+        "10",
+    ]
+    procs = []
+    for rank, (world_size, extra) in enumerate(per_rank):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            **{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)},
+            **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+        }
+        command = [sys.executable, "-m", "torchfold", "train", *base, *extra]
+        procs.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("per_rank", "message"),
+    [
+        ([(2, []), (3, [])], "world_size differs (rank 0: 2, rank 1: 3)"),
+        ([(2, ["--lr", "0.01"]), (2, ["--lr", "0.02"])], "--lr differs (rank 0: 0.01, rank 1: 0.02)"),
+    ],
+)
+def test_train_cli_ranks_that_disagree_exit_with_one_line_naming_the_setting(
+    per_rank: list[tuple[int, list[str]]], message: str
+) -> None:
+    for rank, done in enumerate(_train_cli_ranks(per_rank)):
+        assert done.returncode == 2, f"rank {rank}: {done.stderr}"
+        assert done.stderr.startswith(
+            f"torchfold train: error: torchfold: ranks disagree at startup (seen by rank {rank}): {message}"
+        ), f"rank {rank}: {done.stderr}"
+        assert done.stderr.count("\n") == 1, f"rank {rank}: {done.stderr}"
+
+
+class _ClosedStore:
+    """A store client whose host (rank 0) has gone by the time this rank touches one of ``gone_at``
+    (key suffixes): from then on every call fails like a real TCPStore's."""
+
+    def __init__(self, entries: dict[str, str], gone_at: tuple[str, ...]) -> None:
+        self.entries, self.gone_at, self.gone = entries, gone_at, False
+
+    def _call(self, key: str) -> None:
+        self.gone = self.gone or key.endswith(self.gone_at)
+        if self.gone:
+            raise torch.distributed.DistNetworkError("Broken pipe\nException raised from sendBytes at ...")
+
+    def add(self, key: str, amount: int) -> int:
+        self._call(key)
+        return 0
+
+    def set(self, key: str, value: str) -> None:
+        self._call(key)
+        self.entries[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        self._call(keys[0])
+        return all(k in self.entries for k in keys)
+
+    def get(self, key: str) -> bytes:
+        self._call(key)
+        return self.entries[key].encode()
+
+
+def test_a_rank_that_loses_the_store_says_so_in_one_line_and_keeps_its_own_error() -> None:
+    from torchfold._distributed import _handshake
+
+    # Rank 0 left while rank 1 was still waiting for it: one clear line, not a C++ trace.
+    with pytest.raises(RuntimeError) as info:
+        _handshake(_ClosedStore({}, gone_at=("/0",)), 1, 2, {}, timeout_s=5.0)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "torchfold: rank 1 lost the rendezvous store during the startup handshake: rank 0, which hosts it, "
+        "stopped first; its own error says why (Broken pipe)"
+    )
+    # Rank 1 found the mismatch, but rank 0 was gone before rank 1 could mark itself finished:
+    # its own error stands (it used to be replaced by the Broken pipe of that last call).
+    rank0 = {"torchfold/handshake/0": '{"world_size": 2, "seed": 1}'}
+    store = _ClosedStore(rank0, gone_at=("/left", "/done/1"))
+    with pytest.raises(ValueError, match=r"seed differs \(rank 0: 1, rank 1: 2\)"):
+        _handshake(store, 1, 2, {"seed": 2}, timeout_s=5.0)  # type: ignore[arg-type]
+    assert store.gone
 
 
 def test_single_process_helpers() -> None:

@@ -7,11 +7,13 @@ a rank killed with SIGKILL and the run resumed from its checkpoint, and a run un
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -223,6 +225,40 @@ def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     assert lines[0].startswith("step 2/4 | epoch 0 | batch 12 (2 minibatches) | lr 0.2 | loss ")
     loss = (history[0].loss + history[1].loss) / 2
     assert f"| loss {loss:.4f} | " in lines[0] and lines[0].endswith(" samples/s")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_the_last_checkpoint(
+    trees: list[Tree], tmp_path: Path, bad: float
+) -> None:
+    vocab = Vocab.build(trees)
+    model = make_model(vocab)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+
+    def loss_fn(model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor:
+        calls.append(1)  # two minibatches per step: the 9th call is in step 4
+        loss = tree_lstm_loss(model, outputs, targets)
+        return loss * bad if len(calls) == 9 else loss
+
+    loader = StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=12)
+    trainer = TraceTrainer(model, opt, loader, loss_fn, checkpoint_dir=tmp_path, checkpoint_every=3)
+    with pytest.raises(FloatingPointError) as info:
+        trainer.fit(max_steps=8)
+    last = tmp_path / "step-00000003.pt"
+    assert str(info.value) == (
+        f"step 4: the loss became {bad}, so training stopped before saving this step; the last checkpoint "
+        f"written is {last}: resume from it (or an earlier one) with a lower learning rate"
+    )
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000003.pt"]  # nothing after it
+    fresh = TraceTrainer(
+        make_model(vocab), opt, StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=12), loss_fn
+    )
+    calls.clear()
+    with pytest.raises(
+        FloatingPointError, match=r"^step 4: the loss became .*; no checkpoint was written before it$"
+    ):
+        fresh.fit(max_steps=8)
 
 
 @pytest.mark.parametrize(

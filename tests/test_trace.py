@@ -60,6 +60,43 @@ def test_from_csv_reads(tmp_path: Path, text: str, sizes: tuple[int, ...]) -> No
         (",Time,GPUs\n0,1.0,8\n", "looks like a resource-availability trace"),
         ("step,batchsize\n", "no steps"),
         ("", "no steps"),
+        ("step,batchsize\n-1,32\n", "line 2: step should be >= 0 (steps count from 0), got -1"),
+        ("step,batchsize\n0,32\n1,32\n-1,32\n", "line 4: step should be >= 0 (steps count from 0), got -1"),
+        # Only plain ASCII decimal integers: int() would take all of these.
+        (
+            "step,batchsize\n0,1_000\n",
+            "line 2: batch size should be a plain integer (ASCII digits 0-9 only), got '1_000'",
+        ),
+        (
+            "step,batchsize\n0,+32\n",
+            "line 2: batch size should be a plain integer (ASCII digits 0-9 only), got '+32'",
+        ),
+        (
+            "step,batchsize\n0,\u0663\u0662\n",
+            "line 2: batch size should be a plain integer (ASCII digits 0-9 only), got '\u0663\u0662'",
+        ),
+        (
+            "step,batchsize\n0,\uff13\uff12\n",
+            "line 2: batch size should be a plain integer (ASCII digits 0-9 only)",
+        ),
+        (
+            "step,batchsize\n+0,32\n",
+            "line 2: step should be a plain integer (ASCII digits 0-9 only), got '+0'",
+        ),
+        ("\u0660,32\n", "line 1: step should be a plain integer (ASCII digits 0-9 only), got '\u0660'"),
+        (
+            "step,batchsize\n0,9223372036854775808\n",
+            "line 2: batch size '9223372036854775808' is too large (at most 9223372036854775807)",
+        ),
+        (
+            "step,batchsize\n0," + "9" * 5000 + "\n",
+            "line 2: batch size '999999999999999999999999'... (5000 characters) is too large",
+        ),
+        (
+            "step,batchsize\n0,x" + "y" * 5000 + "\n",
+            "line 2: batch size should be an integer, got 'xyyyyyyyyyyyyyyyyyyyyyyy'... (5001 characters)",
+        ),
+        ("step,batchsize\n0," + "9" * 200_000 + "\n", "line 2: not a CSV row: field larger than field limit"),
     ],
 )
 def test_from_csv_errors_name_file_and_line(tmp_path: Path, text: str, message: str) -> None:
@@ -67,6 +104,37 @@ def test_from_csv_errors_name_file_and_line(tmp_path: Path, text: str, message: 
     with pytest.raises(ValueError, match=re.escape(str(path))) as info:
         BatchSizeTrace.from_csv(path)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"step,batchsize\n0,32\n1,\xff\n", "line 3: byte 0xff at column 3 is not UTF-8 text"),
+        (b"\xef\xbb\xbfstep,batchsize\n0,32\n1,3\xe92\n", "line 3: byte 0xe9 at column 4 is not UTF-8 text"),
+        (
+            b"step,batchsize\n" + b"".join(b"%d,8\n" % i for i in range(5000)) + b"\x80",
+            "line 5002: byte 0x80",
+        ),
+    ],
+)
+def test_from_csv_non_utf8_names_file_and_line(tmp_path: Path, data: bytes, message: str) -> None:
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(f"{path}, {message}")) as info:
+        BatchSizeTrace.from_csv(path)
+    assert "save the file as UTF-8" in str(info.value)
+
+
+def test_error_messages_stay_short(tmp_path: Path) -> None:
+    for field in ["9" * 5000, "x" * 5000, "-" + "1" * 5000]:
+        path = write(tmp_path, f"step,batchsize\n0,{field}\n")
+        with pytest.raises(ValueError) as info:
+            BatchSizeTrace.from_csv(path)
+        assert len(str(info.value)) < len(str(path)) + 150, str(info.value)[:300]
+    path = write(tmp_path, "step,batchsize\n0," + "1," * 3000 + "\n")
+    with pytest.raises(ValueError, match="expected 2 fields 'step,batchsize', got 3002") as info:
+        BatchSizeTrace.from_csv(path)
+    assert len(str(info.value)) < len(str(path)) + 150
 
 
 def test_from_csv_missing_file(tmp_path: Path) -> None:
@@ -308,6 +376,20 @@ def test_from_availability_holds_steps_per_interval(tmp_path: Path) -> None:
         (",Time,GPUs\n0,1.0,2\n1,2.0\n", "line 3: expected 3 fields like the header, got 2"),
         (",Time,GPUs\n0,1.0,2\n", "needs at least 2 rows"),
         (",Time,GPUs\n0,1.0,0\n1,100.0,0\n", "no step fits"),
+        (
+            ",Time,GPUs\n0,1.0,2\n1,2.0,\u0662\n",
+            "line 3: device count should be an integer >= 0, got '\u0662'",
+        ),
+        (",Time,GPUs\n0,1.0,2\n1,2.0,+2\n", "line 3: device count should be an integer >= 0, got '+2'"),
+        (",Time,GPUs\n0,1_0,2\n1,20,2\n", "line 2: time should be a number, got '1_0'"),
+        (
+            ",Time,GPUs\n0,1.0,2\n1,2.0," + "9" * 5000 + "\n",
+            "line 3: device count '999999999999999999999999'... (5000 characters) is too large",
+        ),
+        (
+            ",Time,GPUs\n0,0,2\n1,1e12,2\n",
+            "hold 1e+12 steps, more than the 10000000 a trace may have; pass max_steps",
+        ),
     ],
 )
 def test_from_availability_errors(tmp_path: Path, text: str, message: str) -> None:
@@ -315,6 +397,38 @@ def test_from_availability_errors(tmp_path: Path, text: str, message: str) -> No
     with pytest.raises(ValueError, match=re.escape(str(path))) as info:
         BatchSizeTrace.from_availability(path, per_device_batch=8, step_time=1.0)
     assert message in str(info.value)
+
+
+def test_from_availability_work_is_bounded_by_max_steps(tmp_path: Path) -> None:
+    # A time gap of 1e12 s at 1 s per step: 1e12 steps, of which only max_steps are built.
+    gap = write(tmp_path, ",Time,GPUs\n0,0,2\n1,1e12,3\n2,2e12,0\n")
+    assert BatchSizeTrace.from_availability(gap, 8, 1.0, max_steps=10).batch_sizes == (16,) * 10
+    assert BatchSizeTrace.from_availability(gap, 8, 1e6, max_steps=10**7).num_steps == 2 * 10**6
+    with pytest.raises(
+        ValueError, match=r"hold 2e\+12 steps, more than the 10000000 a trace may have"
+    ) as info:
+        BatchSizeTrace.from_availability(gap, 8, 1.0, max_steps=10**12)
+    assert str(gap) in str(info.value)
+    # A step time of 1e-300 s: more steps than a float can count over 1e12 s; over 100 s, 1e302.
+    with pytest.raises(ValueError, match=r"its 2e\+12 s at step_time=1e-300 s are too many steps to count"):
+        BatchSizeTrace.from_availability(gap, 8, 1e-300, max_steps=10)
+    short = write(tmp_path, ",Time,GPUs\n0,0,2\n1,100,0\n", name="short.csv")
+    assert BatchSizeTrace.from_availability(short, 8, 1e-300, max_steps=3).batch_sizes == (16, 16, 16)
+    with pytest.raises(ValueError, match=r"hold 1e\+302 steps"):
+        BatchSizeTrace.from_availability(short, 8, 1e-300)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("constant:8:1000000000", "constant:8:1000000000 has 1000000000 steps, more than the 10000000"),
+        ("linear:8:16:1000000000", "linear:8:16:1000000000 has 1000000000 steps"),
+        ("steps:8x5,16x1000000000", "has 1000000005 steps"),
+    ],
+)
+def test_absurd_schedules_are_refused(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BatchSizeTrace.from_schedule(spec)
 
 
 @pytest.mark.parametrize(

@@ -204,3 +204,54 @@ def test_module_entry_point(traces_dir: Path) -> None:
     )
     assert bad.returncode == 1 and bad.stdout == ""
     assert "looks like a resource-availability trace" in bad.stderr
+
+
+def test_convert_refuses_absurd_step_counts_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 1e12 s gap: --max-steps bounds the work; without it, or at 1e-300 s a step, one line, exit 1."""
+    gap = tmp_path / "gap.csv"
+    gap.write_text(",Time,GPUs\n0,0,2\n1,1e12,2\n")
+    out_csv = tmp_path / "o.csv"
+    base = ["convert", str(gap), "--per-device-batch", "8", "-o", str(out_csv)]
+    code, out, err = run([*base, "--step-time", "1", "--max-steps", "10"], capsys)
+    assert (code, err) == (0, "") and "steps:          10" in out
+    assert BatchSizeTrace.from_csv(out_csv).batch_sizes == (16,) * 10
+    out_csv.unlink()
+    for step_time, message in [
+        ("1", "hold 1e+12 steps, more than the 10000000 a trace may have; pass max_steps (--max-steps)"),
+        ("1e-300", "its 1e+12 s at step_time=1e-300 s are too many steps to count; use a larger step time"),
+    ]:
+        code, out, err = run([*base, "--step-time", step_time], capsys)
+        assert (code, out) == (1, "")
+        assert err.count("\n") == 1 and err.startswith(f"torchfold trace convert: error: {gap}: "), err
+        assert message in err
+        assert not out_csv.exists()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"step,batchsize\n0,32\n1,\xff\n", "line 3: byte 0xff at column 3 is not UTF-8 text"),
+        (b"step,batchsize\n-1,32\n", "line 2: step should be >= 0 (steps count from 0), got -1"),
+        (
+            b"step,batchsize\n0," + b"9" * 5000 + b"\n",
+            "line 2: batch size '999999999999999999999999'... (5000",
+        ),
+        (
+            b"step,batchsize\n0,1_000\n",
+            "line 2: batch size should be a plain integer (ASCII digits 0-9 only)",
+        ),
+        (b"step,batchsize\n0,+32\n", "line 2: batch size should be a plain integer (ASCII digits 0-9 only)"),
+        ("step,batchsize\n0,\u0663\u0662\n".encode(), "line 2: batch size should be a plain integer"),
+    ],
+)
+def test_check_bad_values_one_short_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, message: str
+) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_bytes(data)
+    code, out, err = run(["check", str(path)], capsys)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"torchfold trace check: error: {path}, {message}"), err[:300]
+    assert err.count("\n") == 1 and len(err) < len(str(path)) + 200

@@ -222,3 +222,32 @@ def test_apply_on_xla_pads_by_default_and_returns_exact_outputs() -> None:
         outs.append(states.cpu())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     assert StaticShapes.of(model).plans == 1  # the XLA apply went through the module's envelope
+
+
+def test_the_trainer_on_two_xla_devices_equals_one_cpu_process(tmp_path: Path) -> None:
+    """TraceTrainer with static-shape plans on 2 XLA CPU replicas (xm.all_reduce) follows a trace whose
+    steps give the replicas 0 to 3 minibatches; the parameters equal one CPU process's, and the
+    steps that repeat earlier minibatch counts compile nothing new."""
+    from _xla_trainer_worker import TRACE, train_on_cpu
+
+    out = tmp_path / "trainer.pt"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_xla_trainer_worker.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = train_on_cpu()
+    for rank in (0, 1):
+        replica = torch.load(f"{out}.rank{rank}", weights_only=False)
+        assert (replica["world_size"], replica["rank"]) == (2, rank)
+        assert len(replica["compilations"]) == len(TRACE)
+        half = len(TRACE) // 2
+        assert replica["compilations"][-1] == replica["compilations"][half - 1], replica["compilations"]
+        for p, q in zip(replica["params"], expected, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    counts = [torch.load(f"{out}.rank{r}", weights_only=False)["local_minibatches"] for r in (0, 1)]
+    assert 0 in counts[1] and counts[0] != counts[1]

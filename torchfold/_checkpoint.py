@@ -23,6 +23,7 @@ import os
 import random
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +32,7 @@ import torch
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
+    "check_trainer_state",
     "checkpoint_path",
     "latest_checkpoint",
     "list_checkpoints",
@@ -226,3 +228,91 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+# -- checking what a checkpoint holds ---------------------------------------------------------
+
+_DAMAGED = "the file was damaged or edited: use another checkpoint, or start without resuming"
+
+
+def _brief(value: object) -> str:
+    """A value for an error message: a tensor by dtype and shape, anything else by a short repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}... ({type(value).__name__})"
+
+
+def _rng_problem(state: object) -> str | None:
+    """What is wrong with one rank's :func:`rng_state` as read from a file, or ``None``.
+
+    Each generator's state is tried on a throwaway generator, so a bad one is found before any
+    of the process's own generators (or the model) has been changed.
+    """
+    if not isinstance(state, dict) or "torch" not in state or "python" not in state:
+        return f"expected a dict with 'torch' and 'python' entries, got {_brief(state)}"
+    expected = torch.get_rng_state()
+    cpu = state["torch"]
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != expected.dtype or cpu.shape != expected.shape:
+        return (
+            f"'torch' should be a {expected.dtype} tensor of shape {tuple(expected.shape)}, got {_brief(cpu)}"
+        )
+    try:
+        torch.Generator().set_state(cpu.cpu())
+    except RuntimeError as e:
+        return f"'torch' is not a state of torch's generator ({' '.join(str(e).split())[:100]})"
+    try:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (TypeError, ValueError) as e:
+        return f"'python' is not a state of Python's random module ({e}), got {_brief(state['python'])}"
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
+        return f"'cuda' should be a list of tensors (one per device), got {_brief(cuda)}"
+    if "numpy" in state:
+        import numpy as np
+
+        try:
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.RandomState().set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        except (AttributeError, IndexError, TypeError, ValueError) as e:
+            return f"'numpy' is not a state of NumPy's global generator ({e}), got {_brief(state['numpy'])}"
+    return None
+
+
+def check_trainer_state(state: Mapping[str, Any], world_size: int, source: str) -> None:
+    """Check the step, world size and generator states of a trainer checkpoint before any is used.
+
+    A file can load and still hold values that no run writes; each is a ``ValueError`` naming
+    ``source`` (the file), the entry and its value, raised before anything has been restored.
+
+    Args:
+        state: the checkpoint, with the keys ``step``, ``world_size`` and ``rng``.
+        world_size: the number of processes of this run (a checkpoint must have been written by as many).
+        source: the file, as named in the message (``"checkpoint runs/a/step-00000120.pt"``).
+    """
+    step, saved_world, rng = state["step"], state["world_size"], state["rng"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+            f"{source}: its step should be an int >= 0 (steps completed), got {_brief(step)}; {_DAMAGED}"
+        )
+    if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
+        raise ValueError(
+            f"{source}: its world_size should be an int >= 1, got {_brief(saved_world)}; {_DAMAGED}"
+        )
+    if saved_world != world_size:
+        raise ValueError(
+            f"{source} was written by a run with {saved_world} processes, this one has {world_size}; "
+            f"resume with the same number of processes (e.g. torchrun --nproc_per_node={saved_world})"
+        )
+    if not isinstance(rng, list) or len(rng) != saved_world:
+        raise ValueError(
+            f"{source}: its rng should be a list of {saved_world} generator states (one per process), "
+            f"got {_brief(rng)}; {_DAMAGED}"
+        )
+    for rank, rank_state in enumerate(rng):
+        problem = _rng_problem(rank_state)
+        if problem is not None:
+            raise ValueError(
+                f"{source}: the generator states of rank {rank} are unusable: {problem}; {_DAMAGED}"
+            )

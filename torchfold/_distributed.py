@@ -16,6 +16,7 @@ ranks agree on the world size and on a user-given configuration (trace fingerpri
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -269,23 +270,39 @@ def _handshake(
 ) -> None:
     """Every rank publishes its world size and config, waits for all the others, and compares.
 
-    Rank 0 hosts the store: it leaves only once every rank that joined has finished reading
-    (or after another ``timeout_s``), so that a rank still comparing gets its own clear error
-    instead of a closed connection when rank 0 raises first.
+    Rank 0 hosts the store: it leaves only once every other rank that arrived has finished
+    reading (or after another ``timeout_s``), so that a rank still comparing gets its own clear
+    error instead of a closed connection when rank 0 raises first. The others count themselves
+    in and out, so rank 0 also waits for a rank whose world size (and so rank range) is not its own.
     """
     try:
-        _compare(store, rank, world_size, config, timeout_s)
-    finally:
-        store.set(f"{_HANDSHAKE_PREFIX}/done/{rank}", "1")
+        if rank != 0:
+            store.add(f"{_HANDSHAKE_PREFIX}/arrived", 1)
+        try:
+            _compare(store, rank, world_size, config, timeout_s)
+        finally:
+            _leave(store, rank, timeout_s)
+    except RuntimeError as e:  # a store operation failed: the connection to rank 0 broke
         if rank == 0:
-            _wait_for_readers(store, world_size, timeout_s)
+            raise
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
+        raise RuntimeError(
+            f"torchfold: rank {rank} lost the rendezvous store during the startup handshake: rank 0, which "
+            f"hosts it, stopped first; its own error says why ({first_line})"
+        ) from e
 
 
-def _wait_for_readers(store: dist.Store, world_size: int, timeout_s: float) -> None:
-    joined = [r for r in range(world_size) if store.check([f"{_HANDSHAKE_PREFIX}/{r}"])]
+def _leave(store: dist.Store, rank: int, timeout_s: float) -> None:
+    if rank != 0:
+        # Rank 0 may have gone already (it waits for us only up to its timeout): then there is
+        # nobody to tell, and this rank's own outcome must stand, not a broken-pipe error.
+        with contextlib.suppress(RuntimeError):
+            store.add(f"{_HANDSHAKE_PREFIX}/left", 1)
+        return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all(store.check([f"{_HANDSHAKE_PREFIX}/done/{r}"]) for r in joined):
+        arrived = store.add(f"{_HANDSHAKE_PREFIX}/arrived", 0)
+        if store.add(f"{_HANDSHAKE_PREFIX}/left", 0) >= arrived:
             return
         time.sleep(_POLL_S)
 
@@ -296,14 +313,20 @@ def _compare(
     mine = {"world_size": world_size, **config}
     store.set(f"{_HANDSHAKE_PREFIX}/{rank}", json.dumps(mine, sort_keys=True, default=str))
     keys = {r: f"{_HANDSHAKE_PREFIX}/{r}" for r in range(world_size)}
+    infos: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while True:
-        missing = [r for r, k in keys.items() if not store.check([k])]
-        if not missing:
+        for r, k in keys.items():  # each rank's entry is written once: read it once
+            if r not in infos and store.check([k]):
+                infos[r] = json.loads(store.get(k))
+        missing = [r for r in keys if r not in infos]
+        # A rank that says another world size is a mismatch now: waiting for the ranks it does
+        # not count (or that this rank does not) would only end in a timeout.
+        if not missing or any(info.get("world_size") != world_size for info in infos.values()):
             break
         if time.monotonic() > deadline:
-            joined = [r for r in keys if r not in missing]
-            said = {r: json.loads(store.get(keys[r]))["world_size"] for r in joined}
+            joined = sorted(infos)
+            said = {r: infos[r].get("world_size") for r in joined}
             raise TimeoutError(
                 f"torchfold: rank {rank} waited {timeout_s:g} s for ranks {missing} of world_size={world_size} "
                 f"to join the startup handshake; ranks {joined} joined (their world sizes: {said}). A rank died "
@@ -311,7 +334,6 @@ def _compare(
                 f"process with the same WORLD_SIZE / --nproc_per_node."
             )
         time.sleep(_POLL_S)
-    infos = {r: json.loads(store.get(k)) for r, k in keys.items()}
     problems = _mismatches(infos)
     if problems:
         raise ValueError(

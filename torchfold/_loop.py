@@ -35,6 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from torchfold._checkpoint import (
+    check_trainer_state,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
@@ -305,6 +306,8 @@ class TraceTrainer:
         totals = torch.stack([loss_sum, torch.tensor(float(samples), dtype=dtype, device=self.device)])
         all_reduce_sum_([totals])
         total_loss, total_samples = totals.tolist()
+        if total_samples and not math.isfinite(total_loss):  # the same sum on every rank: all stop
+            raise FloatingPointError(self._non_finite_loss(plan.step, total_loss / total_samples))
         return StepStats(
             step=plan.step,
             epoch=plan.epoch,
@@ -316,6 +319,15 @@ class TraceTrainer:
             loss=total_loss / total_samples if total_samples else math.nan,
             seconds=time.perf_counter() - start,
         )
+
+    def _non_finite_loss(self, step: int, loss: float) -> str:
+        last = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        where = (
+            f"the last checkpoint written is {last}: resume from it (or an earlier one) with a lower learning rate"
+            if last is not None
+            else "no checkpoint was written before it"
+        )
+        return f"step {step}: the loss became {loss}, so training stopped before saving this step; {where}"
 
     def _after_step(self, stats: StepStats, end: int, bar: tqdm) -> None:
         self.next_step = stats.step + 1
@@ -380,11 +392,7 @@ class TraceTrainer:
         if missing:
             raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
         world_size, rank = get_world_size(), get_rank()
-        if state["world_size"] != world_size or len(state["rng"]) != world_size:
-            raise ValueError(
-                f"{source} was written by a run with {state['world_size']} processes, this one has {world_size}; "
-                f"resume with the same number of processes (e.g. torchrun --nproc_per_node={state['world_size']})"
-            )
+        check_trainer_state(state, world_size, source)
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
             ("optimizer", self.optimizer.load_state_dict),
@@ -393,7 +401,7 @@ class TraceTrainer:
         for name, load in parts:
             try:
                 load(state[name])
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
                 detail = " ".join(str(e).split()).rstrip(". ")  # load_state_dict's report spans lines
                 raise ValueError(
                     f"{source}: its {name} state does not fit this run: {detail}. Resume with the settings the "

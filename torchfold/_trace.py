@@ -15,10 +15,11 @@ A :class:`BatchSizeTrace` is an immutable sequence of positive integers, one per
 
 CSV format
 ----------
-One ``step,batchsize`` row per step; spaces around fields, blank lines and ``\\r\\n`` line endings
-are accepted. The ``step,batchsize`` header is optional: the first row is a header exactly when its
-first field is not an integer, and it must then read ``step,batchsize``. Steps count up by one from
-0; the numbering may restart at 0, which appends a new segment (the example trace
+One ``step,batchsize`` row per step, in UTF-8; spaces around fields, blank lines and ``\\r\\n``
+line endings are accepted. Steps and batch sizes are plain decimal integers (ASCII digits, no
+``+``, ``_`` or exponent). The ``step,batchsize`` header is optional: the first row is a header
+exactly when its first field does not start with a digit, and it must then read ``step,batchsize``.
+Steps count up by one from 0; the numbering may restart at 0, which appends a new segment (the example trace
 ``step_batchsize_example.csv`` is a 10-step warm-up followed by an 800-step run, both numbered
 from 0). Any other gap or repeat is an error naming the file and line.
 
@@ -41,11 +42,13 @@ the epoch and the samples it lacks).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import itertools
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,13 +67,86 @@ __all__ = [
 # The learning-rate rules that depend on the batch size alone (the optimizer wrapper adds AdaScale).
 LR_RULES: tuple[str, ...] = ("constant", "linear", "sqrt")
 
+# More steps than any real run takes (large runs take ~1e6): a longer trace comes from a unit
+# mistake (a step time in hours read as seconds, a time gap of years) and would not fit in memory.
+MAX_TRACE_STEPS = 10_000_000
+_INT64_MAX = 2**63 - 1
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: \d would also take Arabic-Indic and other digits
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
-def _rows(reader: Any) -> Iterator[tuple[int, list[str], list[str]]]:
+
+def _rows(reader: Any, path: Path) -> Iterator[tuple[int, list[str], list[str]]]:
     """The non-blank rows of a ``csv.reader`` as (line number, stripped fields, row as read)."""
-    for row in reader:
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:  # e.g. a field over csv's size limit
+            raise ValueError(f"{path}, line {reader.line_num}: not a CSV row: {e}") from e
         fields = [field.strip() for field in row]
         if any(fields):
             yield reader.line_num, fields, row
+
+
+def _text_lines(handle: Iterable[str], path: Path) -> Iterator[str]:
+    """The lines of an open text file; a byte that is not UTF-8 is an error naming its line."""
+    try:
+        yield from handle
+    except UnicodeDecodeError as e:
+        data = path.read_bytes()  # only on this error: find the line of the first bad byte
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+        try:
+            data[bom:].decode("utf-8")
+            offset = bom + e.start  # not reached unless the file changed meanwhile
+        except UnicodeDecodeError as whole:
+            offset = bom + whole.start
+        line = data.count(b"\n", 0, offset) + 1
+        column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+        raise ValueError(
+            f"{path}, line {line}: byte 0x{data[offset]:02x} at column {column} is not UTF-8 text; "
+            "save the file as UTF-8 (or plain ASCII)"
+        ) from e
+
+
+def _show(text: str, limit: int = 24) -> str:
+    """``text`` quoted for an error message, cut to ``limit`` characters (a bad field may be huge)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _looks_numeric(text: str) -> bool:
+    """Whether a field was meant as a number (so a first row starting with it is not a header)."""
+    return re.match(r"[+-]?\d", text) is not None
+
+
+def _int_to_python(text: str) -> bool:
+    """Whether ``int()`` takes ``text`` (also ``+1``, ``1_000``, non-ASCII digits, which files must not use)."""
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_int(text: str, what: str, where: str) -> int:
+    """A plain decimal integer: ASCII digits with an optional ``-``, within int64; else a short ValueError."""
+    digits = text[1:] if text.startswith("-") else text
+    if not _DIGITS.fullmatch(digits):
+        rule = "a plain integer (ASCII digits 0-9 only)" if _int_to_python(text) else "an integer"
+        raise ValueError(f"{where}: {what} should be {rule}, got {_show(text)}")
+    if len(digits) > len(str(_INT64_MAX)) or abs(int(text)) > _INT64_MAX:
+        raise ValueError(f"{where}: {what} {_show(text)} is too large (at most {_INT64_MAX})")
+    return int(text)
+
+
+def _check_num_steps(what: str, num_steps: int) -> None:
+    if num_steps > MAX_TRACE_STEPS:
+        raise ValueError(
+            f"{what} has {num_steps} steps, more than the {MAX_TRACE_STEPS} a trace may have; "
+            "check the units, or make a shorter trace"
+        )
 
 
 def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = "linear") -> float:
@@ -209,6 +285,7 @@ class BatchSizeTrace:
         check_int("batch_size", batch_size)
         if num_steps is not None:
             check_int("num_steps", num_steps)
+            _check_num_steps(f"constant:{batch_size}:{num_steps}", num_steps)
             return cls([batch_size] * num_steps, source=f"constant:{batch_size}:{num_steps}")
         trace = cls([batch_size], source=f"constant:{batch_size}")
         trace._unbounded = True
@@ -231,6 +308,7 @@ class BatchSizeTrace:
         for name, value in (("start", start), ("end", end), ("num_steps", num_steps)):
             check_int(name, value)
         check_int("multiple_of", multiple_of)
+        _check_num_steps(f"linear:{start}:{end}:{num_steps}", num_steps)
         sizes = []
         for i in range(num_steps):
             exact = start if num_steps == 1 else start + (end - start) * i / (num_steps - 1)
@@ -251,6 +329,7 @@ class BatchSizeTrace:
             size, steps = phase
             check_int(f"phases[{i}] batch_size", size)
             check_int(f"phases[{i}] num_steps", steps)
+            _check_num_steps(f"phases[:{i + 1}]", len(sizes) + steps)
             sizes += [size] * steps
         spec = ",".join(f"{b}x{n}" for b, n in phases)
         return cls(sizes, source=f"steps:{spec}")
@@ -314,13 +393,13 @@ class BatchSizeTrace:
         restarts: list[int] = []
         expected = 0
         with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-            reader = csv.reader(f)
+            reader = csv.reader(_text_lines(f, path))
             first = True
-            for line, fields, row in _rows(reader):
+            for line, fields, row in _rows(reader, path):
                 where = f"{path}, line {line}"
                 if first:
                     first = False
-                    if not _is_int(fields[0]):
+                    if not _looks_numeric(fields[0]):
                         if [field.lower() for field in fields] != ["step", "batchsize"]:
                             hint = ""
                             if len(fields) >= 3 and fields[1].lower() == "time":
@@ -329,19 +408,18 @@ class BatchSizeTrace:
                                     "BatchSizeTrace.from_availability or `python -m torchfold trace convert`"
                                 )
                             raise ValueError(
-                                f"{where}: header should be 'step,batchsize', got {','.join(row)!r}{hint}"
+                                f"{where}: header should be 'step,batchsize', got {_show(','.join(row), 60)}{hint}"
                             )
                         continue
                 if len(fields) != 2:
                     raise ValueError(
-                        f"{where}: expected 2 fields 'step,batchsize', got {len(fields)}: {row!r}"
+                        f"{where}: expected 2 fields 'step,batchsize', got {len(fields)}: {_show(','.join(row), 60)}"
                     )
                 step_text, size_text = fields
-                if not _is_int(step_text):
-                    raise ValueError(f"{where}: step should be an integer, got {step_text!r}")
-                if not _is_int(size_text):
-                    raise ValueError(f"{where}: batch size should be an integer, got {size_text!r}")
-                step, size = int(step_text), int(size_text)
+                step = _parse_int(step_text, "step", where)
+                size = _parse_int(size_text, "batch size", where)
+                if step < 0:
+                    raise ValueError(f"{where}: step should be >= 0 (steps count from 0), got {step}")
                 if step == 0 and expected > 0:
                     restarts.append(len(sizes))
                 elif step < expected:
@@ -396,47 +474,66 @@ class BatchSizeTrace:
         path = Path(path)
         rows: list[tuple[int, float, int]] = []  # (line, time, devices)
         with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-            reader = csv.reader(f)
-            header = next(reader, None)
+            reader = csv.reader(_text_lines(f, path))
+            header = next(_rows(reader, path), (0, [], []))[2] or None
             names = [name.strip().lower() for name in header or []]
             if "time" not in names or len(names) < 2 or names[-1] == "time":
                 raise ValueError(
                     f"{path}, line 1: header should name a 'Time' column and end with the device count "
-                    f"column (e.g. ',Time,GPUs'), got {','.join(header or [])!r}"
+                    f"column (e.g. ',Time,GPUs'), got {_show(','.join(header or []), 60)}"
                 )
             time_col = names.index("time")
-            for line, fields, _ in _rows(reader):
+            for line, fields, _ in _rows(reader, path):
                 where = f"{path}, line {line}"
                 if len(fields) != len(names):
                     raise ValueError(
                         f"{where}: expected {len(names)} fields like the header, got {len(fields)}"
                     )
-                try:
-                    time = float(fields[time_col])
-                except ValueError:
-                    raise ValueError(f"{where}: time should be a number, got {fields[time_col]!r}") from None
+                if not _NUMBER.fullmatch(fields[time_col]):
+                    raise ValueError(f"{where}: time should be a number, got {_show(fields[time_col])}")
+                time = float(fields[time_col])
                 if not math.isfinite(time):
-                    raise ValueError(f"{where}: time should be finite, got {fields[time_col]!r}")
-                if not _is_int(fields[-1]) or int(fields[-1]) < 0:
-                    raise ValueError(f"{where}: device count should be an integer >= 0, got {fields[-1]!r}")
+                    raise ValueError(f"{where}: time should be finite, got {_show(fields[time_col])}")
+                if not _DIGITS.fullmatch(fields[-1]):
+                    raise ValueError(
+                        f"{where}: device count should be an integer >= 0, got {_show(fields[-1])}"
+                    )
+                devices = _parse_int(fields[-1], "device count", where)
                 if rows and time <= rows[-1][1]:
                     raise ValueError(f"{where}: time {time} does not increase (previous row: {rows[-1][1]})")
-                rows.append((line, time, int(fields[-1])))
+                rows.append((line, time, devices))
         if len(rows) < 2:
             raise ValueError(f"{path}: needs at least 2 rows (a start and an end time), got {len(rows)}")
         t0 = rows[0][1]
+        span = rows[-1][1] - t0
+        if not math.isfinite(span / step_time):
+            raise ValueError(
+                f"{path}: its {span:g} s at step_time={step_time!r} s are too many steps to count; "
+                "use a larger step time"
+            )
+        # Step k starts at t0 + k * step_time; it belongs to the interval holding its start.
+        counts = [
+            (
+                line,
+                devices,
+                math.ceil((end - t0) / step_time - 1e-9) - math.ceil((start - t0) / step_time - 1e-9),
+            )
+            for (line, start, devices), (_, end, _) in itertools.pairwise(rows)
+        ]
+        total = sum(count for _, devices, count in counts if devices > 0)
+        num_steps = total if max_steps is None else min(total, max_steps)
+        if num_steps > MAX_TRACE_STEPS:
+            raise ValueError(
+                f"{path}: at step_time={step_time!r} s its {span:g} s hold {total:.4g} steps, more than the "
+                f"{MAX_TRACE_STEPS} a trace may have; pass max_steps (--max-steps) or a larger step time"
+            )
         sizes: list[int] = []
         lines: list[int] = []
-        for (line, start, devices), (_, end, _) in itertools.pairwise(rows):
-            # Step k starts at t0 + k * step_time; it belongs to the interval holding its start.
-            first = math.ceil((start - t0) / step_time - 1e-9)
-            stop = math.ceil((end - t0) / step_time - 1e-9)
-            if devices > 0:
-                sizes += [devices * per_device_batch] * (stop - first)
-                lines += [line] * (stop - first)
-            if max_steps is not None and len(sizes) >= max_steps:
-                del sizes[max_steps:], lines[max_steps:]
-                break
+        for line, devices, count in counts:  # only the steps kept are built
+            if devices > 0 and len(sizes) < num_steps:
+                count = min(count, num_steps - len(sizes))
+                sizes += [devices * per_device_batch] * count
+                lines += [line] * count
         if not sizes:
             raise ValueError(
                 f"{path}: no step fits: no interval with devices > 0 holds the start of a {step_time} s step"
@@ -684,14 +781,6 @@ class BatchSizeTrace:
         axes[-1][0].set_xlabel("step")
         fig.tight_layout()
         fig.savefig(path, format="png", dpi=100)
-
-
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
 
 
 TraceLike = Union[BatchSizeTrace, str, "os.PathLike[str]", Sequence[int], int]

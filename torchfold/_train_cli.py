@@ -14,6 +14,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,13 +22,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchfold._distributed import default_device, fingerprint, init_distributed
+from torchfold._checkpoint import latest_checkpoint, load_checkpoint
+from torchfold._distributed import default_device, init_distributed
 from torchfold._loader import StepLoader
 from torchfold._loop import StepStats, TraceTrainer
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._static import StaticShapes
 from torchfold._trace import BatchSizeTrace, as_trace
-from torchfold._validate import non_negative_int, positive_float, positive_int
+from torchfold._validate import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
 from torchfold.datasets import ENV_VAR, Tree, TreeParseError, Vocab, data_root, generate_sst, load_sst
 from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-last", action="store_true", help="leave out an epoch's final partial step")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
     p.add_argument("--lr", type=positive_float, default=0.005, help="reference learning rate (default 0.005)")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument(
         "--lr-rule",
         choices=("constant", "linear", "sqrt", "adascale"),
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding-dim", type=positive_int, default=64, help="default 64")
     p.add_argument("--hidden-dim", type=positive_int, default=64, help="default 64")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="default float32")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="initialisation and shuffling seed (default 0)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here, resume from the newest")
     p.add_argument(
         "--checkpoint-every",
@@ -96,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-checkpoints", type=positive_int, default=2, help="newest ones to keep (default 2)")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if checkpoints exist")
+    p.add_argument(
+        "--override-lr",
+        action="store_true",
+        help="on resume, train on with this --lr instead of the checkpoint's (else a different --lr is an error)",
+    )
+    p.add_argument(
+        "--override-momentum",
+        action="store_true",
+        help="on resume, train on with this --momentum instead of the checkpoint's (SGD)",
+    )
     p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
     p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -121,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _trace(text: str) -> BatchSizeTrace:
-    if text.strip().lstrip("-").isdigit():
+    if re.fullmatch(r"-?[0-9]+", text.strip()):  # ASCII digits: isdigit() also takes other scripts'
         return as_trace(int(text))
     if ":" in text and not Path(text).exists():
         return BatchSizeTrace.from_schedule(text)
@@ -133,7 +145,14 @@ def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
     if root is not None and (args.data is not None or Path(root).exists()):
         trees = load_sst(root, "train", max_trees=None if args.max_words else args.max_train)
         if args.max_words:
-            trees = [t for t in trees if len(t.words()) <= args.max_words][: args.max_train]
+            short = [t for t in trees if len(t.words()) <= args.max_words][: args.max_train]
+            if not short and trees:
+                fewest = min(len(t.words()) for t in trees)
+                raise ValueError(
+                    f"--max-words {args.max_words}: no training tree in {root} has at most {args.max_words} "
+                    f"words (the shortest has {fewest}); use --max-words {fewest} or more"
+                )
+            trees = short
         return trees, f"SST train trees from {root}"
     count = args.generate if args.max_train is None else min(args.generate, args.max_train)
     max_words = 20 if args.max_words is None else args.max_words
@@ -165,12 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    config = {
-        "trace": trace.fingerprint(),
-        "trees": len(trees),
-        "minibatch_size": args.minibatch_size,
-        "seed": args.seed,
-        "settings": fingerprint({k: v for k, v in vars(args).items() if k not in ("no_progress", "history")}),
+    # The settings themselves (all small), so that a mismatch names the option and both values.
+    config: dict[str, object] = {
+        "trace batch sizes (fingerprint)": trace.fingerprint(),
+        "training trees": len(trees),
+        **{
+            f"--{k.replace('_', '-')}": v
+            for k, v in vars(args).items()
+            if k not in ("no_progress", "history")
+        },
     }
     joined = False
     try:
@@ -179,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 2
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, TimeoutError, FloatingPointError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -227,6 +249,10 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     torch.manual_seed(args.seed)
     vocab = Vocab.build(trees)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    if args.lr > torch.finfo(dtype).max:
+        raise ValueError(
+            f"--lr {args.lr} is beyond {args.dtype}'s range (at most {torch.finfo(dtype).max:.3g})"
+        )
     model = TreeLSTM(len(vocab), args.embedding_dim, args.hidden_dim).to(device=device, dtype=dtype)
     params = model.parameters()
     fused = (
@@ -283,9 +309,11 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
             f"{loader.replication_factor} process(es), minibatch {args.minibatch_size}, "
             f"{args.workers} fold-building worker(s) each, device {device}"
         )
-    resumed = None if args.no_resume else trainer.resume()
+    resumed, overridden = (None, []) if args.no_resume else _resume(args, trainer)
     if resumed is not None and main_rank:
         print(f"resumed from {resumed} at step {trainer.next_step}")
+        for line in overridden:
+            print(line)
     try:
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     finally:
@@ -301,3 +329,51 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
             f"step {trainer.next_step}{final}"
         )
     return 0
+
+
+def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | None, list[str]]:
+    """Resume from the newest checkpoint, if any, after checking its optimizer settings against ``args``.
+
+    The checkpoint's optimizer state holds its --lr and --momentum and would silently win over
+    the command line's, so a difference is an error unless --override-lr / --override-momentum
+    says to train on with the new value. Returns the checkpoint and a log line per override.
+    """
+    if trainer.checkpoint_dir is None:
+        return None, []
+    path = latest_checkpoint(trainer.checkpoint_dir)
+    if path is None:
+        return None, []
+    state = load_checkpoint(path, map_location=trainer.device)
+    try:
+        group = state["optimizer"]["optimizer"]["param_groups"][0]
+        saved_kind = "adam" if "betas" in group else "sgd" if "momentum" in group else None
+    except (KeyError, IndexError, TypeError):  # not a trainer's checkpoint: load_state_dict says how
+        group, saved_kind = {}, None
+    if saved_kind is not None and saved_kind != args.optimizer:
+        raise ValueError(
+            f"checkpoint {path} was written with --optimizer {saved_kind}, this run has --optimizer "
+            f"{args.optimizer}; resume with --optimizer {saved_kind}, or start afresh (--no-resume or "
+            "another --checkpoint-dir)"
+        )
+    overrides: dict[str, float] = {}
+    settings = [("lr", args.lr, args.override_lr)]
+    if saved_kind == "sgd":
+        settings.append(("momentum", args.momentum, args.override_momentum))
+    for name, value, override in settings:
+        saved = group.get(name)
+        if isinstance(saved, (int, float)) and saved != value:
+            if not override:
+                raise ValueError(
+                    f"checkpoint {path} was written with --{name} {saved}, this run has --{name} {value}; "
+                    f"resume with --{name} {saved}, or add --override-{name} to train on with --{name} {value}"
+                )
+            overrides[name] = value
+    trainer.load_state_dict(state, source=f"checkpoint {path}")
+    lines = []
+    for name, value in overrides.items():
+        for param_group in trainer.optimizer.param_groups:
+            param_group[name] = value
+        lines.append(
+            f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {group[name]}"
+        )
+    return path, lines

@@ -1,14 +1,25 @@
 """Argument checks shared by the whole package, so every module words the same mistake the same way.
 
-``check_int`` for int arguments of functions and classes; ``positive_int``, ``non_negative_int``
-and ``positive_float`` as argparse types of the command lines (``demo``, ``trace``, ``train``).
+``check_int`` for int arguments of functions and classes; ``positive_int``, ``non_negative_int``,
+``positive_float``, ``non_negative_float`` and ``seed_int`` as argparse types of the command lines
+(``demo``, ``trace``, ``train``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["check_int", "non_negative_int", "positive_float", "positive_int"]
+__all__ = [
+    "check_int",
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "seed_int",
+]
+
+SEED_MAX = 2**63 - 1  # torch and the samplers take seeds up to 2**64 - 1; the epoch is added to it
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -46,4 +57,20 @@ def positive_float(text: str) -> float:
     value = _number(text, float, "a positive number")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    if not math.isfinite(value):  # an infinite learning rate or step time only makes nan later
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float, "a number >= 0")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    value = int(_number(text, int, "an integer seed"))
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_MAX} (2**63 - 1), got {value}")
     return value

@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("PJRT_DEVICE", "CPU")  # only read when torch_xla is imported (not by --candidates)
 
 import torch
 import torch.nn.functional as F
 from harness import add_sst_data_argument, machine_lines, markdown_table
 
-from torchfold import Fold, StaticShapes
+from torchfold import Fold, StaticPlan, StaticShapes
 from torchfold.datasets import Tree, Vocab, load_sst
 from torchfold.models import TreeLSTM, encode_trees
 
@@ -145,6 +145,45 @@ def run_variant(
     return row
 
 
+def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> None:
+    """How many distinct graphs each padding scheme needs over ``batches`` (host only: plans, no tensors).
+
+    A graph is identified by what XLA would see change: the sequence of (depth, op, calls) and the
+    request's rows (a lower bound: the gathers' layout can differ too); the envelope by its version.
+    """
+    ladder = StaticShapes()
+    envelope = StaticShapes()
+    keys: dict[str, list[Any]] = {
+        "no padding": [],
+        "each group padded to its bucket": [],
+        "... and levels to 8": [],
+    }
+    versions = []
+    for trees in batches:
+        fold = Fold()
+        nodes, _, _ = encode_trees(fold, trees, vocab)
+        plan = fold.plan([nodes])
+        assert not isinstance(plan, StaticPlan)
+        plain = (*tuple((s.depth, s.name, s.num_calls) for s in plan.steps), plan.sizes[0])
+        bucketed = (
+            *tuple((s.depth, s.name, ladder.bucket(s.num_calls)) for s in plan.steps),
+            ladder.bucket(plan.sizes[0]),
+        )
+        levels = -(-(max(s.depth for s in plan.steps) + 1) // 8) * 8
+        for name, key in zip(keys, (plain, bucketed, (*bucketed, levels)), strict=True):
+            keys[name].append(key)
+        envelope.fit(plan)
+        versions.append(envelope.version)
+    rows = []
+    for name, seq in keys.items():
+        late = sum(1 for i, key in enumerate(seq) if i >= warmup and key not in seq[:i])
+        rows.append([name, len(set(seq)), late])
+    late = sum(1 for i in range(max(warmup, 1), len(versions)) if versions[i] != versions[i - 1])
+    rows.append(["grow-only envelope (StaticShapes)", envelope.version, late])
+    print(f"{len(batches[0])} trees per batch, {len(batches)} batches; envelope waste {envelope.waste:.2f}")
+    print(markdown_table(["scheme", "distinct graphs", f"new after batch {warmup}"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,7 +194,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="batches before steady state")
     parser.add_argument("--unpadded-batches", type=int, default=8, help="batches for the unpadded XLA run")
     parser.add_argument("--variants", default="cpu,xla unpadded,xla static,xla static fitted")
+    parser.add_argument(
+        "--candidates", action="store_true", help="only count each scheme's graphs (host only)"
+    )
     args = parser.parse_args()
+    if args.candidates:
+        trees = load_sst(
+            args.data.parent if args.data else None, "train", max_trees=args.trees * args.batches
+        )
+        batches = [trees[i * args.trees : (i + 1) * args.trees] for i in range(args.batches)]
+        count_candidates(batches, Vocab.build(trees), args.warmup)
+        return
     import torch_xla
 
     torch.set_num_threads(1)

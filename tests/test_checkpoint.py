@@ -208,7 +208,7 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
         (lambda s: s.update(step=True), r"its step should be an int >= 0 \(steps completed\), got True"),
         (lambda s: s.update(world_size="1"), "its world_size should be an int >= 1, got '1'"),
         (
-            lambda s: s["optimizer"].update(optimizer="x"),
+            lambda s: s["optimizer"].update(state="x"),
             "its optimizer state does not fit this run: 'str' object has no attribute",
         ),
     ],

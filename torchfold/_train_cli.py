@@ -208,9 +208,12 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     )
     history = open(args.history, "w") if args.history and loader.rank == 0 else None  # noqa: SIM115
     # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
-    # forked into the workers, out of their copy-on-write pages).
-    gc.collect()
-    gc.freeze()
+    # forked into the workers, out of their copy-on-write pages). Undone at the end (main() may
+    # run inside a bigger process), unless something else had frozen objects before.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
 
     def record(stats: StepStats) -> None:
         if history is not None:
@@ -244,6 +247,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     finally:
         loader.close()
+        if freeze:
+            gc.unfreeze()
         if history is not None:
             history.close()
     if main_rank:

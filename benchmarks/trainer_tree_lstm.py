@@ -132,8 +132,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         progress=False,
         on_step=lambda stats: ends.append(time.perf_counter()),
     )
-    gc.collect()
-    gc.freeze()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        return _measure(args, trainer, hand_steps, hand_losses, ends, loader, source, trees)
+    finally:
+        loader.close()
+        if freeze:
+            gc.unfreeze()  # main() may run inside a bigger process (the smoke test)
+
+
+def _measure(
+    args: argparse.Namespace,
+    trainer: torchfold.TraceTrainer,
+    hand_steps: Any,
+    hand_losses: list[float],
+    ends: list[float],
+    loader: torchfold.StepLoader[Any, Any],
+    source: str,
+    trees: list[Any],
+) -> dict[str, float]:
     history = trainer.fit(max_steps=args.warmup)
     hand_steps(args.warmup)
     torch.testing.assert_close(
@@ -148,7 +168,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         trainer.fit(max_steps=trainer.next_step + args.updates)
         timed = len(ends) - 1 - skip
         rates["TraceTrainer"].append(timed * args.batch_size / (ends[-1] - ends[skip]))
-    loader.close()
     result = {name: statistics.median(values) for name, values in rates.items()}
     rows = [
         [

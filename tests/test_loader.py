@@ -196,6 +196,20 @@ def test_iterating_again_goes_on_from_the_last_step_handed_out() -> None:
     assert len(list(loader)) == 10
 
 
+def test_an_abandoned_iteration_with_workers_goes_on_exactly() -> None:
+    with StepLoader(list(range(60)), 3, build=square_build, seed=4, num_workers=2) as loader:
+        expected = _indices(loader)
+    with StepLoader(
+        list(range(60)), 3, build=square_build, seed=4, num_workers=2, prefetch_factor=3
+    ) as loader:
+        got = []
+        for part in (2, 5, 1):
+            it = iter(loader)  # a new iteration while the workers still build the old one's read-ahead
+            got += [[mb.indices for mb in next(it)] for _ in range(part)]
+        got += _indices(loader)
+    assert got == expected
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_build_error_is_raised_with_the_worker_traceback_and_the_items(num_workers: int) -> None:
     loader = StepLoader(list(range(40)), 4, build=failing_build, shuffle=False, num_workers=num_workers)

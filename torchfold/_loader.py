@@ -203,6 +203,10 @@ class StepLoader(Generic[T, R]):
         device: move each minibatch's tensors and numpy arrays there, without blocking (default:
             leave them where they are).
 
+    Worker processes start with the first iteration and stay for the next ones (no start-up cost
+    per epoch or resume); an iteration left early (``break``) simply drops what they built ahead.
+    :meth:`close` (or leaving a ``with`` block, or the loader being garbage-collected) stops them.
+
     Raises:
         TypeError / ValueError: bad arguments, before any worker starts; worker errors are raised
             in the training loop with the worker's traceback and the failing dataset indices.
@@ -285,16 +289,21 @@ class StepLoader(Generic[T, R]):
                     f"({len(dataset)} items); lower one of them"
                 )
             trace = batch_size * replication_factor * gradient_accumulation
-        self.sampler = TraceBatchSampler(
-            len(dataset),
-            trace,
-            minibatch_size=batch_size,
-            num_replicas=replication_factor,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+        try:
+            self.sampler = TraceBatchSampler(
+                len(dataset),
+                trace,
+                minibatch_size=batch_size,
+                num_replicas=replication_factor,
+                rank=rank,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+            )
+        except ValueError as e:
+            if "minibatch_size" in str(e):
+                _add_note(e, f"torchfold.StepLoader: its batch_size={batch_size} is the minibatch size")
+            raise
         if num_workers and build is not None:
             method: str = (
                 multiprocessing.get_start_method()

@@ -279,10 +279,6 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         num_workers=args.workers,
     )
     history = open(args.history, "w") if args.history and loader.rank == 0 else None  # noqa: SIM115
-    # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
-    # forked into the workers, out of their copy-on-write pages).
-    gc.collect()
-    gc.freeze()
 
     def record(stats: StepStats) -> None:
         if history is not None:
@@ -314,10 +310,19 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         print(f"resumed from {resumed} at step {trainer.next_step}")
         for line in overridden:
             print(line)
+    # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
+    # forked into the workers, out of their copy-on-write pages). Undone at the end (main() may
+    # run inside a bigger process), unless something else had frozen objects before.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
     try:
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     finally:
         loader.close()
+        if freeze:
+            gc.unfreeze()
         if history is not None:
             history.close()
     if main_rank:

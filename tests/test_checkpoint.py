@@ -328,7 +328,7 @@ def test_the_cli_resume_refuses_another_lr_momentum_or_optimizer_unless_overridd
     assert (code, err) == (0, ""), err
     assert "--override-lr: training on with --lr 0.02 instead of the checkpoint's 0.01" in out
     assert "--override-momentum: training on with --momentum 0.5 instead of the checkpoint's 0.9" in out
-    [group] = load_checkpoint(tmp_path / "ck" / "step-00000003.pt")["optimizer"]["optimizer"]["param_groups"]
+    [group] = load_checkpoint(tmp_path / "ck" / "step-00000003.pt")["optimizer"]["param_groups"]
     assert (group["lr"], group["momentum"]) == (0.02, 0.5)
 
 

@@ -350,7 +350,10 @@ def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | Non
         return None, []
     state = load_checkpoint(path, map_location=trainer.device)
     try:
-        group = state["optimizer"]["optimizer"]["param_groups"][0]
+        saved_optimizer = state["optimizer"]
+        if "param_groups" not in saved_optimizer:  # written by torchfold 0.1.0: the inner state nested
+            saved_optimizer = saved_optimizer["optimizer"]
+        group = saved_optimizer["param_groups"][0]
         saved_kind = "adam" if "betas" in group else "sgd" if "momentum" in group else None
     except (KeyError, IndexError, TypeError):  # not a trainer's checkpoint: load_state_dict says how
         group, saved_kind = {}, None

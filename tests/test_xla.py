@@ -29,6 +29,20 @@ HERE = Path(__file__).parent
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-8}
 
 
+def _spawn_two_replicas(script: str, out: Path, timeout: float) -> Path:
+    """Run ``tests/SCRIPT OUT`` on 2 XLA CPU devices in a fresh process (xmp.spawn needs an uninitialized runtime)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    done = subprocess.run(
+        [sys.executable, str(HERE / script), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 def _cpu_reference(rule: str) -> dict[str, object]:
     return train(make_model(seed=100), rule, mnist_rows(sum(TRACE)), TRACE, MINIBATCH, num_replicas=1, rank=0)
 
@@ -48,16 +62,7 @@ def test_one_xla_device_equals_the_cpu(rule: str) -> None:
 
 def test_two_xla_replicas_with_all_reduce_equal_one_process(tmp_path: Path) -> None:
     # A fresh process: xmp.spawn needs an uninitialized runtime, and this one already ran above.
-    out = tmp_path / "replicas.pt"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "_xla_worker.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = _spawn_two_replicas("_xla_worker.py", tmp_path / "replicas.pt", timeout=400)
     for rank in (0, 1):
         replica = torch.load(f"{out}.rank{rank}", weights_only=False)
         assert (replica["world_size"], replica["rank"]) == (2, rank)
@@ -230,16 +235,7 @@ def test_the_trainer_on_two_xla_devices_equals_one_cpu_process(tmp_path: Path) -
     steps that repeat earlier minibatch counts compile nothing new."""
     from _xla_trainer_worker import TRACE, train_on_cpu
 
-    out = tmp_path / "trainer.pt"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "_xla_trainer_worker.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = _spawn_two_replicas("_xla_trainer_worker.py", tmp_path / "trainer.pt", timeout=600)
     expected = train_on_cpu()
     for rank in (0, 1):
         replica = torch.load(f"{out}.rank{rank}", weights_only=False)

@@ -309,3 +309,109 @@ def test_request_lists_of_ints_and_tensors_work_with_static_shapes_like_the_orig
         FoldError, match=r"apply request 0: static shapes cannot pad a request that mixes nodes and tensors"
     ):
         fold.plan([[node, torch.ones(1, 5)]])
+
+
+class _Rows(torch.nn.Module):
+    """Ops whose outputs differ in rows per call and row shape, to be read at one position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def one(self, n: torch.Tensor) -> torch.Tensor:  # 1 row of 1 per call
+        return n.float().unsqueeze(1) * self.w
+
+    def two(self, n: torch.Tensor) -> torch.Tensor:  # 2 rows of 1 per call
+        return (n.float().unsqueeze(1) * self.w).repeat_interleave(2, 0)
+
+    def wide(self, n: torch.Tensor) -> torch.Tensor:  # 1 row of 2 per call
+        return (n.float().unsqueeze(1) * self.w).repeat(1, 2)
+
+    def inp(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return x * k.float().view(-1, *([1] * (x.dim() - 1))).repeat_interleave(x.shape[0] // k.shape[0], 0)
+
+
+@pytest.mark.parametrize("second", ["two", "wide"])
+def test_a_position_reading_outputs_of_another_layout_in_a_later_batch_is_refused_not_wrong(
+    second: str,
+) -> None:
+    shapes = StaticShapes(min_rows=2)
+    for op in ("one", second):
+        fold = Fold(shapes=shapes)
+        outs = [fold.add(torch.neg, fold.add(op, i)) for i in (1, 2, 3)]
+        plan = fold.plan([outs])
+        if op == "one":
+            torch.testing.assert_close(plan.apply(_Rows())[0], torch.tensor([[-2.0], [-4.0], [-6.0]]))
+        else:
+            with pytest.raises(
+                FoldError, match=r"reads the outputs of op 'one' \(1 rows of \(1,\).*op '" + second
+            ):
+                plan.apply(_Rows())
+
+
+def test_given_tensors_of_another_layout_are_never_padded_into_a_wrong_result() -> None:
+    """Each layout of given tensors gets its own slot; a request that reads both layouts over two
+    batches cannot be one concatenation, and says so (it used to return the first layout's rows)."""
+    shapes = StaticShapes(min_rows=2)
+    for rows in (1, 3):
+        folds = (Fold(shapes=shapes), Fold(shapes=None))
+        outs = [
+            [fold.add("inp", torch.full((rows, 1), float(i + 1)), i + 1) for i in range(2)] for fold in folds
+        ]
+        expected = folds[1].apply(_Rows(), [outs[1]])[0]
+        if rows == 1:
+            torch.testing.assert_close(folds[0].apply(_Rows(), [outs[0]])[0], expected)
+        else:
+            with pytest.raises(FoldError, match=r"op 'inp' \(1 rows .* op 'inp' \(3 rows"):
+                folds[0].apply(_Rows(), [outs[0]])
+    assert len({key for _, key in shapes._capacity if key[0] == "inp"}) == 2  # a slot per layout
+
+
+def test_switching_between_request_lists_grows_the_envelope_once_per_list() -> None:
+    shapes = StaticShapes(min_rows=2, warmup=0)
+
+    def plan(both: bool) -> Any:
+        fold = Fold(shapes=shapes)
+        nodes = [fold.add("leaf", i) for i in range(5)]
+        return fold.plan([nodes, nodes[:1]] if both else [nodes])
+
+    plan(False)
+    with pytest.warns(StaticShapesWarning):
+        plan(True)  # a second list: the envelope learns it once
+    versions = shapes.version
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for both in (False, True, False, True):
+            out = plan(both).apply(Zoo())
+            assert [o.shape[0] for o in out] == ([5, 1] if both else [5])
+    assert shapes.version == versions
+
+
+def test_calls_passing_the_same_tensor_at_a_position_are_padded() -> None:
+    shared = torch.ones(1, 5)
+    results = []
+    for fold in (Fold(shapes=StaticShapes()), Fold(shapes=None)):
+        outs = [fold.add("combine", shared, shared, fold.add("leaf", i)) for i in range(3)]
+        results.append(fold.apply(Zoo(), [outs])[0])
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_sizes_count_the_rows_of_int_float_and_tensor_requests_for_both_plan_kinds() -> None:
+    for shapes in (None, StaticShapes()):
+        fold = Fold(shapes=shapes)
+        nodes = [fold.add("leaf", i) for i in range(3)]
+        plan = fold.plan([nodes, [7, 8, 9], [0.5, 1.5], [torch.ones(2, 1), torch.ones(1, 1)]])
+        assert plan.sizes == [3, 3, 2, 3]
+        assert plan.pad(1, [1, 1, 1]).shape[0] == plan.capacities[1]
+
+
+def test_a_static_plan_refuses_to_pickle_what_would_lose_gradients() -> None:
+    model = Zoo()
+    fold = Fold(shapes=StaticShapes())
+    plan = fold.plan([[fold.add(model.leaf, 1)]])
+    with pytest.raises(FoldError, match=r"is a method bound to a Zoo: .* record the op by name"):
+        pickle.dumps(plan)
+    fold = Fold(shapes=StaticShapes())
+    plan = fold.plan([[fold.add("lift", torch.ones(1, 5, requires_grad=True))]])
+    with pytest.raises(FoldError, match=r"argument 0: a tensor given to add requires grad"):
+        pickle.dumps(plan)

@@ -28,7 +28,7 @@ from torchfold._plan import check_requests
 if TYPE_CHECKING:
     from torchfold._fold import Fold
 
-__all__ = ["FoldPlan", "call_offsets", "compile_fold"]
+__all__ = ["FoldPlan", "call_offsets", "check_portable_op", "compile_fold", "portable_tensors"]
 
 _Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -196,7 +196,11 @@ class FoldPlan:
                 sizes.append(sum(request.sizes))
             elif request.kind == "whole":
                 sizes.append(self.steps[self.source_owner[request.value][0]].num_calls)
-            else:
+            elif request.kind in ("ints", "floats"):
+                sizes.append(len(request.value))
+            elif request.kind == "concat":  # tensors: their rows
+                sizes.append(sum(int(t.shape[0]) for t in request.value))
+            else:  # one node's rows
                 sizes.append(1)
         return sizes
 
@@ -257,7 +261,7 @@ class FoldPlan:
                 given to ``add`` requires grad (its copy would cut the gradient off).
         """
         requests = [
-            Arg(request.kind, _portable_tensors(request.value, f"apply request {number}"))
+            Arg(request.kind, portable_tensors(request.value, f"apply request {number}"))
             if isinstance(request, Arg) and request.kind == "concat"
             else _portable_gather(request, f"apply request {number}")
             if isinstance(request, Gather)
@@ -285,21 +289,26 @@ class FoldPlan:
 # --------------------------------------------------------------------------------------------
 
 
+def check_portable_op(op: Op, name: str, depth: int) -> None:
+    """Refuse to pickle an op bound to an object: the copy would get the gradients, not the module."""
+    if inspect.ismethod(op):
+        owner = type(op.__self__).__name__
+        raise FoldError(
+            f"op {name!r} at depth {depth} is a method bound to a {owner}: a pickled plan would carry its "
+            f"own copy of that {owner}, and the module applying the plan would get no gradients through it; "
+            f"record the op by name, fold.add({op.__name__!r}, ...), to ship plans between processes"
+        )
+
+
 def _portable(step: Step) -> Step:
     """``step`` as it may travel to another process (see ``FoldPlan.__getstate__``)."""
-    if inspect.ismethod(step.op):
-        owner = type(step.op.__self__).__name__
-        raise FoldError(
-            f"op {step.name!r} at depth {step.depth} is a method bound to a {owner}: a pickled plan would carry its "
-            f"own copy of that {owner}, and the module applying the plan would get no gradients through it; "
-            f"record the op by name, fold.add({step.op.__name__!r}, ...), to ship plans between processes"
-        )
+    check_portable_op(step.op, step.name, step.depth)
     given = [arg for _, arg in step.fixed if arg.kind in ("tensor", "concat")]
     if not given and all(isinstance(piece, int) for gather in step.gathers for piece in gather.pieces):
         return step  # nothing but index arrays: pickles as it is
     portable = copy.copy(step)
     portable.fixed = [
-        (position, Arg(arg.kind, _portable_tensors(arg.value, step.where(position))))
+        (position, Arg(arg.kind, portable_tensors(arg.value, step.where(position))))
         if arg.kind in ("tensor", "concat")
         else (position, arg)
         for position, arg in step.fixed
@@ -313,15 +322,15 @@ def _portable_gather(gather: Gather, where: str) -> Gather:
         return gather
     moved = copy.copy(gather)
     moved.pieces = [
-        piece if isinstance(piece, int) else _portable_tensors(piece, where) for piece in gather.pieces
+        piece if isinstance(piece, int) else portable_tensors(piece, where) for piece in gather.pieces
     ]
     return moved
 
 
-def _portable_tensors(value: Any, where: str) -> Any:
+def portable_tensors(value: Any, where: str) -> Any:
     """A tensor given to ``add`` (or a list of them) reduced to its own rows for pickling."""
     if isinstance(value, list):
-        return [_portable_tensors(tensor, where) for tensor in value]
+        return [portable_tensors(tensor, where) for tensor in value]
     tensor: _Tensor = value
     if tensor.requires_grad:
         raise FoldError(

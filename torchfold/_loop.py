@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from torchfold._checkpoint import (
 from torchfold._distributed import all_reduce_sum_, broadcast_parameters, get_rank, get_world_size, xla_sync
 from torchfold._loader import Step, StepLoader, to_device
 from torchfold._optim import AccumulatingOptimizer
+from torchfold._static import StaticPlan
 
 __all__ = ["PlanLoss", "StepStats", "TraceTrainer"]
 
@@ -193,6 +195,7 @@ class TraceTrainer:
         )
         self.log = log if log is not None else tqdm.write
         self.on_step = on_step
+        self._warned_unpadded = False
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
         self._log_loss = self._log_samples = 0.0
@@ -276,6 +279,18 @@ class TraceTrainer:
         samples, nodes = 0, 0
         for minibatch in step:
             fold_plan, targets = self._to_device(minibatch.data)
+            if (
+                self.device.type == "xla"
+                and not isinstance(fold_plan, StaticPlan)
+                and not self._warned_unpadded
+            ):
+                self._warned_unpadded = True
+                warnings.warn(
+                    "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
+                    "graph; build static-shape plans with padded targets instead (Fold(shapes=StaticShapes(...)) and "
+                    "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
+                    stacklevel=2,
+                )
             with self.optimizer.minibatch(minibatch.num_samples):
                 # padded=True: a static-shape plan's outputs keep their capacity (the build padded
                 # the targets to match), so every minibatch runs the same graph on XLA

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchfold._compile import Arg, FoldPlan, Step
+from torchfold._compile import Arg, FoldPlan, Step, check_portable_op, portable_tensors
 from torchfold._errors import FoldError
 from torchfold._node import Op
 from torchfold._plan import module_device, resolve_ops
@@ -91,7 +91,7 @@ class _Batch:
 def _decode(plan: FoldPlan) -> _Batch:
     columns = [_step_columns(plan, step) for step in plan.steps]
     keys: list[OpKey] = [
-        (step.op, step.arity, step.num_outputs, tuple(column.kind for column in cols))
+        (step.op, step.arity, step.num_outputs, tuple(column.kind for column in cols), _given_layouts(cols))
         for step, cols in zip(plan.steps, columns, strict=True)
     ]
     streams: list[Stream] = [(keys[number], output) for number, output in plan.source_owner]
@@ -103,6 +103,20 @@ def _decode(plan: FoldPlan) -> _Batch:
         requests=[_request_column(plan, request, number) for number, request in enumerate(plan.requests)],
         streams=streams,
     )
+
+
+def _given_layouts(columns: list[_Column]) -> tuple[Any, ...]:
+    """Per position, the rows, row shape and dtype of its given tensors (None for others): part of
+    an op's key, so that tensors of another layout get a slot of their own instead of a wrong one."""
+    layouts: list[Any] = []
+    for column in columns:
+        if column.kind != "given":
+            layouts.append(None)
+            continue
+        first = column.values[0]
+        shape = tuple(first.shape) if first.dim() else (1,)
+        layouts.append((shape, first.dtype))
+    return tuple(layouts)
 
 
 def _step_columns(plan: FoldPlan, step: Step) -> list[_Column]:
@@ -123,6 +137,13 @@ def _step_columns(plan: FoldPlan, step: Step) -> list[_Column]:
     for gather in step.gathers:
         item_piece, item_call = gather.items()
         given = [number for number, piece in enumerate(gather.pieces) if not isinstance(piece, int)]
+        if len(given) == len(gather.pieces):  # tensors only (some calls pass the same one): each call's
+            start = 0
+            for position, size in zip(gather.positions, gather.sizes, strict=True):
+                pieces = item_piece[start : start + size].tolist()
+                columns[position] = _Column("given", values=[gather.pieces[p] for p in pieces])
+                start += size
+            continue
         if given:
             first_item = int(np.flatnonzero(np.isin(item_piece, given))[0])
             position = gather.positions[
@@ -169,6 +190,11 @@ def _nodes_column(plan: FoldPlan, arg: Any, where: str) -> _Column:
         raise AssertionError(f"{where}: unexpected argument kind {arg.kind!r}")  # pragma: no cover
     item_piece, item_call = arg.items()
     return _Column("nodes", np.asarray(arg.pieces, dtype=np.int64)[item_piece], item_call)
+
+
+def _signature(batch: _Batch) -> tuple[str, ...]:
+    """What a plan asks for, as the envelope keeps it apart: the kind of each request."""
+    return tuple(column.kind for column in batch.requests)
 
 
 def _count(column: _Column) -> int:
@@ -266,10 +292,12 @@ class StaticShapes:
         self._names: dict[OpKey, str] = {}
         self._streams: dict[tuple[OpKey, int], set[Stream]] = {}  # what each position of an op reads
         self._fills: dict[tuple[OpKey, int], Any] = {}  # a value that pads an ints/floats/given position
-        self._requests: list[tuple[str, int, set[Stream]]] = []  # per request: kind, capacity, streams
+        # per request signature (the kinds of the requests, in order): each request's kind, capacity
+        # and streams; training ([nodes]) and evaluation ([roots]) then keep an envelope each
+        self._requests: dict[tuple[str, ...], list[tuple[str, int, set[Stream]]]] = {}
         self._deepest = -1
         self._levels = 0
-        self._layout: _Layout | None = None
+        self._layouts: dict[tuple[str, ...], _Layout] = {}
         #: how many times the envelope grew: the number of distinct graphs it has asked for
         self.version = 0
         #: plans fitted so far
@@ -332,9 +360,10 @@ class StaticShapes:
         if not self._fits(batch):
             self._grow(batch)
         self.plans += 1
-        layout = self._layout
+        signature = _signature(batch)
+        layout = self._layouts.get(signature)
         if layout is None:
-            layout = self._layout = _Layout(self)
+            layout = self._layouts[signature] = _Layout(self, signature)
         padded = layout.pad(plan, batch)
         self.real_calls += sum(batch.calls)
         self.padded_calls += layout.total_calls
@@ -345,7 +374,8 @@ class StaticShapes:
         return {batch.streams[s] for s in np.unique(column.sources).tolist()}
 
     def _fits(self, batch: _Batch) -> bool:
-        if self._layout is None or len(batch.requests) != len(self._requests):
+        requests = self._requests.get(_signature(batch))
+        if requests is None:
             return False
         capacity = self._capacity
         for slot, calls, columns in zip(batch.slots, batch.calls, batch.columns, strict=True):
@@ -358,8 +388,8 @@ class StaticShapes:
                     and not self._streams_of(batch, column) <= self._streams[(key, position)]
                 ):
                     return False
-        for (kind, room, streams), column in zip(self._requests, batch.requests, strict=True):
-            if kind != column.kind or (kind != "given" and _count(column) > room):
+        for (kind, room, streams), column in zip(requests, batch.requests, strict=True):
+            if kind != "given" and _count(column) > room:
                 return False
             if kind == "nodes" and not self._streams_of(batch, column) <= streams:
                 return False
@@ -387,22 +417,27 @@ class StaticShapes:
         # deeper than all before it then fits without a new graph.
         wanted = math.ceil((self._deepest + 1) * self.headroom)
         self._levels = max(self._levels, -(-wanted // self.level_step) * self.level_step)
-        deepest_ops = [key for depth, key in self._capacity if depth == self._deepest]
+        # (only ops that read nodes: one without node arguments always runs at depth 0)
+        deepest_ops = [
+            key
+            for depth, key in self._capacity
+            if depth == self._deepest and any(kind in ("nodes", "shared") for kind in key[3])
+        ]
         for depth in range(self._deepest + 1, self._levels):
             for key in deepest_ops:
                 self._capacity.setdefault((depth, key), self.bucket(1))
-        if [kind for kind, _, _ in self._requests] != [column.kind for column in batch.requests]:
-            self._requests = [(column.kind, 0, set()) for column in batch.requests]
-        self._requests = [
+        signature = _signature(batch)
+        requests = self._requests.get(signature) or [(column.kind, 0, set()) for column in batch.requests]
+        self._requests[signature] = [
             (
                 kind,
                 room if _count(column) <= room else self.bucket(math.ceil(_count(column) * self.headroom)),
                 streams | self._streams_of(batch, column) if kind == "nodes" else streams,
             )
-            for (kind, room, streams), column in zip(self._requests, batch.requests, strict=True)
+            for (kind, room, streams), column in zip(requests, batch.requests, strict=True)
         ]
-        grown = self._layout is not None
-        self._layout = None
+        grown = bool(self._layouts)
+        self._layouts.clear()
         self.version += 1
         if grown and self.plans >= self.warmup:
             warnings.warn(
@@ -474,7 +509,7 @@ class _Slot:
 class _Layout:
     """The slots and gathers of one version of an envelope: what every plan fitted to it runs."""
 
-    def __init__(self, shapes: StaticShapes) -> None:
+    def __init__(self, shapes: StaticShapes, signature: tuple[str, ...]) -> None:
         order = shapes._order
         keys = sorted(shapes._capacity, key=lambda slot: (slot[0], order[slot[1]]))
         self.slots = [
@@ -509,7 +544,7 @@ class _Layout:
                 if kind == "nodes"
                 else None,
             )
-            for kind, room, streams in shapes._requests
+            for kind, room, streams in shapes._requests[signature]
         ]
 
     def _pieces(self, before: int, streams: set[Stream] | frozenset[Stream]) -> list[_Piece]:
@@ -727,6 +762,33 @@ class StaticPlan:
                 return _run(self, nn, padded)
         return _run(self, nn, padded)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles: refused, like a :class:`~torchfold.FoldPlan`'s, where a copy would cut gradients off.
+
+        Raises:
+            FoldError: an op is a bound method, or a tensor given to ``add`` requires grad.
+        """
+        for slot in self.slots:
+            check_portable_op(slot.op, slot.name, slot.depth)
+        slot_args = [
+            [
+                (
+                    position,
+                    kind,
+                    portable_tensors(value, f"op {slot.name!r} at depth {slot.depth}, argument {position}"),
+                )
+                if kind == "given"
+                else (position, kind, value)
+                for position, kind, value in args
+            ]
+            for slot, args in zip(self.slots, self.slot_args, strict=True)
+        ]
+        requests = [
+            (kind, portable_tensors(value, f"apply request {number}") if kind == "given" else value)
+            for number, (kind, value) in enumerate(self.requests)
+        ]
+        return {**self.__dict__, "slot_args": slot_args, "requests": requests}
+
     def __len__(self) -> int:
         return self.num_nodes
 
@@ -786,16 +848,35 @@ def _take(
     results: dict[tuple[int, int | None], _Tensor],
     memories: dict[frozenset[Stream], tuple[_Tensor, int]],
     index: _Tensor,
+    slots: list[_Slot],
 ) -> tuple[_Tensor, int]:
     """The rows of a gather: its pieces' running concatenation, extended as needed, then one ``index_select``."""
     memory = memories.get(gather.streams)
     have = 0 if memory is None else memory[1]
-    tensors = [results[(piece.slot, piece.output)] for piece in gather.pieces[have:]]
+    new = gather.pieces[have:]
+    tensors = [results[(piece.slot, piece.output)] for piece in new]
+    # What the envelope joins over all batches must agree, though each batch alone may read only
+    # some of it: rows per call, row shape and dtype of every piece.
+    first = gather.pieces[0]
+    reference = results[(first.slot, first.output)]
+    rows = reference.shape[0] // first.calls
+    for piece, tensor in zip(new, tensors, strict=True):
+        if (
+            tensor.shape[0] != piece.calls * rows
+            or tensor.shape[1:] != reference.shape[1:]
+            or tensor.dtype != reference.dtype
+        ):
+            raise FoldError(
+                f"static shapes: an argument position reads the outputs of op {slots[first.slot].name!r} "
+                f"({rows} rows of {tuple(reference.shape[1:])} {reference.dtype} per call) and, in this or an earlier "
+                f"batch, of op {slots[piece.slot].name!r} ({tensor.shape[0] / piece.calls:g} rows of "
+                f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
+                "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
+            )
     if memory is not None:
         tensors.insert(0, memory[0])
     source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
     memories[gather.streams] = (source, len(gather.pieces))
-    rows = source.shape[0] // gather.total
     if rows != 1:
         index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
     return source.index_select(0, index), rows
@@ -816,7 +897,7 @@ def _run(plan: StaticPlan, nn: object, padded: bool) -> list[_Tensor]:
         for position, kind, value in args_plan:
             if kind == "gather":
                 gather = next(gathers)
-                taken, rows = _take(gather, results, memories, ints[value[0] : value[1]])
+                taken, rows = _take(gather, results, memories, ints[value[0] : value[1]], plan.slots)
                 if len(gather.positions) == 1:
                     args[gather.positions[0]] = taken
                 else:
@@ -845,7 +926,7 @@ def _run(plan: StaticPlan, nn: object, padded: bool) -> list[_Tensor]:
         plan.request_gathers, plan.requests, plan.sizes, strict=True
     ):
         if reads is not None:
-            taken, rows = _take(reads, results, memories, ints[value[0] : value[1]])
+            taken, rows = _take(reads, results, memories, ints[value[0] : value[1]], plan.slots)
         elif kind == "ints" or kind == "floats":
             taken, rows = (ints if kind == "ints" else floats)[value[0] : value[1]], 1
         else:

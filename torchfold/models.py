@@ -226,7 +226,10 @@ class TreeLSTMBuild:
     other half.
 
     With ``shapes``, plans are padded into that :class:`~torchfold.StaticShapes` envelope (for
-    XLA: the graphs repeat) and so are the targets, padded rows weighing 0.
+    XLA: the graphs repeat) and so are the targets, padded rows weighing 0. Each loader worker
+    pads into its own copy of the envelope: fit it to a sample of minibatches first (as
+    ``python -m torchfold train --device xla`` does), so that the copies rarely need to grow;
+    a copy that does grow warns, and its graphs are its own.
 
     Args:
         vocab: maps the trees' words to the model's embedding ids.

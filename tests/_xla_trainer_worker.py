@@ -84,6 +84,7 @@ def _replica(index: int, out: str) -> None:
                 "params": [p.detach().cpu() for p in model.parameters()],
                 "compilations": compilations,
                 "local_minibatches": [s.local_minibatches for s in stats],
+                "seconds": [s.seconds for s in stats],  # each step's, all-reduce wait included
                 "envelope_versions": shapes.version,
             },
             f"{out}.rank{rank}",

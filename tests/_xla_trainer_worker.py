@@ -10,6 +10,7 @@ uninitialized runtime).
 
 from __future__ import annotations
 
+import copy
 import sys
 import traceback
 from typing import Any
@@ -22,12 +23,18 @@ TRACE = [8, 16, 4, 12] * 2
 DIMS = (8, 8)
 
 
-def _setup() -> tuple[list[Any], Any, torch.nn.Module]:
+def _data() -> tuple[list[Any], Any]:
     from torchfold.datasets import Vocab, load_sst
-    from torchfold.models import TreeLSTM
 
     trees = load_sst(split="train", max_trees=sum(TRACE))
-    vocab = Vocab.build(trees)
+    return trees, Vocab.build(trees)
+
+
+def _setup() -> tuple[list[Any], Any, torch.nn.Module]:
+    """Data and the initial model (seeded: call it outside replica threads, which share the generator)."""
+    from torchfold.models import TreeLSTM
+
+    trees, vocab = _data()
     torch.manual_seed(0)
     return trees, vocab, TreeLSTM(len(vocab), *DIMS)
 
@@ -53,7 +60,7 @@ def train_on_cpu() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _replica(index: int, out: str) -> None:
+def _replica(index: int, out: str, initial: torch.nn.Module) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
     import torch_xla.runtime as xr
@@ -63,7 +70,10 @@ def _replica(index: int, out: str) -> None:
 
     try:
         world_size, rank = xr.world_size(), xr.global_ordinal()
-        trees, vocab, model = _setup()  # seeded on the CPU: the same start on every replica
+        trees, vocab = _data()
+        # The replicas are threads sharing one global CPU generator here, so a model seeded in each
+        # could differ; every replica starts from a copy of the one made before xmp.spawn
+        model = copy.deepcopy(initial)
         shapes = StaticShapes()
         for start in range(0, len(trees), MINIBATCH):  # fitted on the host: the same on every replica
             shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
@@ -98,4 +108,4 @@ def _replica(index: int, out: str) -> None:
 if __name__ == "__main__":
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(_replica, args=(sys.argv[1],))
+    xmp.spawn(_replica, args=(sys.argv[1], _setup()[2]))

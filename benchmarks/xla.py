@@ -27,8 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")  # only read when torch_xla is imported (not by --candidates)
-
 import torch
 import torch.nn.functional as F
 from harness import add_sst_data_argument, machine_lines, markdown_table
@@ -184,7 +182,7 @@ def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> No
     print(markdown_table(["scheme", "distinct graphs", f"new after batch {warmup}"], rows))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -197,7 +195,7 @@ def main() -> None:
     parser.add_argument(
         "--candidates", action="store_true", help="only count each scheme's graphs (host only)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.candidates:
         trees = load_sst(
             args.data.parent if args.data else None, "train", max_trees=args.trees * args.batches
@@ -205,6 +203,7 @@ def main() -> None:
         batches = [trees[i * args.trees : (i + 1) * args.trees] for i in range(args.batches)]
         count_candidates(batches, Vocab.build(trees), args.warmup)
         return
+    os.environ.setdefault("PJRT_DEVICE", "CPU")  # read when torch_xla is imported: its CPU backend by default
     import torch_xla
 
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ import profile_tree_lstm  # noqa: E402
 import slow_transform  # noqa: E402
 import trainer_tree_lstm  # noqa: E402
 import tree_lstm  # noqa: E402
+import xla  # noqa: E402
 
 from torchfold.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
 from torchfold.models import MLP, TreeLSTM  # noqa: E402
@@ -109,6 +110,26 @@ def test_slow_transform_script_quick(tmp_path: Path, capsys: pytest.CaptureFixtu
     result = slow_transform.main(["--quick", "--data", str(data)])
     assert result["sync_ms"] > result["train_only_ms"] > 0
     assert "asynchronous loader hides" in capsys.readouterr().out
+
+
+def test_xla_candidates_count_graphs_on_the_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The host-only part of benchmarks/xla.py (the XLA runs need torch_xla: see the XLA lane)."""
+    (tmp_path / "train.txt").write_text("\n".join(generate_sst_lines(60, seed=0)) + "\n")
+    xla.main(
+        [
+            "--candidates",
+            "--data",
+            str(tmp_path / "train.txt"),
+            "--trees",
+            "5",
+            "--batches",
+            "12",
+            "--warmup",
+            "4",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "| no padding " in out and "| grow-only envelope (StaticShapes) " in out
 
 
 def test_profile_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

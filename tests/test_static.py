@@ -415,3 +415,32 @@ def test_a_static_plan_refuses_to_pickle_what_would_lose_gradients() -> None:
     plan = fold.plan([[fold.add("lift", torch.ones(1, 5, requires_grad=True))]])
     with pytest.raises(FoldError, match=r"argument 0: a tensor given to add requires grad"):
         pickle.dumps(plan)
+
+
+def test_a_spawned_loader_worker_builds_the_same_static_plans_as_the_training_process() -> None:
+    """The envelope travels to a ``spawn`` worker with the build (pickled) and pads there alike."""
+    from torchfold.models import TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import StepLoader
+
+    trees = load_sst(split="train", max_trees=40)
+    vocab = Vocab.build(trees)
+    shapes = StaticShapes()
+    for start in range(0, 40, 8):
+        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 8])[0])  # type: ignore[arg-type]
+    model = TreeLSTM(len(vocab), 8, 8)
+    losses = []
+    for workers, context in ((0, None), (1, "spawn")):
+        loader = StepLoader(
+            trees, 8, build=TreeLSTMBuild(vocab, shapes=shapes), trace=16, shuffle=False,
+            num_workers=workers, multiprocessing_context=context,
+        )  # fmt: skip
+        with loader, torch.no_grad():
+            losses.append(
+                [
+                    tree_lstm_loss(model, mb.data[0].apply(model, padded=True), mb.data[1]).item()
+                    for step in loader
+                    for mb in step
+                    if isinstance(mb.data[0], StaticPlan)
+                ]
+            )
+    assert len(losses[0]) == 5 and losses[0] == losses[1]

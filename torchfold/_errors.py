@@ -1,6 +1,20 @@
-"""The one exception type torchfold raises for graph and apply failures."""
+"""The one exception type torchfold raises for graph and apply failures, and how context joins others."""
 
-__all__ = ["FoldError"]
+import sys
+
+__all__ = ["FoldError", "add_note"]
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Add where an error happened to it, keeping its type (``except RuntimeError`` still catches it).
+
+    ``error.add_note(note)``; on Python 3.10, which has no ``add_note``, the note goes where 3.11
+    keeps notes (``__notes__``): readable, though 3.10's tracebacks do not print it.
+    """
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 class FoldError(Exception):

@@ -17,7 +17,6 @@ work is a loop over groups: all per-node bookkeeping happened when the plan was 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from torchfold._compile import Arg, FoldPlan, Gather, Step, call_offsets
-from torchfold._errors import FoldError
+from torchfold._errors import FoldError, add_note
 from torchfold._node import describe_arg_shapes, node_label
 from torchfold._plan import module_device, resolve_ops
 
@@ -279,13 +278,6 @@ def _arguments(step: Step, results: _Results, device: torch.device) -> list[Any]
     return args
 
 
-def _add_note(error: BaseException, note: str) -> None:
-    if sys.version_info >= (3, 11):
-        error.add_note(note)
-    else:  # where Python 3.11 keeps notes; 3.10 does not print them, but they can be read
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
-
-
 def _request_label(number: int) -> Callable[[int], str]:
     return lambda _: f"apply request {number}"
 
@@ -310,7 +302,7 @@ def run(plan: FoldPlan, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | No
             raise
         except Exception as error:
             # The type stays (``except torch.OutOfMemoryError`` must still catch it); where it happened is a note.
-            _add_note(
+            add_note(
                 error,
                 f"while applying {step.name!r} at depth {step.depth} to {step.num_calls} nodes, first "
                 f"{node_label(step.name, step.depth, 0)} (batched argument shapes: {describe_arg_shapes(shapes)})",

@@ -33,6 +33,7 @@ import torch.utils.data
 
 from torchfold._compile import FoldPlan
 from torchfold._distributed import get_world_size
+from torchfold._errors import add_note
 from torchfold._sampler import StepPlan, TraceBatchSampler
 from torchfold._static import StaticPlan
 from torchfold._trace import TraceLike
@@ -128,7 +129,7 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
             data = items if self.build is None else self.build(items)
         except Exception as e:
             where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
-            _add_note(e, f"torchfold.StepLoader: while building the minibatch of {where}")
+            add_note(e, f"torchfold.StepLoader: while building the minibatch of {where}")
             raise
         if self.build is not None and not (
             isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)
@@ -142,14 +143,6 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
                 "(fold.plan([nodes]), labels)"
             )
         return Minibatch(data, len(indices), list(indices))
-
-
-def _add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)``; on Python 3.10, which prints no notes, appended to its message."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    elif error.args and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
 
 
 def _first(batch: Minibatch[Any]) -> Minibatch[Any]:
@@ -302,7 +295,7 @@ class StepLoader(Generic[T, R]):
             )
         except ValueError as e:
             if "minibatch_size" in str(e):
-                _add_note(e, f"torchfold.StepLoader: its batch_size={batch_size} is the minibatch size")
+                add_note(e, f"torchfold.StepLoader: its batch_size={batch_size} is the minibatch size")
             raise
         if num_workers and build is not None:
             method: str = (

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from torchfold._compile import Arg, FoldPlan, Step, check_portable_op, portable_tensors
-from torchfold._errors import FoldError
+from torchfold._errors import FoldError, add_note
 from torchfold._node import Op
 from torchfold._plan import module_device, resolve_ops
 
@@ -914,9 +914,10 @@ def _run(plan: StaticPlan, nn: object, padded: bool) -> list[_Tensor]:
         except FoldError:
             raise
         except Exception as error:
-            error.add_note(
+            add_note(
+                error,
                 f"torchfold: while applying {slot.name!r} at depth {slot.depth} to {slot.num_calls} calls "
-                f"(padded; static shapes)"
+                f"(padded; static shapes)",
             )
             raise
         for output, value in _store(slot, out):

@@ -28,7 +28,14 @@ from torchfold._plan import check_requests
 if TYPE_CHECKING:
     from torchfold._fold import Fold
 
-__all__ = ["FoldPlan", "call_offsets", "check_portable_op", "compile_fold", "portable_tensors"]
+__all__ = [
+    "FoldPlan",
+    "call_offsets",
+    "check_pad_rows",
+    "check_portable_op",
+    "compile_fold",
+    "portable_tensors",
+]
 
 _Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -216,12 +223,7 @@ class FoldPlan:
         with padded and unpadded plans.
         """
         tensor = torch.as_tensor(values)
-        size = self.sizes[request]
-        if tensor.dim() == 0 or tensor.shape[0] != size:
-            raise ValueError(
-                f"pad(request={request}): values have shape {tuple(tensor.shape)} but the request has {size} nodes; "
-                "give one value (row) per node of the request"
-            )
+        check_pad_rows(request, tuple(tensor.shape), self.sizes[request])
         return tensor
 
     def apply(self, nn: torch.nn.Module | object, *, padded: bool = False) -> list[_Tensor]:
@@ -287,6 +289,15 @@ class FoldPlan:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def check_pad_rows(request: int, shape: tuple[int, ...], size: int) -> None:
+    """``pad``'s values must give one row per node of the request (for padded and unpadded plans alike)."""
+    if len(shape) == 0 or shape[0] != size:
+        raise ValueError(
+            f"pad(request={request}): values have shape {shape} but the request has {size} nodes; "
+            "give one value (row) per node of the request"
+        )
 
 
 def check_portable_op(op: Op, name: str, depth: int) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchfold._compile import Arg, FoldPlan, Step, check_portable_op, portable_tensors
+from torchfold._compile import Arg, FoldPlan, Step, check_pad_rows, check_portable_op, portable_tensors
 from torchfold._errors import FoldError, add_note
 from torchfold._node import Op
 from torchfold._plan import module_device, resolve_ops
@@ -467,7 +467,7 @@ class _StaticGather:
     is the number of calls each position takes (the slot's capacity, or 1 for a shared node).
     """
 
-    __slots__ = ("items", "offsets", "pieces", "positions", "streams", "total")
+    __slots__ = ("items", "offsets", "pieces", "positions", "streams")
 
     def __init__(
         self, streams: frozenset[Stream], pieces: list[_Piece], positions: list[int], items: int
@@ -479,11 +479,10 @@ class _StaticGather:
         self.positions = positions
         self.items = items
         self.offsets: dict[tuple[int, int | None], int] = {}
-        total = 0
+        start = 0
         for piece in pieces:
-            self.offsets[(piece.slot, piece.output)] = total
-            total += piece.calls
-        self.total = total
+            self.offsets[(piece.slot, piece.output)] = start
+            start += piece.calls
 
 
 class _Slot:
@@ -570,17 +569,7 @@ class _Layout:
         owner = [(slot_of_step[number], output) for number, output in plan.source_owner]
         columns_of: dict[int, list[_Column]] = {slot_of_step[i]: cols for i, cols in enumerate(batch.columns)}
         calls_of = {slot_of_step[i]: calls for i, calls in enumerate(batch.calls)}
-        ints: list[np.ndarray] = []
-        floats: list[np.ndarray] = []
-        int_at = [0]
-        float_at = [0]
-
-        def put(target: list[np.ndarray], at: list[int], values: np.ndarray) -> tuple[int, int]:
-            start = at[0]
-            target.append(values)
-            at[0] += len(values)
-            return start, at[0]
-
+        ints, floats = _Packed(np.int64), _Packed(np.float64)
         slots_args: list[list[tuple[int, str, Any]]] = []
         for number, slot in enumerate(self.slots):
             columns = columns_of.get(number)
@@ -593,51 +582,60 @@ class _Layout:
                         for p in gather.positions
                     ]
                 )
-                args.append((-1, "gather", put(ints, int_at, index)))
+                args.append((-1, "gather", ints.add(index)))
             for position, kind in slot.fixed:
                 column = None if columns is None else columns[position]
                 fill = self.fills[(slot.key, position)]
                 if kind == "ints":
                     args.append(
-                        (
-                            position,
-                            kind,
-                            put(ints, int_at, _padded_values(column, fill, slot.num_calls, np.int64)),
-                        )
+                        (position, kind, ints.add(_padded_values(column, fill, slot.num_calls, np.int64)))
                     )
                 elif kind == "floats":
                     values = _padded_values(column, fill, slot.num_calls, np.float64)
-                    args.append((position, kind, put(floats, float_at, values)))
+                    args.append((position, kind, floats.add(values)))
                 else:
                     args.append((position, kind, _padded_tensors(column, fill, slot.num_calls)))
             slots_args.append(args)
         requests: list[tuple[str, Any]] = []
         for (kind, room, reads), column in zip(self.requests, batch.requests, strict=True):
             if reads is not None:
-                requests.append(
-                    (kind, put(ints, int_at, _padded_index(reads, owner, column, _count(column))))
-                )
+                requests.append((kind, ints.add(_padded_index(reads, owner, column, _count(column)))))
             elif kind == "ints":
-                requests.append((kind, put(ints, int_at, _padded_values(column, 0, room, np.int64))))
+                requests.append((kind, ints.add(_padded_values(column, 0, room, np.int64))))
             elif kind == "floats":
-                requests.append((kind, put(floats, float_at, _padded_values(column, 0, room, np.float64))))
+                requests.append((kind, floats.add(_padded_values(column, 0, room, np.float64))))
             else:  # tensors only: any number of rows each, passed as they are
                 requests.append((kind, torch.cat(column.values, 0)))
         return StaticPlan(
             self,
             slots_args,
             requests,
-            np.concatenate(ints) if ints else np.zeros(0, dtype=np.int64),
-            np.concatenate(floats) if floats else np.zeros(0, dtype=np.float64),
-            sizes=[
-                int(sum(t.shape[0] for t in column.values)) if column.kind == "given" else _count(column)
-                for column in batch.requests
-            ],
+            ints.array(),
+            floats.array(),
+            sizes=plan.sizes,
             real_calls=sum(batch.calls),
             num_nodes=plan.num_nodes,
             device=plan.device,
             volatile=plan.volatile,
         )
+
+
+class _Packed:
+    """Arrays laid end to end in one, each known by its (start, end): one transfer to the device."""
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, values: np.ndarray) -> tuple[int, int]:
+        start = self.size
+        self.parts.append(values)
+        self.size += len(values)
+        return start, self.size
+
+    def array(self) -> np.ndarray:
+        return np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=self.dtype)
 
 
 def _padded_index(
@@ -736,7 +734,7 @@ class StaticPlan:
         size, capacity = self.sizes[request], self.capacities[request]
         if isinstance(values, _Tensor) and values.device.type != "cpu":
             tensor = values  # already on a device: padded there (on XLA, sizes that vary then compile anew)
-            _check_pad_rows(request, tuple(tensor.shape), size)
+            check_pad_rows(request, tuple(tensor.shape), size)
             out = tensor.new_full((capacity, *tensor.shape[1:]), fill)
             out[:size] = tensor
             return out
@@ -746,7 +744,7 @@ class StaticPlan:
             array = array.astype(
                 _NUMPY_DEFAULT.get(torch.get_default_dtype(), np.float32)
             )  # Python floats: torch's default dtype
-        _check_pad_rows(request, array.shape, size)
+        check_pad_rows(request, array.shape, size)
         padded = np.full((capacity, *array.shape[1:]), fill, dtype=array.dtype)
         padded[:size] = array
         return torch.from_numpy(padded)
@@ -796,14 +794,6 @@ class StaticPlan:
         return (
             f"StaticPlan({len(self.slots)} slots, {self.num_nodes} nodes in {self.real_calls} calls padded to "
             f"{self.padded_calls}, requests {self.sizes} of {self.capacities})"
-        )
-
-
-def _check_pad_rows(request: int, shape: tuple[int, ...], size: int) -> None:
-    if len(shape) == 0 or shape[0] != size:
-        raise ValueError(
-            f"pad(request={request}): values have shape {shape} but the request has {size} nodes; "
-            "give one value (row) per node of the request"
         )
 
 

@@ -210,22 +210,25 @@ def encode(fold: Any, tree: Any, states: list[Any]) -> Any:
     return node
 
 
+def forest_outputs_and_gradients(
+    make: Any, trees: list[Any], via: str = "apply"
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """Every root's and node's value of ``trees`` recorded on ``make(model)``, and the parameters' gradients."""
+    model = Zoo()
+    fold = make(model)
+    states: list[Any] = []
+    roots = [encode(fold, t, states) for t in trees]
+    roots_out, states_out = run_fold(fold, model, [roots, states], via)
+    loss = roots_out.pow(2).sum() + states_out.sin().sum()
+    return roots_out, states_out, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(trees=forests(), compact=st.booleans(), via=st.sampled_from(VIA))
 def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: bool, via: str) -> None:
-    results = []
-    for make in (lambda model: Fold(), Unfold):
-        model = Zoo()
-        fold = make(model)
-        states: list[Any] = []
-        roots = [encode(fold, t, states) for t in trees]
-        with compaction(compact):
-            roots_out, states_out = run_fold(fold, model, [roots, states], via)
-        loss = roots_out.pow(2).sum() + states_out.sin().sum()
-        results.append(
-            (roots_out, states_out, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))
-        )
-    (r1, s1, g1), (r2, s2, g2) = results
+    with compaction(compact):
+        r1, s1, g1 = forest_outputs_and_gradients(lambda model: Fold(), trees, via)
+    r2, s2, g2 = forest_outputs_and_gradients(Unfold, trees)
     torch.testing.assert_close(r1, r2)
     torch.testing.assert_close(s1, s2)
     for a, b in zip(g1, g2, strict=True):

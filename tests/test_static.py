@@ -18,7 +18,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fold_properties import Zoo, encode, forests, instruction, requested, run_program
+from test_fold_properties import (
+    Zoo,
+    encode,
+    forest_outputs_and_gradients,
+    forests,
+    instruction,
+    requested,
+    run_program,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchfold import Fold, FoldError, StaticPlan, StaticShapes, StaticShapesWarning, Unfold
@@ -89,18 +97,8 @@ def test_padded_plans_equal_eager_on_random_graphs(
 @settings(max_examples=60, deadline=None)
 @given(trees=forests())
 def test_padded_forests_equal_eager_and_a_seen_forest_never_grows_the_envelope(trees: list[Any]) -> None:
-    results = []
-    for make in (lambda model: Fold(shapes=SHARED), Unfold):
-        model = Zoo()
-        fold = make(model)
-        states: list[Any] = []
-        roots = [encode(fold, t, states) for t in trees]
-        roots_out, states_out = fold.apply(model, [roots, states])
-        loss = roots_out.pow(2).sum() + states_out.sin().sum()
-        results.append(
-            (roots_out, states_out, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))
-        )
-    (r1, s1, g1), (r2, s2, g2) = results
+    r1, s1, g1 = forest_outputs_and_gradients(lambda model: Fold(shapes=SHARED), trees)
+    r2, s2, g2 = forest_outputs_and_gradients(Unfold, trees)
     torch.testing.assert_close(r1, r2)
     torch.testing.assert_close(s1, s2)
     # An op of the envelope that this forest lacks runs on padding only: its parameters get a

@@ -247,12 +247,13 @@ class FoldPlan:
         from torchfold._execute import run
         from torchfold._plan import module_device
 
-        if self.pad_on_xla and (self.device if self.device is not None else module_device(nn)).type == "xla":
+        device = self.device if self.device is not None else module_device(nn)
+        if self.pad_on_xla and device.type == "xla":
             from torchfold._static import StaticShapes
 
             return StaticShapes.of(nn).fit(self).apply(nn)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
-            return run(self, nn, arg_shapes)
+            return run(self, nn, arg_shapes, device)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles: the plan, with tensors given to ``add`` cut down to their own rows.

@@ -282,13 +282,20 @@ def _request_label(number: int) -> Callable[[int], str]:
     return lambda _: f"apply request {number}"
 
 
-def run(plan: FoldPlan, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
+def run(
+    plan: FoldPlan,
+    nn: object,
+    arg_shapes: list[list[tuple[Any, Any]]] | None = None,
+    device: torch.device | None = None,
+) -> list[_Tensor]:
     """Run ``plan``'s steps on ``nn`` and return one batched tensor per request.
 
     The plan is only read (several threads may run it). ``arg_shapes``, if given, receives the
-    (dtype, shape) of each step's batched arguments, one list per step run.
+    (dtype, shape) of each step's batched arguments, one list per step run. ``device``: where
+    ints and floats are made, if the caller already knows (default: the plan's, else the module's).
     """
-    device = plan.device if plan.device is not None else module_device(nn)
+    if device is None:
+        device = plan.device if plan.device is not None else module_device(nn)
     fns: list[Callable[..., Any]] = resolve_ops(nn, plan.steps)
     results = _Results(plan)
     for number, (step, fn) in enumerate(zip(plan.steps, fns, strict=True)):

@@ -33,7 +33,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,14 @@ class _Column:
     sources: np.ndarray | None = None
     calls: np.ndarray | None = None
     values: Any = None
+    _unique: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def unique_sources(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct sources read, and each call's place among them (fitting and padding both ask)."""
+        if self._unique is None:
+            assert self.sources is not None
+            self._unique = np.unique(self.sources, return_inverse=True)
+        return self._unique
 
 
 @dataclass
@@ -371,7 +379,7 @@ class StaticShapes:
 
     def _streams_of(self, batch: _Batch, column: _Column) -> set[Stream]:
         assert column.sources is not None
-        return {batch.streams[s] for s in np.unique(column.sources).tolist()}
+        return {batch.streams[s] for s in column.unique_sources()[0].tolist()}
 
     def _fits(self, batch: _Batch) -> bool:
         requests = self._requests.get(_signature(batch))
@@ -645,7 +653,7 @@ def _padded_index(
     index = np.zeros(gather.items, dtype=np.int64)
     if column is not None and real:
         assert column.sources is not None and column.calls is not None
-        unique, inverse = np.unique(column.sources, return_inverse=True)
+        unique, inverse = column.unique_sources()
         starts = np.array([gather.offsets[owner[source]] for source in unique.tolist()], dtype=np.int64)
         taken = starts[inverse] + column.calls
         index[: len(taken)] = taken

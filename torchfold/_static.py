@@ -122,8 +122,7 @@ def _given_layouts(columns: list[_Column]) -> tuple[Any, ...]:
             layouts.append(None)
             continue
         first = column.values[0]
-        shape = tuple(first.shape) if first.dim() else (1,)
-        layouts.append((shape, first.dtype))
+        layouts.append((tuple(first.shape), first.dtype))
     return tuple(layouts)
 
 
@@ -670,13 +669,9 @@ def _padded_values(column: _Column | None, fill: Any, capacity: int, dtype: Any)
 
 def _padded_tensors(column: _Column | None, fill: _Tensor, capacity: int) -> _Tensor:
     """Tensors given to ``add``, concatenated, then the first call's rows repeated up to ``capacity`` calls."""
-    given: list[_Tensor] = [fill] if column is None else column.values
-    first = given[0]
-    if first.dim() == 0:
-        first = first.reshape(1)
-    missing = capacity - (0 if column is None else len(given))
-    parts = ([] if column is None else list(given)) + [first] * missing
-    return torch.cat(parts, 0)
+    given: list[_Tensor] = [] if column is None else list(column.values)
+    first = fill if column is None else given[0]  # never 0-dim: the compiler refuses tensors without rows
+    return torch.cat(given + [first] * (capacity - len(given)), 0)
 
 
 class StaticPlan:

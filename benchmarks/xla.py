@@ -195,11 +195,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--candidates", action="store_true", help="only count each scheme's graphs (host only)"
     )
+    parser.add_argument(
+        "--first-tree",
+        type=int,
+        default=0,
+        help="--candidates from this training tree on (unseen by the defaults)",
+    )
     args = parser.parse_args(argv)
     if args.candidates:
         trees = load_sst(
-            args.data.parent if args.data else None, "train", max_trees=args.trees * args.batches
-        )
+            args.data.parent if args.data else None,
+            "train",
+            max_trees=args.first_tree + args.trees * args.batches,
+        )[args.first_tree :]
         batches = [trees[i * args.trees : (i + 1) * args.trees] for i in range(args.batches)]
         count_candidates(batches, Vocab.build(trees), args.warmup)
         return

@@ -33,10 +33,13 @@ def all_ranks(num_replicas: int, **kwargs: object) -> list[TraceBatchSampler]:
     return [TraceBatchSampler(num_replicas=num_replicas, rank=r, **kwargs) for r in range(num_replicas)]  # type: ignore[arg-type]
 
 
-def check_epoch(samplers: list[TraceBatchSampler]) -> list[list[int]]:
-    """Check one epoch across all ranks; return each step's global batch (minibatches in order)."""
+def check_epoch(samplers: list[TraceBatchSampler], complete: bool = True) -> list[list[int]]:
+    """Check one epoch (from its resume point) across all ranks; return each step's global batch.
+
+    ``complete``: the samplers start at the epoch's first step, so the epoch covers the dataset.
+    """
     s0 = samplers[0]
-    m, world = s0.minibatch_size, s0.num_replicas
+    world = s0.num_replicas
     yielded = [list(s) for s in samplers]
     plans = [s.steps() for s in samplers]
     for s, batches in zip(samplers, yielded, strict=True):
@@ -53,15 +56,25 @@ def check_epoch(samplers: list[TraceBatchSampler]) -> list[list[int]]:
         per_rank = []
         for r in range(world):
             local = plans[r][i]
-            assert local.rank == r and local.minibatches == minibatches_per_rank(plan.batch_size, m, world)
+            assert local.rank == r
+            if s0.minibatch_size is not None:
+                assert local.minibatches == minibatches_per_rank(plan.batch_size, s0.minibatch_size, world)
             mine = yielded[r][positions[r] : positions[r] + local.local_minibatches]
             positions[r] += local.local_minibatches
             assert sum(len(b) for b in mine) == local.local_samples
             assert all(len(b) >= 1 for b in mine)  # never an empty or fake minibatch
             per_rank.append(mine)
-        # Minibatch j of the step is on rank j % world; all but the last are full.
+        # Minibatch j of the step is on rank j % world
         ordered = [per_rank[j % world][j // world] for j in range(plan.num_minibatches)]
-        assert all(len(b) == m for b in ordered[:-1]) and 1 <= len(ordered[-1]) <= m
+        lengths = [len(b) for b in ordered]
+        assert lengths == s0.minibatch_sizes(plan.batch_size)
+        if s0.minibatch_size is not None:  # all but the last are full
+            m = s0.minibatch_size
+            assert all(n == m for n in lengths[:-1]) and 1 <= lengths[-1] <= m
+        else:  # as few per rank as the maximum allows, as even as possible
+            most = s0.max_device_batch_size
+            assert most is not None and max(lengths) <= most and max(lengths) - min(lengths) <= 1
+            assert max(local.minibatches) == -(-plan.batch_size // (world * most))
         batch = [i for b in ordered for i in b]
         assert len(batch) == plan.batch_size  # the ranks' minibatches sum to the global batch
         assert seen.isdisjoint(batch)  # every index at most once per epoch
@@ -69,7 +82,7 @@ def check_epoch(samplers: list[TraceBatchSampler]) -> list[list[int]]:
         steps.append(batch)
     assert positions == [len(y) for y in yielded]  # the plan accounts for every minibatch
     assert seen <= set(range(s0.dataset_size))
-    if not s0.drop_last:
+    if complete and not s0.drop_last:
         assert seen == set(range(s0.dataset_size))
     return steps
 
@@ -77,9 +90,11 @@ def check_epoch(samplers: list[TraceBatchSampler]) -> list[list[int]]:
 @st.composite
 def setups(draw: st.DrawFn) -> dict[str, object]:
     m = draw(st.integers(1, 5))
-    sizes = draw(st.lists(st.integers(1, 12).map(lambda k: k * m), min_size=1, max_size=40))
+    per_device_maximum = draw(st.booleans())  # else a fixed minibatch size
+    multiple = 1 if per_device_maximum else m
+    sizes = draw(st.lists(st.integers(1, 12).map(lambda k: k * multiple), min_size=1, max_size=40))
     return {
-        "minibatch_size": m,
+        ("max_device_batch_size" if per_device_maximum else "minibatch_size"): m,
         "trace": sizes,
         "dataset": draw(st.integers(1, min(120, sum(sizes)))),  # the trace covers at least one epoch
         "num_replicas": draw(st.integers(1, 6)),
@@ -111,11 +126,15 @@ def test_partition_properties(setup: dict[str, object]) -> None:
         steps = check_epoch(samplers)
         assert samplers[0].steps()[0].step == next_first  # the step counter is global
         next_first = samplers[0].steps()[-1].step + 1
-        # The global batch of each step does not depend on the world size.
-        assert steps == check_epoch([single])
-        assert [p.local_minibatches for p in single.steps()] == [
-            p.num_minibatches for p in samplers[0].steps()
-        ]
+        # The global batch of each step does not depend on the world size (nor, with a
+        # minibatch size, its minibatches)
+        alone = check_epoch([single])
+        assert [sorted(b) for b in steps] == [sorted(b) for b in alone]
+        if single.minibatch_size is not None:
+            assert steps == alone
+            assert [p.local_minibatches for p in single.steps()] == [
+                p.num_minibatches for p in samplers[0].steps()
+            ]
         # Deterministic: a fresh sampler with the same arguments yields the same.
         fresh = TraceBatchSampler(num_replicas=world, rank=world - 1, **setup)  # type: ignore[arg-type]
         fresh.set_epoch(epoch)
@@ -155,6 +174,18 @@ def test_resume_mid_epoch_equals_uninterrupted(setup: dict[str, object], data: s
         resumed.set_epoch(epoch + 1)
         uninterrupted.set_epoch(epoch + 1)
         assert list(resumed) == list(uninterrupted)
+
+    # On another number of ranks, the resumed steps hold the same samples
+    other_world = data.draw(st.integers(1, 6))
+    others = all_ranks(other_world, **setup)  # type: ignore[arg-type]
+    for other in others:
+        other.load_state_dict(state)
+        other.set_epoch(epoch)
+    fresh = all_ranks(world, **setup)  # type: ignore[arg-type]
+    for sampler in fresh:
+        sampler.set_epoch(epoch)
+    expected_steps = check_epoch(fresh)[done:]
+    assert [sorted(b) for b in check_epoch(others, complete=False)] == [sorted(b) for b in expected_steps]
 
 
 def test_example_trace_8_replicas(example_trace: Path) -> None:
@@ -315,7 +346,10 @@ def test_set_epoch_and_state_dict_errors() -> None:
     ("other", "message"),
     [
         ({"trace": [4, 4, 4, 4, 4, 8]}, "trace_fingerprint="),
-        ({"num_replicas": 3}, "saved with num_replicas=2 but this sampler has num_replicas=3"),
+        (
+            {"minibatch_size": None, "max_device_batch_size": 2},
+            "saved with minibatch_size=2 but this sampler has minibatch_size=None",
+        ),
         ({"dataset": 12}, "saved with dataset_size=10 but this sampler has dataset_size=12"),
         ({"minibatch_size": 4}, "saved with minibatch_size=2 but this sampler has minibatch_size=4"),
         ({"seed": 5}, "saved with seed=0 but this sampler has seed=5"),

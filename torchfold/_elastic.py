@@ -59,6 +59,12 @@ class ElasticConfig:
         world_size: number of devices; default: detected (see :func:`detect_world_size`).
         rank: this process's rank in ``[0, world_size)``; default: detected with the world size
             when ``world_size`` is not given, else 0.
+        max_accumulation_steps: the most accumulation steps a step may take (default: no limit);
+            a global batch that needs more on these devices is refused.
+
+    Raises:
+        ValueError: a size < 1, a rank outside the world, or a global batch the devices cannot
+            hold within ``max_accumulation_steps``.
 
     >>> c = ElasticConfig(256, 64, world_size=2)
     >>> c.accumulation_steps, c.device_batch_size, c.num_devices
@@ -74,6 +80,7 @@ class ElasticConfig:
         max_device_batch_size: int,
         world_size: int | None = None,
         rank: int | None = None,
+        max_accumulation_steps: int | None = None,
     ) -> None:
         self.global_batch_size = check_int("global_batch_size", global_batch_size)
         self.max_device_batch_size = check_int("max_device_batch_size", max_device_batch_size)
@@ -93,6 +100,17 @@ class ElasticConfig:
         self.num_devices = world_size
         self.rank = rank
         self.accumulation_steps = math.ceil(global_batch_size / (world_size * max_device_batch_size))
+        self.max_accumulation_steps = max_accumulation_steps
+        if max_accumulation_steps is not None:
+            check_int("max_accumulation_steps", max_accumulation_steps)
+            if self.accumulation_steps > max_accumulation_steps:
+                most = world_size * max_device_batch_size * max_accumulation_steps
+                raise ValueError(
+                    f"a global batch of {global_batch_size} needs {self.accumulation_steps} accumulation steps on "
+                    f"{world_size} device(s) of at most {max_device_batch_size} samples, more than "
+                    f"max_accumulation_steps={max_accumulation_steps} (they hold {most}); add devices, or raise "
+                    "the per-device maximum or max_accumulation_steps"
+                )
         slots = self.accumulation_steps * world_size
         self._base, self._extra = divmod(global_batch_size, slots)
         # The largest device batch in the split; every device batch is this or one less.
@@ -131,9 +149,34 @@ class ElasticConfig:
         """The device batches of ``rank`` (default: this process) for each accumulation step, in order."""
         return [self.batch_size(a, rank) for a in range(self.accumulation_steps)]
 
+    def minibatch_sizes(self) -> list[int]:
+        """The step's non-empty minibatches over all devices, in slot order (slot ``a * D + r``).
+
+        Minibatch ``j`` of the list is device ``j % D``'s, in accumulation step ``j // D``: the
+        dealing rule of :class:`~torchfold.TraceBatchSampler`, which cuts each step's samples into
+        these sizes. Empty slots (a global batch smaller than the device count) come last and are
+        left out.
+
+        >>> ElasticConfig(100, 20, world_size=3).minibatch_sizes()
+        [17, 17, 17, 17, 16, 16]
+        >>> ElasticConfig(2, 64, world_size=4).minibatch_sizes()  # devices 2 and 3 idle
+        [1, 1]
+        """
+        sizes = [
+            self._base + (1 if slot < self._extra else 0)
+            for slot in range(self.accumulation_steps * self.num_devices)
+        ]
+        return [size for size in sizes if size]
+
     def with_global_batch_size(self, global_batch_size: int) -> ElasticConfig:
         """The same devices and maximum for another global batch (a trace changes it every step)."""
-        return ElasticConfig(global_batch_size, self.max_device_batch_size, self.num_devices, self.rank)
+        return ElasticConfig(
+            global_batch_size,
+            self.max_device_batch_size,
+            self.num_devices,
+            self.rank,
+            max_accumulation_steps=self.max_accumulation_steps,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -55,11 +55,15 @@ class Minibatch(Generic[R]):
         data: ``build(items)`` (e.g. ``(plan, targets)``), or the list of items without ``build``.
         num_samples: how many samples it holds: give it to ``optimizer.minibatch(num_samples)``.
         indices: the dataset indices of its items.
+        position: its number among the step's minibatches over all ranks (minibatch ``j`` is on
+            rank ``j % replication_factor``); with a fixed ``batch_size`` it names the same
+            samples on any number of ranks, so it can seed the minibatch's random draws.
     """
 
     data: R
     num_samples: int
     indices: list[int]
+    position: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,8 @@ class StepLoader(Generic[T, R]):
 
     Args:
         dataset: the items (indexable, with ``len()``), e.g. a list of trees.
-        batch_size: samples per minibatch on one replica (PopTorch's ``batch_size``; default 1).
+        batch_size: samples per minibatch on one replica (PopTorch's ``batch_size``; default 1,
+            unless ``max_device_batch_size`` is given).
         build: ``build(items) -> (FoldPlan, targets)``, run for each minibatch in the workers
             (record the items on a ``Fold`` and return ``fold.plan(...)`` and the targets, numpy
             preferred). ``None`` (default): a minibatch is the list of its items.
@@ -195,6 +200,13 @@ class StepLoader(Generic[T, R]):
         timeout: seconds to wait for a worker's minibatch before raising (default 0: no limit).
         device: move each minibatch's tensors and numpy arrays there, without blocking (default:
             leave them where they are).
+        max_device_batch_size: instead of ``batch_size``, for elastic training: the most samples
+            one replica processes at once (AIkit's maximum GPU batch size). Each step's global
+            batch (``trace`` is then required) is cut into as few minibatches per replica as
+            that allows, so the accumulation follows the number of replicas present (see
+            :class:`~torchfold.ElasticConfig`).
+        max_accumulation_steps: with ``max_device_batch_size``: refuse a trace whose global batch
+            needs more minibatches per replica than this (default: no limit).
 
     Worker processes start with the first iteration and stay for the next ones (no start-up cost
     per epoch or resume); an iteration left early (``break``) simply drops what they built ahead.
@@ -219,12 +231,15 @@ class StepLoader(Generic[T, R]):
     ...          for r in range(2)]
     >>> [[mb.indices for mb in step] for step in ranks[1]]  # rank 0 has the last step alone
     [[[2, 3]], [[6, 7]], []]
+    >>> elastic = StepLoader(list(range(48)), trace=48, max_device_batch_size=8, shuffle=False)
+    >>> [mb.num_samples for mb in next(iter(elastic))]  # one replica: 6 minibatches of at most 8
+    [8, 8, 8, 8, 8, 8]
     """
 
     def __init__(
         self,
         dataset: Sequence[T],
-        batch_size: int = 1,
+        batch_size: int | None = None,
         *,
         build: Callable[[list[T]], R] | None = None,
         trace: TraceLike | None = None,
@@ -241,12 +256,28 @@ class StepLoader(Generic[T, R]):
         worker_init_fn: Callable[[int], None] | None = None,
         timeout: float = 0,
         device: torch.device | str | None = None,
+        max_device_batch_size: int | None = None,
+        max_accumulation_steps: int | None = None,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(
                 f"dataset must be indexable and have len() (a list, a map-style Dataset), got {type(dataset).__name__}"
             )
-        check_int("batch_size", batch_size)
+        if max_device_batch_size is not None:
+            if batch_size is not None:
+                raise TypeError(
+                    f"give batch_size={batch_size} (a fixed minibatch size) or max_device_batch_size="
+                    f"{max_device_batch_size} (minibatches fitted to the replicas present), not both"
+                )
+            if trace is None:
+                raise ValueError(
+                    "max_device_batch_size needs trace= (the global batch of every step, an int for a constant one): "
+                    "the minibatches are cut from it"
+                )
+        elif batch_size is None:
+            batch_size = 1
+        else:
+            check_int("batch_size", batch_size)
         check_int("device_iterations", device_iterations)
         check_int("gradient_accumulation", gradient_accumulation)
         if replication_factor is None:
@@ -271,6 +302,7 @@ class StepLoader(Generic[T, R]):
             raise ValueError("dataset is empty; a loader needs at least one item")
         self.combined_batch_size: int | None = None
         if trace is None:
+            assert batch_size is not None
             self.combined_batch_size = (
                 batch_size * device_iterations * replication_factor * gradient_accumulation
             )
@@ -292,6 +324,8 @@ class StepLoader(Generic[T, R]):
                 shuffle=shuffle,
                 seed=seed,
                 drop_last=drop_last,
+                max_device_batch_size=max_device_batch_size,
+                max_accumulation_steps=max_accumulation_steps,
             )
         except ValueError as e:
             if "minibatch_size" in str(e):
@@ -315,6 +349,7 @@ class StepLoader(Generic[T, R]):
                     ) from e
         self.dataset = dataset
         self.batch_size = batch_size
+        self.max_device_batch_size = max_device_batch_size
         self.build = build
         self.device_iterations = device_iterations
         self.replication_factor = replication_factor
@@ -403,9 +438,12 @@ class StepLoader(Generic[T, R]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the position saved by :meth:`state_dict` (mid-epoch too); an iteration in progress ends.
 
+        The state may come from a run with another ``replication_factor``: a step holds the same
+        samples whatever the number of replicas.
+
         Raises:
-            ValueError: the state was saved with another trace, world size, dataset size, batch
-                size, seed, shuffle or drop_last.
+            ValueError: the state was saved with another trace, dataset size, batch size,
+                per-device maximum, seed, shuffle or drop_last.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "sampler" not in state:
             raise ValueError(
@@ -438,8 +476,9 @@ class StepLoader(Generic[T, R]):
                     "close()); iterate the loader again"
                 )
             minibatches = []
-            for _ in range(plan.local_minibatches):
+            for i in range(plan.local_minibatches):
                 minibatch: Minibatch[Any] = next(batches)
+                minibatch = dataclasses.replace(minibatch, position=i * self.replication_factor + self.rank)
                 if self.device is not None:
                     minibatch = dataclasses.replace(minibatch, data=to_device(minibatch.data, self.device))
                 minibatches.append(minibatch)
@@ -477,7 +516,12 @@ class StepLoader(Generic[T, R]):
             if self.combined_batch_size is not None
             else f"trace={self.sampler.trace.source!r}"
         )
+        size = (
+            f"batch_size={self.batch_size}"
+            if self.max_device_batch_size is None
+            else f"max_device_batch_size={self.max_device_batch_size}"
+        )
         return (
-            f"StepLoader({len(self.dataset)} items, batch_size={self.batch_size}, {how}, "
+            f"StepLoader({len(self.dataset)} items, {size}, {how}, "
             f"rank {self.rank} of {self.replication_factor}, num_workers={self.num_workers})"
         )

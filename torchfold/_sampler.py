@@ -37,8 +37,20 @@ fill the epoch's last step (a final smaller step, or left out with the step movi
 epoch). Only the last step of an epoch (``drop_last=False``) can have a minibatch shorter than
 ``minibatch_size``.
 
-``state_dict(next_step=...)`` / ``load_state_dict()`` resume exactly mid-epoch. The state does
-not depend on the rank, so one rank can save it for all.
+**A per-device maximum instead of a minibatch size** (``max_device_batch_size=``, Run:AI AIkit's
+elastic rule): each step's global batch is cut into the minibatches
+:meth:`ElasticConfig.minibatch_sizes <torchfold.ElasticConfig.minibatch_sizes>` gives for the
+ranks present, ``ceil(batch / (num_replicas * max))`` per rank, as even as possible and never
+above the maximum. So the accumulation follows the number of ranks (global 256, maximum 64: 4
+minibatches on 1 rank, 2 each on 2, 1 each on 4), and the trace's sizes need not be multiples of
+anything.
+
+**World-size invariance.** A step's samples are the next ``trace[s]`` of the shared permutation,
+whatever the number of ranks: only how they are cut and dealt depends on ``num_replicas``. With a
+fixed ``minibatch_size`` even the minibatches are the same (minibatch ``j`` of a step holds the
+same samples on 1 rank or 8). So ``state_dict(next_step=...)`` / ``load_state_dict()`` resume
+exactly mid-epoch, on the same number of ranks or another one. The state does not depend on the
+rank, so one rank can save it for all.
 """
 
 from __future__ import annotations
@@ -51,12 +63,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from torchfold._elastic import ElasticConfig
 from torchfold._trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 from torchfold._validate import check_int
 
 __all__ = ["StepPlan", "TraceBatchSampler", "minibatches_per_rank"]
 
 _STATE_VERSION = 1
+# Settings a saved position is only valid with. The number of ranks is not one of them: a step
+# holds the same samples on any number (see the module docstring).
+_OPTIONAL_SETTINGS = {"max_device_batch_size": None, "max_accumulation_steps": None}
 
 
 def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int) -> tuple[int, ...]:
@@ -119,7 +135,8 @@ class TraceBatchSampler(Sampler[list[int]]):
         trace: the global batch size of every step: a :class:`BatchSizeTrace`, a path to a
             ``step,batchsize`` CSV file, a list of ints, or an int (constant).
         minibatch_size: samples per minibatch (per forward pass on one rank); every batch size in
-            the trace must be a multiple of it.
+            the trace must be a multiple of it (except an epoch's last step). Give it or
+            ``max_device_batch_size``.
         num_replicas: number of ranks (default: the ``torch.distributed`` world size when it is
             initialized, else 1).
         rank: this rank (default: the ``torch.distributed`` rank when initialized, else 0).
@@ -128,6 +145,11 @@ class TraceBatchSampler(Sampler[list[int]]):
         drop_last: what to do with samples that do not fill an epoch's last step (see
             :meth:`BatchSizeTrace.epoch`): ``False`` runs them as a final smaller step, ``True``
             leaves them out of this epoch.
+        max_device_batch_size: instead of ``minibatch_size``: the most samples one rank processes
+            at once; each step is cut into as few minibatches per rank as that allows (see
+            :class:`~torchfold.ElasticConfig`).
+        max_accumulation_steps: with ``max_device_batch_size``, refuse a trace whose global batch
+            needs more minibatches per rank than this on ``num_replicas`` ranks (default: no limit).
 
     >>> sampler = TraceBatchSampler(10, [4, 4, 8, 6, 4], minibatch_size=2, num_replicas=2, rank=1, shuffle=False)
     >>> list(sampler)  # steps of 4, 4 and the 2 samples left: rank 1 has nothing in the last one
@@ -137,18 +159,24 @@ class TraceBatchSampler(Sampler[list[int]]):
     >>> sampler.set_epoch(1)
     >>> list(sampler), [p.batch_size for p in sampler.steps()]
     ([[2, 3], [8, 9]], [6, 4])
+    >>> elastic = TraceBatchSampler(10, [10], max_device_batch_size=3, num_replicas=2, shuffle=False)
+    >>> elastic.steps()[0].minibatches, list(elastic)  # 10 = 3 + 3 + 2 + 2: rank 0 gets slots 0 and 2
+    ((2, 2), [[0, 1, 2], [6, 7]])
     """
 
     def __init__(
         self,
         dataset: Sized | int,
         trace: TraceLike,
-        minibatch_size: int,
+        minibatch_size: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        max_device_batch_size: int | None = None,
+        max_accumulation_steps: int | None = None,
     ) -> None:
         if isinstance(dataset, bool):
             raise TypeError(f"dataset should be a dataset with len() or its size as an int, got {dataset!r}")
@@ -162,7 +190,21 @@ class TraceBatchSampler(Sampler[list[int]]):
             )
         if dataset_size <= 0:
             raise ValueError(f"dataset size should be a positive integer, got {dataset_size}")
-        check_int("minibatch_size", minibatch_size)
+        if (minibatch_size is None) == (max_device_batch_size is None):
+            raise TypeError(
+                "give either minibatch_size (samples per minibatch) or max_device_batch_size (the most samples "
+                f"per rank at once), not {'both' if minibatch_size is not None else 'neither'}"
+            )
+        if minibatch_size is not None:
+            check_int("minibatch_size", minibatch_size)
+            if max_accumulation_steps is not None:
+                raise TypeError(
+                    "max_accumulation_steps goes with max_device_batch_size, not with minibatch_size"
+                )
+        else:
+            check_int("max_device_batch_size", max_device_batch_size)
+        if max_accumulation_steps is not None:
+            check_int("max_accumulation_steps", max_accumulation_steps)
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         check_int("num_replicas", num_replicas)
@@ -178,14 +220,25 @@ class TraceBatchSampler(Sampler[list[int]]):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed should be an int, got {type(seed).__name__} {seed!r}")
         self.trace: BatchSizeTrace = as_trace(trace)
-        self.trace.check_minibatch_size(minibatch_size)
+        if minibatch_size is not None:
+            self.trace.check_minibatch_size(minibatch_size)
         self.dataset_size = dataset_size
         self.minibatch_size = minibatch_size
+        self.max_device_batch_size = max_device_batch_size
+        self.max_accumulation_steps = max_accumulation_steps
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        if max_accumulation_steps is not None and max_device_batch_size is not None:
+            sizes = self.trace.batch_sizes if self.trace.num_steps is not None else (self.trace[0],)
+            first_steps = {size: step for step, size in reversed(list(enumerate(sizes)))}
+            for size, step in sorted(first_steps.items(), key=lambda item: item[1]):
+                try:
+                    self.minibatch_sizes(size)
+                except ValueError as e:
+                    raise ValueError(f"{self.trace.where(step)}: {e}") from None
         self.epoch = 0
         self._start_step = 0  # global step the next iteration starts at (mid-epoch after a resume)
         self._epoch_steps = self.trace.epoch(0, dataset_size, drop_last=drop_last)
@@ -233,11 +286,33 @@ class TraceBatchSampler(Sampler[list[int]]):
             return list(self._plan)
         return self._make_plan(self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last))
 
+    def minibatch_sizes(self, batch_size: int) -> list[int]:
+        """How a step of ``batch_size`` samples is cut: minibatch ``j`` goes to rank ``j % num_replicas``.
+
+        >>> TraceBatchSampler(100, [64, 64], minibatch_size=32).minibatch_sizes(100)  # an epoch's last step: short
+        [32, 32, 32, 4]
+        >>> TraceBatchSampler(100, [100], max_device_batch_size=32, num_replicas=2).minibatch_sizes(100)
+        [25, 25, 25, 25]
+        """
+        if self.max_device_batch_size is not None:
+            config = ElasticConfig(
+                batch_size,
+                self.max_device_batch_size,
+                world_size=self.num_replicas,
+                max_accumulation_steps=self.max_accumulation_steps,
+            )
+            return config.minibatch_sizes()
+        m = self.minibatch_size
+        assert m is not None
+        return [min(m, batch_size - start) for start in range(0, batch_size, m)]
+
     def _make_plan(self, steps: EpochSteps) -> list[StepPlan]:
         plans = []
+        r = self.num_replicas
         for step, size in zip(steps.steps, steps.batch_sizes, strict=True):
-            counts = minibatches_per_rank(size, self.minibatch_size, self.num_replicas)
-            plans.append(StepPlan(step, steps.epoch, size, self.rank, counts, self._local_samples(size)))
+            sizes = self.minibatch_sizes(size)
+            counts = tuple(len(sizes[rank::r]) for rank in range(r))
+            plans.append(StepPlan(step, steps.epoch, size, self.rank, counts, sum(sizes[self.rank :: r])))
         return plans
 
     def steps(self) -> list[StepPlan]:
@@ -247,10 +322,6 @@ class TraceBatchSampler(Sampler[list[int]]):
         """
         skip = self._start_step - self._epoch_steps.first_step
         return self.step_plan()[skip:]
-
-    def _local_samples(self, batch_size: int) -> int:
-        m, r = self.minibatch_size, self.num_replicas
-        return sum(min(m, batch_size - j * m) for j in range(self.rank, -(-batch_size // m), r))
 
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
@@ -265,10 +336,14 @@ class TraceBatchSampler(Sampler[list[int]]):
         skip = self._start_step - steps.first_step
         offset = sum(steps.batch_sizes[:skip])
         indices = self._permutation()[offset : steps.num_samples].tolist()
-        m, r, pos = self.minibatch_size, self.num_replicas, 0
+        r, pos = self.num_replicas, 0
         for size in steps.batch_sizes[skip:]:
-            for j in range(self.rank, -(-size // m), r):
-                yield indices[pos + j * m : pos + min((j + 1) * m, size)]
+            sizes = self.minibatch_sizes(size)
+            start = pos
+            for j, length in enumerate(sizes):
+                if j % r == self.rank:
+                    yield indices[start : start + length]
+                start += length
             pos += size
 
     def __len__(self) -> int:
@@ -305,33 +380,41 @@ class TraceBatchSampler(Sampler[list[int]]):
                 f"next_step={next_step} is outside epoch {self.epoch}, which runs steps "
                 f"{steps.first_step}..{steps.end_step - 1}; call set_epoch() for the epoch that step belongs to"
             )
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "next_step": next_step, **self._settings()}
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "next_step": next_step,
+            "num_replicas": self.num_replicas,  # for the record: a resume may have another number
+            **self._settings(),
+        }
 
     def _settings(self) -> dict[str, Any]:
         """What a saved position is only valid with (checked in this order on load)."""
         return {
             "trace_num_steps": -1 if self.trace.num_steps is None else self.trace.num_steps,
             "trace_fingerprint": self.trace.fingerprint(),
-            "num_replicas": self.num_replicas,
             "dataset_size": self.dataset_size,
             "minibatch_size": self.minibatch_size,
+            "max_device_batch_size": self.max_device_batch_size,
+            "max_accumulation_steps": self.max_accumulation_steps,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the position saved by :meth:`state_dict` (also mid-epoch).
+        """Resume at the position saved by :meth:`state_dict` (also mid-epoch), on any number of ranks.
 
         Raises:
-            ValueError: the state was saved with a different trace, world size, dataset size,
-                minibatch size, seed, shuffle or drop_last (the message names both values).
+            ValueError: the state was saved with a different trace, dataset size, minibatch size,
+                per-device maximum, seed, shuffle or drop_last (the message names both values).
         """
         if not isinstance(state, dict):
             raise TypeError(
                 f"state should be a dict from TraceBatchSampler.state_dict(), got {type(state).__name__}"
             )
         current = self._settings()
+        state = {**_OPTIONAL_SETTINGS, **state}  # states of torchfold 0.2 lack them: they were unset
         missing = sorted({"version", "epoch", "next_step", *current} - set(state))
         if missing:
             raise ValueError(

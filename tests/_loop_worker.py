@@ -89,6 +89,8 @@ def make_trainer(
     seed: int = 0,
     on_step: Any = None,
     num_workers: int = 0,
+    minibatch_seed: int | None = None,
+    max_device_batch_size: int | None = None,
 ) -> Any:
     """A TraceTrainer on ``trees`` for this process's rank, Adam with ``lr_rule``."""
     from torchfold._loader import StepLoader
@@ -105,7 +107,13 @@ def make_trainer(
         ref_batch_size=None if lr_rule == "constant" else REF_BATCH,
     )
     loader = StepLoader(
-        trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=TRACE, seed=3, num_workers=num_workers
+        trees,
+        None if max_device_batch_size else MINIBATCH,
+        build=TreeLSTMBuild(vocab),
+        trace=TRACE,
+        seed=3,
+        num_workers=num_workers,
+        max_device_batch_size=max_device_batch_size,
     )
     return TraceTrainer(
         model,
@@ -116,6 +124,7 @@ def make_trainer(
         checkpoint_every=checkpoint_every,
         progress=False,
         on_step=on_step,
+        seed=minibatch_seed,
     )
 
 
@@ -152,6 +161,8 @@ def train_rank(rank: int, world_size: int, port: int, runs: list[dict[str, Any]]
             checkpoint_every=run.get("checkpoint_every", 0),
             seed=100 + rank,  # different on purpose: rank 0's initial values must win
             on_step=on_step,
+            minibatch_seed=run.get("minibatch_seed"),
+            max_device_batch_size=run.get("max_device_batch_size"),
         )
         resumed = trainer.resume() if run.get("resume") else None
         start = time.monotonic()

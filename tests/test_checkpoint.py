@@ -154,9 +154,9 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (
+        (  # another world size is fine, but then there are as many generator states
             lambda s: s.update(world_size=2),
-            r"was written by a run with 2 processes, this one has 1; resume with the same",
+            r"its rng should be a list of 2 generator states \(one per process\), got a list of 1;",
         ),
         (
             lambda s: s.pop("loader"),
@@ -177,6 +177,11 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
         (
             lambda s: s["loader"]["sampler"].update(minibatch_size=4),
             "its loader state does not fit this run: sampler state was saved with minibatch_size=4",
+        ),
+        (
+            lambda s: s["loader"]["sampler"].update(minibatch_size=None, max_device_batch_size=8),
+            "its loader state does not fit this run: sampler state was saved with minibatch_size=None but this "
+            "sampler has minibatch_size=6",
         ),
         # Files that load but hold values no run writes: refused before anything is restored.
         (

@@ -280,15 +280,16 @@ def _rng_problem(state: object) -> str | None:
     return None
 
 
-def check_trainer_state(state: Mapping[str, Any], world_size: int, source: str) -> None:
+def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
     """Check the step, world size and generator states of a trainer checkpoint before any is used.
 
     A file can load and still hold values that no run writes; each is a ``ValueError`` naming
     ``source`` (the file), the entry and its value, raised before anything has been restored.
+    The world size it was written with may differ from this run's (training is world-size
+    invariant); it must only agree with the number of generator states it holds.
 
     Args:
         state: the checkpoint, with the keys ``step``, ``world_size`` and ``rng``.
-        world_size: the number of processes of this run (a checkpoint must have been written by as many).
         source: the file, as named in the message (``"checkpoint runs/a/step-00000120.pt"``).
     """
     step, saved_world, rng = state["step"], state["world_size"], state["rng"]
@@ -300,15 +301,10 @@ def check_trainer_state(state: Mapping[str, Any], world_size: int, source: str) 
         raise ValueError(
             f"{source}: its world_size should be an int >= 1, got {_brief(saved_world)}; {_DAMAGED}"
         )
-    if saved_world != world_size:
-        raise ValueError(
-            f"{source} was written by a run with {saved_world} processes, this one has {world_size}; "
-            f"resume with the same number of processes (e.g. torchrun --nproc_per_node={saved_world})"
-        )
     if not isinstance(rng, list) or len(rng) != saved_world:
         raise ValueError(
             f"{source}: its rng should be a list of {saved_world} generator states (one per process), "
-            f"got {_brief(rng)}; {_DAMAGED}"
+            f"got {f'a list of {len(rng)}' if isinstance(rng, list) else _brief(rng)}; {_DAMAGED}"
         )
     for rank, rank_state in enumerate(rng):
         problem = _rng_problem(rank_state)

@@ -18,19 +18,40 @@ batch, learning rate, loss, samples/s), both on the main rank only; a checkpoint
 ``checkpoint_every`` steps (model, optimizer, loader position, the generators of every rank)
 that :meth:`TraceTrainer.resume` continues from exactly. Under ``torchrun`` each process runs
 the same code; create the process group first (:func:`torchfold._distributed.init_distributed`).
+
+**Elastic.** A checkpoint resumes on any number of processes: a step holds the same samples
+however many share it, and its update is their mean, so the parameters follow one uninterrupted
+run up to summation order. Random draws: with ``seed=``, the generators are seeded before every
+minibatch from ``(seed, step, minibatch position in the step)``, so dropout depends on the
+minibatch, not on the process that runs it; with a fixed minibatch size that makes the draws,
+too, world-size invariant. Without ``seed``, each rank's generators continue where its
+checkpoint left them, which needs the same number of processes; on another number they are
+re-seeded from ``(step, rank)`` with a warning.
+
+**Preemption.** During :meth:`TraceTrainer.fit`, SIGTERM (what schedulers send before taking a
+machine back) lets the current step finish; then the ranks agree to stop, write one checkpoint
+and :meth:`fit` raises :class:`Preempted` (exit code :data:`PREEMPTED_EXIT_CODE` in the
+command line). A second SIGTERM, or ``preemption_timeout`` seconds without reaching the end of
+the step, exits at once with status 143 (128 + SIGTERM) and a message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import random
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -45,12 +66,47 @@ from torchfold._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold._distributed import all_reduce_sum_, broadcast_parameters, get_rank, get_world_size, xla_sync
+from torchfold._distributed import (
+    all_reduce_sum_,
+    broadcast_parameters,
+    first_line,
+    get_rank,
+    get_world_size,
+    xla_sync,
+)
 from torchfold._loader import Step, StepLoader, to_device
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._static import StaticPlan
 
-__all__ = ["PlanLoss", "StepStats", "TraceTrainer"]
+__all__ = ["PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit status of a run stopped by SIGTERM after writing its checkpoint (``EX_TEMPFAIL``: run it again)."""
+_FORCED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process killed by SIGTERM
+
+
+class Preempted(Exception):
+    """:meth:`TraceTrainer.fit` stopped on SIGTERM after a step, with a checkpoint to resume from.
+
+    Args:
+        step: the global step the run resumes at (steps completed).
+        checkpoint: the checkpoint written, or ``None`` when the trainer has no ``checkpoint_dir``.
+
+    A script ends with ``sys.exit(PREEMPTED_EXIT_CODE)`` on it, so that a scheduler or a
+    supervisor can tell a preemption from a failure.
+    """
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        self.step = step
+        self.checkpoint = checkpoint
+        where = (
+            f"wrote checkpoint {checkpoint}; run the same command again to resume, on any number of processes"
+            if checkpoint is not None
+            else "the trainer has no checkpoint_dir, so nothing was saved"
+        )
+        super().__init__(f"SIGTERM received: stopped after step {step - 1} and {where}")
 
 
 class PlanLoss(Protocol):
@@ -77,6 +133,8 @@ class StepStats:
         lr: learning rate of the first parameter group in the update (after the LR rule).
         loss: mean loss over the step's global batch (over all ranks).
         seconds: wall time of the step on this rank.
+        world_size: processes that shared the step.
+        stop_requested: some rank received SIGTERM by the end of the step: the run stops after it.
     """
 
     step: int
@@ -88,6 +146,8 @@ class StepStats:
     lr: float
     loss: float
     seconds: float
+    world_size: int = 1
+    stop_requested: bool = False
 
 
 class TraceTrainer:
@@ -114,6 +174,17 @@ class TraceTrainer:
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
         on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint.
+        seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
+            from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
+            resumes on any number of processes. ``None`` (default): generators run on.
+        handle_sigterm: stop cleanly on SIGTERM during :meth:`fit` (see :class:`Preempted`;
+            default ``True``; only in the main thread).
+        preemption_timeout: seconds a SIGTERM'd run may take to finish its step and checkpoint
+            before it exits anyway (default 120).
+        settings: what this run's checkpoints are only valid with, by the names the user knows
+            (e.g. a command line's ``{"--hidden-dim": 64}``; plain values). Saved in every
+            checkpoint; a resume with a different value is refused naming the setting and both
+            values.
 
     Example:
         >>> import torchfold
@@ -146,6 +217,10 @@ class TraceTrainer:
         progress: bool | None = None,
         log: Callable[[str], None] | None = None,
         on_step: Callable[[StepStats], None] | None = None,
+        seed: int | None = None,
+        handle_sigterm: bool = True,
+        preemption_timeout: float = 120.0,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -171,6 +246,14 @@ class TraceTrainer:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+        if isinstance(preemption_timeout, bool) or not (
+            isinstance(preemption_timeout, (int, float)) and preemption_timeout > 0
+        ):
+            raise ValueError(
+                f"preemption_timeout must be a positive number of seconds, got {preemption_timeout!r}"
+            )
         world_size, rank = get_world_size(), get_rank()
         if (loader.replication_factor, loader.rank) != (world_size, rank):
             raise ValueError(
@@ -197,6 +280,11 @@ class TraceTrainer:
         )
         self.log = log if log is not None else tqdm.write
         self.on_step = on_step
+        self.seed = seed
+        self.handle_sigterm = handle_sigterm
+        self.preemption_timeout = float(preemption_timeout)
+        self.settings = dict(settings or {})
+        self._sigterm_received = False
         self._warned_unpadded = False
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
@@ -237,6 +325,10 @@ class TraceTrainer:
 
         Returns:
             the :class:`StepStats` of the steps run.
+
+        Raises:
+            Preempted: SIGTERM arrived (on any rank); the run stopped after the step in progress
+                and wrote a checkpoint (with a ``checkpoint_dir``).
         """
         for name, value in (("max_steps", max_steps), ("epochs", epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -246,9 +338,12 @@ class TraceTrainer:
         epoch = self.loader.epoch
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
-        with tqdm(
-            total=max(0, end - self.next_step), unit="step", disable=not self.progress, dynamic_ncols=True
-        ) as bar:
+        with (
+            self._stop_on_sigterm(),
+            tqdm(
+                total=max(0, end - self.next_step), unit="step", disable=not self.progress, dynamic_ncols=True
+            ) as bar,
+        ):
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
                 self.loader.set_epoch(epoch)
                 steps = iter(self.loader)
@@ -257,10 +352,67 @@ class TraceTrainer:
                     stats = self.train_step(step)
                     history.append(stats)
                     self._after_step(stats, end, bar)
+                    if stats.stop_requested:
+                        raise Preempted(self.next_step, self._final_checkpoint())
                 epoch += 1
-        if self.checkpoint_dir is not None and history and not self._checkpoint_due():
-            self.save_checkpoint()  # the final position (unless the last step just wrote it)
+            if history:
+                self._final_checkpoint()
         return history
+
+    def _final_checkpoint(self) -> Path | None:
+        """Write the checkpoint of the current position unless the last step just wrote it."""
+        if self.checkpoint_dir is None:
+            return None
+        if not self._checkpoint_due():
+            return self.save_checkpoint()
+        return checkpoint_path(self.checkpoint_dir, self.next_step)
+
+    @contextlib.contextmanager
+    def _stop_on_sigterm(self) -> Iterator[None]:
+        """SIGTERM asks the run to stop after the current step (see :class:`Preempted`)."""
+        if not self.handle_sigterm or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        timers: list[threading.Timer] = []
+        rank = get_rank()
+
+        def forced_exit(why: str) -> None:
+            print(
+                f"torchfold: rank {rank}: {why}; exiting now without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(_FORCED_EXIT_CODE)
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            if self._sigterm_received:
+                forced_exit("a second SIGTERM")
+            self._sigterm_received = True
+            print(
+                f"torchfold: rank {rank}: SIGTERM received: finishing step {self.next_step}, then writing a checkpoint "
+                f"(a second SIGTERM, or {self.preemption_timeout:g} s, exits at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            timer = threading.Timer(
+                self.preemption_timeout,
+                forced_exit,
+                (
+                    f"the step and its checkpoint took longer than preemption_timeout={self.preemption_timeout:g} s",
+                ),
+            )
+            timer.daemon = True
+            timer.start()
+            timers.append(timer)
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            for timer in timers:
+                timer.cancel()
+            self._sigterm_received = False
 
     def _to_device(self, data: Any) -> Any:
         """Where a minibatch meets the trainer's device (the one place: tensors and numpy arrays, no blocking)."""
@@ -280,6 +432,8 @@ class TraceTrainer:
         loss_sum = torch.zeros((), dtype=dtype, device=self.device)
         samples, nodes = 0, 0
         for minibatch in step:
+            if self.seed is not None:
+                self._seed_minibatch(plan.step, minibatch.position)
             fold_plan, targets = self._to_device(minibatch.data)
             if (
                 self.device.type == "xla"
@@ -320,9 +474,10 @@ class TraceTrainer:
                 f"loader planned {plan.batch_size}; every rank needs a loader with replication_factor = world size "
                 "and the same trace, dataset, batch size and seed"
             )
-        totals = torch.stack([loss_sum, torch.tensor(float(samples), dtype=dtype, device=self.device)])
+        local = [float(samples), float(self._sigterm_received)]
+        totals = torch.cat([loss_sum.reshape(1), torch.tensor(local, dtype=dtype, device=self.device)])
         all_reduce_sum_([totals])
-        total_loss, total_samples = totals.tolist()
+        total_loss, total_samples, stopping_ranks = totals.tolist()
         if total_samples and not math.isfinite(total_loss):  # the same sum on every rank: all stop
             raise FloatingPointError(self._non_finite_loss(plan.step, total_loss / total_samples))
         return StepStats(
@@ -335,7 +490,21 @@ class TraceTrainer:
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
             loss=total_loss / total_samples if total_samples else math.nan,
             seconds=time.perf_counter() - start,
+            world_size=get_world_size(),
+            stop_requested=stopping_ranks > 0,
         )
+
+    def _seed_minibatch(self, step: int, position: int) -> None:
+        """Seed every generator from ``(seed, step, position)``: the minibatch's draws, wherever it runs."""
+        assert self.seed is not None
+        seed = _derived_seed(self.seed, step, position)
+        torch.manual_seed(seed)  # also every CUDA device
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        if self.device.type == "xla":
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(seed, device=self.device)
 
     def _non_finite_loss(self, step: int, loss: float) -> str:
         last = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
@@ -391,7 +560,7 @@ class TraceTrainer:
             except Exception as e:
                 raise RuntimeError(
                     f"torchfold: rank {dist.get_rank()} could not gather the ranks' generator states for the "
-                    f"checkpoint at step {self.next_step}: another rank died or did not reach it. Original error: {e}"
+                    f"checkpoint at step {self.next_step}: another rank died or did not reach it. Original error: {first_line(e)}"
                 ) from e
             states = gathered
         return {
@@ -401,6 +570,7 @@ class TraceTrainer:
             "optimizer": self.optimizer.state_dict(),
             "loader": self.loader.state_dict(),
             "rng": states,
+            "settings": self.settings,
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "state_dict") -> None:
@@ -409,7 +579,14 @@ class TraceTrainer:
         if missing:
             raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
         world_size, rank = get_world_size(), get_rank()
-        check_trainer_state(state, world_size, source)
+        check_trainer_state(state, source)
+        saved_settings = state.get("settings", {})
+        for name, value in self.settings.items():
+            if name in saved_settings and saved_settings[name] != value:
+                raise ValueError(
+                    f"{source} was written with {name} {saved_settings[name]!r}, this run has {name} {value!r}; "
+                    f"resume with {name} {saved_settings[name]!r}, or start afresh in another checkpoint directory"
+                )
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
             ("optimizer", self.optimizer.load_state_dict),
@@ -424,7 +601,20 @@ class TraceTrainer:
                     f"{source}: its {name} state does not fit this run: {detail}. Resume with the settings the "
                     "checkpoint was written with, or use another checkpoint directory to start afresh"
                 ) from e
-        set_rng_state(state["rng"][rank])
+        saved_world = state["world_size"]
+        if saved_world == world_size:
+            set_rng_state(state["rng"][rank])
+        else:
+            # Rank r of K' has no generator state of its own in a checkpoint of K processes.
+            torch.manual_seed(_derived_seed(0 if self.seed is None else self.seed, int(state["step"]), rank))
+            random.seed(_derived_seed(1, int(state["step"]), rank))
+            if self.seed is None:
+                warnings.warn(
+                    f"{source} was written by {saved_world} processes and this run has {world_size}: the "
+                    f"generators are re-seeded from (step, rank), so random draws (dropout) differ from an "
+                    "uninterrupted run; give TraceTrainer seed= to seed each minibatch's draws world-size invariantly",
+                    stacklevel=2,
+                )
         self.next_step = int(state["step"])
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
@@ -456,3 +646,12 @@ class TraceTrainer:
         if path is not None:
             self.load_checkpoint(path)
         return path
+
+
+def _derived_seed(seed: int, step: int, position: int) -> int:
+    """A seed in ``[0, 2**63)`` mixed from three ints (NumPy's ``SeedSequence``: nearby inputs, unrelated seeds).
+
+    >>> _derived_seed(0, 5, 1) == _derived_seed(0, 5, 1) != _derived_seed(0, 5, 2)
+    True
+    """
+    return int(np.random.SeedSequence([seed, step, position]).generate_state(1, np.uint64)[0] >> np.uint64(1))

@@ -4,7 +4,8 @@ Runs as one process, or as one of several under ``torchrun --nproc_per_node=K`` 
 nccl on CUDA): the process group is created from torchrun's environment with a timeout, after a
 handshake in which all ranks check that they agree on the trace and the settings. With
 ``--checkpoint-dir`` the run writes checkpoints and, started again with the same arguments,
-resumes from the newest one exactly.
+resumes from the newest one exactly, also with another number of processes. SIGTERM stops it
+after the current step with a checkpoint and exit status 75 (:data:`PREEMPTED_EXIT_CODE`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torchfold._checkpoint import latest_checkpoint, load_checkpoint
 from torchfold._distributed import default_device, init_distributed
 from torchfold._loader import StepLoader
-from torchfold._loop import StepStats, TraceTrainer
+from torchfold._loop import Preempted, StepStats, TraceTrainer
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._static import StaticShapes
 from torchfold._trace import BatchSizeTrace, as_trace
@@ -36,6 +37,7 @@ from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 __all__ = ["build_parser", "main"]
 
 _PROG = "python -m torchfold train"
+DEFAULT_MINIBATCH_SIZE = 25
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--generate", type=positive_int, default=2000, metavar="N", help="without data: N generated trees"
     )
-    p.add_argument("--minibatch-size", type=positive_int, default=25, help="trees per fold (default 25)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--minibatch-size", type=positive_int, help=f"trees per fold (default {DEFAULT_MINIBATCH_SIZE})"
+    )
+    size.add_argument(
+        "--max-device-batch-size",
+        type=positive_int,
+        metavar="N",
+        help="elastic: instead of --minibatch-size, split each step's global batch into folds of at most N trees "
+        "over the processes present (the accumulation follows the process count)",
+    )
+    p.add_argument(
+        "--max-accumulation",
+        type=positive_int,
+        metavar="K",
+        help="with --max-device-batch-size: refuse a trace that needs more than K folds per process in a step",
+    )
     p.add_argument("--epochs", type=positive_int, help="epochs (default: all the trace covers)")
     p.add_argument("--max-steps", type=non_negative_int, help="stop before this global step")
     p.add_argument("--drop-last", action="store_true", help="leave out an epoch's final partial step")
@@ -176,9 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if args.max_device_batch_size is None:
+        if args.max_accumulation is not None:
+            parser.print_usage(sys.stderr)
+            print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
+            return 2
+        if args.minibatch_size is None:
+            args.minibatch_size = DEFAULT_MINIBATCH_SIZE
     try:
         trace = _trace(args.trace)
-        trace.check_minibatch_size(args.minibatch_size)
+        if args.minibatch_size is not None:
+            trace.check_minibatch_size(args.minibatch_size)
         trees, origin = _trees(args)
     except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
@@ -201,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"torchfold train: {e}", file=sys.stderr)
+        return e.exit_code
     except (RuntimeError, TimeoutError, FloatingPointError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 1
@@ -267,22 +296,26 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     optimizer = AccumulatingOptimizer(
         base, lr_rule=args.lr_rule, ref_batch_size=None if args.lr_rule == "constant" else ref
     )
+    fold_trees = args.minibatch_size or args.max_device_batch_size
     loader = StepLoader(
         trees,
         args.minibatch_size,
         build=TreeLSTMBuild(
-            vocab, shapes=_static_shapes(trees, vocab, args.minibatch_size) if device.type == "xla" else None
+            vocab, shapes=_static_shapes(trees, vocab, fold_trees) if device.type == "xla" else None
         ),
         trace=trace,
         seed=args.seed,
         drop_last=args.drop_last,
         num_workers=args.workers,
+        max_device_batch_size=args.max_device_batch_size,
+        max_accumulation_steps=args.max_accumulation,
     )
     history = open(args.history, "w") if args.history and loader.rank == 0 else None  # noqa: SIM115
 
     def record(stats: StepStats) -> None:
         if history is not None:
             history.write(json.dumps(stats.__dict__) + "\n")
+            history.flush()  # a line per step, readable while the run goes on
 
     trainer = TraceTrainer(
         model,
@@ -296,14 +329,21 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         log_every=args.log_every,
         progress=False if args.no_progress else None,
         on_step=record,
+        seed=args.seed,  # each fold's random draws: the same on any number of processes
+        settings=_checkpoint_settings(args, trace, len(trees)),
     )
     main_rank = trainer.is_main
     if main_rank:
         print(
             f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
             f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
-            f"{loader.replication_factor} process(es), minibatch {args.minibatch_size}, "
-            f"{args.workers} fold-building worker(s) each, device {device}"
+            f"{loader.replication_factor} process(es), "
+            + (
+                f"minibatch {args.minibatch_size}, "
+                if args.minibatch_size is not None
+                else f"at most {args.max_device_batch_size} trees per fold, "
+            )
+            + f"{args.workers} fold-building worker(s) each, device {device}"
         )
     resumed, overridden = (None, []) if args.no_resume else _resume(args, trainer)
     if resumed is not None and main_rank:
@@ -334,6 +374,19 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
             f"step {trainer.next_step}{final}"
         )
     return 0
+
+
+def _checkpoint_settings(
+    args: argparse.Namespace, trace: BatchSizeTrace, num_trees: int
+) -> dict[str, object]:
+    """The options a checkpoint is only valid with (the model, the data, the split), by their names."""
+    settings: dict[str, object] = {
+        "--trace (batch sizes fingerprint)": trace.fingerprint(),
+        "training trees": num_trees,
+    }
+    for name in ("embedding_dim", "hidden_dim", "dtype", "minibatch_size", "max_device_batch_size", "seed"):
+        settings[f"--{name.replace('_', '-')}"] = getattr(args, name)
+    return settings
 
 
 def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | None, list[str]]:

@@ -22,18 +22,20 @@ from torchfold._distributed import (
 )
 from torchfold._elastic import ElasticConfig
 from torchfold._loader import Minibatch, Step, StepLoader, to_device
-from torchfold._loop import PlanLoss, StepStats, TraceTrainer
+from torchfold._loop import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
 from torchfold._optim import AccumulatingOptimizer
 from torchfold._sampler import StepPlan, TraceBatchSampler
 from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "AccumulatingOptimizer",
     "BatchSizeTrace",
     "ElasticConfig",
     "EpochSteps",
     "Minibatch",
     "PlanLoss",
+    "Preempted",
     "Step",
     "StepLoader",
     "StepPlan",

@@ -125,6 +125,16 @@ def _timeout_s() -> float | None:
     return _group_timeout_s.get("default")
 
 
+def first_line(error: BaseException) -> str:
+    """An error's first line: torch's distributed errors append a C++ stack trace of dozens of lines.
+
+    >>> first_line(RuntimeError("Connection closed by peer\nException raised from recvBytes"))
+    'Connection closed by peer'
+    """
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
     """Sum ``tensors`` in place over all ranks (XLA, gloo or nccl); nothing to do in a single process.
 
@@ -157,7 +167,7 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
             raise RuntimeError(
                 f"torchfold: all-reduce of {len(members)} tensors failed on rank {dist.get_rank()} of "
                 f"{dist.get_world_size()} ({dist.get_backend()}): another rank died or did not reach the "
-                f"same all-reduce{within}. Original error: {e}"
+                f"same all-reduce{within}. Original error: {first_line(e)}"
             ) from e
         _unflatten_into(flat, members)
 
@@ -386,7 +396,7 @@ def init_distributed(
     port = check_int("master_port", _env_int("master_port", master_port, "MASTER_PORT"), 1)
     delta = datetime.timedelta(seconds=timeout)
     try:
-        store = dist.TCPStore(
+        store: dist.Store = dist.TCPStore(
             addr, port, world_size=None, is_master=rank == 0, timeout=delta, wait_for_workers=False
         )
     except Exception as e:
@@ -394,6 +404,11 @@ def init_distributed(
             f"torchfold: rank {rank} could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
             f"(rank 0 hosts it; is it running, and is the port free?): {e}"
         ) from e
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        # torchrun's agent keeps its store across the restarts of a group: each attempt gets keys
+        # of its own (as torch's env:// rendezvous does), or it would read the last group's.
+        store = dist.PrefixStore(f"torchfold/attempt_{restart}", store)
     _handshake(store, rank, world_size, dict(config or {}), timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
     _group_timeout_s["default"] = timeout

@@ -400,11 +400,15 @@ def _read_history(path: Path) -> list[dict[str, Any]]:
 
 
 def _log_tail(path: Path, lines: int = 8) -> str:
+    """What a group's log says went wrong: the train command's error lines, else its last lines."""
     try:
-        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    return "\n  | ".join(["", *tail]) if tail else ""
+    # Every rank prints the same error; torchrun's failure table after it would hide it.
+    errors = list(dict.fromkeys(line for line in text if "torchfold train: error:" in line))
+    shown = errors[-3:] if errors else text[-lines:]
+    return "\n  | ".join(["", *shown]) if shown else ""
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
@@ -633,9 +637,14 @@ def _plot(
     ax.set_ylabel("devices available")
     ax.set_xlabel(f"trace time ({unit})")
     twin = ax.twinx()
+    # Processes over time: each step's group, none during a pause, held to the end of the last step.
+    used = sorted(
+        [(r["trace_time_s"], r["processes"]) for r in rows] + [(p.start_time, 0) for p in schedule.pauses]
+    )
+    used.append((horizon, used[-1][1]))
     twin.step(
-        [r["trace_time_s"] / scale for r in rows],
-        [r["processes"] for r in rows],
+        [t / scale for t, _ in used],
+        [n for _, n in used],
         where="post",
         color="tab:blue",
         label="processes used",
@@ -648,7 +657,9 @@ def _plot(
     handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(handles, [str(h.get_label()) for h in handles], loc="lower left", fontsize=8)
     # Panels 2-5, over steps.
-    steps = [r["step"] for r in rows]
+    # A step plot draws a value from its step to the next: repeat the last value at the end step.
+    steps = [r["step"] for r in rows] + [rows[-1]["step"] + 1]
+    rows = [*rows, rows[-1]]
     panels = [
         (axes[1], [r["global_batch"] for r in rows], "global batch", "tab:green"),
         (
@@ -666,11 +677,12 @@ def _plot(
         steps, [r["processes"] for r in rows], where="post", color="tab:blue", alpha=0.6, label="processes"
     )
     axes[2].legend(loc="upper right", fontsize=8)
-    axes[4].plot(steps, [r["loss"] for r in rows], color="tab:red", label="replay")
+    # Losses are points, one per step: without the repeated end.
+    axes[4].plot(steps[:-1], [r["loss"] for r in rows[:-1]], color="tab:red", label="replay")
     if any(r["reference_loss"] != "" for r in rows):
         axes[4].plot(
-            steps,
-            [math.nan if r["reference_loss"] == "" else r["reference_loss"] for r in rows],
+            steps[:-1],
+            [math.nan if r["reference_loss"] == "" else r["reference_loss"] for r in rows[:-1]],
             color="black",
             ls=":",
             label="one uninterrupted process",
@@ -711,7 +723,7 @@ def main(argv: Sequence[str]) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         return _replay(args, extra)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad arguments or input files
         print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
         return 2
     except (ReplayError, OSError) as e:
@@ -791,7 +803,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
         label = (
             f"segment {segment.index} (pause)"
             if segment.is_pause
-            else f"segment {segment.index} ({segment.processes} processes, planned steps "
+            else f"segment {segment.index} ({segment.processes} process{'' if segment.processes == 1 else 'es'}, planned steps "
             f"{segment.first_step}..{segment.end_step - 1})"
         )
         if segment.is_pause:

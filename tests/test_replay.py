@@ -287,9 +287,9 @@ def test_a_hanging_group_is_killed_and_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
-    # 10 s per step: 4 of 6 devices (2 processes) for 5 steps, 6 (3) for 5, none for 2 step
-    # times, then 1 device (1 process) for 5 steps.
-    text = ",Time,GPUs\n0,1000,4\n1,1050,6\n2,1100,0\n3,1120,1\n4,1170,1\n"
+    # 10 s per step: 4 of 6 devices (2 processes) for 4 steps, 6 (3) for 4, none for 2 step
+    # times, then 1 device (1 process) for 4 steps.
+    text = ",Time,GPUs\n0,1000,4\n1,1040,6\n2,1080,0\n3,1100,1\n4,1140,1\n"
     result = replay(tmp_path, text, "--step-time", "10", "--max-device-batch-size", "4", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     run = tmp_path / "run"
@@ -299,17 +299,17 @@ def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames or ()) == CSV_COLUMNS
         rows = list(reader)
-    assert [int(r["step"]) for r in rows] == list(range(15))
-    planned = [2] * 5 + [3] * 5 + [1] * 5
+    assert [int(r["step"]) for r in rows] == list(range(12))
+    planned = [2] * 4 + [3] * 4 + [1] * 4
     assert [int(r["planned_processes"]) for r in rows] == planned
-    assert [float(r["trace_time_s"]) for r in rows] == [10.0 * k for k in range(10)] + [
-        120.0 + 10 * k for k in range(5)
+    assert [float(r["trace_time_s"]) for r in rows] == [10.0 * k for k in range(8)] + [
+        100.0 + 10 * k for k in range(4)
     ]
     used = [int(r["processes"]) for r in rows]
     # A group stops after the step it runs when SIGTERM arrives: it may run into the next
     # segment's first step, never further.
     for k, (p, q) in enumerate(zip(used, planned, strict=True)):
-        assert p == q or (k in (5, 10) and p == planned[k - 1]), used
+        assert p == q or (k in (4, 8) and p == planned[k - 1]), used
     for r in rows:  # accumulation minibatches follow the processes: ceil(global / (processes * 4))
         assert int(r["accumulation_minibatches"]) == math.ceil(
             int(r["global_batch"]) / (int(r["processes"]) * 4)
@@ -330,6 +330,6 @@ def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
             assert json.loads(line).get("world_size", int(group["processes"])) == int(group["processes"])
 
     assert (run / "replay.png").read_bytes().startswith(b"\x89PNG")
-    ours = load_checkpoint(checkpoint_path(run / "checkpoints", 15))["model"]
-    theirs = load_checkpoint(checkpoint_path(run / "reference", 15))["model"]
+    ours = load_checkpoint(checkpoint_path(run / "checkpoints", 12))["model"]
+    theirs = load_checkpoint(checkpoint_path(run / "reference", 12))["model"]
     torch.testing.assert_close(ours, theirs)

@@ -515,10 +515,13 @@ def _run_group(
         )
     if end != expected_end or (rows and rows[0]["step"] != start_step):
         ran = f"steps {rows[0]['step']}..{rows[-1]['step']}" if rows else "no step"
+        # On SIGTERM, `train` finishes the step in progress, checkpoints it and exits (status 75):
+        # its history and checkpoints then end at the same step. Killed workers leave them apart.
         raise ReplayError(
-            f"{label}: the group resumed at step {start_step} and ran {ran}, but the newest checkpoint is "
-            f"step {end}: it did not checkpoint every step it ran before exiting (status "
-            f"{process.returncode}{', after SIGTERM' if signalled else ''}). Log {log}:{_log_tail(log)}"
+            f"{label}: the group resumed at step {start_step} and its history shows {ran}, but the newest "
+            f"checkpoint is step {end}; a group must checkpoint every step it runs and record it before it "
+            f"exits (status {process.returncode}{' after SIGTERM' if signalled else ''}: were its workers "
+            f"killed instead of stopping after the step?). Log {log}:{_log_tail(log)}"
         )
     return _GroupResult(
         segment, start_step, rows, "preempted" if signalled else "finished", seconds, process.returncode

@@ -598,6 +598,10 @@ def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]
     return diff, count, close
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _time_unit(seconds: float) -> tuple[float, str]:
     if seconds >= 2 * 3600:
         return 3600.0, "h"
@@ -797,7 +801,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
     groups, pauses = schedule.groups, schedule.pauses
     print(
         f"replay of {source}: {final_step} steps of {step_time:g} trace s, peak {schedule.peak_devices} devices "
-        f"-> {args.max_processes} processes; {len(groups)} groups, {len(pauses)} pauses; run folder {run_dir}",
+        f"-> {args.max_processes} processes; {_count(len(groups), 'group')}, {_count(len(pauses), 'pause')}; run folder {run_dir}",
         flush=True,
     )
     results: list[_GroupResult] = []
@@ -908,7 +912,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
         schedule,
         rows,
         results,
-        f"{Path(source).name}: {final_step} steps, {restarts} restarts, {len(pauses)} pauses",
+        f"{Path(source).name}: {final_step} steps, {_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}",
     )
     print(
         f"written: {run_dir / 'replay.csv'}, {run_dir / 'segments.csv'}, {run_dir / 'replay.png'}", flush=True
@@ -924,7 +928,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
         else "NOT within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
     )
     print(
-        f"parameters after step {final_step}: replay ({restarts} restarts, {len(pauses)} pauses) vs one "
+        f"parameters after step {final_step}: replay ({_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}) vs one "
         f"uninterrupted process: max abs difference {diff:.3g} over {count} values; {verdict}"
     )
     return 0 if close else 1

@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchfold demo|trace ...`` (also installed as ``torchfold``)."""
+"""Command line: ``python -m torchfold demo|elastic|trace|train ...`` (also installed as ``torchfold``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ USAGE = """usage: python -m torchfold COMMAND [ARGS...]
 
 commands:
   demo     train a small Tree-LSTM with dynamic batching (SST trees from a path, or generated ones)
+  elastic  replay a resource-availability trace with a real elastic training (elastic replay --help)
   trace    check, convert and plot batch-size traces (python -m torchfold trace --help)
   train    train a Tree-LSTM on SST with a batch-size trace, also under torchrun (train --help)
 """
@@ -18,6 +19,11 @@ def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
     # Imported lazily so that `--help` and one subcommand do not pay for the others' imports.
     def demo(argv: Sequence[str]) -> int:
         from torchfold._demo import main
+
+        return main(argv)
+
+    def elastic(argv: Sequence[str]) -> int:
+        from torchfold._replay import main
 
         return main(argv)
 
@@ -31,7 +37,7 @@ def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
 
         return main(argv)
 
-    return {"demo": demo, "trace": trace, "train": train}
+    return {"demo": demo, "elastic": elastic, "trace": trace, "train": train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,15 +52,17 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, cast, overload
+from typing import Any, NamedTuple, Union, cast, overload
 
 from torchfold._validate import check_int
 
 __all__ = [
+    "AvailabilityInterval",
     "BatchSizeTrace",
     "EpochSteps",
     "TraceLike",
     "as_trace",
+    "read_availability",
     "scaled_lr",
 ]
 
@@ -147,6 +149,78 @@ def _check_num_steps(what: str, num_steps: int) -> None:
             f"{what} has {num_steps} steps, more than the {MAX_TRACE_STEPS} a trace may have; "
             "check the units, or make a shorter trace"
         )
+
+
+class AvailabilityInterval(NamedTuple):
+    """One row of a resource-availability trace: ``devices`` from ``start_time`` until ``end_time``.
+
+    Times are the file's (seconds); ``line`` is the row's line in the file, for messages.
+    """
+
+    start_time: float
+    end_time: float
+    devices: int
+    line: int
+
+    def num_steps(self, step_time: float, origin: float) -> int:
+        """How many step starts ``origin + k * step_time`` (k >= 0) fall in ``[start_time, end_time)``.
+
+        Counted on the absolute clock, so fractions of a step carry over between intervals.
+
+        >>> AvailabilityInterval(104.0, 110.0, 2, line=3).num_steps(4.0, origin=100.0)  # 104, 108
+        2
+        """
+        return math.ceil((self.end_time - origin) / step_time - 1e-9) - math.ceil(
+            (self.start_time - origin) / step_time - 1e-9
+        )
+
+
+def read_availability(path: str | os.PathLike[str]) -> list[AvailabilityInterval]:
+    """Read a resource-availability trace: the intervals of its device counts, in time order.
+
+    The file has a header with a ``Time`` column (seconds) and the device count in the last
+    column, e.g. ``,Time,GPUs`` (index, unix time, count). Row ``i`` holds from its time until
+    row ``i + 1``'s; the last row only marks the end. Errors name the file and line.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "gpus.csv"
+    >>> _ = p.write_text(",Time,GPUs\\n0,100,2\\n1,110,0\\n2,120,4\\n")
+    >>> [(i.start_time, i.end_time, i.devices, i.line) for i in read_availability(p)]
+    [(100.0, 110.0, 2, 2), (110.0, 120.0, 0, 3)]
+    """
+    path = Path(path)
+    rows: list[tuple[int, float, int]] = []  # (line, time, devices)
+    with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
+        reader = csv.reader(_text_lines(f, path))
+        header = next(_rows(reader, path), (0, [], []))[2] or None
+        names = [name.strip().lower() for name in header or []]
+        if "time" not in names or len(names) < 2 or names[-1] == "time":
+            raise ValueError(
+                f"{path}, line 1: header should name a 'Time' column and end with the device count "
+                f"column (e.g. ',Time,GPUs'), got {_show(','.join(header or []), 60)}"
+            )
+        time_col = names.index("time")
+        for line, fields, _ in _rows(reader, path):
+            where = f"{path}, line {line}"
+            if len(fields) != len(names):
+                raise ValueError(f"{where}: expected {len(names)} fields like the header, got {len(fields)}")
+            if not _NUMBER.fullmatch(fields[time_col]):
+                raise ValueError(f"{where}: time should be a number, got {_show(fields[time_col])}")
+            time = float(fields[time_col])
+            if not math.isfinite(time):
+                raise ValueError(f"{where}: time should be finite, got {_show(fields[time_col])}")
+            if not _DIGITS.fullmatch(fields[-1]):
+                raise ValueError(f"{where}: device count should be an integer >= 0, got {_show(fields[-1])}")
+            devices = _parse_int(fields[-1], "device count", where)
+            if rows and time <= rows[-1][1]:
+                raise ValueError(f"{where}: time {time} does not increase (previous row: {rows[-1][1]})")
+            rows.append((line, time, devices))
+    if len(rows) < 2:
+        raise ValueError(f"{path}: needs at least 2 rows (a start and an end time), got {len(rows)}")
+    return [
+        AvailabilityInterval(start, end, devices, line)
+        for (line, start, devices), (_, end, _) in itertools.pairwise(rows)
+    ]
 
 
 def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = "linear") -> float:
@@ -447,9 +521,8 @@ class BatchSizeTrace:
     ) -> BatchSizeTrace:
         """A trace from a resource-availability trace: devices available over time.
 
-        The file has a header with a ``Time`` column (seconds) and the device count in the last
-        column, e.g. ``,Time,GPUs`` (index, unix time, count). Row ``i`` holds from its time until
-        row ``i + 1``'s; the last row only marks the end. Steps take ``step_time`` seconds and run
+        The file is read by :func:`read_availability` (``,Time,GPUs`` rows; row ``i`` holds from its
+        time until row ``i + 1``'s). Steps take ``step_time`` seconds and run
         with ``devices * per_device_batch`` samples; an interval holds the steps whose start time
         falls in it (counted on the absolute clock, so fractions of a step carry over between
         intervals). Intervals with zero devices give no steps: training pauses.
@@ -472,40 +545,9 @@ class BatchSizeTrace:
         if max_steps is not None:
             check_int("max_steps", max_steps)
         path = Path(path)
-        rows: list[tuple[int, float, int]] = []  # (line, time, devices)
-        with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-            reader = csv.reader(_text_lines(f, path))
-            header = next(_rows(reader, path), (0, [], []))[2] or None
-            names = [name.strip().lower() for name in header or []]
-            if "time" not in names or len(names) < 2 or names[-1] == "time":
-                raise ValueError(
-                    f"{path}, line 1: header should name a 'Time' column and end with the device count "
-                    f"column (e.g. ',Time,GPUs'), got {_show(','.join(header or []), 60)}"
-                )
-            time_col = names.index("time")
-            for line, fields, _ in _rows(reader, path):
-                where = f"{path}, line {line}"
-                if len(fields) != len(names):
-                    raise ValueError(
-                        f"{where}: expected {len(names)} fields like the header, got {len(fields)}"
-                    )
-                if not _NUMBER.fullmatch(fields[time_col]):
-                    raise ValueError(f"{where}: time should be a number, got {_show(fields[time_col])}")
-                time = float(fields[time_col])
-                if not math.isfinite(time):
-                    raise ValueError(f"{where}: time should be finite, got {_show(fields[time_col])}")
-                if not _DIGITS.fullmatch(fields[-1]):
-                    raise ValueError(
-                        f"{where}: device count should be an integer >= 0, got {_show(fields[-1])}"
-                    )
-                devices = _parse_int(fields[-1], "device count", where)
-                if rows and time <= rows[-1][1]:
-                    raise ValueError(f"{where}: time {time} does not increase (previous row: {rows[-1][1]})")
-                rows.append((line, time, devices))
-        if len(rows) < 2:
-            raise ValueError(f"{path}: needs at least 2 rows (a start and an end time), got {len(rows)}")
-        t0 = rows[0][1]
-        span = rows[-1][1] - t0
+        intervals = read_availability(path)
+        t0 = intervals[0].start_time
+        span = intervals[-1].end_time - t0
         if not math.isfinite(span / step_time):
             raise ValueError(
                 f"{path}: its {span:g} s at step_time={step_time!r} s are too many steps to count; "
@@ -513,12 +555,7 @@ class BatchSizeTrace:
             )
         # Step k starts at t0 + k * step_time; it belongs to the interval holding its start.
         counts = [
-            (
-                line,
-                devices,
-                math.ceil((end - t0) / step_time - 1e-9) - math.ceil((start - t0) / step_time - 1e-9),
-            )
-            for (line, start, devices), (_, end, _) in itertools.pairwise(rows)
+            (interval.line, interval.devices, interval.num_steps(step_time, t0)) for interval in intervals
         ]
         total = sum(count for _, devices, count in counts if devices > 0)
         num_steps = total if max_steps is None else min(total, max_steps)

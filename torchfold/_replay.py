@@ -1,0 +1,934 @@
+"""``python -m torchfold elastic replay``: drive a real training run through a resource-availability trace.
+
+A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold._trace.read_availability`) says how
+many devices a job had over time. The replay scales that count to the processes one machine can
+run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
+seconds, as :meth:`~torchfold.train.BatchSizeTrace.from_availability` counts them) and cuts the
+steps into segments of one process count (:func:`plan_replay`). Each segment runs as one
+``torchrun`` group of ``python -m torchfold train``, which resumes from the newest checkpoint;
+when the process count changes, the replay sends SIGTERM to the group's torchrun agent (it
+forwards the signal to its workers, which finish the step in progress, checkpoint and exit), waits
+for it to exit, and starts the next group. A span without devices pauses the run: no process
+runs for a short real pause. At the end one uninterrupted process trains on the same steps, and
+the replay compares the two runs' parameters: training is world-size invariant, so they agree up
+to float summation order.
+
+The run folder holds ``replay.csv`` (one row per step), ``segments.csv`` (one row per group or
+pause), ``replay.png``, ``logs/`` (each group's output), ``history/`` (each group's step stats),
+``checkpoints/`` and ``reference/`` (the uninterrupted run).
+
+Example::
+
+    python -m torchfold elastic replay --availability ../shared/data/traces/gcp_a100_gpus.csv \\
+        --run-dir runs/a100 --step-time 630 --max-train 400 --max-words 12
+
+Exit status: 0 when the replay ran and its parameters match the uninterrupted run, 1 when a
+group failed, hung or the parameters differ beyond summation order, 2 for bad arguments or input
+files (the message names the value, the file and line, and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchfold._trace import AvailabilityInterval, read_availability
+from torchfold._validate import check_int, non_negative_float, positive_float, positive_int, seed_int
+
+__all__ = [
+    "ReplayError",
+    "ReplaySchedule",
+    "ReplayStep",
+    "Segment",
+    "build_parser",
+    "compare_parameters",
+    "main",
+    "plan_replay",
+    "processes_for",
+]
+
+_PROG = "python -m torchfold elastic replay"
+
+# The columns of replay.csv, in order.
+CSV_COLUMNS = (
+    "step",
+    "trace_time_s",
+    "devices",
+    "planned_processes",
+    "processes",
+    "global_batch",
+    "accumulation_minibatches",
+    "lr",
+    "loss",
+    "reference_loss",
+    "segment",
+)
+
+
+def processes_for(devices: int, peak_devices: int, max_processes: int) -> int:
+    """The processes that stand for ``devices`` when ``peak_devices`` map to ``max_processes``.
+
+    Proportional and rounded up, so any available device keeps at least one process running,
+    and only zero devices give zero processes: ``ceil(devices * max_processes / peak_devices)``.
+
+    Args:
+        devices: devices available, ``0 <= devices <= peak_devices``.
+        peak_devices: the most devices the trace ever has (maps to ``max_processes``).
+        max_processes: the most processes to run.
+
+    >>> [processes_for(d, 56, 3) for d in (0, 1, 18, 19, 37, 38, 56)]
+    [0, 1, 1, 2, 2, 3, 3]
+    """
+    check_int("devices", devices, minimum=0)
+    check_int("peak_devices", peak_devices)
+    check_int("max_processes", max_processes)
+    if devices > peak_devices:
+        raise ValueError(f"devices={devices} is more than peak_devices={peak_devices}")
+    return -(-devices * max_processes // peak_devices)
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """One optimizer step of a replay: when it starts in the trace and what was available then.
+
+    Args:
+        step: global step index (into the batch-size trace).
+        trace_time: seconds since the trace's first row at which the step starts.
+        devices: devices the trace has then.
+        processes: processes that stand for them (:func:`processes_for`).
+        line: the trace file's line that holds the step.
+    """
+
+    step: int
+    trace_time: float
+    devices: int
+    processes: int
+    line: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive steps with one process count (a group of processes), or a pause without devices.
+
+    Args:
+        index: position in the replay, from 0.
+        processes: the group's processes; 0 for a pause.
+        first_step: the first step the group runs (for a pause: the step it delays).
+        end_step: the step after its last (``== first_step`` for a pause).
+        start_time: trace seconds (since the first row) at which the segment starts.
+        end_time: trace seconds at which it ends.
+    """
+
+    index: int
+    processes: int
+    first_step: int
+    end_step: int
+    start_time: float
+    end_time: float
+
+    @property
+    def is_pause(self) -> bool:
+        """True for a span without devices, where no process runs."""
+        return self.processes == 0
+
+    @property
+    def num_steps(self) -> int:
+        """Steps planned for the segment (0 for a pause)."""
+        return self.end_step - self.first_step
+
+
+@dataclass(frozen=True)
+class ReplaySchedule:
+    """The steps and segments of a replay (see :func:`plan_replay`).
+
+    Args:
+        steps: every step, in order.
+        segments: groups and pauses, in order; groups' steps cover ``steps`` without gaps.
+        peak_devices: the most devices the trace has (maps to the most processes).
+        step_time: trace seconds per step.
+    """
+
+    steps: tuple[ReplayStep, ...]
+    segments: tuple[Segment, ...]
+    peak_devices: int
+    step_time: float
+
+    @property
+    def num_steps(self) -> int:
+        """Steps in the replay."""
+        return len(self.steps)
+
+    @property
+    def groups(self) -> tuple[Segment, ...]:
+        """The segments that run processes."""
+        return tuple(s for s in self.segments if not s.is_pause)
+
+    @property
+    def pauses(self) -> tuple[Segment, ...]:
+        """The segments without devices."""
+        return tuple(s for s in self.segments if s.is_pause)
+
+
+def plan_replay(
+    intervals: Sequence[AvailabilityInterval],
+    *,
+    step_time: float,
+    max_processes: int,
+    max_steps: int | None = None,
+    source: str = "<intervals>",
+) -> ReplaySchedule:
+    """Map an availability trace onto steps and process groups.
+
+    Step slots start every ``step_time`` seconds from the first row; an interval holds the slots
+    whose start falls in it (as in :meth:`~torchfold.train.BatchSizeTrace.from_availability`,
+    which gives the same steps). A slot in an interval with devices is an optimizer step; one
+    without devices is a pause. Consecutive steps with the same process count form one segment
+    (one group of processes), so a change of the device count restarts the run only when the
+    process count changes. A pause that no step follows is left out.
+
+    Args:
+        intervals: the trace's rows (:func:`~torchfold._trace.read_availability`).
+        step_time: trace seconds per step.
+        max_processes: processes for the trace's peak device count (:func:`processes_for`).
+        max_steps: keep at most this many steps.
+        source: the trace's name, for messages.
+
+    Raises:
+        ValueError: no interval ever has a device, or no step slot falls in one (naming
+            ``source`` and the fix).
+
+    >>> rows = [(0, 30, 4, 2), (30, 50, 6, 3), (50, 70, 0, 4), (70, 90, 2, 5)]
+    >>> plan = plan_replay([AvailabilityInterval(*r) for r in rows], step_time=10, max_processes=3)
+    >>> [(s.processes, s.first_step, s.end_step) for s in plan.segments]
+    [(2, 0, 3), (3, 3, 5), (0, 5, 5), (1, 5, 7)]
+    >>> [s.trace_time for s in plan.steps]
+    [0.0, 10.0, 20.0, 30.0, 40.0, 70.0, 80.0]
+    """
+    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
+        raise ValueError(f"step_time should be a positive number of seconds, got {step_time!r}")
+    check_int("max_processes", max_processes)
+    if max_steps is not None:
+        check_int("max_steps", max_steps)
+    step_time = float(step_time)
+    if not intervals:
+        raise ValueError(f"{source}: no intervals; an availability trace needs at least 2 rows")
+    peak = max(interval.devices for interval in intervals)
+    if peak == 0:
+        raise ValueError(
+            f"{source}: no device is available at any time (all {len(intervals)} intervals have 0 devices); "
+            "a replay needs a trace with at least one device"
+        )
+    origin = intervals[0].start_time
+    if not math.isfinite((intervals[-1].end_time - origin) / step_time):
+        raise ValueError(f"{source}: too many steps to count at step_time={step_time!r} s; use a larger one")
+    limit = sys.maxsize if max_steps is None else max_steps
+    steps: list[ReplayStep] = []
+    # (processes, first_step, end_step, start_time, end_time) of the segment being built.
+    segments: list[list[Any]] = []
+    for interval in intervals:
+        if len(steps) >= limit:
+            break
+        slots = interval.num_steps(step_time, origin)
+        if slots <= 0:
+            continue  # shorter than a step and holding no step's start: not seen at this step time
+        first_slot = math.ceil((interval.start_time - origin) / step_time - 1e-9)
+        processes = processes_for(interval.devices, peak, max_processes)
+        if processes > 0:
+            slots = min(slots, limit - len(steps))
+            if len(steps) + slots > 10_000_000:
+                raise ValueError(
+                    f"{source}: at step_time={step_time!r} s the trace holds more than 10000000 steps; "
+                    "pass --max-steps or a larger --step-time"
+                )
+        start, end = first_slot * step_time, (first_slot + slots) * step_time
+        if segments and segments[-1][0] == processes:
+            segments[-1][2] += 0 if processes == 0 else slots
+            segments[-1][4] = end
+        else:
+            segments.append([processes, len(steps), len(steps) + (slots if processes else 0), start, end])
+        if processes > 0:
+            steps += [
+                ReplayStep(
+                    len(steps) + k, (first_slot + k) * step_time, interval.devices, processes, interval.line
+                )
+                for k in range(slots)
+            ]
+    while segments and segments[-1][0] == 0:
+        segments.pop()  # a pause at the end delays nothing
+    if not steps:
+        raise ValueError(
+            f"{source}: no step fits: no interval with devices > 0 holds the start of a {step_time} s step; "
+            "use a smaller --step-time"
+        )
+    return ReplaySchedule(
+        steps=tuple(steps),
+        segments=tuple(Segment(i, *fields) for i, fields in enumerate(segments)),
+        peak_devices=peak,
+        step_time=step_time,
+    )
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+class ReplayError(RuntimeError):
+    """A group of the replay failed, hung, or left no checkpoint (the message names the segment)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m torchfold elastic``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchfold elastic", description="Elastic training tools."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{replay}")
+    p = commands.add_parser(
+        "replay",
+        prog=_PROG,
+        help="replay a resource-availability trace with a real training run",
+        description="Replay a resource-availability trace with a real Tree-LSTM training: scale the devices to "
+        "1..--max-processes gloo processes, restart the run (SIGTERM, torchrun with the new count, resume from "
+        "the newest checkpoint) at every change of the process count, pause while no device is available, and "
+        "compare the final parameters with one uninterrupted process. Arguments after '--' go to every "
+        "`python -m torchfold train` run. Writes replay.csv, segments.csv and replay.png to --run-dir.",
+    )
+    p.add_argument(
+        "--availability", required=True, metavar="FILE", help="availability CSV (',Time,GPUs' rows)"
+    )
+    p.add_argument(
+        "--run-dir", required=True, metavar="DIR", help="run folder to write (must hold no checkpoints)"
+    )
+    p.add_argument(
+        "--max-processes",
+        type=positive_int,
+        default=3,
+        help="processes for the trace's peak devices (default 3)",
+    )
+    p.add_argument(
+        "--step-time",
+        type=positive_float,
+        help="trace seconds per optimizer step (default: the trace's median row interval, one step per row)",
+    )
+    p.add_argument("--max-steps", type=positive_int, help="replay at most this many steps")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=positive_int, default=48, help="samples per step (default 48)")
+    batch.add_argument(
+        "--trace",
+        help="global batch per step instead: a step,batchsize CSV, an int or a schedule (as train's)",
+    )
+    p.add_argument(
+        "--max-device-batch-size",
+        type=positive_int,
+        default=8,
+        help="most samples per process per minibatch; accumulation minibatches per process = "
+        "ceil(global / (processes * this)) (default 8)",
+    )
+    p.add_argument("--data", metavar="DIR", help="SST directory (as train's --data)")
+    p.add_argument("--max-train", type=positive_int, default=400, help="training trees (default 400)")
+    p.add_argument("--max-words", type=positive_int, default=12, help="longest tree in words (default 12)")
+    p.add_argument("--hidden-dim", type=positive_int, default=32, help="Tree-LSTM size (default 32)")
+    p.add_argument("--lr", type=positive_float, default=0.005, help="learning rate (default 0.005)")
+    p.add_argument("--seed", type=seed_int, default=0, help="default 0")
+    p.add_argument(
+        "--pause-seconds",
+        type=non_negative_float,
+        default=1.0,
+        help="real seconds a span without devices pauses the run (default 1)",
+    )
+    p.add_argument(
+        "--segment-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds one group may run before it is killed and the replay fails (default 600)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=positive_float,
+        default=90.0,
+        help="seconds a group may take to stop after SIGTERM (default 90; torchrun kills workers after 30)",
+    )
+    p.add_argument("--no-reference", action="store_true", help="skip the uninterrupted single-process run")
+    return parser
+
+
+def _free_port() -> int:
+    # Bound and released: a race with another program is possible but rare, and torchrun then fails fast.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    """The children's environment: they import this torchfold (a work tree may not be the installed one)."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _newest_step(directory: Path) -> int:
+    from torchfold._checkpoint import list_checkpoints
+
+    found = list_checkpoints(directory)
+    return found[-1][0] if found else 0
+
+
+def _read_history(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:  # a row cut by a killed process
+                raise ReplayError(f"{path}, line {number}: not a JSON history row ({e})") from e
+    return rows
+
+
+def _log_tail(path: Path, lines: int = 8) -> str:
+    """What a group's log says went wrong: the train command's error lines, else its last lines."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    # Every rank prints the same error; torchrun's failure table after it would hide it.
+    errors = list(dict.fromkeys(line for line in text if "torchfold train: error:" in line))
+    shown = errors[-3:] if errors else text[-lines:]
+    return "\n  | ".join(["", *shown]) if shown else ""
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a group started with ``start_new_session=True`` (the agent and its workers) and reap it."""
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+@dataclass
+class _GroupResult:
+    segment: Segment
+    first_step: int  # where the group resumed
+    rows: list[dict[str, Any]]  # its history rows
+    stop: str  # "finished", "preempted" or "skipped"
+    wall_seconds: float
+    returncode: int | None
+
+
+def _run_group(
+    segment: Segment,
+    train_args: list[str],
+    run_dir: Path,
+    *,
+    final_step: int,
+    segment_timeout: float,
+    stop_timeout: float,
+    label: str,
+) -> _GroupResult:
+    """Run one segment's torchrun group until it has run the segment's steps; stop it with SIGTERM."""
+    checkpoints = run_dir / "checkpoints"
+    start_step = _newest_step(checkpoints)
+    if start_step >= segment.end_step:  # the previous group's last step in progress ran past this segment
+        return _GroupResult(segment, start_step, [], "skipped", 0.0, None)
+    name = f"segment-{segment.index:02d}"
+    history = run_dir / "history" / f"{name}.jsonl"
+    log = run_dir / "logs" / f"{name}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={segment.processes}",
+        "--nnodes=1",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{_free_port()}",
+        "-m",
+        "torchfold",
+        "train",
+        *train_args,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "1",
+        "--history",
+        str(history),
+    ]
+    last = segment.end_step >= final_step  # runs to --max-steps by itself
+    began = time.monotonic()
+    signalled = False
+    with log.open("wb") as out:
+        out.write(("$ " + " ".join(command) + "\n").encode())
+        out.flush()
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
+        )
+        try:
+            while process.poll() is None:
+                elapsed = time.monotonic() - began
+                if elapsed > segment_timeout:
+                    _kill_group(process)
+                    raise ReplayError(
+                        f"{label}: the group did not finish its steps within --segment-timeout "
+                        f"{segment_timeout:g} s (newest checkpoint: step {_newest_step(checkpoints)}); killed it. "
+                        f"Log {log}:{_log_tail(log)}"
+                    )
+                done = _newest_step(checkpoints)
+                # The signal goes out while the group runs its last planned step (it has run one step
+                # at least, so it is past start-up): it finishes that step, checkpoints and exits.
+                if not last and not signalled and done > start_step and done >= segment.end_step - 1:
+                    process.send_signal(signal.SIGTERM)  # to the agent, which forwards it to its workers
+                    signalled = True
+                    try:
+                        process.wait(timeout=stop_timeout)
+                    except subprocess.TimeoutExpired:
+                        _kill_group(process)
+                        raise ReplayError(
+                            f"{label}: the group did not exit within --stop-timeout {stop_timeout:g} s after "
+                            f"SIGTERM; killed it. Log {log}:{_log_tail(log)}"
+                        ) from None
+                    break
+                time.sleep(0.05)
+        finally:
+            if process.poll() is None:  # an error or Ctrl-C in the replay itself: leave no process behind
+                _kill_group(process)
+    seconds = time.monotonic() - began
+    rows = _read_history(history)
+    end = _newest_step(checkpoints)
+    expected_end = rows[-1]["step"] + 1 if rows else start_step
+    if process.returncode != 0 and not signalled:
+        raise ReplayError(
+            f"{label}: the group exited with status {process.returncode} before its last step. Log {log}:"
+            f"{_log_tail(log)}"
+        )
+    if end != expected_end or (rows and rows[0]["step"] != start_step):
+        ran = f"steps {rows[0]['step']}..{rows[-1]['step']}" if rows else "no step"
+        # On SIGTERM, `train` finishes the step in progress, checkpoints it and exits (status 75):
+        # its history and checkpoints then end at the same step. Killed workers leave them apart.
+        raise ReplayError(
+            f"{label}: the group resumed at step {start_step} and its history shows {ran}, but the newest "
+            f"checkpoint is step {end}; a group must checkpoint every step it runs and record it before it "
+            f"exits (status {process.returncode}{' after SIGTERM' if signalled else ''}: were its workers "
+            f"killed instead of stopping after the step?). Log {log}:{_log_tail(log)}"
+        )
+    return _GroupResult(
+        segment, start_step, rows, "preempted" if signalled else "finished", seconds, process.returncode
+    )
+
+
+def _run_reference(train_args: list[str], run_dir: Path, final_step: int, timeout: float) -> Path:
+    """One uninterrupted process on the same steps; returns its final checkpoint."""
+    directory = run_dir / "reference"
+    log = run_dir / "logs" / "reference.log"
+    command = [
+        sys.executable,
+        "-m",
+        "torchfold",
+        "train",
+        *train_args,
+        "--checkpoint-dir",
+        str(directory),
+        "--history",
+        str(run_dir / "history" / "reference.jsonl"),
+    ]
+    env = _env()
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # one process, even when the replay itself runs under a launcher
+    with log.open("wb") as out:
+        out.write(("$ " + " ".join(command) + "\n").encode())
+        out.flush()
+        try:
+            subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=True
+            )
+        except subprocess.TimeoutExpired:
+            raise ReplayError(
+                f"reference run: no result within {timeout:g} s (--segment-timeout). Log {log}:{_log_tail(log)}"
+            ) from None
+        except subprocess.CalledProcessError as e:
+            raise ReplayError(
+                f"reference run: exited with status {e.returncode}. Log {log}:{_log_tail(log)}"
+            ) from None
+    step = _newest_step(directory)
+    if step != final_step:
+        raise ReplayError(
+            f"reference run: ended at step {step}, expected {final_step}. Log {log}:{_log_tail(log)}"
+        )
+    from torchfold._checkpoint import checkpoint_path
+
+    return checkpoint_path(directory, step)
+
+
+def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]:
+    """``(max abs difference, number of values, within float summation-order tolerance)`` of two checkpoints' models.
+
+    The tolerance is :func:`torch.testing.assert_close`'s default for the parameters' dtype
+    (float64: ``rtol=1e-7, atol=1e-7``).
+    """
+    import torch
+
+    from torchfold._checkpoint import load_checkpoint
+
+    ours, theirs = load_checkpoint(replay)["model"], load_checkpoint(reference)["model"]
+    if ours.keys() != theirs.keys():
+        raise ReplayError(
+            f"{replay} and {reference} hold different parameters: {sorted(ours)} vs {sorted(theirs)}"
+        )
+    diff, count = 0.0, 0
+    for name, value in ours.items():
+        diff = max(diff, (value - theirs[name]).abs().max().item() if value.numel() else 0.0)
+        count += value.numel()
+    try:
+        torch.testing.assert_close(ours, theirs)
+        close = True
+    except AssertionError:
+        close = False
+    return diff, count, close
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 2 * 3600:
+        return 3600.0, "h"
+    if seconds >= 120:
+        return 60.0, "min"
+    return 1.0, "s"
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _plot(
+    path: Path,
+    intervals: Sequence[AvailabilityInterval],
+    schedule: ReplaySchedule,
+    rows: list[dict[str, Any]],
+    results: list[_GroupResult],
+    title: str,
+) -> None:
+    # A bare Figure renders with Agg and leaves pyplot's global backend and figures alone.
+    from matplotlib.figure import Figure
+
+    origin = intervals[0].start_time
+    horizon = schedule.steps[-1].trace_time + schedule.step_time
+    scale, unit = _time_unit(horizon)
+    fig = Figure(figsize=(9, 12))
+    axes = fig.subplots(5, 1)
+    # Panel 1, over trace time: what the trace offered and what the replay ran.
+    shown = [i for i in intervals if i.start_time - origin < horizon]
+    times = [(i.start_time - origin) / scale for i in shown] + [
+        min(shown[-1].end_time - origin, horizon) / scale
+    ]
+    devices = [i.devices for i in shown]
+    ax = axes[0]
+    ax.step(times, [*devices, devices[-1]], where="post", color="tab:gray", label="devices available")
+    ax.set_ylabel("devices available")
+    ax.set_xlabel(f"trace time ({unit})")
+    twin = ax.twinx()
+    # Processes over time: each step's group, none during a pause, held to the end of the last step.
+    used = sorted(
+        [(r["trace_time_s"], r["processes"]) for r in rows] + [(p.start_time, 0) for p in schedule.pauses]
+    )
+    used.append((horizon, used[-1][1]))
+    twin.step(
+        [t / scale for t, _ in used],
+        [n for _, n in used],
+        where="post",
+        color="tab:blue",
+        label="processes used",
+    )
+    twin.set_ylabel("processes used", color="tab:blue")
+    twin.set_ylim(0, max(r["processes"] for r in rows) + 0.5)
+    for pause in schedule.pauses:
+        ax.axvspan(pause.start_time / scale, pause.end_time / scale, color="tab:red", alpha=0.15, lw=0)
+    ax.set_title(title)
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles, [str(h.get_label()) for h in handles], loc="lower left", fontsize=8)
+    # Panels 2-5, over steps.
+    # A step plot draws a value from its step to the next: repeat the last value at the end step.
+    steps = [r["step"] for r in rows] + [rows[-1]["step"] + 1]
+    rows = [*rows, rows[-1]]
+    panels = [
+        (axes[1], [r["global_batch"] for r in rows], "global batch", "tab:green"),
+        (
+            axes[2],
+            [r["accumulation_minibatches"] for r in rows],
+            "accumulation\nminibatches / process",
+            "tab:purple",
+        ),
+        (axes[3], [r["lr"] for r in rows], "learning rate", "tab:orange"),
+    ]
+    for ax, values, label, color in panels:
+        ax.step(steps, values, where="post", color=color)
+        ax.set_ylabel(label)
+    axes[2].step(
+        steps, [r["processes"] for r in rows], where="post", color="tab:blue", alpha=0.6, label="processes"
+    )
+    axes[2].legend(loc="upper right", fontsize=8)
+    # Losses are points, one per step: without the repeated end.
+    axes[4].plot(steps[:-1], [r["loss"] for r in rows[:-1]], color="tab:red", label="replay")
+    if any(r["reference_loss"] != "" for r in rows):
+        axes[4].plot(
+            steps[:-1],
+            [math.nan if r["reference_loss"] == "" else r["reference_loss"] for r in rows[:-1]],
+            color="black",
+            ls=":",
+            label="one uninterrupted process",
+        )
+    axes[4].set_ylabel("loss")
+    axes[4].legend(loc="upper right", fontsize=8)
+    axes[4].set_xlabel("step")
+    for ax in axes[1:]:
+        for result in results[1:]:
+            if result.rows:
+                ax.axvline(result.first_step, color="gray", lw=0.6, ls="--")
+        for pause in schedule.pauses:
+            ax.axvline(pause.first_step, color="tab:red", lw=1.2, alpha=0.5)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=90)
+
+
+def _device_batch_args(max_device_batch_size: int) -> list[str]:
+    from torchfold._train_cli import build_parser
+
+    options = build_parser()._option_string_actions
+    if "--max-device-batch-size" in options:
+        return ["--max-device-batch-size", str(max_device_batch_size)]
+    # TODO(issue 10, part 2): drop once `train --max-device-batch-size` is on main.
+    return ["--minibatch-size", str(max_device_batch_size)]
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``elastic replay`` with ``argv`` (the arguments after ``elastic``); return the exit status."""
+    argv = list(argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help and on usage errors; report it as a status
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return _replay(args, extra)
+    except (ValueError, FileNotFoundError) as e:  # bad arguments or input files
+        print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
+        return 2
+    except (ReplayError, OSError) as e:
+        print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _replay(args: argparse.Namespace, extra: list[str]) -> int:
+    source = args.availability
+    intervals = read_availability(source)
+    step_time = args.step_time
+    if step_time is None:
+        step_time = statistics.median(i.end_time - i.start_time for i in intervals)
+    schedule = plan_replay(
+        intervals,
+        step_time=step_time,
+        max_processes=args.max_processes,
+        max_steps=args.max_steps,
+        source=source,
+    )
+    run_dir = Path(args.run_dir)
+    if _newest_step(run_dir / "checkpoints") or _newest_step(run_dir / "reference"):
+        raise ValueError(
+            f"--run-dir {run_dir} already holds checkpoints of a run; use a new --run-dir or delete {run_dir}"
+        )
+    final_step = schedule.num_steps
+    if args.trace is not None:
+        from torchfold._train_cli import _trace
+
+        trace = _trace(args.trace)
+        if trace.num_steps is not None and trace.num_steps < final_step:
+            raise ValueError(
+                f"--trace {args.trace} has {trace.num_steps} steps, the replay needs {final_step}; "
+                f"use a longer trace, or --max-steps {trace.num_steps}"
+            )
+    train_args = [
+        "--trace",
+        str(args.global_batch) if args.trace is None else args.trace,
+        *_device_batch_args(args.max_device_batch_size),
+        "--max-train",
+        str(args.max_train),
+        "--max-words",
+        str(args.max_words),
+        "--embedding-dim",
+        str(args.hidden_dim),
+        "--hidden-dim",
+        str(args.hidden_dim),
+        "--lr",
+        str(args.lr),
+        "--seed",
+        str(args.seed),
+        "--max-steps",
+        str(final_step),
+        "--dtype",
+        "float64",
+        "--workers",
+        "0",
+        "--threads",
+        "1",
+        "--log-every",
+        "0",
+        "--no-progress",
+        *(["--data", args.data] if args.data is not None else []),
+        *extra,
+    ]
+    for folder in ("checkpoints", "history", "logs"):
+        (run_dir / folder).mkdir(parents=True, exist_ok=True)
+    groups, pauses = schedule.groups, schedule.pauses
+    print(
+        f"replay of {source}: {final_step} steps of {step_time:g} trace s, peak {schedule.peak_devices} devices "
+        f"-> {args.max_processes} processes; {_count(len(groups), 'group')}, {_count(len(pauses), 'pause')}; run folder {run_dir}",
+        flush=True,
+    )
+    results: list[_GroupResult] = []
+    segment_rows: list[dict[str, Any]] = []
+    for segment in schedule.segments:
+        label = (
+            f"segment {segment.index} (pause)"
+            if segment.is_pause
+            else f"segment {segment.index} ({segment.processes} process{'' if segment.processes == 1 else 'es'}, planned steps "
+            f"{segment.first_step}..{segment.end_step - 1})"
+        )
+        if segment.is_pause:
+            time.sleep(args.pause_seconds)
+            print(
+                f"{label}: no device from trace time {segment.start_time:g} s to {segment.end_time:g} s; "
+                f"paused {args.pause_seconds:g} s with no process running",
+                flush=True,
+            )
+            segment_rows.append(
+                {
+                    "segment": segment.index,
+                    "kind": "pause",
+                    "processes": 0,
+                    "planned_first_step": segment.first_step,
+                    "planned_end_step": segment.end_step,
+                    "first_step": "",
+                    "end_step": "",
+                    "trace_start_s": segment.start_time,
+                    "trace_end_s": segment.end_time,
+                    "wall_s": f"{args.pause_seconds:.2f}",
+                    "stop": "pause",
+                }
+            )
+            continue
+        result = _run_group(
+            segment,
+            train_args,
+            run_dir,
+            final_step=final_step,
+            segment_timeout=args.segment_timeout,
+            stop_timeout=args.stop_timeout,
+            label=label,
+        )
+        results.append(result)
+        ran = (
+            f"ran steps {result.rows[0]['step']}..{result.rows[-1]['step']}" if result.rows else "ran no step"
+        )
+        print(
+            f"{label}: resumed at step {result.first_step}, {ran}, {result.stop} ({result.wall_seconds:.1f} s)",
+            flush=True,
+        )
+        segment_rows.append(
+            {
+                "segment": segment.index,
+                "kind": "group",
+                "processes": segment.processes,
+                "planned_first_step": segment.first_step,
+                "planned_end_step": segment.end_step,
+                "first_step": result.first_step,
+                "end_step": result.first_step + len(result.rows),
+                "trace_start_s": segment.start_time,
+                "trace_end_s": segment.end_time,
+                "wall_s": f"{result.wall_seconds:.2f}",
+                "stop": result.stop,
+            }
+        )
+    with (run_dir / "segments.csv").open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(segment_rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(segment_rows)
+    ran_by: dict[int, tuple[_GroupResult, dict[str, Any]]] = {}
+    for result in results:
+        for row in result.rows:
+            ran_by[row["step"]] = (result, row)
+    missing = [s.step for s in schedule.steps if s.step not in ran_by]
+    if missing:
+        raise ReplayError(f"steps {missing[:5]}{'...' if len(missing) > 5 else ''} were run by no group")
+    reference_loss: dict[int, float] = {}
+    reference: Path | None = None
+    if not args.no_reference:
+        reference = _run_reference(train_args, run_dir, final_step, args.segment_timeout)
+        reference_loss = {
+            r["step"]: r["loss"] for r in _read_history(run_dir / "history" / "reference.jsonl")
+        }
+    rows = []
+    for planned in schedule.steps:
+        result, row = ran_by[planned.step]
+        rows.append(
+            {
+                "step": planned.step,
+                "trace_time_s": planned.trace_time,
+                "devices": planned.devices,
+                "planned_processes": planned.processes,
+                "processes": result.segment.processes,
+                "global_batch": row["batch_size"],
+                "accumulation_minibatches": row["local_minibatches"],
+                "lr": row["lr"],
+                "loss": row["loss"],
+                "reference_loss": reference_loss.get(planned.step, ""),
+                "segment": result.segment.index,
+            }
+        )
+    _write_csv(run_dir / "replay.csv", rows)
+    restarts = sum(1 for r in results if r.rows) - 1
+    _plot(
+        run_dir / "replay.png",
+        intervals,
+        schedule,
+        rows,
+        results,
+        f"{Path(source).name}: {final_step} steps, {_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}",
+    )
+    print(
+        f"written: {run_dir / 'replay.csv'}, {run_dir / 'segments.csv'}, {run_dir / 'replay.png'}", flush=True
+    )
+    if reference is None:
+        return 0
+    from torchfold._checkpoint import checkpoint_path
+
+    diff, count, close = compare_parameters(checkpoint_path(run_dir / "checkpoints", final_step), reference)
+    verdict = (
+        "within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
+        if close
+        else "NOT within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
+    )
+    print(
+        f"parameters after step {final_step}: replay ({_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}) vs one "
+        f"uninterrupted process: max abs difference {diff:.3g} over {count} values; {verdict}"
+    )
+    return 0 if close else 1

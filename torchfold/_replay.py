@@ -707,16 +707,6 @@ def _plot(
     fig.savefig(path, format="png", dpi=90)
 
 
-def _device_batch_args(max_device_batch_size: int) -> list[str]:
-    from torchfold._train_cli import build_parser
-
-    options = build_parser()._option_string_actions
-    if "--max-device-batch-size" in options:
-        return ["--max-device-batch-size", str(max_device_batch_size)]
-    # TODO(issue 10, part 2): drop once `train --max-device-batch-size` is on main.
-    return ["--minibatch-size", str(max_device_batch_size)]
-
-
 def main(argv: Sequence[str]) -> int:
     """Run ``elastic replay`` with ``argv`` (the arguments after ``elastic``); return the exit status."""
     argv = list(argv)
@@ -769,7 +759,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
     train_args = [
         "--trace",
         str(args.global_batch) if args.trace is None else args.trace,
-        *_device_batch_args(args.max_device_batch_size),
+        *("--max-device-batch-size", str(args.max_device_batch_size)),
         "--max-train",
         str(args.max_train),
         "--max-words",

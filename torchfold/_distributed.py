@@ -126,7 +126,7 @@ def _timeout_s() -> float | None:
 
 
 def first_line(error: BaseException) -> str:
-    """An error's first line: torch's distributed errors append a C++ stack trace of dozens of lines.
+    r"""An error's first line: torch's distributed errors append a C++ stack trace of dozens of lines.
 
     >>> first_line(RuntimeError("Connection closed by peer\nException raised from recvBytes"))
     'Connection closed by peer'

@@ -432,8 +432,8 @@ class TraceTrainer:
         loss_sum = torch.zeros((), dtype=dtype, device=self.device)
         samples, nodes = 0, 0
         for minibatch in step:
-            if self.seed is not None:
-                self._seed_minibatch(plan.step, minibatch.position)
+            if self.seed is not None:  # the minibatch's draws, wherever it runs
+                self._seed_generators(_derived_seed(self.seed, plan.step, minibatch.position))
             fold_plan, targets = self._to_device(minibatch.data)
             if (
                 self.device.type == "xla"
@@ -494,10 +494,8 @@ class TraceTrainer:
             stop_requested=stopping_ranks > 0,
         )
 
-    def _seed_minibatch(self, step: int, position: int) -> None:
-        """Seed every generator from ``(seed, step, position)``: the minibatch's draws, wherever it runs."""
-        assert self.seed is not None
-        seed = _derived_seed(self.seed, step, position)
+    def _seed_generators(self, seed: int) -> None:
+        """Seed every generator this process draws from: torch (CPU and CUDA), Python, NumPy, XLA."""
         torch.manual_seed(seed)  # also every CUDA device
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -606,8 +604,9 @@ class TraceTrainer:
             set_rng_state(state["rng"][rank])
         else:
             # Rank r of K' has no generator state of its own in a checkpoint of K processes.
-            torch.manual_seed(_derived_seed(0 if self.seed is None else self.seed, int(state["step"]), rank))
-            random.seed(_derived_seed(1, int(state["step"]), rank))
+            self._seed_generators(
+                _derived_seed(0 if self.seed is None else self.seed, int(state["step"]), rank)
+            )
             if self.seed is None:
                 warnings.warn(
                     f"{source} was written by {saved_world} processes and this run has {world_size}: the "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -52,6 +52,13 @@ class TreeLSTM(nn.Module):
         embedding_dim: size of the word embeddings (default 128).
         hidden_dim: size of ``h`` and ``c`` (default 128).
         num_classes: number of labels per node (default 5, SST's fine-grained labels).
+        sparse: give the embedding sparse gradients (default ``False``): backward then touches
+            only the rows looked up, not all ``vocab_size x embedding_dim`` of them. Pair it with
+            lazy Adam: ``torch.optim.SparseAdam`` for :meth:`sparse_parameters` and
+            ``torch.optim.Adam`` for :meth:`dense_parameters` (what DyNet does by default for
+            lookup parameters). Worth it when the vocabulary is much larger than the words of a
+            batch; it is a different optimizer (rows not looked up keep their moments), so
+            runs with and without it do not match step for step.
 
     Example:
         >>> import torch, torchfold
@@ -67,7 +74,13 @@ class TreeLSTM(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, embedding_dim: int = 128, hidden_dim: int = 128, num_classes: int = 5
+        self,
+        vocab_size: int,
+        embedding_dim: int = 128,
+        hidden_dim: int = 128,
+        num_classes: int = 5,
+        *,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -78,11 +91,29 @@ class TreeLSTM(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(sparse, bool):
+            raise TypeError(f"sparse must be a bool, got {sparse!r}")
         self.hidden_dim = hidden_dim
-        self.embedding = nn.Embedding(vocab_size, embedding_dim)
+        self.embedding = nn.Embedding(vocab_size, embedding_dim, sparse=sparse)
         self.leaf_gates = nn.Linear(embedding_dim, 3 * hidden_dim)  # i, o, u
         self.node_gates = nn.Linear(2 * hidden_dim, 5 * hidden_dim)  # i, f_l, f_r, o, u
         self.classifier = nn.Linear(hidden_dim, num_classes)
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are sparse (the embedding), or none without ``sparse=True``.
+
+        >>> model = TreeLSTM(100, 8, 8, sparse=True)
+        >>> optimizers = [
+        ...     torch.optim.SparseAdam(model.sparse_parameters()),
+        ...     torch.optim.Adam(model.dense_parameters()),
+        ... ]
+        """
+        return [cast(nn.Parameter, self.embedding.weight)] if self.embedding.sparse else []
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Every parameter not in :meth:`sparse_parameters` (all of them without ``sparse=True``)."""
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
 
     def leaf(self, word_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of leaves: ``word_ids`` of shape ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""

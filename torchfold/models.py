@@ -117,25 +117,23 @@ class TreeLSTM(nn.Module):
 
     def leaf(self, word_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of leaves: ``word_ids`` of shape ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""
-        gates = self.leaf_gates(self.embedding(word_ids))
         size = self.hidden_dim
-        sig = gates[:, : 2 * size].sigmoid()
-        c = sig[:, :size] * gates[:, 2 * size :].tanh()
-        return sig[:, size:] * c.tanh(), c
+        # split, not slicing: backward then joins the pieces' gradients in one cat, where each
+        # slice's backward zero-fills a whole gates-sized tensor (and they are summed after)
+        sig, u = self.leaf_gates(self.embedding(word_ids)).split((2 * size, size), dim=1)
+        i, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh()
+        return o * c.tanh(), c
 
     def node(
         self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """States of internal nodes from their children's: four ``(n, hidden_dim)`` -> ``(h, c)``."""
-        gates = self.node_gates(torch.cat((h_left, h_right), dim=1))
         size = self.hidden_dim
-        sig = gates[:, : 4 * size].sigmoid()
-        c = (
-            sig[:, :size] * gates[:, 4 * size :].tanh()
-            + sig[:, size : 2 * size] * c_left
-            + sig[:, 2 * size : 3 * size] * c_right
-        )
-        return sig[:, 3 * size :] * c.tanh(), c
+        sig, u = self.node_gates(torch.cat((h_left, h_right), dim=1)).split((4 * size, size), dim=1)
+        i, f_left, f_right, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh() + f_left * c_left + f_right * c_right
+        return o * c.tanh(), c
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Class scores ``(n, num_classes)`` of nodes with states ``h`` ``(n, hidden_dim)``."""

@@ -55,10 +55,15 @@ class Step:
     """One batched call of a plan: a recorded group, without its nodes.
 
     ``fixed`` holds the argument positions that need no gather, ``gathers`` the others.
+    ``combined``, when the step has several gathers of earlier results, is all of them as one
+    gather: one concatenation and one ``index_select`` for all (a Tree-LSTM node's ``h`` and
+    ``c`` children, kept apart by ``gathers`` because they read different sources), used when
+    the sources turn out to agree in rows per call, row shape, dtype and device.
     """
 
     __slots__ = (
         "arity",
+        "combined",
         "depth",
         "fixed",
         "gathers",
@@ -81,6 +86,7 @@ class Step:
         self.num_outputs = group.num_outputs
         self.fixed: list[tuple[int, Arg]] = []
         self.gathers: list[Gather] = []
+        self.combined: Gather | None = None
 
     def where(self, position: int) -> str:
         return f"op {self.name!r} at depth {self.depth}, argument {position}"
@@ -501,6 +507,7 @@ class _Compiler:
             else:
                 columns.append(self.mixed_column(position, column, step.where(position)))
         step.gathers = self.merge(step, columns)
+        step.combined = _combined(step.gathers)
         return step
 
     def single_call(self, step: Step, args: tuple[Any, ...]) -> None:
@@ -585,6 +592,31 @@ class _Compiler:
         if whole is not None:
             return Arg("whole", whole)
         return self.gather([column])
+
+
+def _combined(gathers: list[Gather]) -> Gather | None:
+    """Several gathers of earlier results as one (see ``Step.combined``); None for fewer than two.
+
+    Gathers of one step never share a piece (columns sharing one were merged), so the pieces
+    simply follow each other.
+    """
+    if len(gathers) < 2 or not all(isinstance(piece, int) for gather in gathers for piece in gather.pieces):
+        return None
+    item_pieces, item_calls = [], []
+    base = 0
+    for gather in gathers:
+        item_piece, item_call = gather.items()
+        item_pieces.append(item_piece + base)
+        item_calls.append(item_call)
+        base += len(gather.pieces)
+    return Gather(
+        [piece for gather in gathers for piece in gather.pieces],
+        [calls for gather in gathers for calls in gather.piece_calls],
+        np.concatenate(item_pieces),
+        np.concatenate(item_calls),
+        [position for gather in gathers for position in gather.positions],
+        [size for gather in gathers for size in gather.sizes],
+    )
 
 
 def _shared(column: Sequence[Any], where: str) -> Arg:

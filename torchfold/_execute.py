@@ -232,6 +232,23 @@ def _gathered(
         tensors, rows = _pieces(gather, results)
     except _Mismatch:
         raise _explain(gather, results, where) from None
+    return _gather_pieces(gather, tensors, rows, device)
+
+
+def _combined_gathered(gather: Gather, results: _Results, device: torch.device) -> list[_Tensor] | None:
+    """A step's gathers as one (``Step.combined``), or None if its sources disagree (or one is a
+    tuple used whole): then each gather runs on its own, and explains any error precisely."""
+    sources = cast(list[int], gather.pieces)  # combined gathers read earlier results only
+    tensors, kinds = results.tensors, results.kinds
+    kind = kinds[sources[0]]
+    for source in sources:
+        if tensors[source] is None or kinds[source] != kind:
+            return None
+    pieces = [cast(_Tensor, tensors[source]) for source in sources]
+    return _gather_pieces(gather, pieces, cast(tuple[Any, ...], kind)[0], device)
+
+
+def _gather_pieces(gather: Gather, tensors: list[_Tensor], rows: int, device: torch.device) -> list[_Tensor]:
     index = gather.index
     if len(tensors) > 1:
         first = tensors[0]
@@ -270,6 +287,12 @@ def _arguments(step: Step, results: _Results, device: torch.device) -> list[Any]
     args: list[Any] = [None] * step.arity
     for position, arg in step.fixed:
         args[position] = _value(arg, results, device)
+    if step.combined is not None:
+        gathered = _combined_gathered(step.combined, results, device)
+        if gathered is not None:
+            for position, tensor in zip(step.combined.positions, gathered, strict=True):
+                args[position] = tensor
+            return args
     for gather in step.gathers:
         for position, tensor in zip(
             gather.positions, _gathered(gather, results, device, step.where), strict=True

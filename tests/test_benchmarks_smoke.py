@@ -20,6 +20,7 @@ import fold_overhead  # noqa: E402
 import harness  # noqa: E402
 import mnist  # noqa: E402
 import profile_tree_lstm  # noqa: E402
+import scaling  # noqa: E402
 import slow_transform  # noqa: E402
 import trainer_tree_lstm  # noqa: E402
 import tree_lstm  # noqa: E402
@@ -203,6 +204,17 @@ def test_fold_overhead_graphs_evaluate_like_eager(shape: str) -> None:
     # The builders only call add(), which Unfold shares with Fold.
     eager_roots: Any = fold_overhead.BUILDERS[shape](unfold, 30, random.Random(1))  # type: ignore[arg-type]
     torch.testing.assert_close(fold.apply(model, [roots])[0], unfold.apply(model, [eager_roots])[0])
+
+
+def test_scaling_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(30, seed=2)) + "\n")
+    result = scaling.main(["--quick", "--data", str(data)])
+    forests = result["forests"]
+    assert [f["nodes"] >= size for f, size in zip(forests, (300, 1000), strict=True)] == [True, True]
+    assert all(0 < f["distinct"] <= f["nodes"] and f["groups"] > 1 for f in forests)
+    assert [r["trees"] for r in result["batches"]] == [4, 8]
+    assert "peak RSS KB/node" in capsys.readouterr().out
 
 
 def test_markdown_table_aligns_columns() -> None:

@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import fold_overhead  # noqa: E402
+import gpu_tree_lstm  # noqa: E402
 import harness  # noqa: E402
 import mnist  # noqa: E402
 import profile_tree_lstm  # noqa: E402
@@ -215,6 +216,15 @@ def test_scaling_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert all(0 < f["distinct"] <= f["nodes"] and f["groups"] > 1 for f in forests)
     assert [r["trees"] for r in result["batches"]] == [4, 8]
     assert "peak RSS KB/node" in capsys.readouterr().out
+
+
+def test_gpu_script_quick_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU benchmark's eager versions on the CPU (the CUDA graph needs a GPU): their losses must agree."""
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(20, seed=3)) + "\n")
+    rates = gpu_tree_lstm.main(["--quick", "--device", "cpu", "--data", str(data)])  # raises if losses differ
+    assert set(rates) == {"hand-batched", "torchfold", "torchfold, plans built ahead", "static plans"}
+    assert "the first two updates' losses agree" in capsys.readouterr().out
 
 
 def test_markdown_table_aligns_columns() -> None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from torchfold._fold import Fold
 
 __all__ = [
+    "INT32_LIMIT",
     "FoldPlan",
     "call_offsets",
     "check_pad_rows",
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 _Tensor = torch.Tensor
-_INT32_LIMIT = 2**31 - 1
+INT32_LIMIT = 2**31 - 1
 _is_batched = operator.attrgetter("batch")
 _source = operator.attrgetter("source")
 _index = operator.attrgetter("index")
@@ -55,10 +56,12 @@ class Step:
     """One batched call of a plan: a recorded group, without its nodes.
 
     ``fixed`` holds the argument positions that need no gather, ``gathers`` the others.
-    ``combined``, when the step has several gathers of earlier results, is all of them as one
-    gather: one concatenation and one ``index_select`` for all (a Tree-LSTM node's ``h`` and
-    ``c`` children, kept apart by ``gathers`` because they read different sources), used when
-    the sources turn out to agree in rows per call, row shape, dtype and device.
+    ``combined`` says that the step has several gathers, all of earlier results: ``apply`` then
+    runs them as one (one concatenation and one ``index_select`` for all: a Tree-LSTM node's
+    ``h`` and ``c`` children, kept apart by ``gathers`` because they read different sources)
+    when the sources turn out to agree in rows per call, row shape, dtype and device. The joint
+    index is made at apply time from the gathers' own: storing it too would make the plans
+    shipped from ``DataLoader`` workers half as big again.
     """
 
     __slots__ = (
@@ -86,7 +89,7 @@ class Step:
         self.num_outputs = group.num_outputs
         self.fixed: list[tuple[int, Arg]] = []
         self.gathers: list[Gather] = []
-        self.combined: Gather | None = None
+        self.combined = False
 
     def where(self, position: int) -> str:
         return f"op {self.name!r} at depth {self.depth}, argument {position}"
@@ -143,7 +146,7 @@ class Gather:
         in_order = len(index) == total and bool((index == np.arange(total)).all())
         # int32 when it fits: half the bytes to ship from a DataLoader worker (index_select takes both)
         self.index: np.ndarray | None = (
-            None if in_order else index.astype(np.int32) if total < _INT32_LIMIT else index
+            None if in_order else index.astype(np.int32) if total < INT32_LIMIT else index
         )
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
@@ -507,7 +510,9 @@ class _Compiler:
             else:
                 columns.append(self.mixed_column(position, column, step.where(position)))
         step.gathers = self.merge(step, columns)
-        step.combined = _combined(step.gathers)
+        step.combined = len(step.gathers) > 1 and all(
+            isinstance(piece, int) for gather in step.gathers for piece in gather.pieces
+        )
         return step
 
     def single_call(self, step: Step, args: tuple[Any, ...]) -> None:
@@ -592,31 +597,6 @@ class _Compiler:
         if whole is not None:
             return Arg("whole", whole)
         return self.gather([column])
-
-
-def _combined(gathers: list[Gather]) -> Gather | None:
-    """Several gathers of earlier results as one (see ``Step.combined``); None for fewer than two.
-
-    Gathers of one step never share a piece (columns sharing one were merged), so the pieces
-    simply follow each other.
-    """
-    if len(gathers) < 2 or not all(isinstance(piece, int) for gather in gathers for piece in gather.pieces):
-        return None
-    item_pieces, item_calls = [], []
-    base = 0
-    for gather in gathers:
-        item_piece, item_call = gather.items()
-        item_pieces.append(item_piece + base)
-        item_calls.append(item_call)
-        base += len(gather.pieces)
-    return Gather(
-        [piece for gather in gathers for piece in gather.pieces],
-        [calls for gather in gathers for calls in gather.piece_calls],
-        np.concatenate(item_pieces),
-        np.concatenate(item_calls),
-        [position for gather in gathers for position in gather.positions],
-        [size for gather in gathers for size in gather.sizes],
-    )
 
 
 def _shared(column: Sequence[Any], where: str) -> Arg:

@@ -6,7 +6,6 @@ that the compared versions compute the same losses and outputs.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,11 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import fold_overhead  # noqa: E402
+import gpu_tree_lstm  # noqa: E402
 import harness  # noqa: E402
 import mnist  # noqa: E402
 import profile_tree_lstm  # noqa: E402
+import scaling  # noqa: E402
 import slow_transform  # noqa: E402
 import trainer_tree_lstm  # noqa: E402
 import tree_lstm  # noqa: E402
@@ -40,16 +41,18 @@ def _batch(num_trees: int, seed: int) -> tuple[tree_lstm.Batch, Vocab]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tree_lstm_versions_compute_the_same_loss_and_gradients(seed: int) -> None:
+@pytest.mark.parametrize("config", tree_lstm.CONFIGS)
+def test_tree_lstm_versions_compute_the_same_loss_and_gradients(seed: int, config: str) -> None:
     batch, vocab = _batch(6, seed)
     torch.manual_seed(seed)
     model = TreeLSTM(len(vocab), 6, 7)
     grads = {}
-    for name, (loss_fn, sparse) in tree_lstm.VERSIONS.items():
-        copy_ = copy.deepcopy(model)
-        copy_.embedding.sparse = sparse
+    for name, loss_fn in tree_lstm.VERSIONS.items():
+        copy_ = tree_lstm.with_config(model, config)
         loss = loss_fn(copy_, batch)
         loss.backward()
+        assert copy_.embedding.weight.grad is not None
+        assert copy_.embedding.weight.grad.is_sparse == (config == "sparse")
         tree_lstm.densify_embedding_grad(copy_)
         grads[name] = (loss.detach(), [p.grad for p in copy_.parameters()])
     ref_loss, ref_grads = grads["eager"]
@@ -57,6 +60,31 @@ def test_tree_lstm_versions_compute_the_same_loss_and_gradients(seed: int) -> No
         torch.testing.assert_close(loss, ref_loss)
         for g, r in zip(param_grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_tree_lstm_sparse_trainers_take_the_same_lazy_adam_steps() -> None:
+    """Sparse configuration: SparseAdam + Adam, the same updates whichever version computes the loss."""
+    batch, vocab = _batch(6, 4)
+    torch.manual_seed(4)
+    model = TreeLSTM(len(vocab), 6, 7)
+    # a second batch of some of the same trees: its words are partly new to the optimizer's state, partly not
+    batches = [
+        batch,
+        tree_lstm.Batch(batch.trees[3:], batch.flat[3:], tree_lstm.make_plan(batch.flat[3:]), vocab),
+    ]
+    trainers = {
+        name: tree_lstm.Trainer(tree_lstm.with_config(model, "sparse"), fn, batches, 1e-2)
+        for name, fn in tree_lstm.VERSIONS.items()
+    }
+    for trainer in trainers.values():
+        assert [type(o).__name__ for o in trainer.optimizers] == ["Adam", "SparseAdam"]
+        for _ in range(3):
+            trainer.step()
+    reference = trainers["eager"]
+    for trainer in trainers.values():
+        torch.testing.assert_close(torch.tensor(trainer.losses), torch.tensor(reference.losses))
+        for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
 def test_hand_plan_dedups_and_covers_every_node() -> None:
@@ -73,14 +101,10 @@ def test_tree_lstm_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[st
     data.write_text("\n".join(generate_sst_lines(20, seed=5)) + "\n")
     rates = tree_lstm.main(["--quick", "--data", str(data)])
     assert set(rates) == {
-        "eager",
-        "eager, sparse embedding grad",
-        "hand-batched",
-        "torchfold",
-        tree_lstm.WORKER,
+        tree_lstm.label(name, config) for name in tree_lstm.VERSIONS for config in tree_lstm.CONFIGS
     }
     out = capsys.readouterr().out
-    assert "every version agrees" in out and "| torchfold" in out
+    assert "every version agrees in both configurations" in out and "| torchfold (sparse)" in out
 
 
 @pytest.mark.skipif(
@@ -92,8 +116,9 @@ def test_tree_lstm_dynet_matches_pytorch_first_loss(
     data = tmp_path / "trees.txt"
     data.write_text("\n".join(generate_sst_lines(20, seed=6)) + "\n")
     rates = tree_lstm.main(["--quick", "--data", str(data), "--dynet-python", str(DYNET_PYTHON)])
-    assert "dynet" in rates  # main raises if DyNet's first-batch loss differs from PyTorch's
-    assert "dynet38" in capsys.readouterr().out
+    # main raises if DyNet's first-batch loss or warm-up losses differ from PyTorch's (in each configuration)
+    assert {"dynet (dense)", "dynet (sparse)"} <= set(rates)
+    assert "sparse (its default) Adam updates" in capsys.readouterr().out
 
 
 def test_trainer_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -180,6 +205,26 @@ def test_fold_overhead_graphs_evaluate_like_eager(shape: str) -> None:
     # The builders only call add(), which Unfold shares with Fold.
     eager_roots: Any = fold_overhead.BUILDERS[shape](unfold, 30, random.Random(1))  # type: ignore[arg-type]
     torch.testing.assert_close(fold.apply(model, [roots])[0], unfold.apply(model, [eager_roots])[0])
+
+
+def test_scaling_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(30, seed=2)) + "\n")
+    result = scaling.main(["--quick", "--data", str(data)])
+    forests = result["forests"]
+    assert [f["nodes"] >= size for f, size in zip(forests, (300, 1000), strict=True)] == [True, True]
+    assert all(0 < f["distinct"] <= f["nodes"] and f["groups"] > 1 for f in forests)
+    assert [r["trees"] for r in result["batches"]] == [4, 8]
+    assert "peak RSS KB/node" in capsys.readouterr().out
+
+
+def test_gpu_script_quick_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU benchmark's eager versions on the CPU (the CUDA graph needs a GPU): their losses must agree."""
+    data = tmp_path / "trees.txt"
+    data.write_text("\n".join(generate_sst_lines(20, seed=3)) + "\n")
+    rates = gpu_tree_lstm.main(["--quick", "--device", "cpu", "--data", str(data)])  # raises if losses differ
+    assert set(rates) == {"hand-batched", "torchfold", "torchfold, plans built ahead", "static plans"}
+    assert "the first two updates' losses agree" in capsys.readouterr().out
 
 
 def test_markdown_table_aligns_columns() -> None:

@@ -425,6 +425,83 @@ def test_whole_results_pass_through_without_copy() -> None:
     assert "index_select" not in counter.ops and "cat" not in counter.ops, counter.ops
 
 
+class TwoStates(torch.nn.Module):
+    """Ops whose children's two outputs reach one call through two gathers (``h`` and ``c``)."""
+
+    def __init__(self, widths: tuple[int, int] = (4, 4)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = torch.nn.Embedding(10, widths[0])
+        self.c = torch.nn.Embedding(10, widths[1])
+
+    def leaf(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.h(ids), self.c(ids)
+
+    def node(
+        self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        width = h_left.shape[1]
+        c = (c_left * c_right).tanh()
+        return (h_left - h_right) * c[:, :width].sum(1, keepdim=True), c + h_left.sum(1, keepdim=True)
+
+
+def _two_state_forest(fold: Any) -> list[Any]:
+    """Small trees whose nodes read children at different depths, left and right mixed."""
+    roots = []
+    for t in range(4):
+        leaves = [fold.add("leaf", (t + k) % 10).split(2) for k in range(4)]
+        inner = fold.add("node", *leaves[0], *leaves[1]).split(2)
+        top = (
+            fold.add("node", *leaves[2], *inner).split(2)
+            if t % 2
+            else fold.add("node", *inner, *leaves[3]).split(2)
+        )
+        roots.append(fold.add("node", *top, *leaves[t % 4]).split(2)[0])
+    return roots
+
+
+@pytest.mark.parametrize("widths", [(4, 4), (4, 3)])
+def test_children_outputs_from_two_gathers_equal_eager_with_gradients(widths: tuple[int, int]) -> None:
+    """Outputs alike (4, 4) are gathered in one index_select per group; unlike (4, 3) each on its own."""
+    model = TwoStates(widths)
+    fold = Fold()
+    roots = _two_state_forest(fold)
+    with _CountOps() as counter:
+        (out,) = fold.apply(model, [roots])
+    gathers_per_group = 1 if widths[0] == widths[1] else 2
+    # 3 node groups (depths 1-3); the request takes the roots' h whole, without a gather
+    assert counter.ops["index_select"] == 3 * gathers_per_group, counter.ops
+    out.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    unfold = Unfold(model)
+    (expected,) = unfold.apply(model, [_two_state_forest(unfold)])
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected)
+    for grad, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(grad, p.grad)
+
+
+def test_rows_disagreeing_in_one_of_two_gathers_are_still_named_precisely() -> None:
+    class Bad(TwoStates):
+        def leaf(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h, c = super().leaf(ids)
+            return h, (c if len(ids) > 1 else c.repeat(2, 1))  # a one-call group owning two rows of c
+
+    fold = Fold()
+    a, b = fold.add("leaf", 1).split(2), fold.add("leaf", 2).split(2)
+    lone = fold.add("sole", 3).split(2)  # a group of one call, whose c has two rows
+    inner = fold.add("node", *a, *b).split(2)
+    tops = [fold.add("node", *inner, *lone).split(2)[0], fold.add("node", *inner, *a).split(2)[0]]
+    model = Bad()
+    model.sole = model.leaf  # type: ignore[method-assign]
+    with pytest.raises(
+        FoldError,
+        match=r"argument 3: rows disagree within the group: Node\(.sole., .*output=1\) gives 2 rows per call",
+    ):
+        fold.apply(model, [tops])
+
+
 # -- pictures ---------------------------------------------------------------------------
 
 

@@ -143,6 +143,34 @@ def test_tree_lstm_rejects_bad_sizes(kwargs: dict[str, object], message: str) ->
         TreeLSTM(**kwargs)  # type: ignore[arg-type]
 
 
+def test_tree_lstm_rejects_a_non_bool_sparse() -> None:
+    with pytest.raises(TypeError, match="sparse must be a bool, got 1"):
+        TreeLSTM(5, sparse=1)  # type: ignore[arg-type]
+
+
+def test_sparse_tree_lstm_folds_to_the_dense_gradients_and_splits_its_parameters() -> None:
+    trees = generate_sst(6, seed=4, max_words=9)
+    vocab = Vocab.build(trees)
+    dense = _model(vocab)
+    sparse = TreeLSTM(len(vocab), embedding_dim=24, hidden_dim=16, sparse=True).double()
+    sparse.load_state_dict(dense.state_dict())
+    assert dense.sparse_parameters() == [] and len(dense.dense_parameters()) == len(list(dense.parameters()))
+    [weight] = sparse.sparse_parameters()
+    assert weight is sparse.embedding.weight
+    assert all(p is not weight for p in sparse.dense_parameters())
+    for model in (dense, sparse):
+        fold = torchfold.Fold()
+        nodes, labels, _ = encode_trees(fold, trees, vocab)
+        [states] = fold.apply(model, [nodes])
+        F.cross_entropy(model.logits(states), torch.tensor(labels)).backward()
+    grad = sparse.embedding.weight.grad
+    assert grad is not None and grad.is_sparse
+    torch.testing.assert_close(grad.to_dense(), dense.embedding.weight.grad)
+    for (name, p), q in zip(dense.named_parameters(), sparse.parameters(), strict=True):
+        if name != "embedding.weight":
+            torch.testing.assert_close(q.grad, p.grad)
+
+
 def test_mlp_folded_single_rows_equal_the_stacked_batch_with_gradients() -> None:
     torch.manual_seed(0)
     model = MLP().double()

@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from torchfold._compile import Arg, FoldPlan, Gather, Step, call_offsets
+from torchfold._compile import INT32_LIMIT, Arg, FoldPlan, Gather, Step, call_offsets
 from torchfold._errors import FoldError, add_note
 from torchfold._node import describe_arg_shapes, node_label
 from torchfold._plan import module_device, resolve_ops
@@ -248,6 +248,32 @@ def _gathered(
     return list(source.split_with_sizes([size * rows for size in gather.sizes]))
 
 
+def _combined_gathered(step: Step, results: _Results, device: torch.device) -> list[_Tensor] | None:
+    """A step's gathers as one (``Step.combined``), in the order of their positions; None if their
+    sources disagree (or one is a tuple used whole, or they are big enough to compact): each
+    gather then runs on its own, and explains any error precisely."""
+    tensors, kinds = results.tensors, results.kinds
+    kind = kinds[cast(int, step.gathers[0].pieces[0])]  # combined gathers read earlier results only
+    pieces: list[_Tensor] = []
+    indices = []
+    base = 0
+    for gather in step.gathers:
+        for source in cast(list[int], gather.pieces):
+            tensor = tensors[source]
+            if tensor is None or kinds[source] != kind:
+                return None
+            pieces.append(tensor)
+        indices.append((np.arange(gather.total_calls) if gather.index is None else gather.index) + base)
+        base += gather.total_calls
+    rows, shape = cast(tuple[Any, ...], kind)[:2]
+    if base * rows * math.prod(shape) * pieces[0].element_size() > COMPACT_BYTES:
+        return None
+    index = np.concatenate(indices)
+    index = index.astype(np.int32) if base < INT32_LIMIT else index
+    taken = torch.cat(pieces, 0).index_select(0, _rows_index(index, rows, device))
+    return list(taken.split_with_sizes([size * rows for gather in step.gathers for size in gather.sizes]))
+
+
 def _compact_sparse_sources(
     gather: Gather, tensors: list[_Tensor], rows: int, device: torch.device
 ) -> np.ndarray:
@@ -270,6 +296,13 @@ def _arguments(step: Step, results: _Results, device: torch.device) -> list[Any]
     args: list[Any] = [None] * step.arity
     for position, arg in step.fixed:
         args[position] = _value(arg, results, device)
+    if step.combined:
+        gathered = _combined_gathered(step, results, device)
+        if gathered is not None:
+            positions = [position for gather in step.gathers for position in gather.positions]
+            for position, tensor in zip(positions, gathered, strict=True):
+                args[position] = tensor
+            return args
     for gather in step.gathers:
         for position, tensor in zip(
             gather.positions, _gathered(gather, results, device, step.where), strict=True

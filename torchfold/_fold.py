@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import INT64_MAX, INT64_MIN, Group, Node, Op, Owner, op_name, outside_int64
+from torchfold._node import INT64_MAX, INT64_MIN, Group, Node, Op, Owner, new_node, op_name, outside_int64
 from torchfold._plan import cuda_device
 
 if TYPE_CHECKING:
@@ -153,7 +153,9 @@ class Fold:
         node = nodes.get(key)
         if node is None:
             calls = group.calls
-            node = nodes[key] = Node(token, group, len(calls))
+            node = nodes[key] = new_node(Node)  # Node(token, group, len(calls)), without a call frame
+            node.owner, node.group, node.index, node.output, node.batch = token, group, len(calls), None, True
+            node.source, node._next, node._nobatch = group.source, None, None
             calls.append(args)
         return node
 

@@ -22,12 +22,15 @@ __all__ = [
     "describe_arg_shapes",
     "ints_and_floats_mixed",
     "literals_and_rows_mixed",
+    "new_node",
     "node_label",
     "op_name",
     "outside_int64",
 ]
 
 Op = str | Callable[..., Any]
+
+new_node = object.__new__  # makes a Node without running __init__ (recording's hot path sets its slots)
 
 # ints become int64 tensors: what fits
 INT64_MIN = -(2**63)
@@ -212,8 +215,16 @@ class Node:
             group.num_outputs = num
         owner, index, batch, sources = self.owner, self.index, self.batch, group.output_sources
         if num == 2:  # the common case (an LSTM's h and c), without a loop
-            first = self._next = Node(owner, group, index, 0, batch, sources[0])
-            second = first._next = Node(owner, group, index, 1, batch, sources[1])
+            # Built in place (new_node + slots), not through __init__: a call frame less per
+            # handle, and recording makes two of these for every LSTM node.
+            first = new_node(Node)
+            first.owner, first.group, first.index, first.output = owner, group, index, 0
+            first.batch, first.source, first._nobatch = batch, sources[0], None
+            second = new_node(Node)
+            second.owner, second.group, second.index, second.output = owner, group, index, 1
+            second.batch, second.source, second._nobatch, second._next = batch, sources[1], None, None
+            self._next = first
+            first._next = second
             return first, second
         node = self
         for output, source in enumerate(sources):

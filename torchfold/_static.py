@@ -875,13 +875,23 @@ def _take(
     return source.index_select(0, index), rows
 
 
-def _run(plan: StaticPlan, nn: object, padded: bool) -> list[_Tensor]:
+def _run(
+    plan: StaticPlan,
+    nn: object,
+    padded: bool,
+    ints: _Tensor | None = None,
+    floats: _Tensor | None = None,
+) -> list[_Tensor]:
+    """Run ``plan``; ``ints``/``floats``: its packed arrays already on the device, if the caller
+    keeps them there (a CUDA graph replays the same buffers, refilled for each plan of a layout)."""
     device = plan.device if plan.device is not None else module_device(nn)
     fns: list[Callable[..., Any]] = resolve_ops(nn, plan.slots)
     # One transfer each for all indices and int columns, and all float columns; fresh tensors at
     # every apply, so an op changing its input in place cannot change the plan.
-    ints = torch.from_numpy(plan.ints).to(device, copy=True)
-    floats = torch.from_numpy(plan.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
+    if ints is None:
+        ints = torch.from_numpy(plan.ints).to(device, copy=True)
+    if floats is None:
+        floats = torch.from_numpy(plan.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
     results: dict[tuple[int, int | None], _Tensor] = {}
     memories: dict[frozenset[Stream], tuple[_Tensor, int]] = {}
     for number, (slot, fn, args_plan) in enumerate(zip(plan.slots, fns, plan.slot_args, strict=True)):

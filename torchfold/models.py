@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -52,6 +52,13 @@ class TreeLSTM(nn.Module):
         embedding_dim: size of the word embeddings (default 128).
         hidden_dim: size of ``h`` and ``c`` (default 128).
         num_classes: number of labels per node (default 5, SST's fine-grained labels).
+        sparse: give the embedding sparse gradients (default ``False``): backward then touches
+            only the rows looked up, not all ``vocab_size x embedding_dim`` of them. Pair it with
+            lazy Adam: ``torch.optim.SparseAdam`` for :meth:`sparse_parameters` and
+            ``torch.optim.Adam`` for :meth:`dense_parameters` (what DyNet does by default for
+            lookup parameters). Worth it when the vocabulary is much larger than the words of a
+            batch; it is a different optimizer (rows not looked up keep their moments), so
+            runs with and without it do not match step for step.
 
     Example:
         >>> import torch, torchfold
@@ -67,7 +74,13 @@ class TreeLSTM(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, embedding_dim: int = 128, hidden_dim: int = 128, num_classes: int = 5
+        self,
+        vocab_size: int,
+        embedding_dim: int = 128,
+        hidden_dim: int = 128,
+        num_classes: int = 5,
+        *,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -78,33 +91,49 @@ class TreeLSTM(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(sparse, bool):
+            raise TypeError(f"sparse must be a bool, got {sparse!r}")
         self.hidden_dim = hidden_dim
-        self.embedding = nn.Embedding(vocab_size, embedding_dim)
+        self.embedding = nn.Embedding(vocab_size, embedding_dim, sparse=sparse)
         self.leaf_gates = nn.Linear(embedding_dim, 3 * hidden_dim)  # i, o, u
         self.node_gates = nn.Linear(2 * hidden_dim, 5 * hidden_dim)  # i, f_l, f_r, o, u
         self.classifier = nn.Linear(hidden_dim, num_classes)
 
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are sparse (the embedding), or none without ``sparse=True``.
+
+        >>> model = TreeLSTM(100, 8, 8, sparse=True)
+        >>> optimizers = [
+        ...     torch.optim.SparseAdam(model.sparse_parameters()),
+        ...     torch.optim.Adam(model.dense_parameters()),
+        ... ]
+        """
+        return [cast(nn.Parameter, self.embedding.weight)] if self.embedding.sparse else []
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Every parameter not in :meth:`sparse_parameters` (all of them without ``sparse=True``)."""
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
     def leaf(self, word_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of leaves: ``word_ids`` of shape ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""
-        gates = self.leaf_gates(self.embedding(word_ids))
         size = self.hidden_dim
-        sig = gates[:, : 2 * size].sigmoid()
-        c = sig[:, :size] * gates[:, 2 * size :].tanh()
-        return sig[:, size:] * c.tanh(), c
+        # split, not slicing: backward then joins the pieces' gradients in one cat, where each
+        # slice's backward zero-fills a whole gates-sized tensor (and they are summed after)
+        sig, u = self.leaf_gates(self.embedding(word_ids)).split((2 * size, size), dim=1)
+        i, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh()
+        return o * c.tanh(), c
 
     def node(
         self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """States of internal nodes from their children's: four ``(n, hidden_dim)`` -> ``(h, c)``."""
-        gates = self.node_gates(torch.cat((h_left, h_right), dim=1))
         size = self.hidden_dim
-        sig = gates[:, : 4 * size].sigmoid()
-        c = (
-            sig[:, :size] * gates[:, 4 * size :].tanh()
-            + sig[:, size : 2 * size] * c_left
-            + sig[:, 2 * size : 3 * size] * c_right
-        )
-        return sig[:, 3 * size :] * c.tanh(), c
+        sig, u = self.node_gates(torch.cat((h_left, h_right), dim=1)).split((4 * size, size), dim=1)
+        i, f_left, f_right, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh() + f_left * c_left + f_right * c_right
+        return o * c.tanh(), c
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Class scores ``(n, num_classes)`` of nodes with states ``h`` ``(n, hidden_dim)``."""

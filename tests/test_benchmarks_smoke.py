@@ -22,11 +22,13 @@ import harness  # noqa: E402
 import mnist  # noqa: E402
 import profile_tree_lstm  # noqa: E402
 import scaling  # noqa: E402
+import schedules  # noqa: E402
 import slow_transform  # noqa: E402
 import trainer_tree_lstm  # noqa: E402
 import tree_lstm  # noqa: E402
 import xla  # noqa: E402
 
+import torchfold  # noqa: E402
 from torchfold.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
 from torchfold.models import MLP, TreeLSTM  # noqa: E402
 
@@ -225,6 +227,29 @@ def test_gpu_script_quick_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     rates = gpu_tree_lstm.main(["--quick", "--device", "cpu", "--data", str(data)])  # raises if losses differ
     assert set(rates) == {"hand-batched", "torchfold", "torchfold, plans built ahead", "static plans"}
     assert "the first two updates' losses agree" in capsys.readouterr().out
+
+
+def test_schedules_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    results = schedules.main(["--quick"])
+    assert "lower bound (longest chain)" in capsys.readouterr().out
+    for counts in results.values():  # trees: one chain per depth, so depth batching is at the bound
+        assert counts["depth batching"] == counts["lower bound"] == counts["agenda"]
+        assert counts["batches at the bound"] == counts["batches"]
+
+
+def test_schedule_counts_on_a_graph_where_depth_batching_is_above_the_bound() -> None:
+    # a -> b -> c is the longest chain (3 calls); "d" reads a at depth 1 and "e" reads d at depth
+    # 2 under depth batching, but "b" and "d" are different ops, so depth batching makes 5 groups
+    # (a; b, d; c, e = 1 + 2 + 2), while the chain is 3 long: the bound is not reached.
+    fold = torchfold.Fold()
+    a = fold.add("a", 1)
+    fold.add("c", fold.add("b", a))
+    fold.add("e", fold.add("d", a))
+    inputs, ops, depths = schedules.dependency_graph(fold)
+    assert len(fold.groups()) == 5
+    assert schedules.longest_chain(inputs) == 3
+    assert schedules.agenda_calls(inputs, ops, depths) == 5
+    assert sorted(depths.values()) == [0, 1, 1, 2, 2]
 
 
 def test_markdown_table_aligns_columns() -> None:

@@ -145,10 +145,25 @@ def check_request_items(number: int, request: Sequence[Any], node_type: type) ->
 
 
 def module_device(nn: object) -> torch.device:
-    """Where the module lives: its first parameter's or buffer's device, else the CPU."""
+    """Where the module lives: its first parameter's or buffer's device, else the CPU.
+
+    The first parameter is the one ``nn.parameters()`` yields first, found by walking the
+    submodules directly: ``parameters()``'s generators cost ~10 us, paid by every ``apply``.
+
+    >>> module_device(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
+    device(type='cpu')
+    """
     if isinstance(nn, torch.nn.Module):
-        for parameter in nn.parameters():
-            return parameter.device
+        pending, seen = [nn], set()
+        while pending:  # pre-order, as named_modules(): a module's own parameters, then its children's
+            module = pending.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for parameter in module._parameters.values():
+                if parameter is not None:
+                    return parameter.device
+            pending.extend(child for child in reversed(module._modules.values()) if child is not None)
         for buffer in nn.buffers():
             return buffer.device
     return torch.device("cpu")

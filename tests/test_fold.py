@@ -482,6 +482,24 @@ def test_children_outputs_from_two_gathers_equal_eager_with_gradients(widths: tu
         torch.testing.assert_close(grad, p.grad)
 
 
+def test_a_plan_pickled_before_combined_gathers_existed_loads_and_gathers_one_by_one() -> None:
+    model = TwoStates((4, 4))
+    fold = Fold()
+    plan = fold.plan([_two_state_forest(fold)])
+    assert sum(step.combined for step in plan.steps) == 3
+    (expected,) = plan.apply(model)
+    old = copy.copy(plan)
+    old.steps = [copy.copy(step) for step in plan.steps]
+    for step in old.steps:
+        del step.combined  # what a plan written by torchfold before Step.combined holds
+    loaded = pickle.loads(pickle.dumps(old))
+    assert not any(step.combined for step in loaded.steps)
+    with _CountOps() as counter:
+        (out,) = loaded.apply(model)
+    assert counter.ops["index_select"] == 6, counter.ops  # h and c gathered apart, 3 groups
+    torch.testing.assert_close(out, expected)
+
+
 def test_rows_disagreeing_in_one_of_two_gathers_are_still_named_precisely() -> None:
     class Bad(TwoStates):
         def leaf(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

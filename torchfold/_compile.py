@@ -91,6 +91,13 @@ class Step:
         self.gathers: list[Gather] = []
         self.combined = False
 
+    def __setstate__(self, state: tuple[None, dict[str, Any]] | dict[str, Any]) -> None:
+        """Unpickle; plans pickled before ``combined`` existed load too, their gathers run one by one."""
+        slots = state[1] if isinstance(state, tuple) else state
+        self.combined = False
+        for name, value in slots.items():
+            setattr(self, name, value)
+
     def where(self, position: int) -> str:
         return f"op {self.name!r} at depth {self.depth}, argument {position}"
 

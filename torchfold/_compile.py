@@ -24,7 +24,7 @@ import torch
 
 from torchfold._errors import FoldError
 from torchfold._node import Group, Node, Op, ints_and_floats_mixed, literals_and_rows_mixed, node_label
-from torchfold._plan import check_requests
+from torchfold._plan import check_requests, module_device
 
 if TYPE_CHECKING:
     from torchfold._fold import Fold
@@ -44,6 +44,9 @@ INT32_LIMIT = 2**31 - 1
 _is_batched = operator.attrgetter("batch")
 _source = operator.attrgetter("source")
 _index = operator.attrgetter("index")
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
 
 
 def call_offsets(counts: Sequence[int]) -> np.ndarray:
@@ -260,16 +263,17 @@ class FoldPlan:
 
     def _run(self, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
         """``apply``, also giving each step's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
-        from torchfold._execute import run
-        from torchfold._plan import module_device
+        from torchfold._execute import run  # (a cycle: _execute imports this module)
 
         device = self.device if self.device is not None else module_device(nn)
         if self.pad_on_xla and device.type == "xla":
             from torchfold._static import StaticShapes
 
             return StaticShapes.of(nn).fit(self).apply(nn)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
-            return run(self, nn, arg_shapes, device)
+        if self.volatile and torch.is_grad_enabled():
+            with torch.no_grad():
+                return run(self, nn, arg_shapes, device)
+        return run(self, nn, arg_shapes, device)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles: the plan, with tensors given to ``add`` cut down to their own rows.
@@ -584,6 +588,14 @@ class _Compiler:
             [len(column.item_call) for column in columns],
         )
 
+    def whole_request(self, request: Sequence[Node]) -> int | None:
+        """The source a request of nodes asks for whole and in call order, if it does (``apply``
+        on every node of one group: the common request, found without building index arrays)."""
+        first, count = request[0].source, len(request)
+        if self.source_calls[first] != count or list(map(_source, request)).count(first) != count:
+            return None
+        return first if list(map(_index, request)) == list(range(count)) else None
+
     def request(self, request: Sequence[Any], number: int = 0) -> Arg | Gather:
         """A request: its items' rows in order (a nobatch handle is just its rows; ints make one
         LongTensor). ``check_requests`` made sure that ints and floats come alone."""
@@ -597,6 +609,9 @@ class _Compiler:
         if Node not in kinds:
             return Arg("concat", list(request))  # tensors only: any number of rows each, like the original
         if kinds == {Node}:
+            whole = self.whole_request(request)
+            if whole is not None:
+                return Arg("whole", whole)
             column = self.node_column(0, request)
         else:  # nodes and tensors: one gather, so each tensor counts as one call's rows
             column = self.mixed_column(0, request, f"apply request {number}")
@@ -624,11 +639,15 @@ def _concatenable(column: Sequence[_Tensor]) -> bool:
 
     Anything else takes the general gather, which also words any error precisely.
     """
-    first = column[0]
-    if first.dim() == 0 or len({id(t) for t in column}) != len(column):
+    first, count = column[0], len(column)
+    if first.dim() == 0 or len(set(map(id, column))) != count:
         return False
-    shape, dtype, device = first.shape, first.dtype, first.device
-    return all(t.shape == shape and t.dtype == dtype and t.device == device for t in column)
+    # attribute getters mapped in C, then counted: a third faster than a generator over the tensors
+    return (
+        list(map(_shape, column)).count(first.shape) == count
+        and list(map(_dtype, column)).count(first.dtype) == count
+        and list(map(_device, column)).count(first.device) == count
+    )
 
 
 def compile_fold(fold: Fold, requests: Sequence[Sequence[Any]]) -> FoldPlan:

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchfold._compile import FoldPlan, compile_fold
 from torchfold._errors import FoldError
 from torchfold._node import INT64_MAX, INT64_MIN, Group, Node, Op, Owner, new_node, op_name, outside_int64
 from torchfold._plan import cuda_device
+from torchfold._static import StaticShapes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from torchfold._compile import FoldPlan
-    from torchfold._static import StaticPlan, StaticShapes
+    from torchfold._static import StaticPlan
 
 __all__ = ["Fold"]
 
@@ -87,8 +88,6 @@ class Fold:
         if device is not None:
             self.device = torch.device(device)
         self.volatile = volatile
-        from torchfold._static import StaticShapes
-
         if not (shapes is None or shapes == "auto" or isinstance(shapes, StaticShapes)):
             raise ValueError(
                 f"Fold(shapes={shapes!r}): shapes must be 'auto' (pad on XLA), None (never pad) or a "
@@ -197,8 +196,6 @@ class Fold:
                 torch.OutOfMemoryError`` still catches it), with a note naming the op, the
                 depth, the nodes and the batched argument shapes.
         """
-        from torchfold._compile import FoldPlan
-
         plan = self.plan(nodes)
         if not isinstance(plan, FoldPlan):  # padded into static shapes
             return plan.apply(nn, padded=padded)
@@ -238,9 +235,6 @@ class Fold:
                 nodes or with floats at one argument position, or a ``nobatch`` node not shared
                 by its group.
         """
-        from torchfold._compile import compile_fold
-        from torchfold._static import StaticShapes
-
         plan = compile_fold(self, nodes)
         if isinstance(self.shapes, StaticShapes):
             return self.shapes.fit(plan)

@@ -6,6 +6,8 @@ Prints, in CPU milliseconds per batch (mean over the batches):
   ``FoldPlan.apply``, logits + loss, backward) next to the hand-batched version's forward and
   backward, which do the same tensor work;
 * recording alone with Python's cyclic GC on, after ``gc.freeze()``, and off;
+* self CPU time of the worker-fed path's ops by kind (matrix products, gathers, element-wise,
+  Adam), from ``torch.profiler`` over 10 batches;
 * a cProfile of torchfold training updates (Adam included), sorted by self time.
 
 Usage::
@@ -71,6 +73,60 @@ def phases(model: TreeLSTM, batches: list[tree_lstm.Batch]) -> dict[str, float]:
         for key, start, end in zip(total, stamps[:-1], stamps[1:], strict=True):
             total[key] += end - start
     return {key: seconds / len(batches) * 1000 for key, seconds in total.items()}
+
+
+# torch.profiler op names by what they do (self CPU time; everything else is "other")
+OP_KINDS = {
+    "matrix products": ("aten::mm", "aten::addmm"),
+    "concatenations and row gathers, forward and backward": (
+        "aten::cat",
+        "aten::index_select",
+        "aten::index_add_",
+        "aten::fill_",
+        "aten::zero_",
+        "aten::split_with_sizes",
+        "aten::narrow",
+        "aten::slice",
+        "aten::as_strided",
+    ),
+    "element-wise": (
+        "aten::mul",
+        "aten::add",
+        "aten::add_",
+        "aten::tanh",
+        "aten::sigmoid",
+        "aten::tanh_backward",
+        "aten::sigmoid_backward",
+        "aten::sum",
+    ),
+    "Adam (fused)": ("aten::_fused_adam_",),
+}
+
+
+def op_shares(model: TreeLSTM, batches: list[tree_lstm.Batch]) -> list[list[object]]:
+    """Self CPU time by kind of op over updates of the worker-fed path: plans compiled before,
+    then apply, loss, backward and a fused Adam step per batch, under ``torch.profiler``."""
+    plans = [tree_lstm.fold_plan(batch) for batch in batches]
+    trainer = tree_lstm.Trainer(copy.deepcopy(model), tree_lstm.fold_loss, batches, 1e-3)
+    trainer.update(tree_lstm.plan_loss(trainer.model, *plans[0]))  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for plan, labels in plans:
+            trainer.update(tree_lstm.plan_loss(trainer.model, plan, labels))
+    self_us = {event.key: event.self_cpu_time_total for event in profiler.key_averages()}
+    total = sum(self_us.values())
+    rows: list[list[object]] = []
+    for kind, names in OP_KINDS.items():
+        us = sum(self_us.pop(name, 0.0) for name in names)
+        rows.append([kind, f"{100 * us / total:.0f}%", us / 1000 / len(plans)])
+    other = sum(self_us.values())
+    rows.append(
+        [
+            "other (autograd engine, embedding, loss, Python ops)",
+            f"{100 * other / total:.0f}%",
+            other / 1000 / len(plans),
+        ]
+    )
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
@@ -155,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         gc.enable()
     print(f"\nrecording alone (encode_trees), {len(gc.get_objects())} GC-tracked objects in the process:\n")
     print(harness.markdown_table(["cyclic GC", "record ms/batch"], gc_rows))
+
+    shares = op_shares(model, batches[: 2 if args.quick else 10])
+    print("\ntorch.profiler, worker-fed path (plans compiled before; apply, loss, backward, fused Adam):\n")
+    print(harness.markdown_table(["ops", "share of self CPU time", "ms per batch"], shares))
 
     trainer = tree_lstm.Trainer(copy.deepcopy(model), tree_lstm.fold_loss, batches, 1e-3)
     trainer.step()

@@ -59,7 +59,8 @@ class Step:
     """One batched call of a plan: a recorded group, without its nodes.
 
     ``fixed`` holds the argument positions that need no gather, ``gathers`` the others.
-    ``combined`` says that the step has several gathers, all of earlier results: ``apply`` then
+    ``combined`` says that the step has several gathers, all of earlier results, one of them
+    reading several: ``apply`` then
     runs them as one (one concatenation and one ``index_select`` for all: a Tree-LSTM node's
     ``h`` and ``c`` children, kept apart by ``gathers`` because they read different sources)
     when the sources turn out to agree in rows per call, row shape, dtype and device. The joint
@@ -521,8 +522,12 @@ class _Compiler:
             else:
                 columns.append(self.mixed_column(position, column, step.where(position)))
         step.gathers = self.merge(step, columns)
-        step.combined = len(step.gathers) > 1 and all(
-            isinstance(piece, int) for gather in step.gathers for piece in gather.pieces
+        # Combined only where some gather concatenates anyway: gathers that each read one earlier
+        # result are cheaper as one index_select each than as a concatenation of all of them.
+        step.combined = (
+            len(step.gathers) > 1
+            and any(len(gather.pieces) > 1 for gather in step.gathers)
+            and all(isinstance(piece, int) for gather in step.gathers for piece in gather.pieces)
         )
         return step
 

@@ -255,19 +255,22 @@ def _combined_gathered(step: Step, results: _Results, device: torch.device) -> l
     tensors, kinds = results.tensors, results.kinds
     kind = kinds[cast(int, step.gathers[0].pieces[0])]  # combined gathers read earlier results only
     pieces: list[_Tensor] = []
-    indices = []
-    base = 0
     for gather in step.gathers:
         for source in cast(list[int], gather.pieces):
             tensor = tensors[source]
             if tensor is None or kinds[source] != kind:
                 return None
             pieces.append(tensor)
-        indices.append((np.arange(gather.total_calls) if gather.index is None else gather.index) + base)
-        base += gather.total_calls
+    total = sum(gather.total_calls for gather in step.gathers)
     rows, shape = cast(tuple[Any, ...], kind)[:2]
-    if base * rows * math.prod(shape) * pieces[0].element_size() > COMPACT_BYTES:
+    if total * rows * math.prod(shape) * pieces[0].element_size() > COMPACT_BYTES:
         return None
+    indices = []
+    base = 0
+    for gather in step.gathers:  # each gather's calls, shifted past the pieces of the gathers before it
+        own = np.arange(gather.total_calls) if gather.index is None else gather.index.astype(np.int64)
+        indices.append(own + base)
+        base += gather.total_calls
     index = np.concatenate(indices)
     index = index.astype(np.int32) if base < INT32_LIMIT else index
     taken = torch.cat(pieces, 0).index_select(0, _rows_index(index, rows, device))

@@ -221,12 +221,12 @@ def test_scaling_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_gpu_script_quick_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The GPU benchmark's eager versions on the CPU (the CUDA graph needs a GPU): their losses must agree."""
+    """The GPU benchmark's eager versions on the CPU (the CUDA graph needs a GPU): losses and weights must agree."""
     data = tmp_path / "trees.txt"
     data.write_text("\n".join(generate_sst_lines(20, seed=3)) + "\n")
     rates = gpu_tree_lstm.main(["--quick", "--device", "cpu", "--data", str(data)])  # raises if losses differ
     assert set(rates) == {"hand-batched", "torchfold", "torchfold, plans built ahead", "static plans"}
-    assert "the first two updates' losses agree" in capsys.readouterr().out
+    assert "the first 3 updates' losses and the weights after them agree" in capsys.readouterr().out
 
 
 def test_schedules_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
@@ -250,6 +250,34 @@ def test_schedule_counts_on_a_graph_where_depth_batching_is_above_the_bound() ->
     assert schedules.longest_chain(inputs) == 3
     assert schedules.agenda_calls(inputs, ops, depths) == 5
     assert sorted(depths.values()) == [0, 1, 1, 2, 2]
+
+
+def test_gpu_script_restores_adam_state_in_place_for_its_cuda_graph() -> None:
+    # The captured graph replays on the optimizer's own state tensors: after the warm-up steps
+    # the state must be put back into those same tensors, not into new ones.
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            optimizer.zero_grad()
+            model(torch.ones(4, 3)).pow(2).sum().backward()
+            optimizer.step()
+
+    empty = gpu_tree_lstm.optimizer_state_snapshot(optimizer)
+    assert empty == {}
+    steps(2)
+    held = {id(v) for state in optimizer.state.values() for v in state.values()}
+    gpu_tree_lstm.restore_optimizer_state(optimizer, empty)  # no state then: Adam starts afresh
+    assert all(float(v.abs().sum()) == 0 for state in optimizer.state.values() for v in state.values())
+    steps(1)
+    snapshot = gpu_tree_lstm.optimizer_state_snapshot(optimizer)
+    steps(3)
+    gpu_tree_lstm.restore_optimizer_state(optimizer, snapshot)
+    assert {id(v) for state in optimizer.state.values() for v in state.values()} == held
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            torch.testing.assert_close(value, snapshot[param][key])
 
 
 def test_markdown_table_aligns_columns() -> None:

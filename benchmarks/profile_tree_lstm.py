@@ -78,6 +78,7 @@ def phases(model: TreeLSTM, batches: list[tree_lstm.Batch]) -> dict[str, float]:
 # torch.profiler op names by what they do (self CPU time; everything else is "other")
 OP_KINDS = {
     "matrix products": ("aten::mm", "aten::addmm"),
+    # (index_select and fill_ also count the embedding lookup and its dense gradient's zero-fill)
     "concatenations and row gathers, forward and backward": (
         "aten::cat",
         "aten::index_select",

@@ -148,7 +148,8 @@ def module_device(nn: object) -> torch.device:
     """Where the module lives: its first parameter's or buffer's device, else the CPU.
 
     The first parameter is the one ``nn.parameters()`` yields first, found by walking the
-    submodules directly: ``parameters()``'s generators cost ~10 us, paid by every ``apply``.
+    submodules' registered parameters directly: ``parameters()``'s generators cost ~10 us,
+    paid by every ``apply``. A module that overrides ``parameters()`` is not asked.
 
     >>> module_device(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
     device(type='cpu')

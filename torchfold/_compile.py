@@ -618,11 +618,8 @@ class _Compiler:
             if whole is not None:
                 return Arg("whole", whole)
             column = self.node_column(0, request)
-        else:  # nodes and tensors: one gather, so each tensor counts as one call's rows
+        else:  # nodes and tensors: one gather (never a whole source), each tensor one call's rows
             column = self.mixed_column(0, request, f"apply request {number}")
-        whole = column.whole_source()
-        if whole is not None:
-            return Arg("whole", whole)
         return self.gather([column])
 
 

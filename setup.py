@@ -26,7 +26,7 @@ setup(
         "notebooks": ["torchvision>=0.16", "mlxtend>=0.23", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
         "xla": ["torch_xla>=2.1"],
     },
-    entry_points={"console_scripts": ["torchfold=torchfold.__main__:main"]},
+    entry_points={"console_scripts": ["torchfold=torchfold.cli:main"]},
     classifiers=[
         "Development Status :: 3 - Alpha",
         "Intended Audience :: Science/Research",

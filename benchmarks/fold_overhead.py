@@ -107,10 +107,10 @@ def direct_time(fold: torchfold.Fold, model: Trivial, repeats: int) -> float:
 
 
 def eager_time(build: Builder, n: int, seed: int, model: Trivial, repeats: int) -> float:
-    """Seconds to evaluate the same graph eagerly, one op call per node (``torchfold.Unfold``)."""
+    """Seconds to evaluate the same graph eagerly, one op call per node (``torchfold.EagerFold``)."""
 
     def run() -> None:
-        unfold = torchfold.Unfold(model)
+        unfold = torchfold.EagerFold(model)
         build(unfold, n, random.Random(seed))  # type: ignore[arg-type]
 
     return min(harness.time_calls(run, repeats))
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     print(harness.markdown_table(header, rows))
     print(
         "\n`op call`: the same ops called directly once per group on ready tensors; `apply overhead` = "
-        "(apply - op calls) / nodes; `eager`: torchfold.Unfold, one op call per node."
+        "(apply - op calls) / nodes; `eager`: torchfold.EagerFold, one op call per node."
     )
     return rows
 

@@ -41,9 +41,9 @@ import tree_lstm
 from torch import Tensor
 
 import torchfold
-from torchfold._static import StaticPlan, _run
-from torchfold.datasets import Vocab
-from torchfold.models import TreeLSTM, encode_trees, tree_lstm_loss
+from torchfold.engine.static.shapes import StaticPlan, _run
+from torchfold.examples.datasets import Vocab
+from torchfold.examples.models import TreeLSTM, encode_trees, tree_lstm_loss
 
 
 def hand_plan_to(plan: tree_lstm.Plan, device: torch.device) -> tree_lstm.Plan:

@@ -23,7 +23,9 @@ if str(REPO_ROOT) not in sys.path:
 
 def add_sst_data_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """``--data FILE``: SST-format trees; default the shared ``sst/train.txt`` when present, else None."""
-    from torchfold.datasets import data_root  # here, not at the top: harness must import without torch
+    from torchfold.examples.datasets import (
+        data_root,  # here, not at the top: harness must import without torch
+    )
 
     root = data_root()
     default = root / "sst" / "train.txt" if root is not None else None

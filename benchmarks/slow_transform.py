@@ -35,8 +35,8 @@ import torch
 from tree_lstm import load_trees
 
 import torchfold
-from torchfold.datasets import Tree, Vocab
-from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.examples.datasets import Tree, Vocab
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 
 
 class SlowTrees(torch.utils.data.Dataset[Tree]):
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     build = TreeLSTMBuild(vocab)
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), args.hidden, args.hidden)
-    optimizer = torchfold.AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    optimizer = torchfold.train.AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
 
     def train(step: Any) -> None:
         for mb in step:
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         optimizer.zero_grad()
 
     # The floor: the same steps on plans built beforehand.
-    with torchfold.StepLoader(trees, args.batch_size, build=build, shuffle=False) as loader:
+    with torchfold.train.StepLoader(trees, args.batch_size, build=build, shuffle=False) as loader:
         ready = list(loader)
 
     def floor(steps: list[Any]) -> float:
@@ -110,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         return (time.perf_counter() - start) / count
 
     # Rounds alternate the versions, so that the machine's drift hits them alike.
-    sync_loader = torchfold.StepLoader(dataset, args.batch_size, build=build, shuffle=False)
-    async_loader = torchfold.StepLoader(
+    sync_loader = torchfold.train.StepLoader(dataset, args.batch_size, build=build, shuffle=False)
+    async_loader = torchfold.train.StepLoader(
         dataset, args.batch_size, build=build, shuffle=False, num_workers=args.workers
     )
     iterators = {"sync": iter(sync_loader), "async": iter(async_loader)}

@@ -6,7 +6,7 @@ alternating in rounds:
 
 * ``hand-batched``: ``tree_lstm.py``'s depth batching written by hand, every index precomputed
   outside the timed loop (the practical limit of batching by depth), a plain ``torch.optim.Adam``;
-* ``TraceTrainer``: ``torchfold.TraceTrainer`` on a ``torchfold.StepLoader`` whose worker process
+* ``TraceTrainer``: ``torchfold.train.TraceTrainer`` on a ``torchfold.train.StepLoader`` whose worker process
   records and compiles every batch's fold (``TreeLSTMBuild``), the optimizer an
   ``AccumulatingOptimizer`` around the same Adam; a constant trace of 50 (one minibatch a step).
 
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from tree_lstm import Batch, flatten, hand_loss, load_trees, make_plan
 
 import torchfold
-from torchfold.datasets import Vocab
-from torchfold.models import TreeLSTM, TreeLSTMBuild
+from torchfold.examples.datasets import Vocab
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild
 
 
 def node_mean_loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor:
@@ -112,10 +112,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         return time.perf_counter() - start
 
     trainer_model = copy.deepcopy(model)
-    optimizer = torchfold.AccumulatingOptimizer(
+    optimizer = torchfold.train.AccumulatingOptimizer(
         torch.optim.Adam(trainer_model.parameters(), lr=args.lr, fused=True)
     )
-    loader = torchfold.StepLoader(
+    loader = torchfold.train.StepLoader(
         trees,
         args.batch_size,
         build=TreeLSTMBuild(vocab),
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         worker_init_fn=_freeze_gc,
     )
     ends: list[float] = []
-    trainer = torchfold.TraceTrainer(
+    trainer = torchfold.train.TraceTrainer(
         trainer_model,
         optimizer,
         loader,
@@ -146,11 +146,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 def _measure(
     args: argparse.Namespace,
-    trainer: torchfold.TraceTrainer,
+    trainer: torchfold.train.TraceTrainer,
     hand_steps: Any,
     hand_losses: list[float],
     ends: list[float],
-    loader: torchfold.StepLoader[Any, Any],
+    loader: torchfold.train.StepLoader[Any, Any],
     source: str,
     trees: list[Any],
 ) -> dict[str, float]:

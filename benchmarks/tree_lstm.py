@@ -1,18 +1,18 @@
 """Tree-LSTM training on SST: eager PyTorch vs hand-batched by depth vs torchfold (vs DyNet).
 
-The same binary Tree-LSTM (``torchfold.models.TreeLSTM``: two forget gates, embedding and hidden
+The same binary Tree-LSTM (``torchfold.examples.models.TreeLSTM``: two forget gates, embedding and hidden
 size 128) is trained with Adam on batches of 50 SST trees, with a softmax loss at every node
 (leaves included; the loss is the mean over all nodes of the batch). Four schedules of the same
 computation are timed side by side, one optimizer update at a time, interleaved:
 
-* ``eager``: unbatched PyTorch, one recursive call per node (``torchfold.models.forward_tree``,
+* ``eager``: unbatched PyTorch, one recursive call per node (``torchfold.examples.models.forward_tree``,
   what you write without batching);
 * ``hand-batched``: depth batching written by hand with every index precomputed outside the
   timed loop: identical subtrees computed once, one state tensor per level, and per level one
   ``cat`` of the levels it reads plus one ``index_select`` that fetches left and right children
   together (for ``h`` and for ``c``): the practical limit of batching by depth;
 * ``torchfold``: a ``torchfold.Fold`` built for every batch inside the timed loop, as users do
-  (``torchfold.models.encode_trees``, one ``apply``, then ``logits`` on all node states);
+  (``torchfold.examples.models.encode_trees``, one ``apply``, then ``logits`` on all node states);
 * ``torchfold, plans from a DataLoader worker``: the same folds, recorded and compiled
   (``Fold.plan``) in a ``DataLoader`` worker process while the training process trains; the
   training process applies the shipped plans (tensor ops only). This is how torchfold is meant
@@ -63,8 +63,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import torchfold
-from torchfold.datasets import Tree, Vocab, generate_sst, read_sst_file
-from torchfold.models import TreeLSTM, encode_trees, forward_tree
+from torchfold.examples.datasets import Tree, Vocab, generate_sst, read_sst_file
+from torchfold.examples.models import TreeLSTM, encode_trees, forward_tree
 
 WORKER = "torchfold, plans from a DataLoader worker"
 
@@ -118,7 +118,7 @@ def load_trees(path: Path | None, quick: bool) -> tuple[list[Tree], str]:
     count = 24 if quick else 2000
     return generate_sst(
         count, seed=0
-    ), f"{count} generated SST-format trees (torchfold.datasets.generate_sst)"
+    ), f"{count} generated SST-format trees (torchfold.examples.datasets.generate_sst)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class Batch:
 
 
 def eager_loss(model: TreeLSTM, batch: Batch) -> Tensor:
-    """Mean node loss, node by node (``torchfold.models.forward_tree``: one recursive call per node)."""
+    """Mean node loss, node by node (``torchfold.examples.models.forward_tree``: one recursive call per node)."""
     states, labels = [], []
     for tree in batch.trees:
         h, tree_labels = forward_tree(model, tree, batch.vocab)
@@ -257,7 +257,7 @@ def hand_loss(model: TreeLSTM, batch: Batch) -> Tensor:
 
 
 def fold_loss(model: TreeLSTM, batch: Batch) -> Tensor:
-    """Mean node loss: every tree recorded on one Fold (``torchfold.models.encode_trees``), applied once."""
+    """Mean node loss: every tree recorded on one Fold (``torchfold.examples.models.encode_trees``), applied once."""
     fold = torchfold.Fold()
     nodes, labels, _ = encode_trees(fold, batch.trees, batch.vocab)
     (states,) = fold.apply(model, [nodes])

@@ -1,6 +1,6 @@
 """Tree-LSTM training on XLA with and without static shapes, beside plain CPU: compilations and speed.
 
-Trains ``torchfold.models.TreeLSTM`` (embedding = hidden = 128, Adam, a loss at every node,
+Trains ``torchfold.examples.models.TreeLSTM`` (embedding = hidden = 128, Adam, a loss at every node,
 each tree weighing the same) on consecutive SST training batches, one Fold per batch, one
 ``torch_xla.sync()`` per step, in one process:
 
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from harness import add_sst_data_argument, machine_lines, markdown_table
 
 from torchfold import Fold, StaticPlan, StaticShapes
-from torchfold.datasets import Tree, Vocab, load_sst
-from torchfold.models import TreeLSTM, encode_trees
+from torchfold.examples.datasets import Tree, Vocab, load_sst
+from torchfold.examples.models import TreeLSTM, encode_trees
 
 
 def node_weights(roots: list[int], trees: int) -> list[float]:

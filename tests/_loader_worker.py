@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from torchfold._fold import Fold
+from torchfold.engine.fold import Fold
 
 
 def square_build(items: list[int]) -> tuple[Any, np.ndarray]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchfold.datasets import Tree, Vocab, data_root, generate_sst, parse_tree
+from torchfold.examples.datasets import Tree, Vocab, data_root, generate_sst, parse_tree
 
 MINIBATCH = 6
 NUM_TREES = 120
@@ -61,7 +61,7 @@ def sst_trees(n: int = NUM_TREES) -> list[Tree]:
 
 
 def make_model(vocab: Vocab, seed: int = 0) -> torch.nn.Module:
-    from torchfold.models import TreeLSTM
+    from torchfold.examples.models import TreeLSTM
 
     torch.manual_seed(seed)
     return TreeLSTM(len(vocab), EMBEDDING, HIDDEN).double()
@@ -93,10 +93,10 @@ def make_trainer(
     max_device_batch_size: int | None = None,
 ) -> Any:
     """A TraceTrainer on ``trees`` for this process's rank, Adam with ``lr_rule``."""
-    from torchfold._loader import StepLoader
-    from torchfold._loop import TraceTrainer
-    from torchfold._optim import AccumulatingOptimizer
-    from torchfold.models import TreeLSTMBuild, tree_lstm_loss
+    from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train.loader import StepLoader
+    from torchfold.train.optim import AccumulatingOptimizer
+    from torchfold.train.trainer import TraceTrainer
 
     vocab = Vocab.build(trees)
     random.seed(seed)  # with make_model's torch seed: every run starts from the same generator states
@@ -141,7 +141,7 @@ def train_rank(rank: int, world_size: int, port: int, runs: list[dict[str, Any]]
     """
     import time
 
-    from torchfold._distributed import init_distributed
+    from torchfold.train.distributed import init_distributed
 
     init_distributed("gloo", rank=rank, world_size=world_size, master_port=port, timeout=5.0)
     trees = sst_trees()

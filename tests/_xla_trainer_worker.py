@@ -24,7 +24,7 @@ DIMS = (8, 8)
 
 
 def _data() -> tuple[list[Any], Any]:
-    from torchfold.datasets import Vocab, load_sst
+    from torchfold.examples.datasets import Vocab, load_sst
 
     trees = load_sst(split="train", max_trees=sum(TRACE))
     return trees, Vocab.build(trees)
@@ -32,7 +32,7 @@ def _data() -> tuple[list[Any], Any]:
 
 def _setup() -> tuple[list[Any], Any, torch.nn.Module]:
     """Data and the initial model (seeded: call it outside replica threads, which share the generator)."""
-    from torchfold.models import TreeLSTM
+    from torchfold.examples.models import TreeLSTM
 
     trees, vocab = _data()
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def _setup() -> tuple[list[Any], Any, torch.nn.Module]:
 
 
 def _trainer(model: torch.nn.Module, trees: list[Any], build: Any, world_size: int, rank: int) -> Any:
-    from torchfold.models import tree_lstm_loss
+    from torchfold.examples.models import tree_lstm_loss
     from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
 
     optimizer = AccumulatingOptimizer(
@@ -53,7 +53,7 @@ def _trainer(model: torch.nn.Module, trees: list[Any], build: Any, world_size: i
 
 
 def train_on_cpu() -> list[torch.Tensor]:
-    from torchfold.models import TreeLSTMBuild
+    from torchfold.examples.models import TreeLSTMBuild
 
     trees, vocab, model = _setup()
     _trainer(model, trees, TreeLSTMBuild(vocab), 1, 0).fit()
@@ -66,7 +66,7 @@ def _replica(index: int, out: str, initial: torch.nn.Module) -> None:
     import torch_xla.runtime as xr
 
     from torchfold import StaticShapes
-    from torchfold.models import TreeLSTMBuild
+    from torchfold.examples.models import TreeLSTMBuild
 
     try:
         world_size, rank = xr.world_size(), xr.global_ordinal()

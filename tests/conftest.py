@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchfold.datasets import data_root
+from torchfold.examples.datasets import data_root
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ import tree_lstm  # noqa: E402
 import xla  # noqa: E402
 
 import torchfold  # noqa: E402
-from torchfold.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
-from torchfold.models import MLP, TreeLSTM  # noqa: E402
+from torchfold.examples.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
+from torchfold.examples.models import MLP, TreeLSTM  # noqa: E402
 
 DYNET_PYTHON = BENCHMARKS.parent / ".venv-dynet" / "bin" / "python"
 
@@ -203,8 +203,8 @@ def test_fold_overhead_graphs_evaluate_like_eager(shape: str) -> None:
     model = fold_overhead.Trivial()
     fold = torchfold.Fold()
     roots = fold_overhead.BUILDERS[shape](fold, 30, random.Random(1))
-    unfold = torchfold.Unfold(model)
-    # The builders only call add(), which Unfold shares with Fold.
+    unfold = torchfold.EagerFold(model)
+    # The builders only call add(), which EagerFold shares with Fold.
     eager_roots: Any = fold_overhead.BUILDERS[shape](unfold, 30, random.Random(1))  # type: ignore[arg-type]
     torch.testing.assert_close(fold.apply(model, [roots])[0], unfold.apply(model, [eager_roots])[0])
 

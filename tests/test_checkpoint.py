@@ -14,7 +14,8 @@ import pytest
 import torch
 from _loop_worker import make_trainer, sst_trees
 
-from torchfold._checkpoint import (
+from torchfold.cli.train import main as train_main
+from torchfold.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
@@ -24,7 +25,6 @@ from torchfold._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold._train_cli import main as train_main
 
 
 class _Opaque:

@@ -1,4 +1,4 @@
-"""Tests for torchfold.datasets: SST parsing, vocabulary, labels, the tree generator and MNIST."""
+"""Tests for torchfold.examples.datasets: SST parsing, vocabulary, labels, the tree generator and MNIST."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold import datasets
-from torchfold.datasets import (
+from torchfold.examples import datasets
+from torchfold.examples.datasets import (
     Tree,
     TreeParseError,
     Vocab,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchfold._demo import main
+from torchfold.cli.demo import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -35,7 +35,7 @@ def test_demo_defaults_to_generated_trees_and_says_so(
     assert main(TINY) == 0
     assert (gc.get_freeze_count(), torch.get_num_threads()) == (frozen, threads)  # process state restored
     out = capsys.readouterr().out
-    assert "data: GENERATED trees (torchfold.datasets.generate_sst, seed 0)" in out
+    assert "data: GENERATED trees (torchfold.examples.datasets.generate_sst, seed 0)" in out
     assert "50 training trees" in out and "20 dev trees" in out
     assert re.search(r"epoch 1: loss [0-9.]+, [0-9]+ sentences/s \([0-9.]+ s\), dev root accuracy", out)
     assert re.search(r"[0-9.]+ binary \([0-9]+ non-neutral\), all-node accuracy [0-9.]+", out)

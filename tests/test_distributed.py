@@ -29,7 +29,7 @@ from _dist_worker import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchfold._distributed import (
+from torchfold.train.distributed import (
     all_reduce_sum_,
     broadcast_parameters,
     check_same_on_all_ranks,
@@ -40,9 +40,9 @@ from torchfold._distributed import (
     init_distributed,
     is_main_process,
 )
-from torchfold._optim import AccumulatingOptimizer
-from torchfold._sampler import minibatches_per_rank
-from torchfold._trace import scaled_lr
+from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.sampler import minibatches_per_rank
+from torchfold.train.trace import scaled_lr
 
 REPO = Path(__file__).resolve().parents[1]
 MINIBATCH = 8
@@ -310,7 +310,7 @@ class _ClosedStore:
 
 
 def test_a_rank_that_loses_the_store_says_so_in_one_line_and_keeps_its_own_error() -> None:
-    from torchfold._distributed import _handshake
+    from torchfold.train.distributed import _handshake
 
     # Rank 0 left while rank 1 was still waiting for it: one clear line, not a C++ trace.
     with pytest.raises(RuntimeError) as info:

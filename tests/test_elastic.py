@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchfold._elastic import ElasticConfig, detect_world_size
+from torchfold.train.elastic import ElasticConfig, detect_world_size
 
 
 @pytest.mark.parametrize(

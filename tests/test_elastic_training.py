@@ -22,8 +22,8 @@ import torch
 from _dist_worker import free_port, run_ranks
 from _loop_worker import TRACE, make_trainer, params_of, sst_trees, train_rank
 
-from torchfold._checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from torchfold._loop import PREEMPTED_EXIT_CODE
+from torchfold.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from torchfold.train.trainer import PREEMPTED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_DEVICE = 7  # per-device maximum in the elastic-split tests: uneven splits, never a multiple
@@ -180,7 +180,7 @@ def _env(**extra: str) -> dict[str, str]:
 def test_the_cli_refuses_a_checkpoint_of_another_split_naming_the_setting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torchfold._train_cli import main
+    from torchfold.cli.train import main
 
     ckpt = tmp_path / "ckpt"
     threads = torch.get_num_threads()
@@ -255,7 +255,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_step_with_one_checkpoint
     assert load_checkpoint(path)["world_size"] == 2
 
     # One process takes over from the checkpoint and ends where one uninterrupted process ends
-    from torchfold._train_cli import main
+    from torchfold.cli.train import main
 
     threads = torch.get_num_threads()
     try:
@@ -273,7 +273,7 @@ _SLOW_LOOP = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from _loop_worker import make_trainer, sst_trees
-    import torchfold.models as models
+    import torchfold.examples.models as models
 
     def slow_loss(model, outputs, targets):
         print("step", flush=True)

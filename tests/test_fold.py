@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchfold
-from torchfold import Fold, FoldError, Unfold
-from torchfold.datasets import load_mnist
+from torchfold import EagerFold, Fold, FoldError
+from torchfold.examples.datasets import load_mnist
 
 
 class Arithmetic(torch.nn.Module):
@@ -101,7 +101,7 @@ def test_two_output_tree_gives_minus_one_like_unfold() -> None:
     fold = Fold()
     (value,) = fold.apply(Arithmetic(), [[two_output_tree(fold)]])
     model = Arithmetic()
-    unfold = Unfold(model)
+    unfold = EagerFold(model)
     (eager,) = unfold.apply(model, [[two_output_tree(unfold)]])
     assert value.tolist() == [-1.0]
     torch.testing.assert_close(value, eager)
@@ -173,7 +173,7 @@ def test_tensor_rows_and_nodes_mix_in_one_position() -> None:
         h2, _ = fold.add("node", other, leaf).split(2)
         return [h2, h]
 
-    fold, unfold = Fold(), Unfold(model)
+    fold, unfold = Fold(), EagerFold(model)
     (out,) = fold.apply(model, [build(fold)])
     (eager,) = unfold.apply(model, [build(unfold)])
     assert out.shape == (2, 6)
@@ -476,7 +476,7 @@ def test_children_outputs_from_two_gathers_equal_eager_with_gradients(widths: tu
     out.pow(2).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     model.zero_grad()
-    unfold = Unfold(model)
+    unfold = EagerFold(model)
     (expected,) = unfold.apply(model, [_two_state_forest(unfold)])
     expected.pow(2).sum().backward()
     torch.testing.assert_close(out, expected)
@@ -556,7 +556,7 @@ def test_a_deep_chain_is_refused_quickly_and_a_part_of_it_drawn() -> None:
 
 
 def test_public_names() -> None:
-    assert {"Fold", "Unfold", "FoldError", "Node"} <= set(torchfold.__all__)
+    assert {"Fold", "EagerFold", "FoldError", "Node"} <= set(torchfold.__all__)
 
 
 def test_nothing_in_the_engine_assumes_the_cpu() -> None:
@@ -640,7 +640,7 @@ def test_calls_owning_several_rows_are_gathered_by_blocks(order: list[int]) -> N
         pooled = [fold.add("pool", twins[i]) for i in order]
         return [*pooled, fold.add("pool", given), *[twins[i] for i in order]]
 
-    fold, unfold = Fold(), Unfold(model)
+    fold, unfold = Fold(), EagerFold(model)
     folded = fold.apply(model, [build(fold)[:5], build(fold)[5:]])
     eager = unfold.apply(model, [build(unfold)[:5], build(unfold)[5:]])
     for a, b in zip(folded, eager, strict=True):
@@ -707,9 +707,9 @@ def test_a_real_cuda_out_of_memory_inside_an_op_is_caught_as_out_of_memory() -> 
     assert "while applying 'test_a_real_cuda_out_of_memory" in info.value.__notes__[0]
 
 
-# -- Fold and Unfold agree on what they accept ---------------------------------------------------
+# -- Fold and EagerFold agree on what they accept ---------------------------------------------------
 
-TWINS = [pytest.param(lambda model: Fold(), id="Fold"), pytest.param(Unfold, id="Unfold")]
+TWINS = [pytest.param(lambda model: Fold(), id="Fold"), pytest.param(EagerFold, id="EagerFold")]
 
 
 def _values(recorder: Any, model: torch.nn.Module, requests: list[list[Any]]) -> list[torch.Tensor]:
@@ -780,10 +780,10 @@ def test_splitting_fewer_outputs_than_returned_is_an_error_in_both_twins() -> No
     with pytest.raises(FoldError, match=message):
         fold.apply(Cell(), [[first]])
     with pytest.raises(FoldError, match=message):
-        Unfold(Cell()).add(_three, torch.ones(1, 2)).split(2)
+        EagerFold(Cell()).add(_three, torch.ones(1, 2)).split(2)
 
 
-# -- the original TorchFold API: tensors and ints in request lists, cuda(), Unfold's model --------
+# -- the original TorchFold API: tensors and ints in request lists, cuda(), EagerFold's model --------
 
 
 class MnistNet(torch.nn.Module):
@@ -937,8 +937,10 @@ def test_a_cuda_fold_runs_on_the_gpu() -> None:
 
 def test_unfold_apply_checks_it_is_given_the_model_it_ran() -> None:
     model = Cell()
-    unfold = Unfold(model)
+    unfold = EagerFold(model)
     leaf = unfold.add("leaf", 1)
     assert unfold.apply(model, [[leaf]])[0].shape == (1, 6)
-    with pytest.raises(ValueError, match=r"Unfold.apply was given another Cell than the one this Unfold ran"):
+    with pytest.raises(
+        ValueError, match=r"EagerFold.apply was given another Cell than the one this EagerFold ran"
+    ):
         unfold.apply(Cell(), [[leaf]])

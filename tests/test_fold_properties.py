@@ -3,8 +3,8 @@
 Each example is a random program of ``add`` calls over a small model: embedding leaves,
 tensor inputs mixed with nodes at one position, a two-output op taken apart with ``split``,
 a three-input op, float arguments, an op with a ``nobatch`` shared context, and repeated
-identical calls (deduplicated by Fold, recomputed by Unfold). The same program runs on a
-Fold and on the eager Unfold; outputs and gradients of every parameter and input tensor
+identical calls (deduplicated by Fold, recomputed by EagerFold). The same program runs on a
+Fold and on the eager EagerFold; outputs and gradients of every parameter and input tensor
 must match. Each also runs through a compiled plan (``Fold.plan``): applied once, applied a
 second time, or applied after a pickle round trip (as when built in a DataLoader worker).
 """
@@ -20,8 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import torchfold._execute
-from torchfold import Fold, Unfold
+import torchfold.engine.executor
+from torchfold import EagerFold, Fold
 
 HIDDEN = 5
 VIA = ("apply", "plan", "plan twice", "pickled plan")
@@ -80,7 +80,7 @@ instruction = st.tuples(
 
 
 def run_program(fold: Any, program: list[tuple[Any, ...]], inputs: list[torch.Tensor]) -> list[Any]:
-    """Interpret ``program`` on ``fold`` (a Fold or an Unfold); returns the values it made."""
+    """Interpret ``program`` on ``fold`` (a Fold or an EagerFold); returns the values it made."""
     fold.add("context", 1)  # so the shared value is one row block of a batched call, not all of it
     shared = fold.add("context", 2).nobatch()
     values: list[Any] = []
@@ -127,7 +127,7 @@ def requested(values: list[Any], picks: list[int]) -> list[list[Any]]:
 
 def run_fold(fold: Any, model: torch.nn.Module, requests: list[list[Any]], via: str) -> list[torch.Tensor]:
     """``fold.apply``, or the same through a compiled plan: applied once, twice, or after a pickle round trip."""
-    if via == "apply" or isinstance(fold, Unfold):
+    if via == "apply" or isinstance(fold, EagerFold):
         return list(fold.apply(model, requests))
     plan = fold.plan(requests)
     if via == "plan twice":
@@ -158,12 +158,12 @@ def outputs_and_gradients(
 @contextmanager
 def compaction(always: bool) -> Iterator[None]:
     """Force the engine to gather partly used sources on their own (the path big models take)."""
-    saved = torchfold._execute.COMPACT_BYTES
-    torchfold._execute.COMPACT_BYTES = -1 if always else saved
+    saved = torchfold.engine.executor.COMPACT_BYTES
+    torchfold.engine.executor.COMPACT_BYTES = -1 if always else saved
     try:
         yield
     finally:
-        torchfold._execute.COMPACT_BYTES = saved
+        torchfold.engine.executor.COMPACT_BYTES = saved
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -178,7 +178,7 @@ def test_fold_equals_eager_on_random_graphs(
 ) -> None:
     with compaction(compact):
         folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks, via)
-    eager, eager_grads = outputs_and_gradients(Unfold, program, picks)
+    eager, eager_grads = outputs_and_gradients(EagerFold, program, picks)
     assert len(folded) == len(eager)
     for a, b in zip(folded, eager, strict=True):
         torch.testing.assert_close(a, b)
@@ -228,7 +228,7 @@ def forest_outputs_and_gradients(
 def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: bool, via: str) -> None:
     with compaction(compact):
         r1, s1, g1 = forest_outputs_and_gradients(lambda model: Fold(), trees, via)
-    r2, s2, g2 = forest_outputs_and_gradients(Unfold, trees)
+    r2, s2, g2 = forest_outputs_and_gradients(EagerFold, trees)
     torch.testing.assert_close(r1, r2)
     torch.testing.assert_close(s1, s2)
     for a, b in zip(g1, g2, strict=True):

@@ -18,10 +18,10 @@ import torch
 from _loader_worker import failing_build, slow_build, square_build, wrong_build
 from _loop_worker import sst_trees
 
-from torchfold._loader import StepLoader
-from torchfold._sampler import TraceBatchSampler
-from torchfold.datasets import Vocab
-from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.examples.datasets import Vocab
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.train.loader import StepLoader
+from torchfold.train.sampler import TraceBatchSampler
 
 TESTS = Path(__file__).resolve().parent
 

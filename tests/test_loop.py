@@ -32,16 +32,16 @@ from _loop_worker import (
     train_rank,
 )
 
-from torchfold._checkpoint import list_checkpoints, load_checkpoint
-from torchfold._fold import Fold
-from torchfold._loader import StepLoader
-from torchfold._loop import StepStats, TraceTrainer
-from torchfold._optim import AccumulatingOptimizer
-from torchfold._sampler import minibatches_per_rank
-from torchfold._trace import scaled_lr
-from torchfold._train_cli import main as train_main
-from torchfold.datasets import Tree, Vocab
-from torchfold.models import TreeLSTMBuild, encode_trees, tree_lstm_loss
+from torchfold.cli.train import main as train_main
+from torchfold.engine.fold import Fold
+from torchfold.examples.datasets import Tree, Vocab
+from torchfold.examples.models import TreeLSTMBuild, encode_trees, tree_lstm_loss
+from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
+from torchfold.train.loader import StepLoader
+from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.sampler import minibatches_per_rank
+from torchfold.train.trace import scaled_lr
+from torchfold.train.trainer import StepStats, TraceTrainer
 
 # The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to
 # the trees left (drop_last=False), and epoch 1 starts at the trace step after epoch 0's last.

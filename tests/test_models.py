@@ -1,4 +1,4 @@
-"""Tests for torchfold.models: Tree-LSTM and MLP ops, Fold results and gradients == eager ones."""
+"""Tests for torchfold.examples.models: Tree-LSTM and MLP ops, Fold results and gradients == eager ones."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import torchfold
-from torchfold.datasets import Tree, Vocab, generate_sst, load_sst, parse_tree
-from torchfold.models import MLP, TreeLSTM, encode_tree, encode_trees, forward_tree
+from torchfold.examples.datasets import Tree, Vocab, generate_sst, load_sst, parse_tree
+from torchfold.examples.models import MLP, TreeLSTM, encode_tree, encode_trees, forward_tree
 
 SST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sst"
 needs_sst = pytest.mark.skipif(not (SST_DIR / "dev.txt").is_file(), reason=f"real SST data not at {SST_DIR}")
@@ -80,7 +80,7 @@ def test_unfold_twin_gives_the_same_states() -> None:
     trees = _sst_sample()[:3]
     vocab = Vocab.build(trees)
     model = _model(vocab)
-    unfold = torchfold.Unfold(model)
+    unfold = torchfold.EagerFold(model)
     for tree in trees:
         pairs = encode_tree(unfold, tree, vocab)
         [h] = unfold.apply(model, [[node for node, _ in pairs]])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from _dist_worker import make_model, mnist_rows
 
-from torchfold._optim import AccumulatingOptimizer
+from torchfold.train.optim import AccumulatingOptimizer
 
 REF = 32
 LR = 0.05

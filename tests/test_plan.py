@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import torchfold
-import torchfold._execute
+import torchfold.engine.executor
 from torchfold import Fold, FoldError, FoldPlan
-from torchfold.datasets import Tree, Vocab, generate_sst
-from torchfold.models import TreeLSTM, encode_trees
+from torchfold.examples.datasets import Tree, Vocab, generate_sst
+from torchfold.examples.models import TreeLSTM, encode_trees
 
 TREES = generate_sst(24, seed=3)
 VOCAB = Vocab.build(TREES)
@@ -162,7 +162,7 @@ def test_a_pickled_plan_carries_only_the_rows_given_to_add() -> None:
     plan = fold.plan([nodes])
     shipped = pickle.loads(pickle.dumps(plan))
     assert len(pickle.dumps(plan)) < 100_000
-    model = torchfold.models.MLP()
+    model = torchfold.examples.models.MLP()
     torch.testing.assert_close(shipped.apply(model)[0], model(images[:4]))
     assert plan.steps[0].fixed[0][1].value[0].untyped_storage().nbytes() == images.untyped_storage().nbytes()
 

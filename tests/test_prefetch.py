@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import torchfold
-from torchfold import Fold, FoldError, Prefetcher
+from torchfold import Fold, FoldError
+from torchfold.train import Prefetcher
 
 
 class Cell(torch.nn.Module):

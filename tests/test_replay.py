@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchfold._checkpoint import checkpoint_path, load_checkpoint
-from torchfold._replay import CSV_COLUMNS, main, plan_replay, processes_for
-from torchfold._trace import AvailabilityInterval, BatchSizeTrace, read_availability
+from torchfold.cli.replay import CSV_COLUMNS, main, plan_replay, processes_for
+from torchfold.train.checkpoint import checkpoint_path, load_checkpoint
+from torchfold.train.trace import AvailabilityInterval, BatchSizeTrace, read_availability
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -216,7 +216,7 @@ def test_missing_file_and_used_run_dir(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_elastic_command_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
-    from torchfold.__main__ import main as cli
+    from torchfold.cli import main as cli
 
     assert cli(["--help"]) == 0
     assert "elastic" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Tests for torchfold._sampler.TraceBatchSampler: partition properties, plans, resume, errors."""
+"""Tests for torchfold.train.sampler.TraceBatchSampler: partition properties, plans, resume, errors."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchfold._sampler import StepPlan, TraceBatchSampler, minibatches_per_rank
-from torchfold._trace import BatchSizeTrace
+from torchfold.train.sampler import StepPlan, TraceBatchSampler, minibatches_per_rank
+from torchfold.train.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -401,7 +401,7 @@ def _free_port() -> int:
 
 WORKER = """
 import json, sys, torch.distributed as dist
-from torchfold._sampler import TraceBatchSampler
+from torchfold.train.sampler import TraceBatchSampler
 dist.init_process_group("gloo", init_method="env://")
 s = TraceBatchSampler(50, [6, 9, 3, 12, 30], minibatch_size=3, seed=7)  # world size and rank from dist
 plans = [(p.step, p.minibatches, p.local_minibatches) for p in s.steps()]

@@ -3,7 +3,7 @@
 The property tests run random programs (the zoo of ``test_fold_properties``: split outputs,
 ``nobatch`` context, floats, blocks of 2 rows per call, repeated calls) and random tree
 forests through one envelope shared by several examples, so most plans are padded into an
-envelope grown by others; outputs and gradients must equal the eager ``Unfold``. That a
+envelope grown by others; outputs and gradients must equal the eager ``EagerFold``. That a
 graph repeats is checked on the CPU by recording every aten op and its shapes: two batches
 fitted to one envelope version must run the very same sequence.
 """
@@ -29,9 +29,9 @@ from test_fold_properties import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchfold import Fold, FoldError, StaticPlan, StaticShapes, StaticShapesWarning, Unfold
-from torchfold.datasets import Vocab, load_sst
-from torchfold.models import TreeLSTM, encode_trees
+from torchfold import EagerFold, Fold, FoldError, StaticPlan, StaticShapes, StaticShapesWarning
+from torchfold.examples.datasets import Vocab, load_sst
+from torchfold.examples.models import TreeLSTM, encode_trees
 
 
 def _no_mixed_positions(program: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -47,7 +47,7 @@ def _outputs_and_grads(
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
     requests = requested(run_program(fold, program, inputs), picks)
-    if isinstance(fold, Unfold):
+    if isinstance(fold, EagerFold):
         outs = list(fold.apply(model, requests))
     else:
         plan = fold.plan(requests)
@@ -87,7 +87,7 @@ def test_padded_plans_equal_eager_on_random_graphs(
     program = _no_mixed_positions(program)
     shapes = SHARED if shared else StaticShapes(min_rows=1)
     padded, padded_grads = _outputs_and_grads(lambda model: Fold(shapes=shapes), program, picks, via)
-    eager, eager_grads = _outputs_and_grads(Unfold, program, picks, via)
+    eager, eager_grads = _outputs_and_grads(EagerFold, program, picks, via)
     for a, b in zip(padded, eager, strict=True):
         torch.testing.assert_close(a, b)
     for a, b in zip(padded_grads, eager_grads, strict=True):
@@ -98,7 +98,7 @@ def test_padded_plans_equal_eager_on_random_graphs(
 @given(trees=forests())
 def test_padded_forests_equal_eager_and_a_seen_forest_never_grows_the_envelope(trees: list[Any]) -> None:
     r1, s1, g1 = forest_outputs_and_gradients(lambda model: Fold(shapes=SHARED), trees)
-    r2, s2, g2 = forest_outputs_and_gradients(Unfold, trees)
+    r2, s2, g2 = forest_outputs_and_gradients(EagerFold, trees)
     torch.testing.assert_close(r1, r2)
     torch.testing.assert_close(s1, s2)
     # An op of the envelope that this forest lacks runs on padding only: its parameters get a
@@ -417,7 +417,7 @@ def test_a_static_plan_refuses_to_pickle_what_would_lose_gradients() -> None:
 
 def test_a_spawned_loader_worker_builds_the_same_static_plans_as_the_training_process() -> None:
     """The envelope travels to a ``spawn`` worker with the build (pickled) and pads there alike."""
-    from torchfold.models import TreeLSTMBuild, tree_lstm_loss
+    from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import StepLoader
 
     trees = load_sst(split="train", max_trees=40)

@@ -26,7 +26,7 @@ import torch
 from _dist_worker import free_port
 from test_elastic_training import _cli, _env
 
-from torchfold._checkpoint import list_checkpoints, load_checkpoint
+from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
 
 # Fast failure detection and a short wait for more nodes: the test's seconds, not production values.
 RDZV_CONF = (
@@ -130,7 +130,7 @@ def test_a_lost_node_restarts_the_group_with_the_nodes_left_and_no_step_is_appli
     final_step, final = list_checkpoints(ckpt)[-1]
     assert final_step == max(counts) + 1 and load_checkpoint(final)["world_size"] == 2
 
-    from torchfold._train_cli import main
+    from torchfold.cli.train import main
 
     threads = torch.get_num_threads()
     try:

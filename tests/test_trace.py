@@ -1,4 +1,4 @@
-"""Tests for torchfold._trace: parsing, validation, epochs, conversion, schedules, plots."""
+"""Tests for torchfold.train.trace: parsing, validation, epochs, conversion, schedules, plots."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
 
 
 def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:

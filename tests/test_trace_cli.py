@@ -1,4 +1,4 @@
-"""Tests for ``python -m torchfold trace check|convert|plot`` (torchfold._trace_cli)."""
+"""Tests for ``python -m torchfold trace check|convert|plot`` (torchfold.cli.trace)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from torchfold._trace import BatchSizeTrace
-from torchfold._trace_cli import main
+from torchfold.cli.trace import main
+from torchfold.train.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ import torch
 from _dist_worker import make_model, mnist_rows, train
 from _xla_worker import MINIBATCH, RULES, TRACE, train_on_xla
 
-from torchfold._sampler import minibatches_per_rank
+from torchfold.train.sampler import minibatches_per_rank
 
 pytestmark = pytest.mark.xla
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -84,8 +84,8 @@ def test_fold_on_an_xla_device_equals_the_cpu() -> None:
     import torch_xla
 
     from torchfold import Fold
-    from torchfold.datasets import Vocab, generate_sst
-    from torchfold.models import TreeLSTM, encode_trees
+    from torchfold.examples.datasets import Vocab, generate_sst
+    from torchfold.examples.models import TreeLSTM, encode_trees
 
     trees = generate_sst(6, seed=2)
     vocab = Vocab.build(trees)
@@ -105,7 +105,7 @@ def test_fold_on_an_xla_device_equals_the_cpu() -> None:
 
 
 def _sst_batches(count: int, size: int) -> tuple[list[list[Any]], Any]:
-    from torchfold.datasets import Vocab, load_sst
+    from torchfold.examples.datasets import Vocab, load_sst
 
     trees = load_sst(split="train", max_trees=count * size)
     return [trees[i * size : (i + 1) * size] for i in range(count)], Vocab.build(trees)
@@ -115,7 +115,7 @@ def _padded_step(
     model: torch.nn.Module, fold: Any, trees: list[Any], vocab: Any, device: torch.device
 ) -> torch.Tensor:
     """One Tree-LSTM training step's loss on padded outputs: a loss at every node, padded rows weighing 0."""
-    from torchfold.models import encode_trees
+    from torchfold.examples.models import encode_trees
 
     nodes, labels, roots = encode_trees(fold, trees, vocab)
     plan = fold.plan([nodes])
@@ -135,7 +135,7 @@ def test_static_shapes_stop_compiling_after_the_warm_up_on_sst_batches() -> None
     import torch_xla.debug.metrics as met
 
     from torchfold import Fold, StaticShapes
-    from torchfold.models import TreeLSTM
+    from torchfold.examples.models import TreeLSTM
 
     device = torch_xla.device()
     batches, vocab = _sst_batches(40, 8)
@@ -168,7 +168,7 @@ def test_a_training_step_on_static_shapes_makes_no_device_to_host_transfer() -> 
     import torch_xla.debug.metrics as met
 
     from torchfold import Fold, StaticShapes
-    from torchfold.models import TreeLSTM
+    from torchfold.examples.models import TreeLSTM
 
     device = torch_xla.device()
     batches, vocab = _sst_batches(2, 6)
@@ -190,7 +190,7 @@ def test_padded_plans_on_xla_equal_unpadded_ones_on_the_cpu() -> None:
     import torch_xla
 
     from torchfold import Fold, StaticShapes
-    from torchfold.models import TreeLSTM
+    from torchfold.examples.models import TreeLSTM
 
     batches, vocab = _sst_batches(3, 5)
     shapes = StaticShapes()
@@ -214,7 +214,7 @@ def test_apply_on_xla_pads_by_default_and_returns_exact_outputs() -> None:
     import torch_xla
 
     from torchfold import Fold, StaticShapes
-    from torchfold.models import TreeLSTM, encode_trees
+    from torchfold.examples.models import TreeLSTM, encode_trees
 
     batches, vocab = _sst_batches(1, 4)
     torch.manual_seed(0)

@@ -2,56 +2,103 @@
 
 Record deferred node operations on a :class:`Fold`, then run every group of same-op nodes at
 the same depth as one batched call with :meth:`Fold.apply`, or compile them to a picklable
-:class:`FoldPlan` that a :class:`StepLoader` builds in worker processes. The training half
-(traces, loader, optimizer wrapper, loop, distributed helpers) lives in :mod:`torchfold.train`;
-the example models and data in :mod:`torchfold.models` and :mod:`torchfold.datasets`.
+:class:`FoldPlan` that a :class:`torchfold.train.StepLoader` builds in worker processes.
+
+The root holds the engine. Three subpackages load on first use, so ``import torchfold`` stays
+light: :mod:`torchfold.train` (traces, loader, optimizer wrapper, trainer, distributed and
+elastic training), :mod:`torchfold.examples` (SST, MNIST, example models) and
+:mod:`torchfold.cli` (``python -m torchfold``).
+
+Example:
+    >>> import torch, torchfold
+    >>> class Model(torch.nn.Module):
+    ...     def double(self, x):
+    ...         return 2 * x
+    >>> f = torchfold.Fold()
+    >>> a = f.add("double", torch.ones(1, 2))
+    >>> f.apply(Model(), [[f.add("double", a)]])
+    [tensor([[4., 4.]])]
 """
 
-from torchfold import datasets, models, train
-from torchfold._compile import FoldPlan
-from torchfold._errors import FoldError
-from torchfold._fold import Fold
-from torchfold._node import Node
-from torchfold._prefetch import Prefetcher
-from torchfold._static import StaticPlan, StaticShapes, StaticShapesWarning
-from torchfold._unfold import Unfold, UnfoldNode
-from torchfold._version import __version__
+from __future__ import annotations
 
-# The training names users call most, also at the root (the rest: torchfold.train).
-from torchfold.train import (
-    AccumulatingOptimizer,
-    BatchSizeTrace,
-    ElasticConfig,
-    Minibatch,
-    Step,
-    StepLoader,
-    TraceBatchSampler,
-    TraceTrainer,
-    init_distributed,
+import importlib
+import warnings
+from typing import Any
+
+from torchfold._errors import FoldError
+from torchfold._version import __version__
+from torchfold.engine import (
+    EagerFold,
+    EagerNode,
+    Fold,
+    FoldPlan,
+    Node,
+    StaticPlan,
+    StaticShapes,
+    StaticShapesWarning,
 )
 
 __all__ = [
-    "AccumulatingOptimizer",
-    "BatchSizeTrace",
-    "ElasticConfig",
+    "EagerFold",
+    "EagerNode",
     "Fold",
     "FoldError",
     "FoldPlan",
-    "Minibatch",
     "Node",
-    "Prefetcher",
     "StaticPlan",
     "StaticShapes",
     "StaticShapesWarning",
-    "Step",
-    "StepLoader",
-    "TraceBatchSampler",
-    "TraceTrainer",
-    "Unfold",
-    "UnfoldNode",
     "__version__",
-    "datasets",
-    "init_distributed",
-    "models",
+    "cli",
+    "examples",
     "train",
 ]
+
+_SUBPACKAGES = ("cli", "examples", "train")
+
+# Names that moved in 0.2: the old spelling still works, warning once with the new one.
+_MOVED = {
+    # torch.nn.Unfold is another thing: the eager twin is EagerFold
+    "Unfold": ("torchfold.engine.eager", "EagerFold", "torchfold.EagerFold"),
+    "UnfoldNode": ("torchfold.engine.eager", "EagerNode", "torchfold.EagerNode"),
+    "datasets": ("torchfold.examples", "datasets", "torchfold.examples.datasets"),
+    "models": ("torchfold.examples", "models", "torchfold.examples.models"),
+    **{
+        name: ("torchfold.train", name, f"torchfold.train.{name}")
+        for name in (
+            "AccumulatingOptimizer",
+            "BatchSizeTrace",
+            "ElasticConfig",
+            "Minibatch",
+            "Prefetcher",
+            "Step",
+            "StepLoader",
+            "TraceBatchSampler",
+            "TraceTrainer",
+            "init_distributed",
+        )
+    },
+}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the subpackages load on first use, and moved names resolve with one warning.
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"torchfold.{name}")
+    if name in _MOVED:
+        module, attribute, new = _MOVED[name]
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"torchfold.{name} is deprecated since torchfold 0.2; use {new}",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'torchfold' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SUBPACKAGES])

@@ -13,16 +13,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchfold._compile import FoldPlan, compile_fold
 from torchfold._errors import FoldError
-from torchfold._node import INT64_MAX, INT64_MIN, Group, Node, Op, Owner, new_node, op_name, outside_int64
-from torchfold._plan import cuda_device
-from torchfold._static import StaticShapes
+from torchfold.engine.compiler import compile_fold
+from torchfold.engine.node import (
+    INT64_MAX,
+    INT64_MIN,
+    Group,
+    Node,
+    Op,
+    Owner,
+    new_node,
+    op_name,
+    outside_int64,
+)
+from torchfold.engine.plan import FoldPlan
+from torchfold.engine.resolve import cuda_device
+from torchfold.engine.static.shapes import StaticShapes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from torchfold._static import StaticPlan
+    from torchfold.engine.static.shapes import StaticPlan
 
 __all__ = ["Fold"]
 
@@ -250,17 +261,17 @@ class Fold:
         return sum(len(group.calls) for group in self._groups.values())
 
     def __repr__(self) -> str:
-        from torchfold._plan import describe
+        from torchfold.engine.resolve import describe
 
         return describe(self)
 
     def draw(self, path: str | Path | None = None, **kwargs: Any) -> Figure:
         """Draw the graph by depth, one box per batched group; save it to ``path`` if given.
 
-        Keyword arguments go to :func:`torchfold._draw.draw_fold` (``max_nodes``, ``title``...).
+        Keyword arguments go to :func:`torchfold.engine.draw.draw_fold` (``max_nodes``, ``title``...).
         A fold of more than ``max_groups=200`` groups is refused (slow, unreadable): draw a part
         of it with ``depths=range(start, stop)``.
         """
-        from torchfold._draw import draw_fold
+        from torchfold.engine.draw import draw_fold
 
         return draw_fold(self, path, **kwargs)

@@ -1,7 +1,7 @@
 """The training half of torchfold: batch-size traces, the step loader, the optimizer wrapper, the loop.
 
 Everything for training with a global batch size that changes every step, on one process or
-many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) stays at the root.
+many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at the root.
 
 >>> import torchfold.train as tt
 >>> loader = tt.StepLoader(list(range(10)), batch_size=2, trace=[4, 6], shuffle=False)
@@ -9,7 +9,7 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) stays
 [[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
 """
 
-from torchfold._distributed import (
+from torchfold.train.distributed import (
     all_reduce_sum_,
     broadcast_parameters,
     check_same_on_all_ranks,
@@ -20,12 +20,13 @@ from torchfold._distributed import (
     init_distributed,
     is_main_process,
 )
-from torchfold._elastic import ElasticConfig
-from torchfold._loader import Minibatch, Step, StepLoader, to_device
-from torchfold._loop import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
-from torchfold._optim import AccumulatingOptimizer
-from torchfold._sampler import StepPlan, TraceBatchSampler
-from torchfold._trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.elastic import ElasticConfig
+from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
+from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.prefetch import Prefetcher
+from torchfold.train.sampler import StepPlan, TraceBatchSampler
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.trainer import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -36,6 +37,7 @@ __all__ = [
     "Minibatch",
     "PlanLoss",
     "Preempted",
+    "Prefetcher",
     "Step",
     "StepLoader",
     "StepPlan",

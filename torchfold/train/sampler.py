@@ -1,4 +1,4 @@
-"""A distributed batch sampler whose global batch size follows a :class:`~torchfold.BatchSizeTrace`.
+"""A distributed batch sampler whose global batch size follows a :class:`~torchfold.train.BatchSizeTrace`.
 
 :class:`TraceBatchSampler` is a ``Sampler[list[int]]`` for ``DataLoader(batch_sampler=...)``. Each
 optimizer step ``s`` of the trace takes the next ``trace[s]`` indices of the epoch's permutation
@@ -39,7 +39,7 @@ epoch). Only the last step of an epoch (``drop_last=False``) can have a minibatc
 
 **A per-device maximum instead of a minibatch size** (``max_device_batch_size=``, Run:AI AIkit's
 elastic rule): each step's global batch is cut into the minibatches
-:meth:`ElasticConfig.minibatch_sizes <torchfold.ElasticConfig.minibatch_sizes>` gives for the
+:meth:`ElasticConfig.minibatch_sizes <torchfold.train.ElasticConfig.minibatch_sizes>` gives for the
 ranks present, ``ceil(batch / (num_replicas * max))`` per rank, as even as possible and never
 above the maximum. So the accumulation follows the number of ranks (global 256, maximum 64: 4
 minibatches on 1 rank, 2 each on 2, 1 each on 4), and the trace's sizes need not be multiples of
@@ -63,9 +63,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from torchfold._elastic import ElasticConfig
-from torchfold._trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 from torchfold._validate import check_int
+from torchfold.train.elastic import ElasticConfig
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 
 __all__ = ["StepPlan", "TraceBatchSampler", "minibatches_per_rank"]
 
@@ -147,7 +147,7 @@ class TraceBatchSampler(Sampler[list[int]]):
             leaves them out of this epoch.
         max_device_batch_size: instead of ``minibatch_size``: the most samples one rank processes
             at once; each step is cut into as few minibatches per rank as that allows (see
-            :class:`~torchfold.ElasticConfig`).
+            :class:`~torchfold.train.ElasticConfig`).
         max_accumulation_steps: with ``max_device_batch_size``, refuse a trace whose global batch
             needs more minibatches per rank than this on ``num_replicas`` ranks (default: no limit).
 

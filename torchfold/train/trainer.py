@@ -1,23 +1,23 @@
-"""The trace-aware training loop on a :class:`~torchfold.StepLoader`: plans built in workers, applied here.
+"""The trace-aware training loop on a :class:`~torchfold.train.StepLoader`: plans built in workers, applied here.
 
 :class:`TraceTrainer` runs the steps its loader yields. The loader's ``build(items) ->
 (FoldPlan, targets)`` records and compiles every minibatch's folds (in worker processes when it
 has ``num_workers``); the trainer applies each plan, computes ``loss(model, outputs, targets)``,
 backpropagates it inside ``optimizer.minibatch(num_samples)`` and, after this rank's minibatches
 of the step (there may be none), ends the step on every rank together: the
-:class:`~torchfold.AccumulatingOptimizer` all-reduces the gradients, scales them by the true
+:class:`~torchfold.train.AccumulatingOptimizer` all-reduces the gradients, scales them by the true
 global batch and updates with the LR rule. So the number and size of the folds change from step
 to step with the trace, while the update equals one step on the whole global batch.
 
 The loop is generic over the structure type: it never looks inside items or targets. For SST
-Tree-LSTMs the two halves are :class:`torchfold.models.TreeLSTMBuild` (for the loader) and
-:func:`torchfold.models.tree_lstm_loss` (for the trainer).
+Tree-LSTMs the two halves are :class:`torchfold.examples.models.TreeLSTMBuild` (for the loader) and
+:func:`torchfold.examples.models.tree_lstm_loss` (for the trainer).
 
 Around the steps: a tqdm progress bar and a log line every ``log_every`` steps (step, global
 batch, learning rate, loss, samples/s), both on the main rank only; a checkpoint every
 ``checkpoint_every`` steps (model, optimizer, loader position, the generators of every rank)
 that :meth:`TraceTrainer.resume` continues from exactly. Under ``torchrun`` each process runs
-the same code; create the process group first (:func:`torchfold._distributed.init_distributed`).
+the same code; create the process group first (:func:`torchfold.train.distributed.init_distributed`).
 
 **Elastic.** A checkpoint resumes on any number of processes: a step holds the same samples
 however many share it, and its update is their mean, so the parameters follow one uninterrupted
@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torchfold._checkpoint import (
+from torchfold.engine.static.shapes import StaticPlan
+from torchfold.train.checkpoint import (
     check_trainer_state,
     checkpoint_path,
     latest_checkpoint,
@@ -66,7 +67,7 @@ from torchfold._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold._distributed import (
+from torchfold.train.distributed import (
     all_reduce_sum_,
     broadcast_parameters,
     first_line,
@@ -74,9 +75,8 @@ from torchfold._distributed import (
     get_world_size,
     xla_sync,
 )
-from torchfold._loader import Step, StepLoader, to_device
-from torchfold._optim import AccumulatingOptimizer
-from torchfold._static import StaticPlan
+from torchfold.train.loader import Step, StepLoader, to_device
+from torchfold.train.optim import AccumulatingOptimizer
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
 
@@ -151,7 +151,7 @@ class StepStats:
 
 
 class TraceTrainer:
-    """Train a fold model for the steps of a :class:`~torchfold.StepLoader`, with checkpoints that resume exactly.
+    """Train a fold model for the steps of a :class:`~torchfold.train.StepLoader`, with checkpoints that resume exactly.
 
     Every rank constructs the trainer with its own loader (``replication_factor`` = world size,
     ``rank`` = its rank: the defaults once the process group exists) and calls :meth:`fit`; the
@@ -161,9 +161,9 @@ class TraceTrainer:
 
     Args:
         model: the module whose methods are the fold ops; trained in place.
-        optimizer: an :class:`~torchfold.AccumulatingOptimizer` over ``model``'s parameters (its
+        optimizer: an :class:`~torchfold.train.AccumulatingOptimizer` over ``model``'s parameters (its
             ``minibatch_size``, when unset, becomes the loader's ``batch_size``).
-        loader: this rank's :class:`~torchfold.StepLoader`, with a ``build`` returning
+        loader: this rank's :class:`~torchfold.train.StepLoader`, with a ``build`` returning
             ``(FoldPlan, targets)`` (a trace, or PopTorch's constant batch, sets the steps).
         loss: ``loss(model, outputs, targets) -> scalar`` (see :class:`PlanLoss`).
         device: where targets go and plans run (default: the model's device).
@@ -188,15 +188,15 @@ class TraceTrainer:
 
     Example:
         >>> import torchfold
-        >>> from torchfold.datasets import Vocab, generate_sst
-        >>> from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+        >>> from torchfold.examples.datasets import Vocab, generate_sst
+        >>> from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
         >>> trees = generate_sst(40, seed=0)
         >>> vocab = Vocab.build(trees)
         >>> _ = torch.manual_seed(0)
         >>> model = TreeLSTM(len(vocab), embedding_dim=8, hidden_dim=8)
-        >>> optimizer = torchfold.AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+        >>> optimizer = torchfold.train.AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
         ...                                             lr_rule="linear", ref_batch_size=8)
-        >>> loader = torchfold.StepLoader(trees, 4, build=TreeLSTMBuild(vocab), trace=[8, 16, 4, 12])
+        >>> loader = torchfold.train.StepLoader(trees, 4, build=TreeLSTMBuild(vocab), trace=[8, 16, 4, 12])
         >>> trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False)
         >>> [(s.step, s.batch_size, s.num_minibatches, s.lr) for s in trainer.fit()]  # 40 trees: one epoch
         [(0, 8, 2, 0.01), (1, 16, 4, 0.02), (2, 4, 1, 0.005), (3, 12, 3, 0.015)]
@@ -235,7 +235,7 @@ class TraceTrainer:
         if loader.build is None:
             raise ValueError(
                 "the loader has no build function: give it build=... returning (FoldPlan, targets) for a minibatch "
-                "of items (e.g. torchfold.models.TreeLSTMBuild(vocab))"
+                "of items (e.g. torchfold.examples.models.TreeLSTMBuild(vocab))"
             )
         if not callable(loss):
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")

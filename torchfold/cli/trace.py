@@ -17,8 +17,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from torchfold._trace import LR_RULES, BatchSizeTrace
 from torchfold._validate import positive_float, positive_int
+from torchfold.train.trace import LR_RULES, BatchSizeTrace
 
 __all__ = ["main"]
 

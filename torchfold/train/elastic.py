@@ -9,7 +9,7 @@ slots; slot ``(step a, rank r)`` is number ``a * D + r``, and the first ``global
 get one sample more than the others. So the device batches add up to the global batch exactly,
 differ by at most one, and never exceed the maximum. When the global batch is smaller than the
 number of devices, some slots are empty (0 samples): that device takes part in the step's
-all-reduce with zero gradients (see :class:`~torchfold.AccumulatingOptimizer`).
+all-reduce with zero gradients (see :class:`~torchfold.train.AccumulatingOptimizer`).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class ElasticConfig:
         """The step's non-empty minibatches over all devices, in slot order (slot ``a * D + r``).
 
         Minibatch ``j`` of the list is device ``j % D``'s, in accumulation step ``j // D``: the
-        dealing rule of :class:`~torchfold.TraceBatchSampler`, which cuts each step's samples into
+        dealing rule of :class:`~torchfold.train.TraceBatchSampler`, which cuts each step's samples into
         these sizes. Empty slots (a global batch smaller than the device count) come last and are
         left out.
 

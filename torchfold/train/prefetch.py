@@ -55,7 +55,7 @@ class Prefetcher(Generic[B, T], Iterator[T]):
         >>> class Doubler(torch.nn.Module):
         ...     def exp(self, x):
         ...         return 2 * x
-        >>> with torchfold.Prefetcher([[1, 2], [3]], build) as ready:
+        >>> with torchfold.train.Prefetcher([[1, 2], [3]], build) as ready:
         ...     for fold, nodes in ready:
         ...         print(fold.apply(Doubler(), [nodes])[0].tolist())
         [2, 4]

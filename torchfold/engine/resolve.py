@@ -2,7 +2,7 @@
 
 Everything here runs before any op does, so a mistake in the graph (an unknown op, a
 malformed request) is reported before a single tensor is computed. The compiled plan itself
-(``FoldPlan``) is built in :mod:`torchfold._compile` and run by :mod:`torchfold._execute`.
+(``FoldPlan``) is built in :mod:`torchfold.engine.compiler` and run by :mod:`torchfold.engine.executor`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import INT64_MAX, INT64_MIN, Node, Op, ints_and_floats_mixed, node_label, outside_int64
+from torchfold.engine.node import (
+    INT64_MAX,
+    INT64_MIN,
+    Node,
+    Op,
+    ints_and_floats_mixed,
+    node_label,
+    outside_int64,
+)
 
 if TYPE_CHECKING:
-    from torchfold._fold import Fold
+    from torchfold.engine.fold import Fold
 
 __all__ = ["check_request_items", "check_requests", "cuda_device", "describe", "module_device", "resolve_ops"]
 
@@ -26,7 +34,7 @@ _owner = operator.attrgetter("owner")
 
 
 class _Batched(Protocol):
-    """What resolving needs of a batched call (a compiled ``Step``)."""
+    """What resolving needs of a batched call (a compiled ``GroupCall``)."""
 
     op: Op
     name: str

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._node import (
+from torchfold.engine.node import (
     INT64_MAX,
     INT64_MIN,
     Op,
@@ -21,12 +21,12 @@ from torchfold._node import (
     op_name,
     outside_int64,
 )
-from torchfold._plan import check_request_items, cuda_device, module_device
+from torchfold.engine.resolve import check_request_items, cuda_device, module_device
 
-__all__ = ["Unfold", "UnfoldNode"]
+__all__ = ["EagerFold", "EagerNode"]
 
 
-class UnfoldNode:
+class EagerNode:
     """The value of one eager call, with the ``split``/``nobatch`` API of a fold node."""
 
     __slots__ = ("depth", "op", "value")
@@ -36,7 +36,7 @@ class UnfoldNode:
         self.value = value
         self.depth = depth  # as a Fold counts it: what would be batched with what
 
-    def split(self, num: int) -> tuple[UnfoldNode, ...]:
+    def split(self, num: int) -> tuple[EagerNode, ...]:
         """One node per output of a call that returned a tuple of ``num`` tensors."""
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ValueError(f"split(num) needs a positive int, got {num!r}")
@@ -51,9 +51,9 @@ class UnfoldNode:
                 f"{problem}: op {op_name(self.op)!r} at depth {self.depth} was split into {num} outputs, "
                 f"but it returned {len(self.value)}; call .split({len(self.value)})"
             )
-        return tuple(UnfoldNode(self.op, self.value[i], self.depth) for i in range(num))
+        return tuple(EagerNode(self.op, self.value[i], self.depth) for i in range(num))
 
-    def nobatch(self) -> UnfoldNode:
+    def nobatch(self) -> EagerNode:
         """A no-op here: eager values are never batched."""
         return self
 
@@ -67,10 +67,10 @@ class UnfoldNode:
         return self.value
 
     def __repr__(self) -> str:
-        return f"UnfoldNode({op_name(self.op)!r}, {self.value!r})"
+        return f"EagerNode({op_name(self.op)!r}, {self.value!r})"
 
 
-class Unfold:
+class EagerFold:
     """Runs each ``add`` immediately on ``nn``; ``apply`` concatenates the requested values.
 
     Ints become a ``LongTensor`` of shape ``(1,)`` (floats, a float tensor) and tensors pass
@@ -87,7 +87,7 @@ class Unfold:
         ...     def exp(self, x):
         ...         return 2 * x
         >>> model = Doubler()
-        >>> u = torchfold.Unfold(model)
+        >>> u = torchfold.EagerFold(model)
         >>> a = u.add("exp", 1)
         >>> u.apply(model, [[a, u.add("exp", a)]])
         [tensor([2, 4])]
@@ -108,23 +108,23 @@ class Unfold:
         # node/tensor (None): a Fold batches those calls into one tensor, so it refuses mixes
         self._seen: dict[tuple[int, Op, int, int], dict[type | None, Any]] = {}
 
-    def cuda(self) -> Unfold:
+    def cuda(self) -> EagerFold:
         """Make int and float arguments on the GPU from now on (the original TorchFold's method); returns self.
 
         Example:
             >>> import torch, torchfold
-            >>> unfold = torchfold.Unfold(torch.nn.Linear(2, 2))
+            >>> unfold = torchfold.EagerFold(torch.nn.Linear(2, 2))
             >>> if torch.cuda.is_available():
             ...     unfold = unfold.cuda()
 
         Raises:
             RuntimeError: CUDA is not available.
         """
-        self.device = cuda_device("Unfold")
+        self.device = cuda_device("EagerFold")
         return self
 
     def _argument(self, op: Op, position: int, arg: Any) -> Any:
-        if isinstance(arg, UnfoldNode):
+        if isinstance(arg, EagerNode):
             return arg.tensor()
         if isinstance(arg, bool) or not isinstance(arg, int | float | torch.Tensor):
             raise FoldError(
@@ -156,7 +156,7 @@ class Unfold:
                 raise FoldError(ints_and_floats_mixed(where, seen[int], seen[float]))
             raise FoldError(literals_and_rows_mixed(where, "ints" if int in seen else "floats"))
 
-    def add(self, op: Op, *args: Any) -> UnfoldNode:
+    def add(self, op: Op, *args: Any) -> EagerNode:
         """Run ``op(*args)`` now and return its value wrapped as a node."""
         if isinstance(op, str):
             fn = getattr(self.nn, op, None)
@@ -169,7 +169,7 @@ class Unfold:
         else:
             raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
         values = [self._argument(op, i, a) for i, a in enumerate(args)]
-        depth = 1 + max((a.depth for a in args if isinstance(a, UnfoldNode)), default=-1)
+        depth = 1 + max((a.depth for a in args if isinstance(a, EagerNode)), default=-1)
         self._check_batchable(op, depth, args)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
             value = fn(*values)
@@ -182,35 +182,35 @@ class Unfold:
                     "every call must own at least one row (an op that filters rows loses track of which call owns "
                     "which: mask values instead)"
                 )
-        return UnfoldNode(op, value, depth)
+        return EagerNode(op, value, depth)
 
     def apply(
-        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[UnfoldNode | torch.Tensor | int | float]]
+        self, nn: torch.nn.Module | object, nodes: Sequence[Sequence[EagerNode | torch.Tensor | int | float]]
     ) -> list[torch.Tensor]:
         """Concatenate the values of each list of nodes along dim 0 (lists take what ``Fold.apply`` takes).
 
         Raises:
-            ValueError: ``nn`` is not the module this Unfold was created with (its ops ran on that one).
+            ValueError: ``nn`` is not the module this EagerFold was created with (its ops ran on that one).
             FoldError: an empty or malformed request.
         """
         if nn is not self.nn:
             raise ValueError(
-                f"Unfold.apply was given another {type(nn).__name__} than the one this Unfold ran its ops on "
-                f"(a {type(self.nn).__name__} given to Unfold(...)); pass that same module to apply"
+                f"EagerFold.apply was given another {type(nn).__name__} than the one this EagerFold ran its ops on "
+                f"(a {type(self.nn).__name__} given to EagerFold(...)); pass that same module to apply"
             )
         if not nodes or any(len(request) == 0 for request in nodes):
             raise FoldError("empty request: apply needs a non-empty list of non-empty lists of nodes")
         return [self._request(number, request) for number, request in enumerate(nodes)]
 
     def _request(self, number: int, request: Sequence[Any]) -> torch.Tensor:
-        check_request_items(number, request, UnfoldNode)
+        check_request_items(number, request, EagerNode)
         cls = request[0].__class__
         if cls is int or cls is float:
             dtype = torch.long if cls is int else torch.get_default_dtype()
             return torch.tensor(request, dtype=dtype, device=self.device)
-        values = [item.tensor() if isinstance(item, UnfoldNode) else item for item in request]
-        if any(isinstance(item, UnfoldNode) for item in request) and any(
-            not isinstance(item, UnfoldNode) for item in request
+        values = [item.tensor() if isinstance(item, EagerNode) else item for item in request]
+        if any(isinstance(item, EagerNode) for item in request) and any(
+            not isinstance(item, EagerNode) for item in request
         ):  # a Fold gathers them as calls: each item's rows count as one call's
             rows = [len(value) for value in values]
             if len(set(rows)) > 1:

@@ -6,8 +6,8 @@ model. Each optimizer step has a global batch; the loader cuts it into minibatch
 step to rank ``j % replication_factor``, so a rank may get several, one or none) and yields, per
 step, this rank's minibatches as one :class:`Step`. The global batch is either PopTorch's
 constant ``batch_size * replication_factor * gradient_accumulation`` or, with ``trace=``, what a
-:class:`~torchfold.BatchSizeTrace` says for that step. Either way the split is the one of
-:class:`~torchfold.TraceBatchSampler` (the loader drives one), so ranks read disjoint samples of
+:class:`~torchfold.train.BatchSizeTrace` says for that step. Either way the split is the one of
+:class:`~torchfold.train.TraceBatchSampler` (the loader drives one), so ranks read disjoint samples of
 one seeded permutation that changes with :meth:`StepLoader.set_epoch`.
 
 With ``build``, every minibatch's items go through ``build(items) -> (FoldPlan, targets)`` in
@@ -31,13 +31,13 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from torchfold._compile import FoldPlan
-from torchfold._distributed import get_world_size
 from torchfold._errors import add_note
-from torchfold._sampler import StepPlan, TraceBatchSampler
-from torchfold._static import StaticPlan
-from torchfold._trace import TraceLike
 from torchfold._validate import check_int
+from torchfold.engine.plan import FoldPlan
+from torchfold.engine.static.shapes import StaticPlan
+from torchfold.train.distributed import get_world_size
+from torchfold.train.sampler import StepPlan, TraceBatchSampler
+from torchfold.train.trace import TraceLike
 
 __all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
 
@@ -133,7 +133,7 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
             data = items if self.build is None else self.build(items)
         except Exception as e:
             where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
-            add_note(e, f"torchfold.StepLoader: while building the minibatch of {where}")
+            add_note(e, f"torchfold.train.StepLoader: while building the minibatch of {where}")
             raise
         if self.build is not None and not (
             isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)
@@ -156,7 +156,7 @@ def _first(batch: Minibatch[Any]) -> Minibatch[Any]:
 class StepLoader(Generic[T, R]):
     """Yield one :class:`Step` per optimizer step: this rank's minibatches of that step, built ahead.
 
-    The loop stays ordinary (``optimizer`` an :class:`~torchfold.AccumulatingOptimizer`)::
+    The loop stays ordinary (``optimizer`` an :class:`~torchfold.train.AccumulatingOptimizer`)::
 
         for epoch in range(epochs):
             loader.set_epoch(epoch)
@@ -175,7 +175,7 @@ class StepLoader(Generic[T, R]):
         build: ``build(items) -> (FoldPlan, targets)``, run for each minibatch in the workers
             (record the items on a ``Fold`` and return ``fold.plan(...)`` and the targets, numpy
             preferred). ``None`` (default): a minibatch is the list of its items.
-        trace: the global batch size of every step (a :class:`~torchfold.BatchSizeTrace`, a
+        trace: the global batch size of every step (a :class:`~torchfold.train.BatchSizeTrace`, a
             ``step,batchsize`` CSV path, a list or an int); every size a multiple of
             ``batch_size``. ``None`` (default): PopTorch's constant
             ``batch_size * replication_factor * gradient_accumulation``.
@@ -204,7 +204,7 @@ class StepLoader(Generic[T, R]):
             one replica processes at once (AIkit's maximum GPU batch size). Each step's global
             batch (``trace`` is then required) is cut into as few minibatches per replica as
             that allows, so the accumulation follows the number of replicas present (see
-            :class:`~torchfold.ElasticConfig`).
+            :class:`~torchfold.train.ElasticConfig`).
         max_accumulation_steps: with ``max_device_batch_size``: refuse a trace whose global batch
             needs more minibatches per replica than this (default: no limit).
 
@@ -329,7 +329,7 @@ class StepLoader(Generic[T, R]):
             )
         except ValueError as e:
             if "minibatch_size" in str(e):
-                add_note(e, f"torchfold.StepLoader: its batch_size={batch_size} is the minibatch size")
+                add_note(e, f"torchfold.train.StepLoader: its batch_size={batch_size} is the minibatch size")
             raise
         if num_workers and build is not None:
             method: str = (

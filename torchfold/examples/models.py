@@ -1,11 +1,11 @@
 """Reference models whose methods are fold ops: a binary Tree-LSTM for SST and an MLP for MNIST.
 
 Every op takes and returns batched tensors (one row per node), so the same method serves a
-:class:`~torchfold.Fold` (one call per group of nodes), an :class:`~torchfold.Unfold` (one
+:class:`~torchfold.Fold` (one call per group of nodes), an :class:`~torchfold.EagerFold` (one
 call per node) and plain eager code. :func:`encode_tree` records a tree on a fold;
 :func:`forward_tree` is the plain recursive computation it must match. :class:`TreeLSTMBuild`
 and :func:`tree_lstm_loss` are the two halves of the SST training loss for a
-:class:`~torchfold.StepLoader` (building plans in workers) and :class:`~torchfold.train.TraceTrainer`.
+:class:`~torchfold.train.StepLoader` (building plans in workers) and :class:`~torchfold.train.TraceTrainer`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchfold._compile import FoldPlan
-from torchfold._fold import Fold
-from torchfold._static import StaticPlan, StaticShapes
-from torchfold.datasets import Tree, Vocab
+from torchfold.engine.fold import Fold
+from torchfold.engine.plan import FoldPlan
+from torchfold.engine.static.shapes import StaticPlan, StaticShapes
+from torchfold.examples.datasets import Tree, Vocab
 
 __all__ = [
     "MLP",
@@ -62,7 +62,7 @@ class TreeLSTM(nn.Module):
 
     Example:
         >>> import torch, torchfold
-        >>> from torchfold.datasets import Vocab, parse_tree
+        >>> from torchfold.examples.datasets import Vocab, parse_tree
         >>> tree = parse_tree("(3 (2 not) (1 bad))")
         >>> vocab = Vocab.build([tree])
         >>> model = TreeLSTM(len(vocab), embedding_dim=8, hidden_dim=16)
@@ -141,7 +141,7 @@ class TreeLSTM(nn.Module):
 
 
 class _Recorder(Protocol):
-    """What :func:`encode_tree` needs: ``Fold`` and ``Unfold`` both fit."""
+    """What :func:`encode_tree` needs: ``Fold`` and ``EagerFold`` both fit."""
 
     def add(self, op: Any, *args: Any) -> Any: ...
 
@@ -151,15 +151,15 @@ def encode_tree(fold: _Recorder, tree: Tree, vocab: Vocab) -> list[tuple[Any, in
 
     Nodes come in post-order (children first, root last), so ``fold.apply(model, [[h for h, _
     in pairs]])`` gives every node's state for a loss at every node. Works the same with
-    :class:`~torchfold.Unfold` (eager values instead of deferred nodes).
+    :class:`~torchfold.EagerFold` (eager values instead of deferred nodes).
 
     Args:
-        fold: a :class:`~torchfold.Fold` (or ``Unfold``) to record on.
+        fold: a :class:`~torchfold.Fold` (or ``EagerFold``) to record on.
         tree: the tree to encode.
         vocab: maps leaf words to ids (unknown words to its ``unk_id``).
 
     >>> import torchfold
-    >>> from torchfold.datasets import parse_tree
+    >>> from torchfold.examples.datasets import parse_tree
     >>> pairs = encode_tree(torchfold.Fold(), parse_tree("(3 (2 a) (3 (2 a) (4 film)))"), Vocab(["a", "film"]))
     >>> [label for _, label in pairs]
     [2, 2, 4, 3, 3]
@@ -197,7 +197,7 @@ def encode_trees(
     ``nodes[roots[k]]`` is the root of the k-th tree (each tree's nodes in post-order).
 
     >>> import torchfold
-    >>> from torchfold.datasets import parse_tree
+    >>> from torchfold.examples.datasets import parse_tree
     >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
     >>> nodes, labels, roots = encode_trees(torchfold.Fold(), trees, Vocab(["a", "film", "bad"]))
     >>> labels, roots
@@ -219,7 +219,7 @@ def forward_tree(model: TreeLSTM, tree: Tree, vocab: Vocab) -> tuple[torch.Tenso
 
     No fold involved: the reference that :func:`encode_tree` + ``Fold.apply`` must equal.
 
-    >>> from torchfold.datasets import parse_tree
+    >>> from torchfold.examples.datasets import parse_tree
     >>> tree = parse_tree("(3 (2 a) (4 film))")
     >>> vocab = Vocab(["a", "film"])
     >>> h, labels = forward_tree(TreeLSTM(len(vocab), 4, 6), tree, vocab)
@@ -264,7 +264,7 @@ class TreeLSTMBuild:
         vocab: maps the trees' words to the model's embedding ids.
         shapes: pad plans and targets into this envelope (default ``None``: no padding).
 
-    >>> from torchfold.datasets import parse_tree
+    >>> from torchfold.examples.datasets import parse_tree
     >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
     >>> plan, (labels, weights) = TreeLSTMBuild(Vocab(["a", "film", "bad"]))(trees)
     >>> plan, labels.tolist(), weights.tolist()
@@ -299,7 +299,7 @@ def tree_lstm_loss(
             rows, if any, weigh 0).
         targets: its ``(labels, weights)`` (numpy arrays or tensors).
 
-    >>> from torchfold.datasets import parse_tree
+    >>> from torchfold.examples.datasets import parse_tree
     >>> trees = [parse_tree("(3 (2 a) (4 film))"), parse_tree("(1 bad)")]
     >>> vocab = Vocab.build(trees)
     >>> plan, targets = TreeLSTMBuild(vocab)(trees)

@@ -23,16 +23,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchfold._checkpoint import latest_checkpoint, load_checkpoint
-from torchfold._distributed import default_device, init_distributed
-from torchfold._loader import StepLoader
-from torchfold._loop import Preempted, StepStats, TraceTrainer
-from torchfold._optim import AccumulatingOptimizer
-from torchfold._static import StaticShapes
-from torchfold._trace import BatchSizeTrace, as_trace
 from torchfold._validate import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
-from torchfold.datasets import ENV_VAR, Tree, TreeParseError, Vocab, data_root, generate_sst, load_sst
-from torchfold.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.engine.static.shapes import StaticShapes
+from torchfold.examples.datasets import (
+    ENV_VAR,
+    Tree,
+    TreeParseError,
+    Vocab,
+    data_root,
+    generate_sst,
+    load_sst,
+)
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.train.checkpoint import latest_checkpoint, load_checkpoint
+from torchfold.train.distributed import default_device, init_distributed
+from torchfold.train.loader import StepLoader
+from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.trace import BatchSizeTrace, as_trace
+from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
 __all__ = ["build_parser", "main"]
 

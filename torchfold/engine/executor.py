@@ -1,4 +1,4 @@
-"""Running a :class:`~torchfold._compile.FoldPlan`: one batched call per group, nothing per node.
+"""Running a compiled fold (:class:`~torchfold.engine.ir.PlanData`): one batched call per group, nothing per node.
 
 Every group's result stays one batched tensor (or tuple of them). A consumer's argument is
 assembled with at most two tensor operations, whatever the number of nodes:
@@ -23,10 +23,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from torchfold._compile import INT32_LIMIT, Arg, FoldPlan, Gather, Step, call_offsets
 from torchfold._errors import FoldError, add_note
-from torchfold._node import describe_arg_shapes, node_label
-from torchfold._plan import module_device, resolve_ops
+from torchfold.engine.ir import INT32_LIMIT, Arg, Gather, GroupCall, PlanData, call_offsets
+from torchfold.engine.node import describe_arg_shapes, node_label
+from torchfold.engine.resolve import module_device, resolve_ops
 
 __all__ = ["run"]
 
@@ -46,7 +46,7 @@ class _Results:
 
     __slots__ = ("kinds", "outputs", "plan", "tensors")
 
-    def __init__(self, plan: FoldPlan) -> None:
+    def __init__(self, plan: PlanData) -> None:
         count = len(plan.source_owner)
         self.plan = plan
         self.tensors: list[_Tensor | None] = [None] * count
@@ -54,7 +54,7 @@ class _Results:
         self.kinds: list[tuple[Any, ...] | None] = [None] * count
         self.outputs = [0] * len(plan.steps)  # outputs each step returned (0: one tensor)
 
-    def store(self, number: int, step: Step, out: Any) -> None:
+    def store(self, number: int, step: GroupCall, out: Any) -> None:
         calls = step.num_calls
         if isinstance(out, _Tensor):
             outputs: Sequence[Any] = (out,)
@@ -248,8 +248,8 @@ def _gathered(
     return list(source.split_with_sizes([size * rows for size in gather.sizes]))
 
 
-def _combined_gathered(step: Step, results: _Results, device: torch.device) -> list[_Tensor] | None:
-    """A step's gathers as one (``Step.combined``), in the order of their positions; None if their
+def _combined_gathered(step: GroupCall, results: _Results, device: torch.device) -> list[_Tensor] | None:
+    """A step's gathers as one (``GroupCall.combined``), in the order of their positions; None if their
     sources disagree (or one is a tuple used whole, or they are big enough to compact): each
     gather then runs on its own, and explains any error precisely."""
     tensors, kinds = results.tensors, results.kinds
@@ -295,7 +295,7 @@ def _compact_sparse_sources(
     return offsets[item_piece] + item_call
 
 
-def _arguments(step: Step, results: _Results, device: torch.device) -> list[Any]:
+def _arguments(step: GroupCall, results: _Results, device: torch.device) -> list[Any]:
     args: list[Any] = [None] * step.arity
     for position, arg in step.fixed:
         args[position] = _value(arg, results, device)
@@ -319,7 +319,7 @@ def _request_label(number: int) -> Callable[[int], str]:
 
 
 def run(
-    plan: FoldPlan,
+    plan: PlanData,
     nn: object,
     arg_shapes: list[list[tuple[Any, Any]]] | None = None,
     device: torch.device | None = None,

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchfold._node import Group, Node
+from torchfold.engine.node import Group, Node
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from torchfold._fold import Fold
+    from torchfold.engine.fold import Fold
 
 __all__ = ["draw_fold"]
 

@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchfold._compile import Arg, FoldPlan, Step, check_pad_rows, check_portable_op, portable_tensors
 from torchfold._errors import FoldError, add_note
-from torchfold._node import Op
-from torchfold._plan import module_device, resolve_ops
+from torchfold.engine.ir import Arg, GroupCall, PlanData, check_pad_rows, check_portable_op, portable_tensors
+from torchfold.engine.node import Op
+from torchfold.engine.resolve import module_device, resolve_ops
 
 __all__ = ["StaticPlan", "StaticShapes", "StaticShapesWarning"]
 
@@ -96,7 +96,7 @@ class _Batch:
     streams: list[Stream]  # per source number
 
 
-def _decode(plan: FoldPlan) -> _Batch:
+def _decode(plan: PlanData) -> _Batch:
     columns = [_step_columns(plan, step) for step in plan.steps]
     keys: list[OpKey] = [
         (step.op, step.arity, step.num_outputs, tuple(column.kind for column in cols), _given_layouts(cols))
@@ -126,7 +126,7 @@ def _given_layouts(columns: list[_Column]) -> tuple[Any, ...]:
     return tuple(layouts)
 
 
-def _step_columns(plan: FoldPlan, step: Step) -> list[_Column]:
+def _step_columns(plan: PlanData, step: GroupCall) -> list[_Column]:
     columns: list[_Column | None] = [None] * step.arity
     for position, arg in step.fixed:
         kind, value = arg.kind, arg.value
@@ -170,7 +170,7 @@ def _step_columns(plan: FoldPlan, step: Step) -> list[_Column]:
     return [column for column in columns if column is not None]
 
 
-def _request_column(plan: FoldPlan, request: Any, number: int) -> _Column:
+def _request_column(plan: PlanData, request: Any, number: int) -> _Column:
     """A request: node rows (padded like a position), ints or floats (padded), or given tensors (passed as is)."""
     if isinstance(request, Arg) and request.kind in ("ints", "floats"):
         return _Column(request.kind, values=request.value)
@@ -184,7 +184,7 @@ def _request_column(plan: FoldPlan, request: Any, number: int) -> _Column:
     return _nodes_column(plan, request, f"apply request {number}")
 
 
-def _nodes_column(plan: FoldPlan, arg: Any, where: str) -> _Column:
+def _nodes_column(plan: PlanData, arg: Any, where: str) -> _Column:
     """A position or request reading rows of earlier results, whatever shortcut the compiler chose."""
     if isinstance(arg, Arg):
         if arg.kind == "whole":
@@ -357,11 +357,11 @@ class StaticShapes:
 
     # -- fitting ----------------------------------------------------------------------------
 
-    def fit(self, plan: FoldPlan) -> StaticPlan:
+    def fit(self, plan: PlanData) -> StaticPlan:
         """Pad ``plan`` into the envelope (growing it first if the plan does not fit)."""
         if isinstance(plan, StaticPlan):
             raise TypeError("fit expects an unpadded FoldPlan; this plan is already padded")
-        if not isinstance(plan, FoldPlan):
+        if not isinstance(plan, PlanData):
             raise TypeError(f"fit expects a FoldPlan (from Fold.plan), got {type(plan).__name__}")
         batch = _decode(plan)
         if not self._fits(batch):
@@ -569,7 +569,7 @@ class _Layout:
             )
         return pieces
 
-    def pad(self, plan: FoldPlan, batch: _Batch) -> StaticPlan:
+    def pad(self, plan: PlanData, batch: _Batch) -> StaticPlan:
         """``plan``'s index arrays and columns, padded to this layout."""
         slot_of_step = [self.index[slot] for slot in batch.slots]
         # per source number: (slot, output) of the step that produces it

@@ -227,7 +227,7 @@ def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
     """Copy ``module``'s parameters and buffers from rank ``src`` to every rank (no-op in one process).
 
     DistributedDataParallel does this itself when it wraps a module; call it when training a plain
-    module with :class:`~torchfold.AccumulatingOptimizer` over several processes.
+    module with :class:`~torchfold.train.AccumulatingOptimizer` over several processes.
 
     Args:
         module: the model; the same architecture on every rank.

@@ -27,9 +27,9 @@ from typing import Any, Literal, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from torchfold._distributed import all_reduce_sum_, get_world_size, xla_sync
-from torchfold._trace import scaled_lr
 from torchfold._validate import check_int
+from torchfold.train.distributed import all_reduce_sum_, get_world_size, xla_sync
+from torchfold.train.trace import scaled_lr
 
 __all__ = ["AccumulatingOptimizer"]
 

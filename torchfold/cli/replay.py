@@ -1,6 +1,6 @@
 """``python -m torchfold elastic replay``: drive a real training run through a resource-availability trace.
 
-A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold._trace.read_availability`) says how
+A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.trace.read_availability`) says how
 many devices a job had over time. The replay scales that count to the processes one machine can
 run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
 seconds, as :meth:`~torchfold.train.BatchSizeTrace.from_availability` counts them) and cuts the
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchfold._trace import AvailabilityInterval, read_availability
 from torchfold._validate import check_int, non_negative_float, positive_float, positive_int, seed_int
+from torchfold.train.trace import AvailabilityInterval, read_availability
 
 __all__ = [
     "ReplayError",
@@ -201,7 +201,7 @@ def plan_replay(
     process count changes. A pause that no step follows is left out.
 
     Args:
-        intervals: the trace's rows (:func:`~torchfold._trace.read_availability`).
+        intervals: the trace's rows (:func:`~torchfold.train.trace.read_availability`).
         step_time: trace seconds per step.
         max_processes: processes for the trace's peak device count (:func:`processes_for`).
         max_steps: keep at most this many steps.
@@ -380,7 +380,7 @@ def _env() -> dict[str, str]:
 
 
 def _newest_step(directory: Path) -> int:
-    from torchfold._checkpoint import list_checkpoints
+    from torchfold.train.checkpoint import list_checkpoints
 
     found = list_checkpoints(directory)
     return found[-1][0] if found else 0
@@ -566,7 +566,7 @@ def _run_reference(train_args: list[str], run_dir: Path, final_step: int, timeou
         raise ReplayError(
             f"reference run: ended at step {step}, expected {final_step}. Log {log}:{_log_tail(log)}"
         )
-    from torchfold._checkpoint import checkpoint_path
+    from torchfold.train.checkpoint import checkpoint_path
 
     return checkpoint_path(directory, step)
 
@@ -579,7 +579,7 @@ def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]
     """
     import torch
 
-    from torchfold._checkpoint import load_checkpoint
+    from torchfold.train.checkpoint import load_checkpoint
 
     ours, theirs = load_checkpoint(replay)["model"], load_checkpoint(reference)["model"]
     if ours.keys() != theirs.keys():
@@ -748,7 +748,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
         )
     final_step = schedule.num_steps
     if args.trace is not None:
-        from torchfold._train_cli import _trace
+        from torchfold.cli.train import _trace
 
         trace = _trace(args.trace)
         if trace.num_steps is not None and trace.num_steps < final_step:
@@ -909,7 +909,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
     )
     if reference is None:
         return 0
-    from torchfold._checkpoint import checkpoint_path
+    from torchfold.train.checkpoint import checkpoint_path
 
     diff, count, close = compare_parameters(checkpoint_path(run_dir / "checkpoints", final_step), reference)
     verdict = (

@@ -92,7 +92,7 @@ def _sst_dir(root: str | os.PathLike[str] | None) -> Path:
         raise FileNotFoundError(
             f"no SST data found: pass root=DIR (a directory with train.txt, dev.txt, test.txt), "
             f"set {ENV_VAR}=DIR (a directory with an sst/ subdirectory), or put the data in "
-            f"../shared/data/sst; without data, use torchfold.datasets.generate_sst()"
+            f"../shared/data/sst; without data, use torchfold.examples.datasets.generate_sst()"
         )
     if (base / "train.txt").is_file() or not (base / "sst").is_dir():
         return base

@@ -1,0 +1,148 @@
+"""The package's layout keeps its architecture: no import cycles, the engine apart, a light root."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torchfold"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The torchfold modules ``path`` imports at run time, at any level (not under ``if TYPE_CHECKING``)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {name for name in found if name in modules}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph = {name: _imports(path, modules) - {name} for name, path in paths.items()}
+    # A module's import also runs its package's __init__: count that edge too.
+    for name, deps in graph.items():
+        for dep in list(deps):
+            parent = dep.rpartition(".")[0]
+            while parent and parent != "torchfold":
+                if parent != name and not name.startswith(parent + "."):
+                    deps.add(parent)
+                parent = parent.rpartition(".")[0]
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in graph[node]:
+            if dep not in index:
+                strongconnect(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            strongconnect(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("forbidden", ["torchfold.train", "torchfold.examples", "torchfold.cli"])
+def test_engine_imports_nothing_above_it(forbidden: str) -> None:
+    graph = _graph()
+    engine = {name: deps for name, deps in graph.items() if name.startswith("torchfold.engine")}
+    assert engine, "no engine modules found"
+    offenders = {name: sorted(d for d in deps if d.startswith(forbidden)) for name, deps in engine.items()}
+    assert {name: deps for name, deps in offenders.items() if deps} == {}
+
+
+def test_nothing_imports_the_cli() -> None:
+    graph = _graph()
+    users = {name for name, deps in graph.items() if any(d.startswith("torchfold.cli") for d in deps)}
+    assert {name for name in users if not name.startswith("torchfold.cli")} <= {"torchfold.__main__"}
+
+
+def test_at_most_eight_modules_at_the_root() -> None:
+    assert len(list(PACKAGE.glob("*.py"))) <= 8
+
+
+def test_import_torchfold_is_light() -> None:
+    code = "import sys, torchfold; print(sorted(m for m in sys.modules if m.startswith('torchfold')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = eval(out)
+    heavy = [m for m in loaded if m.startswith(("torchfold.train", "torchfold.examples", "torchfold.cli"))]
+    assert heavy == []
+    assert "matplotlib" not in subprocess.run(
+        [sys.executable, "-c", "import sys, torchfold; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def test_shipped_code_assumes_no_data_directory() -> None:
+    mentions = [str(p) for p in PACKAGE.rglob("*.py") if "shared/data" in p.read_text(encoding="utf-8")]
+    assert mentions == []
+
+
+def test_subpackages_load_lazily() -> None:
+    import torchfold
+
+    assert torchfold.train.StepLoader.__name__ == "StepLoader"
+    assert torchfold.examples.datasets.__name__ == "torchfold.examples.datasets"

@@ -1,0 +1,30 @@
+"""The engine: record deferred node calls, compile them to a plan, run every group as one batched call.
+
+- :mod:`~torchfold.engine.node` and :mod:`~torchfold.engine.fold`: recording (``Fold.add``);
+- :mod:`~torchfold.engine.compiler`: a recorded fold compiled to a picklable :class:`FoldPlan`;
+- :mod:`~torchfold.engine.executor`: the runner of a plan;
+- :mod:`~torchfold.engine.static`: padding a plan into a fixed envelope of shapes (XLA, CUDA graphs);
+- :mod:`~torchfold.engine.eager`: the eager twin (:class:`EagerFold`), one call per node, for tests;
+- :mod:`~torchfold.engine.draw`: pictures of a fold (needs the ``plot`` extra).
+
+The engine imports nothing from :mod:`torchfold.train`, :mod:`torchfold.examples` or :mod:`torchfold.cli`.
+"""
+
+from torchfold._errors import FoldError
+from torchfold.engine.eager import EagerFold, EagerNode
+from torchfold.engine.fold import Fold
+from torchfold.engine.node import Node
+from torchfold.engine.plan import FoldPlan
+from torchfold.engine.static import StaticPlan, StaticShapes, StaticShapesWarning
+
+__all__ = [
+    "EagerFold",
+    "EagerNode",
+    "Fold",
+    "FoldError",
+    "FoldPlan",
+    "Node",
+    "StaticPlan",
+    "StaticShapes",
+    "StaticShapesWarning",
+]

@@ -1,0 +1,323 @@
+"""Compiling a fold: from recorded nodes to a :class:`FoldPlan` of integer index arrays.
+
+A plan says, for every batched group in execution order, where each argument position comes
+from: a column of ints, tensors given to ``add``, one node's rows, a whole earlier result, or a
+gather (one concatenation of the sources read, then one ``index_select`` in call order).
+Positions that read the same sources (a binary node's left and right children) share one
+gather. All of it is worked out here, in call units, from the recorded graph alone: the module
+is not needed and no tensor op runs, so a plan can be built in a ``DataLoader`` worker process
+and shipped (pickled) to the training process, which then only runs tensor ops
+(:mod:`torchfold.engine.executor`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from torchfold._errors import FoldError
+from torchfold.engine.ir import Arg, Gather, GroupCall
+from torchfold.engine.node import Group, Node, ints_and_floats_mixed, literals_and_rows_mixed
+from torchfold.engine.plan import FoldPlan
+from torchfold.engine.resolve import check_requests
+
+if TYPE_CHECKING:
+    from torchfold.engine.fold import Fold
+
+__all__ = ["compile_fold"]
+
+_Tensor = torch.Tensor
+_is_batched = operator.attrgetter("batch")
+_source = operator.attrgetter("source")
+_index = operator.attrgetter("index")
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+
+
+def _no_rows(where: str, tensor: _Tensor) -> FoldError:
+    return FoldError(
+        f"{where}: a 0-dim tensor ({tensor!r}) has no rows; "
+        "pass x.reshape(1) or x.unsqueeze(0) so its leading dim counts rows"
+    )
+
+
+class _Pieces:
+    """The pieces a column or gather reads, numbered in first-use order by key."""
+
+    __slots__ = ("calls", "keys", "numbers", "values")
+
+    def __init__(self) -> None:
+        self.keys: list[Any] = []  # source numbers, or ("tensor", id) for tensors given to add
+        self.values: list[int | _Tensor] = []
+        self.calls: list[int] = []  # calls in each piece (a given tensor counts as one)
+        self.numbers: dict[Any, int] = {}
+
+    @classmethod
+    def of_sources(cls, sources: list[int], calls: list[int]) -> _Pieces:
+        """Earlier results only, already in first-use order (the node-column fast path)."""
+        pieces = cls()
+        pieces.keys, pieces.values, pieces.calls = sources, list(sources), calls
+        pieces.numbers = {source: number for number, source in enumerate(sources)}
+        return pieces
+
+    def number(self, key: Any, value: int | _Tensor, calls: int) -> int:
+        number = self.numbers.get(key)
+        if number is None:
+            number = self.numbers[key] = len(self.values)
+            self.keys.append(key)
+            self.values.append(value)
+            self.calls.append(calls)
+        return number
+
+
+class _Column:
+    """One gathered argument position before merging: the pieces it reads, and per call its piece and call."""
+
+    __slots__ = ("item_call", "item_piece", "pieces", "position")
+
+    def __init__(self, position: int, pieces: _Pieces, item_piece: np.ndarray, item_call: np.ndarray) -> None:
+        self.position = position
+        self.pieces = pieces
+        self.item_piece = item_piece
+        self.item_call = item_call
+
+    def whole_source(self) -> int | None:
+        """The source this column takes whole and in call order, if it does."""
+        values = self.pieces.values
+        piece = values[0]
+        if len(values) != 1 or not isinstance(piece, int):
+            return None
+        calls = self.pieces.calls[0]
+        if len(self.item_call) != calls or not (self.item_call == np.arange(calls)).all():
+            return None
+        return piece
+
+
+class _Compiler:
+    """Builds a :class:`FoldPlan` from a fold's groups (one pass over the nodes)."""
+
+    def __init__(self, fold: Fold) -> None:
+        self.groups = fold.groups()
+        self.source_calls = [0] * fold._token.sources  # calls of the group behind each source
+        self.source_owner: list[tuple[int, int | None]] = [(0, None)] * fold._token.sources
+        for number, group in enumerate(self.groups):
+            calls = len(group.calls)
+            self.source_calls[group.source] = calls
+            self.source_owner[group.source] = (number, None)
+            for output, source in enumerate(group.output_sources):
+                self.source_calls[source] = calls
+                self.source_owner[source] = (number, output)
+
+    def node_column(self, position: int, column: Sequence[Node]) -> _Column:
+        """A column of batched nodes: the hot path."""
+        sources = list(map(_source, column))
+        item_call = np.fromiter(map(_index, column), dtype=np.int64, count=len(column))
+        first = sources[0]
+        if sources.count(first) == len(sources):
+            keys: list[Any] = [first]
+            item_piece = np.zeros(len(column), dtype=np.int64)
+        else:
+            # sources numbered in first-use order
+            numbers = {source: number for number, source in enumerate(dict.fromkeys(sources))}
+            keys = list(numbers)
+            item_piece = np.fromiter(map(numbers.__getitem__, sources), dtype=np.int64, count=len(sources))
+        source_calls = self.source_calls
+        return _Column(
+            position, _Pieces.of_sources(keys, [source_calls[s] for s in keys]), item_piece, item_call
+        )
+
+    def mixed_column(self, position: int, column: Sequence[Any], where: str) -> _Column:
+        """A column mixing nodes and tensors given to ``add``."""
+        pieces = _Pieces()
+        item_piece: list[int] = []
+        item_call: list[int] = []
+        for item in column:
+            if item.__class__ is Node:
+                item_piece.append(pieces.number(item.source, item.source, self.source_calls[item.source]))
+                item_call.append(item.index)
+            else:
+                if item.dim() == 0:
+                    raise _no_rows(where, item)
+                item_piece.append(pieces.number(("tensor", id(item)), item, 1))
+                item_call.append(0)
+        return _Column(
+            position, pieces, np.array(item_piece, dtype=np.int64), np.array(item_call, dtype=np.int64)
+        )
+
+    def step(self, group: Group) -> GroupCall:
+        calls = group.calls
+        step = GroupCall(group, len(calls[0]))
+        if len(calls) == 1:
+            self.single_call(step, calls[0])
+            return step
+        columns: list[_Column] = []
+        for position, column in enumerate(zip(*calls, strict=True)):
+            kinds = set(map(type, column))
+            if kinds == {Node}:
+                if all(map(_is_batched, column)):
+                    columns.append(self.node_column(position, column))
+                else:
+                    step.fixed.append((position, _shared(column, step.where(position))))
+            elif kinds == {int}:
+                step.fixed.append((position, Arg("ints", np.array(column, dtype=np.int64))))
+            elif kinds == {float}:
+                step.fixed.append((position, Arg("floats", np.array(column, dtype=np.float64))))
+            elif kinds == {int, float}:  # one tensor, one dtype (the eager EagerFold refuses the same mix)
+                int_value = next(item for item in column if item.__class__ is int)
+                float_value = next(item for item in column if item.__class__ is float)
+                raise FoldError(ints_and_floats_mixed(step.where(position), int_value, float_value))
+            elif int in kinds or float in kinds:
+                raise FoldError(
+                    literals_and_rows_mixed(step.where(position), "ints" if int in kinds else "floats")
+                )
+            elif Node in kinds and not all(item.batch for item in column if item.__class__ is Node):
+                step.fixed.append((position, _shared(column, step.where(position))))
+            elif Node not in kinds and _concatenable(column):
+                step.fixed.append((position, Arg("concat", list(column))))
+            else:
+                columns.append(self.mixed_column(position, column, step.where(position)))
+        step.gathers = self.merge(step, columns)
+        # Combined only where some gather concatenates anyway: gathers that each read one earlier
+        # result are cheaper as one index_select each than as a concatenation of all of them.
+        step.combined = (
+            len(step.gathers) > 1
+            and any(len(gather.pieces) > 1 for gather in step.gathers)
+            and all(isinstance(piece, int) for gather in step.gathers for piece in gather.pieces)
+        )
+        return step
+
+    def single_call(self, step: GroupCall, args: tuple[Any, ...]) -> None:
+        """A group of one call (chains, roots): each node's own rows, as a view."""
+        for position, arg in enumerate(args):
+            cls = arg.__class__
+            if cls is Node:
+                kind = "rows" if arg.batch else "shared"
+                step.fixed.append((position, Arg(kind, (arg.source, arg.index))))
+            elif cls is int:
+                step.fixed.append((position, Arg("ints", np.array([arg], dtype=np.int64))))
+            elif cls is float:
+                step.fixed.append((position, Arg("floats", np.array([arg], dtype=np.float64))))
+            elif arg.dim() == 0:
+                raise _no_rows(step.where(position), arg)
+            else:
+                step.fixed.append((position, Arg("tensor", arg)))
+
+    def merge(self, step: GroupCall, columns: list[_Column]) -> list[Gather]:
+        """Columns taking a whole result in order pass it through; the others that read a
+        common source share one gather (connected through shared sources)."""
+        clusters: list[list[_Column]] = []
+        for column in columns:
+            whole = column.whole_source()
+            if whole is not None:
+                step.fixed.append((column.position, Arg("whole", whole)))
+                continue
+            keys = set(column.pieces.keys)
+            home = next(
+                (c for c in clusters if any(not keys.isdisjoint(other.pieces.keys) for other in c)), None
+            )
+            if home is None:
+                clusters.append([column])
+            else:
+                home.append(column)
+        return [self.gather(cluster) for cluster in clusters]
+
+    @staticmethod
+    def gather(columns: list[_Column]) -> Gather:
+        if len(columns) == 1:
+            (column,) = columns
+            return Gather(
+                column.pieces.values, column.pieces.calls, column.item_piece, column.item_call,
+                [column.position], [len(column.item_call)],
+            )  # fmt: skip
+        pieces = _Pieces()
+        item_pieces = []
+        for column in columns:
+            remap = [
+                pieces.number(key, piece, calls)
+                for key, piece, calls in zip(
+                    column.pieces.keys, column.pieces.values, column.pieces.calls, strict=True
+                )
+            ]
+            item_pieces.append(np.array(remap, dtype=np.int64)[column.item_piece])
+        return Gather(
+            pieces.values,
+            pieces.calls,
+            np.concatenate(item_pieces),
+            np.concatenate([column.item_call for column in columns]),
+            [column.position for column in columns],
+            [len(column.item_call) for column in columns],
+        )
+
+    def whole_request(self, request: Sequence[Node]) -> int | None:
+        """The source a request of nodes asks for whole and in call order, if it does (``apply``
+        on every node of one group: the common request, found without building index arrays)."""
+        first, count = request[0].source, len(request)
+        if self.source_calls[first] != count or list(map(_source, request)).count(first) != count:
+            return None
+        return first if list(map(_index, request)) == list(range(count)) else None
+
+    def request(self, request: Sequence[Any], number: int = 0) -> Arg | Gather:
+        """A request: its items' rows in order (a nobatch handle is just its rows; ints make one
+        LongTensor). ``check_requests`` made sure that ints and floats come alone."""
+        cls = request[0].__class__
+        if cls is int or cls is float:
+            return Arg(
+                "ints" if cls is int else "floats",
+                np.array(request, dtype=np.int64 if cls is int else np.float64),
+            )
+        kinds = set(map(type, request))
+        if Node not in kinds:
+            return Arg("concat", list(request))  # tensors only: any number of rows each, like the original
+        if kinds == {Node}:
+            whole = self.whole_request(request)
+            if whole is not None:
+                return Arg("whole", whole)
+            column = self.node_column(0, request)
+        else:  # nodes and tensors: one gather (never a whole source), each tensor one call's rows
+            column = self.mixed_column(0, request, f"apply request {number}")
+        return self.gather([column])
+
+
+def _shared(column: Sequence[Any], where: str) -> Arg:
+    """A ``nobatch`` position: one node's value, passed whole to the batched call."""
+    node = next(item for item in column if item.__class__ is Node and not item.batch)
+    for other in column:
+        if other is not node:
+            raise FoldError(
+                f"{where}: {node!r} is nobatch, so every call of the group must pass that same "
+                f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "
+                "calls of an op at a depth"
+            )
+    return Arg("shared", (node.source, node.index))
+
+
+def _concatenable(column: Sequence[_Tensor]) -> bool:
+    """Tensors given to ``add``, each once, all alike (rows, row shape, dtype, device): one ``cat``.
+
+    Anything else takes the general gather, which also words any error precisely.
+    """
+    first, count = column[0], len(column)
+    if first.dim() == 0 or len(set(map(id, column))) != count:
+        return False
+    # attribute getters mapped in C, then counted: a third faster than a generator over the tensors
+    return (
+        list(map(_shape, column)).count(first.shape) == count
+        and list(map(_dtype, column)).count(first.dtype) == count
+        and list(map(_device, column)).count(first.device) == count
+    )
+
+
+def compile_fold(fold: Fold, requests: Sequence[Sequence[Any]]) -> FoldPlan:
+    """The :class:`FoldPlan` that computes ``requests`` (lists of ``fold``'s nodes)."""
+    check_requests(fold, requests)
+    compiler = _Compiler(fold)
+    steps = [compiler.step(group) for group in compiler.groups]
+    planned = [compiler.request(request, number) for number, request in enumerate(requests)]
+    return FoldPlan(
+        steps, planned, compiler.source_owner, len(fold), fold.device, fold.volatile, fold.shapes == "auto"
+    )

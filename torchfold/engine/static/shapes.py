@@ -10,9 +10,11 @@ grow-only *envelope* learned over the batches it sees:
 * the number of depth levels is the deepest level seen times ``headroom``, rounded up to a
   multiple of ``level_step``; the levels past the deepest one seen repeat its ops at the
   smallest bucket, so a somewhat deeper batch still fits;
-* each argument position of an op reads the concatenation of all earlier slots' outputs of the
-  op outputs ("streams") it has ever read, so which tensors a gather concatenates depends on the
-  envelope only, never on the batch.
+* each argument position of an op reads the concatenation of the earlier slots' outputs of the
+  op outputs ("streams") it has ever read, as far back in depth as it has ever read them times
+  ``headroom`` (its *reach*), so which tensors a gather concatenates depends on the envelope
+  only, never on the batch. The reach keeps a chain linear: an RNN step reads the level just
+  before it, not every earlier level (which made a chain of n calls cost O(n²)).
 
 :meth:`StaticShapes.fit` pads a :class:`~torchfold.FoldPlan` into the envelope, growing it when
 the plan does not fit, and returns a :class:`StaticPlan`. Every plan fitted to one version of
@@ -28,11 +30,12 @@ a loss whose shape must not vary either (weight the padded rows with 0, see :met
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +97,7 @@ class _Batch:
     columns: list[list[_Column]]
     requests: list[_Column]
     streams: list[Stream]  # per source number
+    depths: list[int]  # per source number: the depth of the step that makes it
 
 
 def _decode(plan: PlanData) -> _Batch:
@@ -103,6 +107,7 @@ def _decode(plan: PlanData) -> _Batch:
         for step, cols in zip(plan.steps, columns, strict=True)
     ]
     streams: list[Stream] = [(keys[number], output) for number, output in plan.source_owner]
+    depths = [plan.steps[number].depth for number, _ in plan.source_owner]
     return _Batch(
         slots=[(step.depth, key) for step, key in zip(plan.steps, keys, strict=True)],
         names=[step.name for step in plan.steps],
@@ -110,6 +115,7 @@ def _decode(plan: PlanData) -> _Batch:
         columns=columns,
         requests=[_request_column(plan, request, number) for number, request in enumerate(plan.requests)],
         streams=streams,
+        depths=depths,
     )
 
 
@@ -297,7 +303,8 @@ class StaticShapes:
         self._capacity: dict[tuple[int, OpKey], int] = {}
         self._order: dict[OpKey, int] = {}  # ops in first-seen order: the order of slots at a depth
         self._names: dict[OpKey, str] = {}
-        self._streams: dict[tuple[OpKey, int], set[Stream]] = {}  # what each position of an op reads
+        # what each position of an op reads: per stream, its reach (levels back)
+        self._streams: dict[tuple[OpKey, int], dict[Stream, int]] = {}
         self._fills: dict[tuple[OpKey, int], Any] = {}  # a value that pads an ints/floats/given position
         # per request signature (the kinds of the requests, in order): each request's kind, capacity
         # and streams; training ([nodes]) and evaluation ([roots]) then keep an envelope each
@@ -380,6 +387,16 @@ class StaticShapes:
         assert column.sources is not None
         return {batch.streams[s] for s in column.unique_sources()[0].tolist()}
 
+    def _reach_of(self, batch: _Batch, column: _Column, depth: int) -> dict[Stream, int]:
+        """Per stream a position at ``depth`` reads, how many levels back it reads it at most."""
+        assert column.sources is not None
+        reach: dict[Stream, int] = {}
+        for source in column.unique_sources()[0].tolist():
+            stream, back = batch.streams[source], depth - batch.depths[source]
+            if reach.get(stream, 0) < back:
+                reach[stream] = back
+        return reach
+
     def _fits(self, batch: _Batch) -> bool:
         requests = self._requests.get(_signature(batch))
         if requests is None:
@@ -388,13 +405,13 @@ class StaticShapes:
         for slot, calls, columns in zip(batch.slots, batch.calls, batch.columns, strict=True):
             if capacity.get(slot, 0) < calls:
                 return False
-            key = slot[1]
+            depth, key = slot
             for position, column in enumerate(columns):
-                if (
-                    column.kind in ("nodes", "shared")
-                    and not self._streams_of(batch, column) <= self._streams[(key, position)]
-                ):
-                    return False
+                if column.kind in ("nodes", "shared"):
+                    known = self._streams[(key, position)]
+                    for stream, back in self._reach_of(batch, column, depth).items():
+                        if known.get(stream, 0) < back:
+                            return False
         for (kind, room, streams), column in zip(requests, batch.requests, strict=True):
             if kind != "given" and _count(column) > room:
                 return False
@@ -415,7 +432,10 @@ class StaticShapes:
             for position, column in enumerate(columns):
                 where = (key, position)
                 if column.kind in ("nodes", "shared"):
-                    self._streams.setdefault(where, set()).update(self._streams_of(batch, column))
+                    known = self._streams.setdefault(where, {})
+                    for stream, back in self._reach_of(batch, column, depth).items():
+                        if known.get(stream, 0) < back:  # room to read a little further back later
+                            known[stream] = max(back, math.ceil(back * self.headroom))
                 elif where not in self._fills:
                     first = column.values[0]
                     self._fills[where] = first.detach().clone() if isinstance(first, _Tensor) else first
@@ -474,14 +494,9 @@ class _StaticGather:
     is the number of calls each position takes (the slot's capacity, or 1 for a shared node).
     """
 
-    __slots__ = ("items", "offsets", "pieces", "positions", "streams")
+    __slots__ = ("items", "offsets", "pieces", "positions")
 
-    def __init__(
-        self, streams: frozenset[Stream], pieces: list[_Piece], positions: list[int], items: int
-    ) -> None:
-        # Gathers reading one set of streams read prefixes of one list of pieces (slots are in
-        # depth order), so apply keeps one running concatenation per set: O(levels) ops, not O(levels²).
-        self.streams = streams
+    def __init__(self, pieces: list[_Piece], positions: list[int], items: int) -> None:
         self.pieces = pieces
         self.positions = positions
         self.items = items
@@ -524,50 +539,65 @@ class _Layout:
         self.index = {slot: number for number, slot in enumerate(keys)}
         self.total_calls = sum(slot.num_calls for slot in self.slots)
         self.fills = shapes._fills
+        # per stream, the slots making it: their depths (ascending) and numbers, for bisecting a reach
+        self._made: dict[Stream, tuple[list[int], list[int]]] = {}
         for number, slot in enumerate(self.slots):
+            for output in slot.outputs():
+                depths, numbers = self._made.setdefault((slot.key, output), ([], []))
+                depths.append(slot.depth)
+                numbers.append(number)
+        for slot in self.slots:
             kinds = slot.key[3]
-            by_streams: dict[frozenset[Stream], list[int]] = {}
+            by_reach: dict[frozenset[tuple[Stream, int]], list[int]] = {}
             for position, kind in enumerate(kinds):
                 if kind == "nodes":
-                    by_streams.setdefault(frozenset(shapes._streams[(slot.key, position)]), []).append(
-                        position
-                    )
+                    reach = frozenset(shapes._streams[(slot.key, position)].items())
+                    by_reach.setdefault(reach, []).append(position)
                 elif kind == "shared":
-                    shared = frozenset(shapes._streams[(slot.key, position)])
-                    slot.gathers.append(_StaticGather(shared, self._pieces(number, shared), [position], 1))
+                    reach = frozenset(shapes._streams[(slot.key, position)].items())
+                    slot.gathers.append(_StaticGather(self._pieces(slot.depth, reach), [position], 1))
                 else:
                     slot.fixed.append((position, kind))
-            for streams, positions in by_streams.items():
-                slot.gathers.append(
-                    _StaticGather(streams, self._pieces(number, streams), positions, slot.num_calls)
-                )
-        # per request: its kind and capacity, and for node rows the gather that reads them
+            for reach, positions in by_reach.items():
+                slot.gathers.append(_StaticGather(self._pieces(slot.depth, reach), positions, slot.num_calls))
+        # per request: its kind and capacity, and for node rows the gather that reads them (every depth)
         self.requests: list[tuple[str, int, _StaticGather | None]] = [
             (
                 kind,
                 room,
-                _StaticGather(frozenset(streams), self._pieces(len(self.slots), streams), [0], room)
+                _StaticGather(self._pieces(math.inf, [(s, math.inf) for s in streams]), [0], room)
                 if kind == "nodes"
                 else None,
             )
             for kind, room, streams in shapes._requests[signature]
         ]
 
-    def _pieces(self, before: int, streams: set[Stream] | frozenset[Stream]) -> list[_Piece]:
-        """The outputs of slots before ``before`` (at a lower depth) that belong to ``streams``."""
-        depth = self.slots[before].depth if before < len(self.slots) else math.inf
-        pieces = [
-            _Piece(number, output, slot.num_calls)
-            for number, slot in enumerate(self.slots[:before])
-            if slot.depth < depth
-            for output in slot.outputs()
-            if (slot.key, output) in streams
+    def _pieces(self, depth: float, reach: Iterable[tuple[Stream, float]]) -> list[_Piece]:
+        """The outputs of slots less deep than ``depth`` that belong to a stream of ``reach``, at most
+        its reach levels back; O(pieces) whatever the number of slots, so a chain stays linear."""
+        numbers: list[tuple[int, int | None]] = []
+        latest: tuple[int, int | None] | None = None  # the last slot of a stream before ``depth``
+        for stream, back in reach:
+            made = self._made.get(stream)
+            if made is None:
+                continue
+            depths, slots = made
+            end = bisect.bisect_left(depths, depth)
+            start = bisect.bisect_left(depths, depth - back, 0, end)
+            numbers.extend((number, stream[1]) for number in slots[start:end])
+            if end and (latest is None or slots[end - 1] > latest[0]):
+                latest = (slots[end - 1], stream[1])
+        if not numbers:
+            # Only a slot that runs padding only (a level past the deepest seen, whose streams
+            # are all further back than a real call ever read): any earlier output of its streams
+            # gives it rows of the right shape.
+            if latest is None:  # pragma: no cover - a real call reads an earlier slot, so an envelope has one
+                raise FoldError(f"static shapes: no earlier output to read at depth {depth}")
+            numbers.append(latest)
+        return [
+            _Piece(number, output, self.slots[number].num_calls)
+            for number, output in sorted(numbers, key=_slot_order)
         ]
-        if not pieces:  # pragma: no cover - a real call reads an earlier slot, so an envelope has one
-            raise FoldError(
-                f"static shapes: no earlier output to read for streams {sorted(map(str, streams))}"
-            )
-        return pieces
 
     def pad(self, plan: PlanData, batch: _Batch) -> StaticPlan:
         """``plan``'s index arrays and columns, padded to this layout."""
@@ -625,6 +655,10 @@ class _Layout:
             device=plan.device,
             volatile=plan.volatile,
         )
+
+
+def _slot_order(piece: tuple[int, int | None]) -> tuple[int, int]:
+    return piece[0], -1 if piece[1] is None else piece[1]
 
 
 class _Packed:
@@ -837,23 +871,16 @@ def _store(slot: _Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
 
 
 def _take(
-    gather: _StaticGather,
-    results: dict[tuple[int, int | None], _Tensor],
-    memories: dict[frozenset[Stream], tuple[_Tensor, int]],
-    index: _Tensor,
-    slots: list[_Slot],
+    gather: _StaticGather, results: dict[tuple[int, int | None], _Tensor], index: _Tensor, slots: list[_Slot]
 ) -> tuple[_Tensor, int]:
-    """The rows of a gather: its pieces' running concatenation, extended as needed, then one ``index_select``."""
-    memory = memories.get(gather.streams)
-    have = 0 if memory is None else memory[1]
-    new = gather.pieces[have:]
-    tensors = [results[(piece.slot, piece.output)] for piece in new]
+    """The rows of a gather: its pieces concatenated, then one ``index_select``."""
+    tensors = [results[(piece.slot, piece.output)] for piece in gather.pieces]
     # What the envelope joins over all batches must agree, though each batch alone may read only
     # some of it: rows per call, row shape and dtype of every piece.
     first = gather.pieces[0]
-    reference = results[(first.slot, first.output)]
+    reference = tensors[0]
     rows = reference.shape[0] // first.calls
-    for piece, tensor in zip(new, tensors, strict=True):
+    for piece, tensor in zip(gather.pieces, tensors, strict=True):
         if (
             tensor.shape[0] != piece.calls * rows
             or tensor.shape[1:] != reference.shape[1:]
@@ -866,10 +893,7 @@ def _take(
                 f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
                 "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
             )
-    if memory is not None:
-        tensors.insert(0, memory[0])
     source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
-    memories[gather.streams] = (source, len(gather.pieces))
     if rows != 1:
         index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
     return source.index_select(0, index), rows
@@ -893,14 +917,13 @@ def _run(
     if floats is None:
         floats = torch.from_numpy(plan.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
     results: dict[tuple[int, int | None], _Tensor] = {}
-    memories: dict[frozenset[Stream], tuple[_Tensor, int]] = {}
     for number, (slot, fn, args_plan) in enumerate(zip(plan.slots, fns, plan.slot_args, strict=True)):
         args: list[Any] = [None] * slot.arity
         gathers = iter(slot.gathers)
         for position, kind, value in args_plan:
             if kind == "gather":
                 gather = next(gathers)
-                taken, rows = _take(gather, results, memories, ints[value[0] : value[1]], plan.slots)
+                taken, rows = _take(gather, results, ints[value[0] : value[1]], plan.slots)
                 if len(gather.positions) == 1:
                     args[gather.positions[0]] = taken
                 else:
@@ -930,7 +953,7 @@ def _run(
         plan.request_gathers, plan.requests, plan.sizes, strict=True
     ):
         if reads is not None:
-            taken, rows = _take(reads, results, memories, ints[value[0] : value[1]], plan.slots)
+            taken, rows = _take(reads, results, ints[value[0] : value[1]], plan.slots)
         elif kind == "ints" or kind == "floats":
             taken, rows = (ints if kind == "ints" else floats)[value[0] : value[1]], 1
         else:

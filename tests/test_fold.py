@@ -944,3 +944,41 @@ def test_unfold_apply_checks_it_is_given_the_model_it_ran() -> None:
         ValueError, match=r"EagerFold.apply was given another Cell than the one this EagerFold ran"
     ):
         unfold.apply(Cell(), [[leaf]])
+
+
+class _InPlace(torch.nn.Module):
+    def leaf(self, n: torch.Tensor) -> torch.Tensor:
+        return n.float().unsqueeze(1).repeat(1, 2)
+
+    def bump(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1)  # changes its argument: the leaf's rows, or a gathered copy of them
+
+    def scale(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        k *= 2  # an int column changed in place is refused the same way
+        return x * k.unsqueeze(1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [*TWINS, pytest.param(lambda model: Fold(shapes=torchfold.StaticShapes(min_rows=4)), id="static")],
+)
+def test_an_op_changing_its_argument_in_place_is_refused_alike_by_all_runners(make: Any) -> None:
+    """Unpadded, the op changed the leaf's own rows ([[2, 2], [2, 2]]), padded a gathered copy
+    ([[1, 1], [2, 2]]): which one an argument is, is the runner's choice, so no runner allows it."""
+    model = _InPlace()
+    recorder = make(model)
+    leaf = recorder.add("leaf", 1)
+    with pytest.raises(FoldError, match=r"op 'bump' at depth 1 changed its argument 0 in place"):
+        _values(recorder, model, [[leaf, recorder.add("bump", leaf)]])
+    recorder = make(model)
+    with pytest.raises(FoldError, match=r"op 'scale' at depth 1 changed its argument 1 in place"):
+        _values(recorder, model, [[recorder.add("scale", recorder.add("leaf", 1), 3)]])
+
+
+def test_ops_run_under_inference_mode_without_version_counters() -> None:
+    model = _InPlace()
+    for shapes in (None, torchfold.StaticShapes()):
+        fold = Fold(shapes=shapes)
+        with torch.inference_mode():
+            [out] = fold.apply(model, [[fold.add("leaf", 1), fold.add("leaf", 2)]])
+        assert out.tolist() == [[1.0, 1.0], [2.0, 2.0]]

@@ -21,7 +21,13 @@ from torchfold.engine.node import (
     op_name,
     outside_int64,
 )
-from torchfold.engine.resolve import check_request_items, cuda_device, module_device
+from torchfold.engine.resolve import (
+    check_request_items,
+    check_unchanged,
+    cuda_device,
+    module_device,
+    versions,
+)
 
 __all__ = ["EagerFold", "EagerNode"]
 
@@ -171,8 +177,10 @@ class EagerFold:
         values = [self._argument(op, i, a) for i, a in enumerate(args)]
         depth = 1 + max((a.depth for a in args if isinstance(a, EagerNode)), default=-1)
         self._check_batchable(op, depth, args)
+        before = versions(values)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.volatile):
             value = fn(*values)
+        check_unchanged(values, before, op_name(op), depth)
         for output in value if isinstance(value, tuple | list) else (value,):
             if (
                 isinstance(output, torch.Tensor) and output.dim() and output.shape[0] == 0

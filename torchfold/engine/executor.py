@@ -26,7 +26,7 @@ import torch
 from torchfold._errors import FoldError, add_note
 from torchfold.engine.ir import INT32_LIMIT, Arg, Gather, GroupCall, PlanData, call_offsets
 from torchfold.engine.node import describe_arg_shapes, node_label
-from torchfold.engine.resolve import module_device, resolve_ops
+from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
 
 __all__ = ["run"]
 
@@ -140,7 +140,7 @@ def _value(arg: Arg, results: _Results, device: torch.device) -> _Tensor:
         tensor, k = results.get(source, call)
         return tensor if tensor.shape[0] == k else tensor[call * k : (call + 1) * k]
     # Ints and floats become a fresh tensor at every apply (never a view of the plan's array),
-    # so an op that changes its input in place cannot change the plan.
+    # so a caller changing an output that is an op's int input (returned as is) cannot change the plan.
     if kind == "ints":
         return torch.from_numpy(value).to(device, copy=True)
     if kind == "floats":
@@ -339,6 +339,7 @@ def run(
         shapes = [(a.dtype, a.shape) for a in args]
         if arg_shapes is not None:
             arg_shapes.append(shapes)
+        before = versions(args)
         try:
             out = fn(*args)
         except FoldError:
@@ -351,6 +352,7 @@ def run(
                 f"{node_label(step.name, step.depth, 0)} (batched argument shapes: {describe_arg_shapes(shapes)})",
             )
             raise
+        check_unchanged(args, before, step.name, step.depth)
         results.store(number, step, out)
     outputs = []
     for number, request in enumerate(plan.requests):

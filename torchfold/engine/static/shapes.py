@@ -45,7 +45,7 @@ import torch
 from torchfold._errors import FoldError, add_note
 from torchfold.engine.ir import Arg, GroupCall, PlanData, check_pad_rows, check_portable_op, portable_tensors
 from torchfold.engine.node import Op
-from torchfold.engine.resolve import module_device, resolve_ops
+from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
 
 __all__ = ["StaticPlan", "StaticShapes", "StaticShapesWarning"]
 
@@ -911,7 +911,7 @@ def _run(
     device = plan.device if plan.device is not None else module_device(nn)
     fns: list[Callable[..., Any]] = resolve_ops(nn, plan.slots)
     # One transfer each for all indices and int columns, and all float columns; fresh tensors at
-    # every apply, so an op changing its input in place cannot change the plan.
+    # every apply, so a caller changing an output that is an op's int input cannot change the plan.
     if ints is None:
         ints = torch.from_numpy(plan.ints).to(device, copy=True)
     if floats is None:
@@ -935,6 +935,7 @@ def _run(
                 args[position] = floats[value[0] : value[1]]
             else:
                 args[position] = value.to(device)
+        before = versions(args)
         try:
             out = fn(*args)
         except FoldError:
@@ -946,6 +947,7 @@ def _run(
                 f"(padded; static shapes)",
             )
             raise
+        check_unchanged(args, before, slot.name, slot.depth)
         for output, value in _store(slot, out):
             results[(number, output)] = value
     outputs = []

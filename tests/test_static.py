@@ -246,21 +246,40 @@ def test_growth_after_warmup_warns_once_per_growth_and_never_truncates() -> None
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"min_rows": 0}, r"min_rows=0\): min_rows must be an int >= 1"),
-        ({"min_rows": True}, r"min_rows=True"),
-        ({"growth": 1.0}, r"growth=1.0\): growth must be a finite number > 1"),
-        ({"growth": float("inf")}, r"growth must be a finite number"),
-        ({"sizes": ()}, r"sizes=\(\)\): sizes must be positive ints"),
-        ({"sizes": (8, 8, 16)}, r"sizes must increase strictly"),
-        ({"sizes": (8, -1)}, r"sizes must be positive ints"),
-        ({"level_step": 0}, r"level_step=0"),
+        ({"min_rows": 0}, ValueError, r"StaticShapes\(min_rows\) must be a positive int, got 0"),
+        ({"min_rows": True}, TypeError, r"StaticShapes\(min_rows\) must be an int, got bool True"),
+        ({"growth": 1.0}, ValueError, r"growth=1.0\): growth must be a finite number > 1"),
+        ({"growth": float("inf")}, ValueError, r"growth must be a finite number"),
+        ({"sizes": ()}, ValueError, r"sizes=\(\)\): sizes must be positive ints"),
+        ({"sizes": (8, 8, 16)}, ValueError, r"sizes must increase strictly"),
+        ({"sizes": (8, -1)}, ValueError, r"sizes must be positive ints"),
+        ({"sizes": 5}, TypeError, r"StaticShapes\(sizes=5\): sizes must be a sequence of positive ints"),
+        ({"level_step": 0}, ValueError, r"StaticShapes\(level_step\) must be a positive int, got 0"),
+        ({"warmup": -1}, ValueError, r"StaticShapes\(warmup\) must be an int >= 0, got -1"),
     ],
 )
-def test_invalid_ladders_are_refused_naming_the_value(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_invalid_ladders_are_refused_naming_the_value(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
         StaticShapes(**kwargs)
+
+
+@pytest.mark.parametrize("shapes", [None, StaticShapes()], ids=["unpadded", "static"])
+@pytest.mark.parametrize("request_number", [1, 3, -1])
+def test_pad_names_a_request_the_plan_lacks_and_how_many_it_has(
+    shapes: StaticShapes | None, request_number: int
+) -> None:
+    fold = Fold(shapes=shapes)
+    plan = fold.plan([[fold.add("leaf", 1)]])
+    with pytest.raises(
+        IndexError, match=rf"pad\(request={request_number}\): the plan has 1 request \(numbered 0 to 0\)"
+    ):
+        plan.pad(request_number, [1.0])
+    with pytest.raises(TypeError, match=r"pad\(request='0'\): request must be an int"):
+        plan.pad("0", [1.0])  # type: ignore[arg-type]
 
 
 def test_explicit_ladder_grows_past_its_last_size() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "call_offsets",
     "check_pad_rows",
     "check_portable_op",
+    "check_request_number",
     "portable_tensors",
 ]
 
@@ -223,6 +224,20 @@ class PlanData:
 
     def __len__(self) -> int:
         return self.num_nodes
+
+
+def check_request_number(request: object, count: int) -> int:
+    """``pad``'s request number must name one of the plan's ``count`` requests (for both plan kinds)."""
+    if isinstance(request, bool) or not isinstance(request, int):
+        raise TypeError(
+            f"pad(request={request!r}): request must be an int, the number of a list given to plan"
+        )
+    if not 0 <= request < count:
+        raise IndexError(
+            f"pad(request={request}): the plan has {count} request{'s' * (count != 1)} (numbered 0 to {count - 1}); "
+            "give the number of the list given to plan whose nodes the values belong to"
+        )
+    return request
 
 
 def check_pad_rows(request: int, shape: tuple[int, ...], size: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from torchfold.engine.executor import run
-from torchfold.engine.ir import PlanData, check_pad_rows
+from torchfold.engine.ir import PlanData, check_pad_rows, check_request_number
 from torchfold.engine.resolve import module_device
 from torchfold.engine.static import StaticShapes
 
@@ -59,6 +59,7 @@ class FoldPlan(PlanData):
         The same call as :meth:`StaticPlan.pad <torchfold.StaticPlan.pad>`, so one loss works
         with padded and unpadded plans.
         """
+        check_request_number(request, len(self.requests))
         tensor = torch.as_tensor(values)
         check_pad_rows(request, tuple(tensor.shape), self.sizes[request])
         return tensor

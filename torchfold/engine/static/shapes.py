@@ -43,7 +43,16 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError, add_note
-from torchfold.engine.ir import Arg, GroupCall, PlanData, check_pad_rows, check_portable_op, portable_tensors
+from torchfold._validate import check_int
+from torchfold.engine.ir import (
+    Arg,
+    GroupCall,
+    PlanData,
+    check_pad_rows,
+    check_portable_op,
+    check_request_number,
+    portable_tensors,
+)
 from torchfold.engine.node import Op
 from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
 
@@ -217,12 +226,6 @@ def _count(column: _Column) -> int:
     return len(column.values)
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"StaticShapes({name}={value!r}): {name} must be an int >= {minimum}")
-    return value
-
-
 class StaticShapes:
     """A grow-only envelope of padded shapes: plans fitted to it repeat the same XLA graphs.
 
@@ -268,7 +271,7 @@ class StaticShapes:
         headroom: float = 1.3,
         warmup: int = 20,
     ) -> None:
-        self.min_rows = _check_int("min_rows", min_rows, 1)
+        self.min_rows = check_int("StaticShapes(min_rows)", min_rows, 1)
         if (
             isinstance(growth, bool)
             or not isinstance(growth, int | float)
@@ -279,6 +282,10 @@ class StaticShapes:
         self.growth = float(growth)
         self.sizes: tuple[int, ...] | None = None
         if sizes is not None:
+            if not isinstance(sizes, Iterable):
+                raise TypeError(
+                    f"StaticShapes(sizes={sizes!r}): sizes must be a sequence of positive ints, like (8, 32, 128)"
+                )
             ladder = tuple(sizes)
             if not ladder or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in ladder):
                 raise ValueError(
@@ -289,7 +296,7 @@ class StaticShapes:
                     f"StaticShapes(sizes={sizes!r}): sizes must increase strictly, like (8, 32, 128)"
                 )
             self.sizes = ladder
-        self.level_step = _check_int("level_step", level_step, 1)
+        self.level_step = check_int("StaticShapes(level_step)", level_step, 1)
         if (
             isinstance(headroom, bool)
             or not isinstance(headroom, int | float)
@@ -299,7 +306,7 @@ class StaticShapes:
                 f"StaticShapes(headroom={headroom!r}): headroom must be a finite number >= 1, like 1.25"
             )
         self.headroom = float(headroom)
-        self.warmup = _check_int("warmup", warmup, 0)
+        self.warmup = check_int("StaticShapes(warmup)", warmup, 0)
         self._capacity: dict[tuple[int, OpKey], int] = {}
         self._order: dict[OpKey, int] = {}  # ops in first-seen order: the order of slots at a depth
         self._names: dict[OpKey, str] = {}
@@ -768,6 +775,7 @@ class StaticPlan:
         >>> plan.pad(0, [0.5, 0.5])
         tensor([0.5000, 0.5000, 0.0000, 0.0000])
         """
+        check_request_number(request, len(self.requests))
         size, capacity = self.sizes[request], self.capacities[request]
         if isinstance(values, _Tensor) and values.device.type != "cpu":
             tensor = values  # already on a device: padded there (on XLA, sizes that vary then compile anew)

@@ -535,3 +535,29 @@ def test_a_deep_chain_costs_linear_work_and_memory_in_its_depth() -> None:
         results.append([out.detach()] + [p.grad for p in model.parameters()])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_the_padded_runner_compiles_to_one_graph_without_breaks() -> None:
+    """torch.compile(fullgraph=True) of a static plan's runner: no graph break (an ``isinstance``
+    with a PEP 604 union broke the graph on torch 2.9), no host sync, nothing data-dependent."""
+    import torchfold.engine.static.shapes as static
+
+    fold = Fold(shapes=StaticShapes(min_rows=2))
+    states: list[Any] = []
+    roots = [encode(fold, tree, states) for tree in ((1, (2, 3)), ((4, 5), 6))]
+    context = fold.add("context", 3).nobatch()
+    plan = fold.plan([roots, [fold.add("attend", s, context) for s in states], [0.5, 1.5]])
+    model = Zoo()
+    ints = torch.from_numpy(plan.ints)
+    floats = torch.from_numpy(plan.floats).to(torch.get_default_dtype())
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda i, f: static._run(plan, model, True, i, f), backend="eager", fullgraph=True, dynamic=False
+    )
+    for a, b in zip(compiled(ints, floats), plan.apply(model, padded=True), strict=True):
+        torch.testing.assert_close(a, b)
+    with (
+        _OpLog() as log
+    ):  # and run eagerly, nothing reads a tensor's value back to Python (.item(), .tolist())
+        static._run(plan, model, True, ints, floats)
+    assert log.ops and not [op for op, _ in log.ops if "_local_scalar_dense" in op or "nonzero" in op]

@@ -851,7 +851,9 @@ def _store(slot: _Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
             raise FoldError(
                 f"{where} returned a single tensor but its nodes were split into {slot.num_outputs}"
             )
-    elif isinstance(out, tuple | list):
+    # A tuple of types, not ``tuple | list``: torch.compile (dynamo, torch 2.9) breaks the graph on a
+    # PEP 604 union in isinstance, and this runs inside compiled steps.
+    elif isinstance(out, (tuple, list)):
         if len(out) != slot.num_outputs:
             raise FoldError(
                 f"{where} returned {len(out)} outputs but its nodes were "

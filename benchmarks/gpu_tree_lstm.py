@@ -41,7 +41,7 @@ import tree_lstm
 from torch import Tensor
 
 import torchfold
-from torchfold.engine.static.shapes import StaticPlan, _run
+from torchfold.engine.static import StaticInputs, StaticPlan
 from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTM, encode_trees, tree_lstm_loss
 
@@ -157,7 +157,7 @@ class Graphed(Version):
         super().__init__(model, capturable=True)
         self.plans = plans
         self.targets = targets
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
 
     def _fill(self, buffers: list[Tensor], i: int) -> None:
         plan = self.plans[i]
@@ -178,7 +178,9 @@ class Graphed(Version):
         self._fill(buffers, i)
 
         def body() -> Tensor:
-            outputs = _run(plan, self.model, True, buffers[0], buffers[1])
+            outputs = plan.layout.run(
+                self.model, StaticInputs(buffers[0], buffers[1], tuple(t.to(device) for t in plan.given))
+            )
             loss = tree_lstm_loss(self.model, outputs, (buffers[2], buffers[3]))
             loss.backward()
             self.optimizer.step()
@@ -205,7 +207,7 @@ class Graphed(Version):
         return graph, buffers, loss
 
     def step(self, i: int) -> None:
-        key = id(self.plans[i].slots)
+        key = self.plans[i].layout.key
         if key not in self.graphs:
             self.graphs[key] = self._capture(i)
         graph, buffers, loss = self.graphs[key]

@@ -54,7 +54,13 @@ def _outputs_and_grads(
         assert isinstance(plan, StaticPlan)
         if via == "pickled":
             plan = pickle.loads(pickle.dumps(plan))
-        if via == "padded":
+        if via == "layout":  # the pure runner on the plan's inputs is what apply runs
+            padded = plan.layout.run(model, plan.inputs())
+            for a, b in zip(padded, plan.apply(model, padded=True), strict=True):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b)
+            outs = plan.unpad(padded)
+        elif via == "padded":
             padded = plan.apply(model, padded=True)
             for out, size, capacity in zip(padded, plan.sizes, plan.capacities, strict=True):
                 assert out.shape[0] % capacity == 0 and capacity >= size
@@ -78,7 +84,7 @@ SHARED = StaticShapes(min_rows=2, level_step=3, warmup=10**9)  # growing is what
 @given(
     program=st.lists(instruction, min_size=1, max_size=30),
     picks=st.lists(st.integers(0, 1000), max_size=12),
-    via=st.sampled_from(["apply", "pickled", "padded"]),
+    via=st.sampled_from(["apply", "pickled", "padded", "layout"]),
     shared=st.booleans(),
 )
 def test_padded_plans_equal_eager_on_random_graphs(
@@ -540,24 +546,83 @@ def test_a_deep_chain_costs_linear_work_and_memory_in_its_depth() -> None:
 def test_the_padded_runner_compiles_to_one_graph_without_breaks() -> None:
     """torch.compile(fullgraph=True) of a static plan's runner: no graph break (an ``isinstance``
     with a PEP 604 union broke the graph on torch 2.9), no host sync, nothing data-dependent."""
-    import torchfold.engine.static.shapes as static
-
     fold = Fold(shapes=StaticShapes(min_rows=2))
     states: list[Any] = []
     roots = [encode(fold, tree, states) for tree in ((1, (2, 3)), ((4, 5), 6))]
     context = fold.add("context", 3).nobatch()
     plan = fold.plan([roots, [fold.add("attend", s, context) for s in states], [0.5, 1.5]])
     model = Zoo()
-    ints = torch.from_numpy(plan.ints)
-    floats = torch.from_numpy(plan.floats).to(torch.get_default_dtype())
+    inputs = plan.inputs()
     torch._dynamo.reset()
-    compiled = torch.compile(
-        lambda i, f: static._run(plan, model, True, i, f), backend="eager", fullgraph=True, dynamic=False
-    )
-    for a, b in zip(compiled(ints, floats), plan.apply(model, padded=True), strict=True):
+    compiled = torch.compile(plan.layout.run, backend="eager", fullgraph=True, dynamic=False)
+    for a, b in zip(compiled(model, inputs), plan.apply(model, padded=True), strict=True):
         torch.testing.assert_close(a, b)
-    with (
-        _OpLog() as log
-    ):  # and run eagerly, nothing reads a tensor's value back to Python (.item(), .tolist())
-        static._run(plan, model, True, ints, floats)
+    # and run eagerly, nothing reads a tensor's value back to Python (.item(), .tolist())
+    with _OpLog() as log:
+        plan.layout.run(model, inputs)
     assert log.ops and not [op for op, _ in log.ops if "_local_scalar_dense" in op or "nonzero" in op]
+
+
+def _tree_plan(shapes: StaticShapes, trees: list[Any]) -> StaticPlan:
+    fold = Fold(shapes=shapes)
+    states: list[Any] = []
+    roots = [encode(fold, tree, states) for tree in trees]
+    plan = fold.plan([roots, states])
+    assert isinstance(plan, StaticPlan)
+    return plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(first=forests(), second=forests())
+def test_plans_of_one_envelope_version_share_a_layout_key_and_input_shapes(first: Any, second: Any) -> None:
+    shapes = StaticShapes(min_rows=2, warmup=10**9)
+    _tree_plan(shapes, first + second)  # an envelope both batches fit
+    version = shapes.version
+    a, b = _tree_plan(shapes, first), _tree_plan(shapes, second)
+    assert shapes.version == version
+    assert a.layout.key == b.layout.key and hash(a.layout.key) == hash(b.layout.key)
+    shaped = [[(t.shape, t.dtype) for t in (i.ints, i.floats, *i.given)] for i in (a.inputs(), b.inputs())]
+    assert shaped[0] == shaped[1]
+    assert shaped[0][0][1] == torch.int64 and shaped[0][1][1] == torch.get_default_dtype()
+    # a worker-built plan (pickled) keeps the key; its layout pickles on its own too
+    copied = pickle.loads(pickle.dumps(a))
+    assert copied.layout.key == a.layout.key
+    assert pickle.loads(pickle.dumps(a.layout)).key == a.layout.key
+    model = Zoo()
+    for x, y in zip(copied.layout.run(model, b.inputs()), b.apply(model, padded=True), strict=True):
+        torch.testing.assert_close(x, y)  # one layout runs every plan of it
+    # a deeper forest grows the envelope: a new version, a new key
+    grown = _tree_plan(shapes, [((((1, 2), 3), 4), ((5, 6), 7)) for _ in range(9)] + first)
+    assert shapes.version > version and grown.layout.key != a.layout.key
+    assert _tree_plan(shapes, first).layout.key == grown.layout.key
+
+
+def test_layout_keys_differ_between_envelopes_and_request_kinds() -> None:
+    trees = [(1, (2, 3))]
+    one, two = StaticShapes(), StaticShapes()
+    assert _tree_plan(one, trees).layout.key != _tree_plan(two, trees).layout.key
+    fold = Fold(shapes=one)
+    states: list[Any] = []
+    roots = [encode(fold, tree, states) for tree in trees]
+    assert fold.plan([roots]).layout.key != _tree_plan(one, trees).layout.key  # type: ignore[attr-defined]
+
+
+def test_a_layout_refuses_unpadded_runs_and_inputs_of_another_layout() -> None:
+    shapes = StaticShapes(min_rows=2)
+    plan = _tree_plan(shapes, [(1, 2)])
+    other = _tree_plan(StaticShapes(min_rows=8), [(1, 2)])
+    with pytest.raises(ValueError, match=r"run\(padded=False\): a layout does not know a batch's sizes"):
+        plan.layout.run(Zoo(), plan.inputs(), padded=False)
+    with pytest.raises(
+        ValueError, match=r"StaticLayout.run: inputs of \(\d+,\) ints.* but this layout takes"
+    ):
+        plan.layout.run(Zoo(), other.inputs())
+
+
+def test_static_names_are_exported() -> None:
+    import torchfold.engine.static as static
+
+    assert {"StaticInputs", "StaticLayout", "StaticPlan", "StaticShapes", "StaticShapesWarning"} <= set(
+        static.__all__
+    )
+    assert StaticPlan.__module__.startswith("torchfold.engine.static")

@@ -5,6 +5,12 @@
 gradients equal the unpadded plan's. See ``docs/static-shapes.md`` for why an envelope.
 """
 
-from torchfold.engine.static.shapes import StaticPlan, StaticShapes, StaticShapesWarning
+from torchfold.engine.static.shapes import (
+    StaticInputs,
+    StaticLayout,
+    StaticPlan,
+    StaticShapes,
+    StaticShapesWarning,
+)
 
-__all__ = ["StaticPlan", "StaticShapes", "StaticShapesWarning"]
+__all__ = ["StaticInputs", "StaticLayout", "StaticPlan", "StaticShapes", "StaticShapesWarning"]

@@ -31,13 +31,15 @@ a loss whose shape must not vary either (weight the padded rows with 0, see :met
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import math
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,7 +58,7 @@ from torchfold.engine.ir import (
 from torchfold.engine.node import Op
 from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
 
-__all__ = ["StaticPlan", "StaticShapes", "StaticShapesWarning"]
+__all__ = ["StaticInputs", "StaticLayout", "StaticPlan", "StaticShapes", "StaticShapesWarning"]
 
 _Tensor = torch.Tensor
 # An op as the envelope knows it: (op, arity, outputs split, the kind of every argument position)
@@ -318,9 +320,11 @@ class StaticShapes:
         self._requests: dict[tuple[str, ...], list[tuple[str, int, set[Stream]]]] = {}
         self._deepest = -1
         self._levels = 0
-        self._layouts: dict[tuple[str, ...], _Layout] = {}
+        self._layouts: dict[tuple[str, ...], StaticLayout] = {}
         #: how many times the envelope grew: the number of distinct graphs it has asked for
         self.version = 0
+        # who this envelope is, in layout keys: travels with its pickles (to loader workers)
+        self._token = uuid.uuid4().hex
         #: plans fitted so far
         self.plans = 0
         #: calls that plans held, and calls run after padding (``padded_calls / real_calls - 1`` is the waste)
@@ -384,7 +388,7 @@ class StaticShapes:
         signature = _signature(batch)
         layout = self._layouts.get(signature)
         if layout is None:
-            layout = self._layouts[signature] = _Layout(self, signature)
+            layout = self._layouts[signature] = StaticLayout(self, signature)
         padded = layout.pad(plan, batch)
         self.real_calls += sum(batch.calls)
         self.padded_calls += layout.total_calls
@@ -515,9 +519,25 @@ class _StaticGather:
 
 
 class _Slot:
-    """One batched call of a static plan: an op at a depth, run on ``num_calls`` (its capacity) calls."""
+    """One batched call of a static plan: an op at a depth, run on ``num_calls`` (its capacity) calls.
 
-    __slots__ = ("arity", "depth", "fixed", "gathers", "key", "name", "num_calls", "num_outputs", "op")
+    ``args`` says where each argument comes from in a :class:`StaticInputs`: per gather its
+    span of ``ints`` (the index), per other position ``(position, kind, where)``, ``where``
+    being a span of ``ints`` or ``floats``, or the number of a ``given`` tensor.
+    """
+
+    __slots__ = (
+        "arity",
+        "depth",
+        "fixed",
+        "gather_spans",
+        "gathers",
+        "key",
+        "name",
+        "num_calls",
+        "num_outputs",
+        "op",
+    )
 
     def __init__(self, depth: int, key: OpKey, name: str, capacity: int) -> None:
         self.key = key
@@ -528,14 +548,54 @@ class _Slot:
         self.name = name
         self.num_calls = capacity
         self.gathers: list[_StaticGather] = []
-        self.fixed: list[tuple[int, str]] = []  # ints / floats / given positions
+        self.gather_spans: list[tuple[int, int]] = []  # each gather's index, in ``ints``
+        self.fixed: list[
+            tuple[int, str, Any]
+        ] = []  # ints / floats / given positions: (position, kind, where)
 
     def outputs(self) -> list[int | None]:
         return list(range(self.num_outputs)) if self.num_outputs else [None]
 
+    def where(self, position: int) -> str:
+        return f"op {self.name!r} at depth {self.depth}, argument {position}"
 
-class _Layout:
-    """The slots and gathers of one version of an envelope: what every plan fitted to it runs."""
+
+class StaticInputs(NamedTuple):
+    """What one batch gives a :class:`StaticLayout`'s runner: fixed-shape tensors, one set per plan.
+
+    ``ints`` (int64) holds every gather's index and every int column, ``floats`` (the default
+    float dtype) every float column, end to end; their lengths are the layout's
+    (``num_ints``, ``num_floats``). ``given`` holds the tensors given to ``add``: per position
+    that reads them, padded to its capacity (a shape the layout fixes), then per request of
+    tensors, as given: a request whose tensors vary in rows varies this shape, and so the graph.
+    """
+
+    ints: _Tensor
+    floats: _Tensor
+    given: tuple[_Tensor, ...]
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One request of a layout: its kind, capacity (None: tensors, as many rows as given) and where it reads."""
+
+    kind: str
+    capacity: int | None
+    gather: _StaticGather | None
+    where: Any  # a span of ints/floats, or the number of a given tensor
+
+
+class StaticLayout:
+    """What every plan fitted to one version of a :class:`StaticShapes` envelope (for one list of
+    request kinds) runs: its slots (op, depth, capacity) in order, their gathers, the requests'
+    gathers and capacities, and where each argument lies in a plan's :class:`StaticInputs`.
+
+    Plans of one layout differ only in their inputs' values, so :meth:`run`, a pure function
+    of ``nn`` and the inputs, runs the same tensor operations on the same shapes for all: one
+    graph per layout (XLA, ``torch.compile``, CUDA graphs). :attr:`key` names that graph:
+    equal for two plans fitted to the same envelope version and request kinds, different
+    otherwise; it is hashable and pickles (plans built in ``DataLoader`` workers carry it).
+    """
 
     def __init__(self, shapes: StaticShapes, signature: tuple[str, ...]) -> None:
         order = shapes._order
@@ -546,13 +606,16 @@ class _Layout:
         self.index = {slot: number for number, slot in enumerate(keys)}
         self.total_calls = sum(slot.num_calls for slot in self.slots)
         self.fills = shapes._fills
+        self.signature = signature
         # per stream, the slots making it: their depths (ascending) and numbers, for bisecting a reach
-        self._made: dict[Stream, tuple[list[int], list[int]]] = {}
+        made: dict[Stream, tuple[list[int], list[int]]] = {}
         for number, slot in enumerate(self.slots):
             for output in slot.outputs():
-                depths, numbers = self._made.setdefault((slot.key, output), ([], []))
+                depths, numbers = made.setdefault((slot.key, output), ([], []))
                 depths.append(slot.depth)
                 numbers.append(number)
+        ints = floats = 0  # lengths of the packed arrays so far
+        given: list[str] = []  # per given tensor, where it is read (for messages)
         for slot in self.slots:
             kinds = slot.key[3]
             by_reach: dict[frozenset[tuple[Stream, int]], list[int]] = {}
@@ -562,33 +625,102 @@ class _Layout:
                     by_reach.setdefault(reach, []).append(position)
                 elif kind == "shared":
                     reach = frozenset(shapes._streams[(slot.key, position)].items())
-                    slot.gathers.append(_StaticGather(self._pieces(slot.depth, reach), [position], 1))
+                    slot.gathers.append(_StaticGather(self._pieces(made, slot.depth, reach), [position], 1))
+                elif kind == "ints":
+                    slot.fixed.append((position, kind, (ints, ints + slot.num_calls)))
+                    ints += slot.num_calls
+                elif kind == "floats":
+                    slot.fixed.append((position, kind, (floats, floats + slot.num_calls)))
+                    floats += slot.num_calls
                 else:
-                    slot.fixed.append((position, kind))
+                    slot.fixed.append((position, kind, len(given)))
+                    given.append(slot.where(position))
             for reach, positions in by_reach.items():
-                slot.gathers.append(_StaticGather(self._pieces(slot.depth, reach), positions, slot.num_calls))
+                slot.gathers.append(
+                    _StaticGather(self._pieces(made, slot.depth, reach), positions, slot.num_calls)
+                )
+            for gather in slot.gathers:
+                size = gather.items * len(gather.positions)
+                slot.gather_spans.append((ints, ints + size))
+                ints += size
         # per request: its kind and capacity, and for node rows the gather that reads them (every depth)
-        self.requests: list[tuple[str, int, _StaticGather | None]] = [
-            (
-                kind,
-                room,
-                _StaticGather(self._pieces(math.inf, [(s, math.inf) for s in streams]), [0], room)
-                if kind == "nodes"
-                else None,
-            )
-            for kind, room, streams in shapes._requests[signature]
-        ]
+        self.requests: list[_Request] = []
+        for number, (kind, room, streams) in enumerate(shapes._requests[signature]):
+            reads: _StaticGather | None = None
+            if kind == "nodes":
+                reads = _StaticGather(
+                    self._pieces(made, math.inf, [(s, math.inf) for s in streams]), [0], room
+                )
+            if kind in ("nodes", "ints"):
+                where: Any = (ints, ints + room)
+                ints += room
+            elif kind == "floats":
+                where = (floats, floats + room)
+                floats += room
+            else:
+                where = len(given)
+                given.append(f"apply request {number}")
+            self.requests.append(_Request(kind, None if kind == "given" else room, reads, where))
+        self.num_ints = ints
+        self.num_floats = floats
+        self.given = given
+        # The envelope's identity (a token that travels with its pickles) and version name the
+        # layout; the digest of the layout's content keeps apart copies of one envelope grown
+        # apart in different processes (DataLoader workers) to the same version number.
+        digest = hashlib.blake2b(repr(self._content()).encode(), digest_size=12).hexdigest()
+        self._key = (shapes._token, shapes.version, signature, digest)
 
-    def _pieces(self, depth: float, reach: Iterable[tuple[Stream, float]]) -> list[_Piece]:
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Hashable and picklable: equal for plans fitted to one envelope version with the same request kinds."""
+        return self._key
+
+    @property
+    def capacities(self) -> list[int | None]:
+        """Rows per node each request gets padded to (None: a request of tensors, never padded)."""
+        return [request.capacity for request in self.requests]
+
+    def _content(self) -> tuple[Any, ...]:
+        """The layout as plain values: what a graph traced from :meth:`run` depends on."""
+        slots = tuple(
+            (
+                slot.depth,
+                _op_label(slot.op),
+                slot.key[1:4],
+                repr(slot.key[4]),
+                slot.num_calls,
+                tuple(
+                    (tuple((p.slot, p.output) for p in g.pieces), tuple(g.positions), g.items)
+                    for g in slot.gathers
+                ),
+            )
+            for slot in self.slots
+        )
+        requests = tuple(
+            (
+                r.kind,
+                r.capacity,
+                None if r.gather is None else tuple((p.slot, p.output) for p in r.gather.pieces),
+            )
+            for r in self.requests
+        )
+        return slots, requests, self.num_ints, self.num_floats, len(self.given)
+
+    def _pieces(
+        self,
+        made: dict[Stream, tuple[list[int], list[int]]],
+        depth: float,
+        reach: Iterable[tuple[Stream, float]],
+    ) -> list[_Piece]:
         """The outputs of slots less deep than ``depth`` that belong to a stream of ``reach``, at most
         its reach levels back; O(pieces) whatever the number of slots, so a chain stays linear."""
         numbers: list[tuple[int, int | None]] = []
         latest: tuple[int, int | None] | None = None  # the last slot of a stream before ``depth``
         for stream, back in reach:
-            made = self._made.get(stream)
-            if made is None:
+            found = made.get(stream)
+            if found is None:
                 continue
-            depths, slots = made
+            depths, slots = found
             end = bisect.bisect_left(depths, depth)
             start = bisect.bisect_left(depths, depth - back, 0, end)
             numbers.extend((number, stream[1]) for number in slots[start:end])
@@ -613,49 +745,42 @@ class _Layout:
         owner = [(slot_of_step[number], output) for number, output in plan.source_owner]
         columns_of: dict[int, list[_Column]] = {slot_of_step[i]: cols for i, cols in enumerate(batch.columns)}
         calls_of = {slot_of_step[i]: calls for i, calls in enumerate(batch.calls)}
-        ints, floats = _Packed(np.int64), _Packed(np.float64)
-        slots_args: list[list[tuple[int, str, Any]]] = []
+        ints = np.empty(self.num_ints, dtype=np.int64)
+        floats = np.empty(self.num_floats, dtype=np.float64)
+        given: list[_Tensor] = []
         for number, slot in enumerate(self.slots):
             columns = columns_of.get(number)
             real = calls_of.get(number, 0)
-            args: list[tuple[int, str, Any]] = []
-            for gather in slot.gathers:
-                index = np.concatenate(
-                    [
-                        _padded_index(gather, owner, None if columns is None else columns[p], real)
-                        for p in gather.positions
-                    ]
-                )
-                args.append((-1, "gather", ints.add(index)))
-            for position, kind in slot.fixed:
+            for gather, (start, _end) in zip(slot.gathers, slot.gather_spans, strict=True):
+                items = gather.items
+                for offset, p in enumerate(gather.positions):
+                    ints[start + offset * items : start + (offset + 1) * items] = _padded_index(
+                        gather, owner, None if columns is None else columns[p], real
+                    )
+            for position, kind, where in slot.fixed:
                 column = None if columns is None else columns[position]
                 fill = self.fills[(slot.key, position)]
                 if kind == "ints":
-                    args.append(
-                        (position, kind, ints.add(_padded_values(column, fill, slot.num_calls, np.int64)))
-                    )
+                    ints[where[0] : where[1]] = _padded_values(column, fill, slot.num_calls, np.int64)
                 elif kind == "floats":
-                    values = _padded_values(column, fill, slot.num_calls, np.float64)
-                    args.append((position, kind, floats.add(values)))
+                    floats[where[0] : where[1]] = _padded_values(column, fill, slot.num_calls, np.float64)
                 else:
-                    args.append((position, kind, _padded_tensors(column, fill, slot.num_calls)))
-            slots_args.append(args)
-        requests: list[tuple[str, Any]] = []
-        for (kind, room, reads), column in zip(self.requests, batch.requests, strict=True):
-            if reads is not None:
-                requests.append((kind, ints.add(_padded_index(reads, owner, column, _count(column)))))
+                    given.append(_padded_tensors(column, fill, slot.num_calls))
+        for request, column in zip(self.requests, batch.requests, strict=True):
+            kind, where = request.kind, request.where
+            if request.gather is not None:
+                ints[where[0] : where[1]] = _padded_index(request.gather, owner, column, _count(column))
             elif kind == "ints":
-                requests.append((kind, ints.add(_padded_values(column, 0, room, np.int64))))
+                ints[where[0] : where[1]] = _padded_values(column, 0, where[1] - where[0], np.int64)
             elif kind == "floats":
-                requests.append((kind, floats.add(_padded_values(column, 0, room, np.float64))))
+                floats[where[0] : where[1]] = _padded_values(column, 0, where[1] - where[0], np.float64)
             else:  # tensors only: any number of rows each, passed as they are
-                requests.append((kind, torch.cat(column.values, 0)))
+                given.append(torch.cat(column.values, 0))
         return StaticPlan(
             self,
-            slots_args,
-            requests,
-            ints.array(),
-            floats.array(),
+            ints,
+            floats,
+            tuple(given),
             sizes=plan.sizes,
             real_calls=sum(batch.calls),
             num_nodes=plan.num_nodes,
@@ -663,27 +788,104 @@ class _Layout:
             volatile=plan.volatile,
         )
 
+    def run(self, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
+        """Run the layout's ops on ``nn`` with one plan's ``inputs``; one padded tensor per request.
+
+        A pure function of ``nn`` and the tensors of ``inputs``: tensor operations only, no
+        transfer, nothing read back to Python, no branch on a tensor's value; so it can be
+        traced once per layout (``torch.compile``, a CUDA graph capture) and replayed for
+        every plan of the layout. Outputs are padded to the capacities: a plan's sizes vary
+        from batch to batch, so cutting them (:meth:`StaticPlan.unpad`) is the plan's job.
+
+        Raises:
+            ValueError: ``padded=False`` (unpadding needs the plan's sizes), or ``inputs``
+                made for another layout.
+            FoldError: unknown op, or an op returning something other than rows per call.
+        """
+        if not padded:
+            raise ValueError(
+                "StaticLayout.run(padded=False): a layout does not know a batch's sizes; run it padded and cut the "
+                "outputs with plan.unpad(outputs), or call plan.apply(nn)"
+            )
+        ints, floats, given = inputs
+        if (
+            ints.shape != (self.num_ints,)
+            or floats.shape != (self.num_floats,)
+            or len(given) != len(self.given)
+        ):
+            raise ValueError(
+                f"StaticLayout.run: inputs of {tuple(ints.shape)} ints, {tuple(floats.shape)} floats and {len(given)} "
+                f"given tensors, but this layout takes ({self.num_ints},), ({self.num_floats},) and {len(self.given)}; "
+                "pass the inputs of a plan of this layout (plan.inputs(), where plan.layout.key is this layout's key)"
+            )
+        fns: list[Callable[..., Any]] = resolve_ops(nn, self.slots)
+        results: dict[tuple[int, int | None], _Tensor] = {}
+        for number, (slot, fn) in enumerate(zip(self.slots, fns, strict=True)):
+            args: list[Any] = [None] * slot.arity
+            for gather, (start, end) in zip(slot.gathers, slot.gather_spans, strict=True):
+                taken, rows = _take(gather, results, ints[start:end], self.slots)
+                if len(gather.positions) == 1:
+                    args[gather.positions[0]] = taken
+                else:
+                    for where, part in zip(gather.positions, taken.split(gather.items * rows), strict=True):
+                        args[where] = part
+            for position, kind, where in slot.fixed:
+                if kind == "ints":
+                    args[position] = ints[where[0] : where[1]]
+                elif kind == "floats":
+                    args[position] = floats[where[0] : where[1]]
+                else:
+                    args[position] = given[where]
+            before = versions(args)
+            try:
+                out = fn(*args)
+            except FoldError:
+                raise
+            except Exception as error:
+                add_note(
+                    error,
+                    f"torchfold: while applying {slot.name!r} at depth {slot.depth} to {slot.num_calls} calls "
+                    f"(padded; static shapes)",
+                )
+                raise
+            check_unchanged(args, before, slot.name, slot.depth)
+            for output, value in _store(slot, out):
+                results[(number, output)] = value
+        outputs = []
+        for request in self.requests:
+            where = request.where
+            if request.gather is not None:
+                outputs.append(_take(request.gather, results, ints[where[0] : where[1]], self.slots)[0])
+            elif request.kind == "ints":
+                outputs.append(ints[where[0] : where[1]])
+            elif request.kind == "floats":
+                outputs.append(floats[where[0] : where[1]])
+            else:
+                outputs.append(given[where])
+        return outputs
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles: refused, like a plan's, for an op bound to an object (its copy would get the gradients)."""
+        for slot in self.slots:
+            check_portable_op(slot.op, slot.name, slot.depth)
+        return self.__dict__
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticLayout({len(self.slots)} slots of {self.total_calls} calls, {len(self.requests)} requests, "
+            f"key version {self._key[1]})"
+        )
+
+
+def _op_label(op: Op) -> str:
+    """An op as a graph's key names it: its name, or a callable's module and qualified name."""
+    if isinstance(op, str):
+        return op
+    return f"{getattr(op, '__module__', '?')}.{getattr(op, '__qualname__', type(op).__qualname__)}"
+
 
 def _slot_order(piece: tuple[int, int | None]) -> tuple[int, int]:
     return piece[0], -1 if piece[1] is None else piece[1]
-
-
-class _Packed:
-    """Arrays laid end to end in one, each known by its (start, end): one transfer to the device."""
-
-    def __init__(self, dtype: Any) -> None:
-        self.dtype = dtype
-        self.parts: list[np.ndarray] = []
-        self.size = 0
-
-    def add(self, values: np.ndarray) -> tuple[int, int]:
-        start = self.size
-        self.parts.append(values)
-        self.size += len(values)
-        return start, self.size
-
-    def array(self) -> np.ndarray:
-        return np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=self.dtype)
 
 
 def _padded_index(
@@ -720,17 +922,18 @@ class StaticPlan:
     runs the same tensor operations on the same shapes, so XLA compiles it once.
 
     Made by :meth:`StaticShapes.fit` (or ``Fold(shapes=...).plan(...)``); it pickles like a
-    :class:`~torchfold.FoldPlan`. All index arrays and int/float columns are packed into one
-    int64 and one float64 array, moved to the device once per :meth:`apply`.
+    :class:`~torchfold.FoldPlan`. It is a :class:`StaticLayout` (:attr:`layout`, shared by
+    every plan of the envelope version) and this batch's data: all index arrays and int
+    columns packed into one int64 array (:attr:`ints`), float columns into one float64 array
+    (:attr:`floats`), and the tensors given to ``add``; :meth:`inputs` makes them tensors.
     """
 
     def __init__(
         self,
-        layout: _Layout,
-        slot_args: list[list[tuple[int, str, Any]]],
-        requests: list[tuple[str, Any]],
+        layout: StaticLayout,
         ints: np.ndarray,
         floats: np.ndarray,
+        given: tuple[_Tensor, ...],
         *,
         sizes: list[int],
         real_calls: int,
@@ -738,17 +941,15 @@ class StaticPlan:
         device: torch.device | None,
         volatile: bool,
     ) -> None:
-        self.slots = layout.slots
-        self.request_gathers = layout.requests
-        self.slot_args = slot_args
-        self.requests = requests
+        self.layout = layout
         self.ints = ints
         self.floats = floats
+        self.given = given
         #: calls (nodes) each request asks for, and how many rows ``apply(padded=True)`` returns for it
         self.sizes = sizes
         self.capacities = [
-            size if kind == "given" else room
-            for (kind, room, _), size in zip(layout.requests, sizes, strict=True)
+            size if capacity is None else capacity
+            for capacity, size in zip(layout.capacities, sizes, strict=True)
         ]
         self.real_calls = real_calls
         self.num_nodes = num_nodes
@@ -756,9 +957,26 @@ class StaticPlan:
         self.volatile = volatile
 
     @property
+    def slots(self) -> list[_Slot]:
+        """The layout's batched calls, in the order they run."""
+        return self.layout.slots
+
+    @property
     def padded_calls(self) -> int:
         """Calls run, padding included (``real_calls`` are the plan's own)."""
-        return sum(slot.num_calls for slot in self.slots)
+        return self.layout.total_calls
+
+    def inputs(self, device: torch.device | str | None = None) -> StaticInputs:
+        """This batch's :class:`StaticInputs` on ``device`` (default: the plan's, else the CPU).
+
+        Fresh tensors at every call: what :meth:`StaticLayout.run` reads. One transfer for the
+        ints, one for the floats, one per given tensor.
+        """
+        if device is None:
+            device = self.device if self.device is not None else torch.device("cpu")
+        ints = torch.from_numpy(self.ints).to(device, copy=True)
+        floats = torch.from_numpy(self.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
+        return StaticInputs(ints, floats, tuple(tensor.to(device) for tensor in self.given))
 
     def pad(self, request: int, values: Any, fill: float = 0) -> _Tensor:
         """``values`` (one per node of request ``request``) as a tensor padded to its capacity with ``fill``.
@@ -775,7 +993,7 @@ class StaticPlan:
         >>> plan.pad(0, [0.5, 0.5])
         tensor([0.5000, 0.5000, 0.0000, 0.0000])
         """
-        check_request_number(request, len(self.requests))
+        check_request_number(request, len(self.sizes))
         size, capacity = self.sizes[request], self.capacities[request]
         if isinstance(values, _Tensor) and values.device.type != "cpu":
             tensor = values  # already on a device: padded there (on XLA, sizes that vary then compile anew)
@@ -794,16 +1012,30 @@ class StaticPlan:
         padded[:size] = array
         return torch.from_numpy(padded)
 
+    def unpad(self, outputs: Sequence[_Tensor]) -> list[_Tensor]:
+        """Padded outputs (of :meth:`StaticLayout.run`) cut to this plan's requested rows."""
+        cut = []
+        for output, size, capacity in zip(outputs, self.sizes, self.capacities, strict=True):
+            rows = output.shape[0] // capacity if capacity else 1
+            cut.append(output[: size * rows])
+        return cut
+
     def apply(self, nn: torch.nn.Module | object, *, padded: bool = False) -> list[_Tensor]:
         """Run the padded plan on ``nn``; one tensor per request (padded to its capacity if ``padded``).
+
+        The same as ``plan.layout.run(nn, plan.inputs(device))`` (then :meth:`unpad`, unless
+        ``padded``), ``device`` being the plan's, else the module's.
 
         Raises:
             FoldError: unknown op, or an op returning something other than rows per call.
         """
+        device = self.device if self.device is not None else module_device(nn)
         if self.volatile:
             with torch.no_grad():
-                return _run(self, nn, padded)
-        return _run(self, nn, padded)
+                outputs = self.layout.run(nn, self.inputs(device))
+        else:
+            outputs = self.layout.run(nn, self.inputs(device))
+        return outputs if padded else self.unpad(outputs)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles: refused, like a :class:`~torchfold.FoldPlan`'s, where a copy would cut gradients off.
@@ -811,26 +1043,13 @@ class StaticPlan:
         Raises:
             FoldError: an op is a bound method, or a tensor given to ``add`` requires grad.
         """
-        for slot in self.slots:
+        for slot in self.layout.slots:
             check_portable_op(slot.op, slot.name, slot.depth)
-        slot_args = [
-            [
-                (
-                    position,
-                    kind,
-                    portable_tensors(value, f"op {slot.name!r} at depth {slot.depth}, argument {position}"),
-                )
-                if kind == "given"
-                else (position, kind, value)
-                for position, kind, value in args
-            ]
-            for slot, args in zip(self.slots, self.slot_args, strict=True)
-        ]
-        requests = [
-            (kind, portable_tensors(value, f"apply request {number}") if kind == "given" else value)
-            for number, (kind, value) in enumerate(self.requests)
-        ]
-        return {**self.__dict__, "slot_args": slot_args, "requests": requests}
+        given = tuple(
+            portable_tensors(tensor, where)
+            for tensor, where in zip(self.given, self.layout.given, strict=True)
+        )
+        return {**self.__dict__, "given": given}
 
     def __len__(self) -> int:
         return self.num_nodes
@@ -907,68 +1126,3 @@ def _take(
     if rows != 1:
         index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
     return source.index_select(0, index), rows
-
-
-def _run(
-    plan: StaticPlan,
-    nn: object,
-    padded: bool,
-    ints: _Tensor | None = None,
-    floats: _Tensor | None = None,
-) -> list[_Tensor]:
-    """Run ``plan``; ``ints``/``floats``: its packed arrays already on the device, if the caller
-    keeps them there (a CUDA graph replays the same buffers, refilled for each plan of a layout)."""
-    device = plan.device if plan.device is not None else module_device(nn)
-    fns: list[Callable[..., Any]] = resolve_ops(nn, plan.slots)
-    # One transfer each for all indices and int columns, and all float columns; fresh tensors at
-    # every apply, so a caller changing an output that is an op's int input cannot change the plan.
-    if ints is None:
-        ints = torch.from_numpy(plan.ints).to(device, copy=True)
-    if floats is None:
-        floats = torch.from_numpy(plan.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
-    results: dict[tuple[int, int | None], _Tensor] = {}
-    for number, (slot, fn, args_plan) in enumerate(zip(plan.slots, fns, plan.slot_args, strict=True)):
-        args: list[Any] = [None] * slot.arity
-        gathers = iter(slot.gathers)
-        for position, kind, value in args_plan:
-            if kind == "gather":
-                gather = next(gathers)
-                taken, rows = _take(gather, results, ints[value[0] : value[1]], plan.slots)
-                if len(gather.positions) == 1:
-                    args[gather.positions[0]] = taken
-                else:
-                    for where, part in zip(gather.positions, taken.split(gather.items * rows), strict=True):
-                        args[where] = part
-            elif kind == "ints":
-                args[position] = ints[value[0] : value[1]]
-            elif kind == "floats":
-                args[position] = floats[value[0] : value[1]]
-            else:
-                args[position] = value.to(device)
-        before = versions(args)
-        try:
-            out = fn(*args)
-        except FoldError:
-            raise
-        except Exception as error:
-            add_note(
-                error,
-                f"torchfold: while applying {slot.name!r} at depth {slot.depth} to {slot.num_calls} calls "
-                f"(padded; static shapes)",
-            )
-            raise
-        check_unchanged(args, before, slot.name, slot.depth)
-        for output, value in _store(slot, out):
-            results[(number, output)] = value
-    outputs = []
-    for (_, _, reads), (kind, value), size in zip(
-        plan.request_gathers, plan.requests, plan.sizes, strict=True
-    ):
-        if reads is not None:
-            taken, rows = _take(reads, results, ints[value[0] : value[1]], plan.slots)
-        elif kind == "ints" or kind == "floats":
-            taken, rows = (ints if kind == "ints" else floats)[value[0] : value[1]], 1
-        else:
-            taken, rows = value.to(device), 1
-        outputs.append(taken if padded else taken[: size * rows])
-    return outputs

@@ -1,16 +1,16 @@
 """Static shapes: pad a compiled fold into a growing envelope so that XLA (and CUDA graphs) see repeating shapes.
 
-:class:`StaticShapes` is the envelope a module keeps; :meth:`StaticShapes.fit` pads a
-:class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan`, whose outputs and
-gradients equal the unpadded plan's. See ``docs/static-shapes.md`` for why an envelope.
+:class:`StaticShapes` (:mod:`.shapes`) is the envelope a module keeps; :meth:`StaticShapes.fit`
+pads a :class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan` (:mod:`.plan`),
+whose outputs and gradients equal the unpadded plan's. A plan is a :class:`StaticLayout`
+(:mod:`.layout`: all that is constant per envelope version) and its batch's
+:class:`StaticInputs`; ``plan.layout.run(nn, plan.inputs())`` is what ``plan.apply`` runs.
+:mod:`.columns` reads a compiled plan as padding sees it. See ``docs/static-shapes.md`` for
+why an envelope.
 """
 
-from torchfold.engine.static.shapes import (
-    StaticInputs,
-    StaticLayout,
-    StaticPlan,
-    StaticShapes,
-    StaticShapesWarning,
-)
+from torchfold.engine.static.layout import StaticLayout
+from torchfold.engine.static.plan import StaticInputs, StaticPlan
+from torchfold.engine.static.shapes import StaticShapes, StaticShapesWarning
 
 __all__ = ["StaticInputs", "StaticLayout", "StaticPlan", "StaticShapes", "StaticShapesWarning"]

@@ -1,0 +1,317 @@
+"""A plan padded into an envelope (:class:`StaticPlan`), its inputs (:class:`StaticInputs`), and the runner.
+
+The runner (:func:`run`, :meth:`StaticLayout.run <torchfold.engine.static.layout.StaticLayout.run>`)
+is a pure function of a module and the inputs' tensors, so that compiled steps can trace it
+once per layout; :meth:`StaticPlan.apply` is that runner on the plan's inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from torchfold._errors import FoldError, add_note
+from torchfold.engine.ir import check_pad_rows, check_portable_op, check_request_number, portable_tensors
+from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
+
+if TYPE_CHECKING:
+    from torchfold.engine.static.layout import Slot, StaticGather, StaticLayout
+
+__all__ = ["StaticInputs", "StaticPlan", "run"]
+
+_Tensor = torch.Tensor
+_NUMPY_DEFAULT = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
+class StaticInputs(NamedTuple):
+    """What one batch gives a :class:`StaticLayout`'s runner: fixed-shape tensors, one set per plan.
+
+    ``ints`` (int64) holds every gather's index and every int column, ``floats`` (the default
+    float dtype) every float column, end to end; their lengths are the layout's
+    (``num_ints``, ``num_floats``). ``given`` holds the tensors given to ``add``: per position
+    that reads them, padded to its capacity (a shape the layout fixes), then per request of
+    tensors, as given: a request whose tensors vary in rows varies this shape, and so the graph.
+    """
+
+    ints: _Tensor
+    floats: _Tensor
+    given: tuple[_Tensor, ...]
+
+
+class StaticPlan:
+    """A plan padded into a :class:`StaticShapes` envelope: every plan of one envelope version
+    runs the same tensor operations on the same shapes, so XLA compiles it once.
+
+    Made by :meth:`StaticShapes.fit` (or ``Fold(shapes=...).plan(...)``); it pickles like a
+    :class:`~torchfold.FoldPlan`. It is a :class:`StaticLayout` (:attr:`layout`, shared by
+    every plan of the envelope version) and this batch's data: all index arrays and int
+    columns packed into one int64 array (:attr:`ints`), float columns into one float64 array
+    (:attr:`floats`), and the tensors given to ``add``; :meth:`inputs` makes them tensors.
+    """
+
+    def __init__(
+        self,
+        layout: StaticLayout,
+        ints: np.ndarray,
+        floats: np.ndarray,
+        given: tuple[_Tensor, ...],
+        *,
+        sizes: list[int],
+        real_calls: int,
+        num_nodes: int,
+        device: torch.device | None,
+        volatile: bool,
+    ) -> None:
+        self.layout = layout
+        self.ints = ints
+        self.floats = floats
+        self.given = given
+        #: calls (nodes) each request asks for, and how many rows ``apply(padded=True)`` returns for it
+        self.sizes = sizes
+        self.capacities = [
+            size if capacity is None else capacity
+            for capacity, size in zip(layout.capacities, sizes, strict=True)
+        ]
+        self.real_calls = real_calls
+        self.num_nodes = num_nodes
+        self.device = device
+        self.volatile = volatile
+
+    @property
+    def slots(self) -> list[Slot]:
+        """The layout's batched calls, in the order they run."""
+        return self.layout.slots
+
+    @property
+    def padded_calls(self) -> int:
+        """Calls run, padding included (``real_calls`` are the plan's own)."""
+        return self.layout.total_calls
+
+    def inputs(self, device: torch.device | str | None = None) -> StaticInputs:
+        """This batch's :class:`StaticInputs` on ``device`` (default: the plan's, else the CPU).
+
+        Fresh tensors at every call: what :meth:`StaticLayout.run` reads. One transfer for the
+        ints, one for the floats, one per given tensor.
+        """
+        if device is None:
+            device = self.device if self.device is not None else torch.device("cpu")
+        ints = torch.from_numpy(self.ints).to(device, copy=True)
+        floats = torch.from_numpy(self.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
+        return StaticInputs(ints, floats, tuple(tensor.to(device) for tensor in self.given))
+
+    def pad(self, request: int, values: Any, fill: float = 0) -> _Tensor:
+        """``values`` (one per node of request ``request``) as a tensor padded to its capacity with ``fill``.
+
+        With ``apply(model, padded=True)``, pad per-node targets and weights so that the padded
+        rows weigh nothing: ``(losses * plan.pad(0, weights)).sum()``, or cross-entropy with
+        ``ignore_index`` and ``plan.pad(0, labels, fill=-100)``. Give host values (a list, a
+        numpy array or a CPU tensor) and move the result to the device: its shape is the
+        capacity's, so on XLA it never makes a new graph.
+
+        >>> import torch, torchfold
+        >>> f = torchfold.Fold(shapes=torchfold.StaticShapes(min_rows=4))
+        >>> plan = f.plan([[f.add(torch.neg, 1), f.add(torch.neg, 2)]])
+        >>> plan.pad(0, [0.5, 0.5])
+        tensor([0.5000, 0.5000, 0.0000, 0.0000])
+        """
+        check_request_number(request, len(self.sizes))
+        size, capacity = self.sizes[request], self.capacities[request]
+        if isinstance(values, _Tensor) and values.device.type != "cpu":
+            tensor = values  # already on a device: padded there (on XLA, sizes that vary then compile anew)
+            check_pad_rows(request, tuple(tensor.shape), size)
+            out = tensor.new_full((capacity, *tensor.shape[1:]), fill)
+            out[:size] = tensor
+            return out
+        # On the host, in numpy: only the padded tensor is made, so its shape never varies.
+        array = values.numpy() if isinstance(values, _Tensor) else np.asarray(values)
+        if array.dtype == np.float64 and not isinstance(values, np.ndarray | _Tensor):
+            array = array.astype(
+                _NUMPY_DEFAULT.get(torch.get_default_dtype(), np.float32)
+            )  # Python floats: torch's default dtype
+        check_pad_rows(request, array.shape, size)
+        padded = np.full((capacity, *array.shape[1:]), fill, dtype=array.dtype)
+        padded[:size] = array
+        return torch.from_numpy(padded)
+
+    def unpad(self, outputs: Sequence[_Tensor]) -> list[_Tensor]:
+        """Padded outputs (of :meth:`StaticLayout.run`) cut to this plan's requested rows."""
+        cut = []
+        for output, size, capacity in zip(outputs, self.sizes, self.capacities, strict=True):
+            rows = output.shape[0] // capacity if capacity else 1
+            cut.append(output[: size * rows])
+        return cut
+
+    def apply(self, nn: torch.nn.Module | object, *, padded: bool = False) -> list[_Tensor]:
+        """Run the padded plan on ``nn``; one tensor per request (padded to its capacity if ``padded``).
+
+        The same as ``plan.layout.run(nn, plan.inputs(device))`` (then :meth:`unpad`, unless
+        ``padded``), ``device`` being the plan's, else the module's.
+
+        Raises:
+            FoldError: unknown op, or an op returning something other than rows per call.
+        """
+        device = self.device if self.device is not None else module_device(nn)
+        if self.volatile:
+            with torch.no_grad():
+                outputs = self.layout.run(nn, self.inputs(device))
+        else:
+            outputs = self.layout.run(nn, self.inputs(device))
+        return outputs if padded else self.unpad(outputs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles: refused, like a :class:`~torchfold.FoldPlan`'s, where a copy would cut gradients off.
+
+        Raises:
+            FoldError: an op is a bound method, or a tensor given to ``add`` requires grad.
+        """
+        for slot in self.layout.slots:
+            check_portable_op(slot.op, slot.name, slot.depth)
+        given = tuple(
+            portable_tensors(tensor, where)
+            for tensor, where in zip(self.given, self.layout.given, strict=True)
+        )
+        return {**self.__dict__, "given": given}
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticPlan({len(self.slots)} slots, {self.num_nodes} nodes in {self.real_calls} calls padded to "
+            f"{self.padded_calls}, requests {self.sizes} of {self.capacities})"
+        )
+
+
+def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
+    """The runner of :meth:`StaticLayout.run` (see there): the layout's ops on ``nn`` with one plan's inputs."""
+    if not padded:
+        raise ValueError(
+            "StaticLayout.run(padded=False): a layout does not know a batch's sizes; run it padded and cut the "
+            "outputs with plan.unpad(outputs), or call plan.apply(nn)"
+        )
+    ints, floats, given = inputs
+    if (
+        ints.shape != (layout.num_ints,)
+        or floats.shape != (layout.num_floats,)
+        or len(given) != len(layout.given)
+    ):
+        raise ValueError(
+            f"StaticLayout.run: inputs of {tuple(ints.shape)} ints, {tuple(floats.shape)} floats and {len(given)} "
+            f"given tensors, but this layout takes ({layout.num_ints},), ({layout.num_floats},) and {len(layout.given)}; "
+            "pass the inputs of a plan of this layout (plan.inputs(), where plan.layout.key is this layout's key)"
+        )
+    fns: list[Callable[..., Any]] = resolve_ops(nn, layout.slots)
+    results: dict[tuple[int, int | None], _Tensor] = {}
+    for number, (slot, fn) in enumerate(zip(layout.slots, fns, strict=True)):
+        args: list[Any] = [None] * slot.arity
+        for gather, (start, end) in zip(slot.gathers, slot.gather_spans, strict=True):
+            taken, rows = _take(gather, results, ints[start:end], layout.slots)
+            if len(gather.positions) == 1:
+                args[gather.positions[0]] = taken
+            else:
+                for where, part in zip(gather.positions, taken.split(gather.items * rows), strict=True):
+                    args[where] = part
+        for position, kind, where in slot.fixed:
+            if kind == "ints":
+                args[position] = ints[where[0] : where[1]]
+            elif kind == "floats":
+                args[position] = floats[where[0] : where[1]]
+            else:
+                args[position] = given[where]
+        before = versions(args)
+        try:
+            out = fn(*args)
+        except FoldError:
+            raise
+        except Exception as error:
+            add_note(
+                error,
+                f"torchfold: while applying {slot.name!r} at depth {slot.depth} to {slot.num_calls} calls "
+                f"(padded; static shapes)",
+            )
+            raise
+        check_unchanged(args, before, slot.name, slot.depth)
+        for output, value in _store(slot, out):
+            results[(number, output)] = value
+    outputs = []
+    for request in layout.requests:
+        where = request.where
+        if request.gather is not None:
+            outputs.append(_take(request.gather, results, ints[where[0] : where[1]], layout.slots)[0])
+        elif request.kind == "ints":
+            outputs.append(ints[where[0] : where[1]])
+        elif request.kind == "floats":
+            outputs.append(floats[where[0] : where[1]])
+        else:
+            outputs.append(given[where])
+    return outputs
+
+
+def _store(slot: Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
+    """The outputs of a slot's call, checked: a tensor, or a tuple of ``num_outputs`` tensors."""
+    where = f"op {slot.name!r} at depth {slot.depth}"
+    if isinstance(out, _Tensor):
+        outputs: list[tuple[int | None, Any]] = [(None, out)]
+        if slot.num_outputs:
+            raise FoldError(
+                f"{where} returned a single tensor but its nodes were split into {slot.num_outputs}"
+            )
+    # A tuple of types, not ``tuple | list``: torch.compile (dynamo, torch 2.9) breaks the graph on a
+    # PEP 604 union in isinstance, and this runs inside compiled steps.
+    elif isinstance(out, (tuple, list)):
+        if len(out) != slot.num_outputs:
+            raise FoldError(
+                f"{where} returned {len(out)} outputs but its nodes were "
+                f"{'split into ' + str(slot.num_outputs) if slot.num_outputs else 'used whole'}; "
+                f"call .split({len(out)}) on them"
+            )
+        outputs = list(enumerate(out))
+    else:
+        raise FoldError(
+            f"{where} returned a {type(out).__name__}; ops must return a tensor or a tuple of tensors"
+        )
+    for output, value in outputs:
+        if (
+            not isinstance(value, _Tensor)
+            or value.dim() == 0
+            or value.shape[0] == 0
+            or value.shape[0] % slot.num_calls
+        ):
+            shape = tuple(value.shape) if isinstance(value, _Tensor) else type(value).__name__
+            raise FoldError(
+                f"{where} ran {slot.num_calls} calls (padded) and returned {shape} as output {output}: "
+                f"ops must return rows per call, a leading dim that is a positive multiple of {slot.num_calls}"
+            )
+    return outputs
+
+
+def _take(
+    gather: StaticGather, results: dict[tuple[int, int | None], _Tensor], index: _Tensor, slots: list[Slot]
+) -> tuple[_Tensor, int]:
+    """The rows of a gather: its pieces concatenated, then one ``index_select``."""
+    tensors = [results[(piece.slot, piece.output)] for piece in gather.pieces]
+    # What the envelope joins over all batches must agree, though each batch alone may read only
+    # some of it: rows per call, row shape and dtype of every piece.
+    first = gather.pieces[0]
+    reference = tensors[0]
+    rows = reference.shape[0] // first.calls
+    for piece, tensor in zip(gather.pieces, tensors, strict=True):
+        if (
+            tensor.shape[0] != piece.calls * rows
+            or tensor.shape[1:] != reference.shape[1:]
+            or tensor.dtype != reference.dtype
+        ):
+            raise FoldError(
+                f"static shapes: an argument position reads the outputs of op {slots[first.slot].name!r} "
+                f"({rows} rows of {tuple(reference.shape[1:])} {reference.dtype} per call) and, in this or an earlier "
+                f"batch, of op {slots[piece.slot].name!r} ({tensor.shape[0] / piece.calls:g} rows of "
+                f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
+                "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
+            )
+    source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+    if rows != 1:
+        index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
+    return source.index_select(0, index), rows

@@ -592,7 +592,10 @@ def test_plans_of_one_envelope_version_share_a_layout_key_and_input_shapes(first
     for x, y in zip(copied.layout.run(model, b.inputs()), b.apply(model, padded=True), strict=True):
         torch.testing.assert_close(x, y)  # one layout runs every plan of it
     # a deeper forest grows the envelope: a new version, a new key
-    grown = _tree_plan(shapes, [((((1, 2), 3), 4), ((5, 6), 7)) for _ in range(9)] + first)
+    deep: Any = 1
+    for word in range(40):  # deeper than the envelope's levels past the deepest seen
+        deep = (deep, word % 11)
+    grown = _tree_plan(shapes, [deep, *first])
     assert shapes.version > version and grown.layout.key != a.layout.key
     assert _tree_plan(shapes, first).layout.key == grown.layout.key
 
@@ -626,3 +629,39 @@ def test_static_names_are_exported() -> None:
         static.__all__
     )
     assert StaticPlan.__module__.startswith("torchfold.engine.static")
+
+
+class _Faulty(torch.nn.Module):
+    def leaf(self, n: torch.Tensor) -> torch.Tensor:
+        return n.float().unsqueeze(1)
+
+    def boom(self, x: torch.Tensor) -> torch.Tensor:
+        raise ZeroDivisionError("boom")
+
+    def column_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0, keepdim=True)  # one row for all calls
+
+
+@pytest.mark.parametrize("op", ["boom", "column_sum"])
+def test_both_runners_word_a_failing_op_alike_the_padded_one_saying_so(op: str) -> None:
+    """One call of the op, one check of its outputs, for plain and static plans."""
+    messages = []
+    for shapes in (None, StaticShapes(min_rows=4)):
+        fold = Fold(shapes=shapes)
+        plan = fold.plan([[fold.add(op, fold.add("leaf", i)) for i in (1, 2)]])
+        with pytest.raises((ZeroDivisionError, FoldError)) as info:
+            plan.apply(_Faulty())
+        messages.append(" ".join([str(info.value), *getattr(info.value, "__notes__", [])]))
+    plain, padded = messages
+    if op == "boom":
+        assert "while applying 'boom' at depth 1 to 2 nodes, first Node('boom', depth=1, index=0)" in plain
+        assert (
+            "while applying 'boom' at depth 1 to 4 nodes (padded; static shapes), first Node('boom'" in padded
+        )
+    else:
+        assert "op 'column_sum' at depth 1 ran 2 calls batched and returned shape (1, 1)" in plain
+        assert (
+            "op 'column_sum' at depth 1 ran 4 calls batched (padded; static shapes) and returned shape"
+            in padded
+        )
+    assert padded.replace(" (padded; static shapes)", "").replace("4", "2") == plain

@@ -21,13 +21,8 @@ from torchfold.engine.node import (
     op_name,
     outside_int64,
 )
-from torchfold.engine.resolve import (
-    check_request_items,
-    check_unchanged,
-    cuda_device,
-    module_device,
-    versions,
-)
+from torchfold.engine.ops import check_unchanged, versions
+from torchfold.engine.resolve import check_request_items, cuda_device, module_device
 
 __all__ = ["EagerFold", "EagerNode"]
 

@@ -23,10 +23,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from torchfold._errors import FoldError, add_note
+from torchfold._errors import FoldError
 from torchfold.engine.ir import INT32_LIMIT, Arg, Gather, GroupCall, PlanData, call_offsets
-from torchfold.engine.node import describe_arg_shapes, node_label
-from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
+from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
+from torchfold.engine.resolve import module_device, resolve_ops
 
 __all__ = ["run"]
 
@@ -56,55 +56,12 @@ class _Results:
 
     def store(self, number: int, step: GroupCall, out: Any) -> None:
         calls = step.num_calls
+        outputs = check_outputs(out, step.name, step.depth, calls, step.num_outputs)
         if isinstance(out, _Tensor):
-            outputs: Sequence[Any] = (out,)
             sources: Sequence[int] = (step.source,)
-        elif isinstance(out, tuple | list):
-            outputs = out
-            sources = step.output_sources
-            self.outputs[number] = len(out)
         else:
-            raise FoldError(
-                f"op {step.name!r} at depth {step.depth} returned a {type(out).__name__}; "
-                "ops must return a tensor or a tuple of tensors"
-            )
-        if step.num_outputs and (step.num_outputs != len(outputs) or isinstance(out, _Tensor)):
-            returned = "a single tensor" if isinstance(out, _Tensor) else len(outputs)
-            fix = (
-                "use the node without .split()"
-                if isinstance(out, _Tensor)
-                else f"call .split({len(outputs)})"
-            )
-            problem = (
-                "split leaves outputs unused"
-                if step.num_outputs < len(outputs)
-                else "split index out of range"
-            )
-            raise FoldError(
-                f"{problem}: nodes of op {step.name!r} at depth {step.depth} were split into "
-                f"{step.num_outputs} outputs, but it returned {returned}; {fix}"
-            )
-        for key, value in enumerate(outputs):
-            if not isinstance(value, _Tensor):
-                raise FoldError(
-                    f"op {step.name!r} at depth {step.depth} returned a {type(value).__name__} as output "
-                    f"{key}; ops must return a tensor or a tuple of tensors"
-                )
-            if value.dim() and value.shape[0] == 0:
-                # a filter (x[mask]) that dropped every row: no call can own its rows any more
-                where = "" if isinstance(out, _Tensor) else f" as output {key}"
-                raise FoldError(
-                    f"op {step.name!r} at depth {step.depth} ran {calls} calls batched and returned shape "
-                    f"{tuple(value.shape)}{where}: no rows for {calls} calls; every call must own at least one row "
-                    "(an op that filters rows loses track of which call owns which: mask values instead)"
-                )
-            if value.dim() == 0 or value.shape[0] % calls:
-                where = "" if isinstance(out, _Tensor) else f" as output {key}"
-                raise FoldError(
-                    f"op {step.name!r} at depth {step.depth} ran {calls} calls batched and returned shape "
-                    f"{tuple(value.shape)}{where}: its leading dim must be a multiple of {calls} (each call owns "
-                    "the same number of rows, in call order)"
-                )
+            sources = step.output_sources
+            self.outputs[number] = len(outputs)
         for source, value in zip(sources, outputs, strict=False):  # outputs never split are not read
             self.tensors[source] = value
             self.kinds[source] = _rows_kind(value, value.shape[0] // calls)
@@ -117,10 +74,7 @@ class _Results:
         number, _ = self.plan.source_owner[source]
         step, count = self.plan.steps[number], self.outputs[number]
         # A source that was split is checked by store(); so this is a result used whole that was a tuple.
-        raise FoldError(
-            f"{self.plan.describe_item(source, call)} is used whole, but op {step.name!r} at depth {step.depth} "
-            f"returned {count} outputs; take them apart with .split({count})"
-        )
+        raise tuple_used_whole(self.plan.describe_item(source, call), step.name, step.depth, count)
 
 
 def _rows_index(calls: np.ndarray, rows: int, device: torch.device) -> _Tensor:
@@ -336,23 +290,9 @@ def run(
     results = _Results(plan)
     for number, (step, fn) in enumerate(zip(plan.steps, fns, strict=True)):
         args = _arguments(step, results, device)
-        shapes = [(a.dtype, a.shape) for a in args]
         if arg_shapes is not None:
-            arg_shapes.append(shapes)
-        before = versions(args)
-        try:
-            out = fn(*args)
-        except FoldError:
-            raise
-        except Exception as error:
-            # The type stays (``except torch.OutOfMemoryError`` must still catch it); where it happened is a note.
-            add_note(
-                error,
-                f"while applying {step.name!r} at depth {step.depth} to {step.num_calls} nodes, first "
-                f"{node_label(step.name, step.depth, 0)} (batched argument shapes: {describe_arg_shapes(shapes)})",
-            )
-            raise
-        check_unchanged(args, before, step.name, step.depth)
+            arg_shapes.append([(a.dtype, a.shape) for a in args])
+        out = call_op(fn, args, step.name, step.depth, step.num_calls)
         results.store(number, step, out)
     outputs = []
     for number, request in enumerate(plan.requests):

@@ -31,12 +31,10 @@ if TYPE_CHECKING:
 __all__ = [
     "check_request_items",
     "check_requests",
-    "check_unchanged",
     "cuda_device",
     "describe",
     "module_device",
     "resolve_ops",
-    "versions",
 ]
 
 _owner = operator.attrgetter("owner")
@@ -78,39 +76,6 @@ def _resolve(nn: object, step: _Batched) -> Callable[..., Any]:
         f"unknown op {op!r} at depth {step.depth} ({step.num_calls} nodes, first "
         f"{node_label(step.name, step.depth, 0)}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
         f"passed to apply, or pass a callable as the op{hint}"
-    )
-
-
-# NOTE: ops must not change their arguments in place. A batched argument is the very tensor of
-# an earlier result (passed through whole, or a view of one call's rows) or a gathered copy, as
-# the runner chooses, and padding copies some more: an in-place change would reach the earlier
-# nodes in one runner and not in another (unpadded [[2, 2], [2, 2]], padded [[1, 1], [2, 2]]).
-# Refusing it is the only rule all runners, and the eager twin, can keep alike. The version
-# counters make the check cheap; inference tensors keep none, and a compiled graph (torch.compile
-# traces these runners) has no counters to read, so there the check is skipped.
-
-
-def versions(args: Sequence[Any]) -> list[int] | None:
-    """The version counters of an op's tensor arguments before it runs (None where none are kept)."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return [arg._version for arg in args]
-    except RuntimeError:  # an inference tensor (made under torch.inference_mode) keeps no counter
-        return None
-
-
-def check_unchanged(args: Sequence[Any], before: list[int] | None, name: str, depth: int) -> None:
-    """Refuse an op that changed one of its arguments in place (``before``: from :func:`versions`)."""
-    if before is None or [arg._version for arg in args] == before:
-        return
-    position = next(
-        i for i, (arg, version) in enumerate(zip(args, before, strict=True)) if arg._version != version
-    )
-    raise FoldError(
-        f"op {name!r} at depth {depth} changed its argument {position} in place; a batched argument may be an earlier "
-        "node's own rows or a copy of them, so the change would reach some nodes and not others: return a new "
-        "tensor instead (x + 1, not x.add_(1) or x += 1)"
     )
 
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from torchfold._errors import FoldError, add_note
+from torchfold._errors import FoldError
 from torchfold.engine.ir import check_pad_rows, check_portable_op, check_request_number, portable_tensors
-from torchfold.engine.resolve import check_unchanged, module_device, resolve_ops, versions
+from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
+from torchfold.engine.resolve import module_device, resolve_ops
 
 if TYPE_CHECKING:
     from torchfold.engine.static.layout import Slot, StaticGather, StaticLayout
@@ -221,19 +222,7 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
                 args[position] = floats[where[0] : where[1]]
             else:
                 args[position] = given[where]
-        before = versions(args)
-        try:
-            out = fn(*args)
-        except FoldError:
-            raise
-        except Exception as error:
-            add_note(
-                error,
-                f"torchfold: while applying {slot.name!r} at depth {slot.depth} to {slot.num_calls} calls "
-                f"(padded; static shapes)",
-            )
-            raise
-        check_unchanged(args, before, slot.name, slot.depth)
+        out = call_op(fn, args, slot.name, slot.depth, slot.num_calls, padded=True)
         for output, value in _store(slot, out):
             results[(number, output)] = value
     outputs = []
@@ -251,48 +240,27 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
 
 
 def _store(slot: Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
-    """The outputs of a slot's call, checked: a tensor, or a tuple of ``num_outputs`` tensors."""
-    where = f"op {slot.name!r} at depth {slot.depth}"
+    """The outputs of a slot's call, checked like the unpadded runner's, by (output or None) number."""
+    outputs = check_outputs(out, slot.name, slot.depth, slot.num_calls, slot.num_outputs, padded=True)
     if isinstance(out, _Tensor):
-        outputs: list[tuple[int | None, Any]] = [(None, out)]
-        if slot.num_outputs:
-            raise FoldError(
-                f"{where} returned a single tensor but its nodes were split into {slot.num_outputs}"
-            )
-    # A tuple of types, not ``tuple | list``: torch.compile (dynamo, torch 2.9) breaks the graph on a
-    # PEP 604 union in isinstance, and this runs inside compiled steps.
-    elif isinstance(out, (tuple, list)):
-        if len(out) != slot.num_outputs:
-            raise FoldError(
-                f"{where} returned {len(out)} outputs but its nodes were "
-                f"{'split into ' + str(slot.num_outputs) if slot.num_outputs else 'used whole'}; "
-                f"call .split({len(out)}) on them"
-            )
-        outputs = list(enumerate(out))
-    else:
-        raise FoldError(
-            f"{where} returned a {type(out).__name__}; ops must return a tensor or a tuple of tensors"
-        )
-    for output, value in outputs:
-        if (
-            not isinstance(value, _Tensor)
-            or value.dim() == 0
-            or value.shape[0] == 0
-            or value.shape[0] % slot.num_calls
-        ):
-            shape = tuple(value.shape) if isinstance(value, _Tensor) else type(value).__name__
-            raise FoldError(
-                f"{where} ran {slot.num_calls} calls (padded) and returned {shape} as output {output}: "
-                f"ops must return rows per call, a leading dim that is a positive multiple of {slot.num_calls}"
-            )
-    return outputs
+        return [(None, out)]
+    return list(enumerate(outputs))
 
 
 def _take(
     gather: StaticGather, results: dict[tuple[int, int | None], _Tensor], index: _Tensor, slots: list[Slot]
 ) -> tuple[_Tensor, int]:
     """The rows of a gather: its pieces concatenated, then one ``index_select``."""
-    tensors = [results[(piece.slot, piece.output)] for piece in gather.pieces]
+    tensors = []
+    for piece in gather.pieces:
+        tensor = results.get((piece.slot, piece.output))
+        if tensor is None:  # a result used whole that was a tuple (what is split is checked by _store)
+            slot = slots[piece.slot]
+            count = slot.num_outputs or len([key for key in results if key[0] == piece.slot])
+            raise tuple_used_whole(
+                f"a node of op {slot.name!r} at depth {slot.depth}", slot.name, slot.depth, count
+            )
+        tensors.append(tensor)
     # What the envelope joins over all batches must agree, though each batch alone may read only
     # some of it: rows per call, row shape and dtype of every piece.
     first = gather.pieces[0]

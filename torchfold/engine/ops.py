@@ -1,0 +1,145 @@
+"""Calling an op on one batched call and checking what it returns: one place for every runner.
+
+The unpadded runner (:func:`torchfold.engine.executor.run`) and the static one
+(:func:`torchfold.engine.static.plan.run`) call each op through :func:`call_op` and check
+its result with :func:`check_outputs`, so a failing op reads the same whichever runner ran
+it (a padded call says ``padded; static shapes``). Both resolve ops on the module with
+:func:`torchfold.engine.resolve.resolve_ops`. The eager twin (:class:`~torchfold.EagerFold`)
+keeps the same rule on arguments changed in place (:func:`versions`, :func:`check_unchanged`).
+
+Everything here runs inside compiled steps too (``torch.compile`` traces the static runner):
+no branch on a tensor's value, and ``isinstance`` with tuples of types, not PEP 604 unions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torchfold._errors import FoldError, add_note
+from torchfold.engine.node import describe_arg_shapes, node_label
+
+__all__ = ["call_op", "check_outputs", "check_unchanged", "tuple_used_whole", "versions"]
+
+_Tensor = torch.Tensor
+_PADDED = " (padded; static shapes)"
+
+
+def call_op(
+    fn: Callable[..., Any], args: list[Any], name: str, depth: int, calls: int, *, padded: bool = False
+) -> Any:
+    """``fn(*args)`` for ``calls`` batched calls of op ``name`` at ``depth``.
+
+    An exception raised inside the op keeps its type (``except torch.OutOfMemoryError`` must
+    still catch it) and gets a note saying where; an op changing an argument in place is refused.
+    """
+    before = versions(args)
+    try:
+        out = fn(*args)
+    except FoldError:
+        raise
+    except Exception as error:
+        shapes = describe_arg_shapes([(arg.dtype, arg.shape) for arg in args])
+        add_note(
+            error,
+            f"while applying {name!r} at depth {depth} to {calls} nodes{_PADDED if padded else ''}, first "
+            f"{node_label(name, depth, 0)} (batched argument shapes: {shapes})",
+        )
+        raise
+    check_unchanged(args, before, name, depth)
+    return out
+
+
+def check_outputs(
+    out: Any, name: str, depth: int, calls: int, num_outputs: int, *, padded: bool = False
+) -> Sequence[_Tensor]:
+    """The tensors an op returned for ``calls`` calls, checked: a tensor, or ``num_outputs`` of them
+    if its nodes were split (0: used whole; a tuple is then fine until something reads it whole).
+
+    Raises:
+        FoldError: not a tensor or a tuple of tensors, a split that does not match, or a
+            leading dim that is not rows per call.
+    """
+    if isinstance(out, _Tensor):
+        outputs: Sequence[Any] = (out,)
+    # A tuple of types, not ``tuple | list``: dynamo (torch 2.9) breaks the graph on a PEP 604
+    # union in isinstance, and this runs inside compiled steps (ruff's UP038 is off in this config).
+    elif isinstance(out, (tuple, list)):
+        outputs = out
+    else:
+        raise FoldError(
+            f"op {name!r} at depth {depth} returned a {type(out).__name__}; ops must return a tensor or a tuple of tensors"
+        )
+    if num_outputs and (num_outputs != len(outputs) or isinstance(out, _Tensor)):
+        returned = "a single tensor" if isinstance(out, _Tensor) else len(outputs)
+        fix = "use the node without .split()" if isinstance(out, _Tensor) else f"call .split({len(outputs)})"
+        problem = "split leaves outputs unused" if num_outputs < len(outputs) else "split index out of range"
+        raise FoldError(
+            f"{problem}: nodes of op {name!r} at depth {depth} were split into {num_outputs} outputs, but it "
+            f"returned {returned}; {fix}"
+        )
+    batched = f"batched{_PADDED}" if padded else "batched"
+    for key, value in enumerate(outputs):
+        if not isinstance(value, _Tensor):
+            raise FoldError(
+                f"op {name!r} at depth {depth} returned a {type(value).__name__} as output {key}; ops must return "
+                "a tensor or a tuple of tensors"
+            )
+        where = "" if isinstance(out, _Tensor) else f" as output {key}"
+        if value.dim() and value.shape[0] == 0:
+            # a filter (x[mask]) that dropped every row: no call can own its rows any more
+            raise FoldError(
+                f"op {name!r} at depth {depth} ran {calls} calls {batched} and returned shape "
+                f"{tuple(value.shape)}{where}: no rows for {calls} calls; every call must own at least one row "
+                "(an op that filters rows loses track of which call owns which: mask values instead)"
+            )
+        if value.dim() == 0 or value.shape[0] % calls:
+            raise FoldError(
+                f"op {name!r} at depth {depth} ran {calls} calls {batched} and returned shape "
+                f"{tuple(value.shape)}{where}: its leading dim must be a multiple of {calls} (each call owns "
+                "the same number of rows, in call order)"
+            )
+    return outputs
+
+
+def tuple_used_whole(what: str, name: str, depth: int, count: int) -> FoldError:
+    """The error for a node (``what``) read whole whose op returned ``count`` outputs."""
+    return FoldError(
+        f"{what} is used whole, but op {name!r} at depth {depth} returned {count} outputs; take them apart "
+        f"with .split({count})"
+    )
+
+
+# NOTE: ops must not change their arguments in place. A batched argument is the very tensor of
+# an earlier result (passed through whole, or a view of one call's rows) or a gathered copy, as
+# the runner chooses, and padding copies some more: an in-place change would reach the earlier
+# nodes in one runner and not in another (unpadded [[2, 2], [2, 2]], padded [[1, 1], [2, 2]]).
+# Refusing it is the only rule all runners, and the eager twin, can keep alike. The version
+# counters make the check cheap; inference tensors keep none, and a compiled graph (torch.compile
+# traces these runners) has no counters to read, so there the check is skipped.
+
+
+def versions(args: Sequence[Any]) -> list[int] | None:
+    """The version counters of an op's tensor arguments before it runs (None where none are kept)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return [arg._version for arg in args]
+    except RuntimeError:  # an inference tensor (made under torch.inference_mode) keeps no counter
+        return None
+
+
+def check_unchanged(args: Sequence[Any], before: list[int] | None, name: str, depth: int) -> None:
+    """Refuse an op that changed one of its arguments in place (``before``: from :func:`versions`)."""
+    if before is None or [arg._version for arg in args] == before:
+        return
+    position = next(
+        i for i, (arg, version) in enumerate(zip(args, before, strict=True)) if arg._version != version
+    )
+    raise FoldError(
+        f"op {name!r} at depth {depth} changed its argument {position} in place; a batched argument may be an "
+        "earlier node's own rows or a copy of them, so the change would reach some nodes and not others: return a "
+        "new tensor instead (x + 1, not x.add_(1) or x += 1)"
+    )

@@ -665,3 +665,59 @@ def test_both_runners_word_a_failing_op_alike_the_padded_one_saying_so(op: str) 
             in padded
         )
     assert padded.replace(" (padded; static shapes)", "").replace("4", "2") == plain
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_one_cuda_graph_per_layout_replays_every_plan_of_it_without_host_syncs() -> None:
+    """What compiled steps do: capture ``layout.run`` (forward and backward) once into a CUDA
+    graph on fixed input buffers, then refill the buffers with another plan's inputs and replay."""
+    shapes = StaticShapes(min_rows=4, warmup=10**9)
+    forests = [[(1, (2, 3)), ((4, 5), 6)], [((7, 8), (9, (10, 0)))], [(1, 2), 3, (4, (5, 6))]]
+    for trees in forests:
+        _tree_plan(shapes, trees)  # grow the envelope over all three
+    plans = [_tree_plan(shapes, trees) for trees in forests]
+    assert len({plan.layout.key for plan in plans}) == 1
+    model = Zoo().cuda()
+    buffers = plans[0].inputs("cuda")
+    parameters = list(model.parameters())
+
+    def step() -> list[torch.Tensor]:
+        roots, states = plans[0].layout.run(model, buffers)
+        loss = roots.pow(2).sum() + states.sin().sum()
+        return [
+            roots,
+            states,
+            *torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True),
+        ]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for plan in plans:
+        for buffer, values in zip(buffers[:2], plan.inputs("cuda")[:2], strict=True):
+            buffer.copy_(values)
+        torch.cuda.set_sync_debug_mode("error")  # a host sync inside the replay would raise
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        roots, states = plan.apply(model, padded=True)
+        loss = roots.pow(2).sum() + states.sin().sum()
+        expected = [
+            roots,
+            states,
+            *torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True),
+        ]
+        for a, b in zip(captured, expected, strict=True):
+            torch.testing.assert_close(a, b)
+    torch.cuda.set_sync_debug_mode("error")  # an eager run of the layout syncs with the host nowhere either
+    try:
+        plans[1].layout.run(model, buffers)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -48,11 +48,18 @@ class StaticGather:
 
     ``offsets`` maps a (slot, output) to where its calls start in the concatenation; ``items``
     is the number of calls each position takes (the slot's capacity, or 1 for a shared node).
+    ``streams``: for a gather reading every earlier slot of its streams (trees), those streams;
+    gathers reading one set of streams read prefixes of one list of pieces (slots are in depth
+    order), so the runner keeps one running concatenation per set: O(levels) operations, not
+    O(levels²). None for a gather reading only the level before it (a chain: one piece or few).
     """
 
-    __slots__ = ("items", "offsets", "pieces", "positions")
+    __slots__ = ("items", "offsets", "pieces", "positions", "streams")
 
-    def __init__(self, pieces: list[Piece], positions: list[int], items: int) -> None:
+    def __init__(
+        self, pieces: list[Piece], positions: list[int], items: int, streams: frozenset[Stream] | None = None
+    ) -> None:
+        self.streams = streams
         self.pieces = pieces
         self.positions = positions
         self.items = items
@@ -146,14 +153,18 @@ class StaticLayout:
         given: list[str] = []  # per given tensor, where it is read (for messages)
         for slot in self.slots:
             kinds = slot.key[3]
-            by_reach: dict[frozenset[tuple[Stream, int]], list[int]] = {}
+            by_reach: dict[frozenset[tuple[Stream, float]], list[int]] = {}
             for position, kind in enumerate(kinds):
                 if kind == "nodes":
                     reach = frozenset(shapes._streams[(slot.key, position)].items())
                     by_reach.setdefault(reach, []).append(position)
                 elif kind == "shared":
                     reach = frozenset(shapes._streams[(slot.key, position)].items())
-                    slot.gathers.append(StaticGather(self._pieces(made, slot.depth, reach), [position], 1))
+                    slot.gathers.append(
+                        StaticGather(
+                            self._pieces(made, slot.depth, reach), [position], 1, _every_level(reach)
+                        )
+                    )
                 elif kind == "ints":
                     slot.fixed.append((position, kind, (ints, ints + slot.num_calls)))
                     ints += slot.num_calls
@@ -165,7 +176,9 @@ class StaticLayout:
                     given.append(slot.where(position))
             for reach, positions in by_reach.items():
                 slot.gathers.append(
-                    StaticGather(self._pieces(made, slot.depth, reach), positions, slot.num_calls)
+                    StaticGather(
+                        self._pieces(made, slot.depth, reach), positions, slot.num_calls, _every_level(reach)
+                    )
                 )
             for gather in slot.gathers:
                 size = gather.items * len(gather.positions)
@@ -177,7 +190,10 @@ class StaticLayout:
             reads: StaticGather | None = None
             if kind == "nodes":
                 reads = StaticGather(
-                    self._pieces(made, math.inf, [(s, math.inf) for s in streams]), [0], room
+                    self._pieces(made, math.inf, [(s, math.inf) for s in streams]),
+                    [0],
+                    room,
+                    frozenset(streams),
                 )
             if kind in ("nodes", "ints"):
                 where: Any = (ints, ints + room)
@@ -343,6 +359,13 @@ class StaticLayout:
             f"StaticLayout({len(self.slots)} slots of {self.total_calls} calls, {len(self.requests)} requests, "
             f"key version {self._key[1]})"
         )
+
+
+def _every_level(reach: frozenset[tuple[Stream, float]]) -> frozenset[Stream] | None:
+    """The streams of a gather that reads every earlier level of them, or None."""
+    if all(back == math.inf for _, back in reach):
+        return frozenset(stream for stream, _ in reach)
+    return None
 
 
 def _op_label(op: Op) -> str:

@@ -206,10 +206,11 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
         )
     fns: list[Callable[..., Any]] = resolve_ops(nn, layout.slots)
     results: dict[tuple[int, int | None], _Tensor] = {}
+    memories: dict[frozenset[Any], tuple[_Tensor, int]] = {}  # per set of streams: its running concatenation
     for number, (slot, fn) in enumerate(zip(layout.slots, fns, strict=True)):
         args: list[Any] = [None] * slot.arity
         for gather, (start, end) in zip(slot.gathers, slot.gather_spans, strict=True):
-            taken, rows = _take(gather, results, ints[start:end], layout.slots)
+            taken, rows = _take(gather, results, memories, ints[start:end], layout.slots)
             if len(gather.positions) == 1:
                 args[gather.positions[0]] = taken
             else:
@@ -229,7 +230,9 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
     for request in layout.requests:
         where = request.where
         if request.gather is not None:
-            outputs.append(_take(request.gather, results, ints[where[0] : where[1]], layout.slots)[0])
+            outputs.append(
+                _take(request.gather, results, memories, ints[where[0] : where[1]], layout.slots)[0]
+            )
         elif request.kind == "ints":
             outputs.append(ints[where[0] : where[1]])
         elif request.kind == "floats":
@@ -248,11 +251,18 @@ def _store(slot: Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
 
 
 def _take(
-    gather: StaticGather, results: dict[tuple[int, int | None], _Tensor], index: _Tensor, slots: list[Slot]
+    gather: StaticGather,
+    results: dict[tuple[int, int | None], _Tensor],
+    memories: dict[frozenset[Any], tuple[_Tensor, int]],
+    index: _Tensor,
+    slots: list[Slot],
 ) -> tuple[_Tensor, int]:
-    """The rows of a gather: its pieces concatenated, then one ``index_select``."""
+    """The rows of a gather: its pieces concatenated (a running concatenation extended, for a gather
+    reading every earlier level), then one ``index_select``."""
+    memory = None if gather.streams is None else memories.get(gather.streams)
+    have = 0 if memory is None else memory[1]
     tensors = []
-    for piece in gather.pieces:
+    for piece in gather.pieces[have:]:
         tensor = results.get((piece.slot, piece.output))
         if tensor is None:  # a result used whole that was a tuple (what is split is checked by _store)
             slot = slots[piece.slot]
@@ -264,9 +274,11 @@ def _take(
     # What the envelope joins over all batches must agree, though each batch alone may read only
     # some of it: rows per call, row shape and dtype of every piece.
     first = gather.pieces[0]
-    reference = tensors[0]
-    rows = reference.shape[0] // first.calls
-    for piece, tensor in zip(gather.pieces, tensors, strict=True):
+    reference = memory[0] if memory is not None else tensors[0]
+    rows = reference.shape[0] // (
+        first.calls if memory is None else sum(p.calls for p in gather.pieces[:have])
+    )
+    for piece, tensor in zip(gather.pieces[have:], tensors, strict=True):
         if (
             tensor.shape[0] != piece.calls * rows
             or tensor.shape[1:] != reference.shape[1:]
@@ -279,7 +291,11 @@ def _take(
                 f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
                 "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
             )
+    if memory is not None:
+        tensors.insert(0, memory[0])
     source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+    if gather.streams is not None:
+        memories[gather.streams] = (source, len(gather.pieces))
     if rows != 1:
         index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
     return source.index_select(0, index), rows

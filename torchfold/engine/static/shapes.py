@@ -11,10 +11,11 @@ grow-only *envelope* learned over the batches it sees:
   multiple of ``level_step``; the levels past the deepest one seen repeat its ops at the
   smallest bucket, so a somewhat deeper batch still fits;
 * each argument position of an op reads the concatenation of the earlier slots' outputs of the
-  op outputs ("streams") it has ever read, as far back in depth as it has ever read them times
-  ``headroom`` (its *reach*), so which tensors a gather concatenates depends on the envelope
-  only, never on the batch. The reach keeps a chain linear: an RNN step reads the level just
-  before it, not every earlier level (which made a chain of n calls cost O(n²)).
+  op outputs ("streams") it has ever read, so which tensors a gather concatenates depends on the
+  envelope only, never on the batch: of a stream it has only ever read one level back (a chain:
+  an RNN step reading the step before), the slots one level back; of the others (a tree's
+  children, at any depth), every earlier slot. So a chain of n calls costs O(n), not O(n²),
+  and trees keep the envelope they always had (reading every level back grows it no more).
 
 :meth:`StaticShapes.fit` pads a :class:`~torchfold.FoldPlan` into the envelope, growing it when
 the plan does not fit, and returns a :class:`StaticPlan`. Every plan fitted to one version of
@@ -140,8 +141,8 @@ class StaticShapes:
         self._capacity: dict[tuple[int, OpKey], int] = {}
         self._order: dict[OpKey, int] = {}  # ops in first-seen order: the order of slots at a depth
         self._names: dict[OpKey, str] = {}
-        # what each position of an op reads: per stream, its reach (levels back)
-        self._streams: dict[tuple[OpKey, int], dict[Stream, int]] = {}
+        # what each position of an op reads: per stream, its reach (levels back: 1, or inf for all)
+        self._streams: dict[tuple[OpKey, int], dict[Stream, float]] = {}
         self._fills: dict[tuple[OpKey, int], Any] = {}  # a value that pads an ints/floats/given position
         # per request signature (the kinds of the requests, in order): each request's kind, capacity
         # and streams; training ([nodes]) and evaluation ([roots]) then keep an envelope each
@@ -273,8 +274,11 @@ class StaticShapes:
                 if column.kind in ("nodes", "shared"):
                     known = self._streams.setdefault(where, {})
                     for stream, back in self._reach_of(batch, column, depth).items():
-                        if known.get(stream, 0) < back:  # room to read a little further back later
-                            known[stream] = max(back, math.ceil(back * self.headroom))
+                        if known.get(stream, 0) < back:
+                            # One level back (a chain) stays exact; further back means every level:
+                            # reads of trees reach back at any depth, and each new reach would
+                            # grow the envelope again (a new graph after the warm-up).
+                            known[stream] = 1 if back == 1 else math.inf
                 elif where not in self._fills:
                     first = column.values[0]
                     self._fills[where] = first.detach().clone() if isinstance(first, _Tensor) else first

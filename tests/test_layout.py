@@ -128,12 +128,15 @@ def test_import_torchfold_is_light() -> None:
     loaded = eval(out)
     heavy = [m for m in loaded if m.startswith(("torchfold.train", "torchfold.examples", "torchfold.cli"))]
     assert heavy == []
-    assert "matplotlib" not in subprocess.run(
-        [sys.executable, "-c", "import sys, torchfold; print(sorted(sys.modules))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    assert (
+        "matplotlib"
+        not in subprocess.run(
+            [sys.executable, "-c", "import sys, torchfold; print(sorted(sys.modules))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
 
 
 def test_shipped_code_assumes_no_data_directory() -> None:

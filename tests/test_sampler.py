@@ -290,7 +290,7 @@ def test_minibatches_per_rank_table() -> None:
             ValueError,
             "Invalid rank -1, rank should be in the interval [0, 1]",
         ),
-        ({"rank": False}, TypeError, "rank should be an int, got bool False"),
+        ({"rank": False}, TypeError, "rank must be an int, got bool False"),
         ({"minibatch_size": 0}, ValueError, "minibatch_size must be a positive int, got 0"),
         ({"minibatch_size": 2.0}, TypeError, "minibatch_size must be an int, got float 2.0"),
         (

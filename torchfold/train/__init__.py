@@ -10,15 +10,21 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 """
 
 from torchfold.train.distributed import (
+    World,
     all_reduce_sum_,
     broadcast_parameters,
     check_same_on_all_ranks,
     default_device,
     fingerprint,
-    get_rank,
-    get_world_size,
     init_distributed,
     is_main_process,
+    world,
+)
+from torchfold.train.distributed import (
+    get_rank as get_rank,  # deprecated: world().rank
+)
+from torchfold.train.distributed import (
+    get_world_size as get_world_size,  # deprecated: world().size
 )
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
@@ -44,16 +50,16 @@ __all__ = [
     "StepStats",
     "TraceBatchSampler",
     "TraceTrainer",
+    "World",
     "all_reduce_sum_",
     "as_trace",
     "broadcast_parameters",
     "check_same_on_all_ranks",
     "default_device",
     "fingerprint",
-    "get_rank",
-    "get_world_size",
     "init_distributed",
     "is_main_process",
     "scaled_lr",
     "to_device",
+    "world",
 ]

@@ -35,7 +35,7 @@ from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan
-from torchfold.train.distributed import get_world_size
+from torchfold.train.distributed import world
 from torchfold.train.sampler import StepPlan, TraceBatchSampler
 from torchfold.train.trace import TraceLike
 
@@ -181,10 +181,11 @@ class StepLoader(Generic[T, R]):
             ``batch_size * replication_factor * gradient_accumulation``.
         device_iterations: PopTorch's optimizer steps per host step (default 1). The loader hands
             out one step at a time, so it only enters :attr:`combined_batch_size` and its check.
-        replication_factor: processes sharing each step (default: the ``torch.distributed``
-            world size, else 1); each reads a disjoint part of every step.
+        replication_factor: processes sharing each step (default: this run's,
+            :func:`~torchfold.train.world`: the ``torch.distributed`` group's, torch_xla's
+            replicas, else 1); each reads a disjoint part of every step.
         gradient_accumulation: minibatches per replica per step (default 1; without ``trace``).
-        rank: this process (default: the ``torch.distributed`` rank, else 0).
+        rank: this process (default: this run's, :func:`~torchfold.train.world`).
         shuffle: a new seeded permutation every epoch (default ``True``), the same on every rank.
         seed: the permutation's seed, the same on every rank (default 0).
         drop_last: ``False`` (default): the samples left at the end of an epoch make a last,
@@ -280,8 +281,11 @@ class StepLoader(Generic[T, R]):
             check_int("batch_size", batch_size)
         check_int("device_iterations", device_iterations)
         check_int("gradient_accumulation", gradient_accumulation)
-        if replication_factor is None:
-            replication_factor = get_world_size()
+        if replication_factor is None or rank is None:
+            # One rule for both, so they cannot come from different places (XLA's size, rank 0).
+            found = world()
+            replication_factor = found.size if replication_factor is None else replication_factor
+            rank = found.rank if rank is None else rank
         check_int("replication_factor", replication_factor)
         check_int("num_workers", num_workers, minimum=0)
         if prefetch_factor is not None:

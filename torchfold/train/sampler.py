@@ -60,10 +60,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from torchfold._validate import check_int
+from torchfold.train.distributed import check_rank, world
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 
@@ -137,9 +137,9 @@ class TraceBatchSampler(Sampler[list[int]]):
         minibatch_size: samples per minibatch (per forward pass on one rank); every batch size in
             the trace must be a multiple of it (except an epoch's last step). Give it or
             ``max_device_batch_size``.
-        num_replicas: number of ranks (default: the ``torch.distributed`` world size when it is
-            initialized, else 1).
-        rank: this rank (default: the ``torch.distributed`` rank when initialized, else 0).
+        num_replicas: number of ranks (default: this run's, :func:`~torchfold.train.world`: the
+            ``torch.distributed`` group's, torch_xla's, else 1).
+        rank: this rank (default: this run's, :func:`~torchfold.train.world`).
         shuffle: draw a random permutation each epoch (``True``) or go in index order.
         seed: random seed; must be the same on every rank.
         drop_last: what to do with samples that do not fill an epoch's last step (see
@@ -205,15 +205,12 @@ class TraceBatchSampler(Sampler[list[int]]):
             check_int("max_device_batch_size", max_device_batch_size)
         if max_accumulation_steps is not None:
             check_int("max_accumulation_steps", max_accumulation_steps)
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if num_replicas is None or rank is None:
+            found = world()
+            num_replicas = found.size if num_replicas is None else num_replicas
+            rank = found.rank if rank is None else rank
         check_int("num_replicas", num_replicas)
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank should be an int, got {type(rank).__name__} {rank!r}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+        check_rank(rank, num_replicas)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} should be a bool, got {type(flag).__name__} {flag!r}")

@@ -303,7 +303,13 @@ def test_minibatches_per_rank_table() -> None:
         ({"dataset": object()}, TypeError, "dataset should be a dataset with len()"),
         ({"shuffle": 1}, TypeError, "shuffle should be a bool, got int 1"),
         ({"drop_last": None}, TypeError, "drop_last should be a bool"),
-        ({"seed": 1.5}, TypeError, "seed should be an int, got float 1.5"),
+        ({"seed": 1.5}, TypeError, "seed must be an int, got float 1.5"),
+        (
+            {"seed": 2**80},
+            ValueError,
+            "seed must be an int from 0 to 2**63 - 1 (9223372036854775807), got 1208925819614629174706176",
+        ),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
         ({"trace": [8, 9]}, ValueError, "<list>, step 1: batch size 9 is not a multiple of minibatch_size=4"),
         ({"trace": [8, 16], "dataset": 100}, ValueError, "too short"),
     ],
@@ -378,6 +384,8 @@ def test_load_state_dict_bad_states() -> None:
         s.load_state_dict({k: v for k, v in good.items() if k != "next_step"})
     with pytest.raises(ValueError, match="next_step=5, outside its epoch 0"):
         s.load_state_dict({**good, "next_step": 5})
+    with pytest.raises(TypeError, match=r"sampler state's 'next_step' must be an int, got str '2'"):
+        s.load_state_dict({**good, "next_step": "2"})  # once a raw TypeError from comparing str and int
     with pytest.raises(TypeError, match="state should be a dict"):
         s.load_state_dict([1])  # type: ignore[arg-type]
 

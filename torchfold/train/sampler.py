@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from torchfold._validate import check_int
+from torchfold._validate import SEED_MAX, check_int
 from torchfold.train.distributed import check_rank, world
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
@@ -214,8 +214,9 @@ class TraceBatchSampler(Sampler[list[int]]):
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} should be a bool, got {type(flag).__name__} {flag!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed should be an int, got {type(seed).__name__} {seed!r}")
+        check_int("seed", seed, minimum=0)
+        if seed > SEED_MAX:  # torch's generators take a signed 64-bit seed, and the epoch is added to it
+            raise ValueError(f"seed must be an int from 0 to 2**63 - 1 ({SEED_MAX}), got {seed}")
         self.trace: BatchSizeTrace = as_trace(trace)
         if minibatch_size is not None:
             self.trace.check_minibatch_size(minibatch_size)
@@ -428,6 +429,13 @@ class TraceBatchSampler(Sampler[list[int]]):
                     f"sampler state was saved with {key}={state[key]!r} but this sampler has "
                     f"{key}={current[key]!r} (trace {self.trace.source!r}); resume with the same {what} "
                     "or start a fresh sampler"
+                )
+        for key in ("epoch", "next_step"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"sampler state's {key!r} must be an int, got {type(value).__name__} {value!r}; expected a dict "
+                    "from TraceBatchSampler.state_dict()"
                 )
         epoch, next_step = state["epoch"], state["next_step"]
         steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)

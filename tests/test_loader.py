@@ -110,7 +110,7 @@ def test_poptorch_sizes_and_the_combined_batch() -> None:
     steps = list(loader)
     assert len(steps) == 13 and len(loader) == 13 and loader.steps()[0].epoch == 1  # next: epoch 1
     assert all(len(step) == 4 and step.batch_size == 16 for step in steps[:-1])
-    assert steps[-1].batch_size == 8 and len(steps[-1]) == 2 and steps[-1].plan.num_minibatches == 4
+    assert steps[-1].batch_size == 8 and len(steps[-1]) == 2 and steps[-1].split.num_minibatches == 4
 
 
 def test_trace_mode_yields_the_samplers_minibatches_step_by_step() -> None:
@@ -119,7 +119,7 @@ def test_trace_mode_yields_the_samplers_minibatches_step_by_step() -> None:
         loader = StepLoader(list(range(100)), 6, trace=trace, replication_factor=2, rank=rank, seed=3)
         sampler = TraceBatchSampler(100, trace, 6, num_replicas=2, rank=rank, seed=3)
         steps = list(loader)
-        assert [step.plan for step in steps] == sampler.steps()
+        assert [step.split for step in steps] == sampler.steps()
         assert [mb.indices for step in steps for mb in step] == list(sampler)
         assert [len(step) for step in steps] == [p.local_minibatches for p in sampler.steps()]
         assert any(len(step) > 1 for step in steps)
@@ -538,3 +538,23 @@ def test_an_unclosed_loader_is_not_closed_by_a_forked_worker(tmp_path: Path) -> 
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert "Exception ignored" not in done.stderr and "child process" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_trace_shorter_than_one_epoch_trains_its_steps() -> None:
+    # It raised at construction, advising "fewer epochs" than 0.
+    loader = StepLoader(list(range(64)), 16, trace=[32, 16])
+    steps = [sorted(i for mb in step for i in mb.indices) for step in loader]
+    assert [len(s) for s in steps] == [32, 16] and len(set(steps[0] + steps[1])) == 48
+    assert loader.num_epochs == 1
+
+
+def test_the_train_cli_trains_on_a_trace_shorter_than_one_epoch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchfold.cli import main
+
+    trace = tmp_path / "short.csv"
+    trace.write_text("step,batchsize\n0,32\n1,16\n")
+    args = ["train", "--trace", str(trace), "--generate", "64", "--minibatch-size", "16", "--max-steps", "1"]
+    main([*args, "--no-progress", "--threads", "1", "--workers", "0"])
+    assert "done: 1 steps (32 samples" in capsys.readouterr().out

@@ -285,8 +285,19 @@ def test_epoch_too_short_names_trace_and_epoch(tmp_path: Path) -> None:
     message = f"trace '{path}' is too short: it has 5 steps (20 samples in all) and ends 4 samples before the end of epoch 2"
     with pytest.raises(ValueError, match=re.escape(message)):
         trace.split_epochs(8, 3)
-    with pytest.raises(ValueError, match="it covers 2 full epochs"):
+    with pytest.raises(ValueError, match="it covers 2 full epochs and 1 steps of epoch 2"):
         trace.epoch(5, 8)
+    assert trace.epoch(2, 8) == EpochSteps(2, 4, (4,), 8, truncated=True)  # the steps it has run
+    assert trace.num_epochs(8) == 3
+
+
+def test_a_trace_shorter_than_one_epoch_runs_its_steps() -> None:
+    # It raised, advising "fewer epochs" than 0.
+    trace = BatchSizeTrace([32, 16])
+    assert (trace.num_full_epochs(64), trace.num_epochs(64)) == (0, 1)
+    assert trace.epoch(0, 64) == EpochSteps(0, 0, (32, 16), 64, truncated=True)
+    with pytest.raises(ValueError, match=r"too short.*it covers 0 full epochs and 2 steps of epoch 0"):
+        trace.epoch(1, 64)
 
 
 def test_example_trace_epochs(traces_dir: Path) -> None:
@@ -341,8 +352,13 @@ def test_epochs_partition_the_trace(sizes: list[int], dataset_size: int, drop_la
             break
         left = max(0, left - size)
     assert left > 0, "the rest of the trace completes an epoch that split_epochs left out"
+    rest = tuple(sizes[step:])
+    if rest:  # the trace ends inside the next epoch: it runs the steps it has
+        last = trace.epoch(len(epochs), dataset_size, drop_last=drop_last)
+        assert (last.first_step, last.batch_sizes, last.truncated) == (step, rest, True)
+        assert last.leftover == dataset_size - sum(rest) > 0
     with pytest.raises(ValueError, match="too short"):
-        trace.epoch(len(epochs), dataset_size, drop_last=drop_last)
+        trace.epoch(len(epochs) + (1 if rest else 0), dataset_size, drop_last=drop_last)
 
 
 def test_drop_last_batch_larger_than_dataset() -> None:

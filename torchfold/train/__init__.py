@@ -9,6 +9,9 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 [[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
 """
 
+import warnings
+from typing import Any
+
 from torchfold.train.distributed import (
     World,
     all_reduce_sum_,
@@ -30,7 +33,7 @@ from torchfold.train.elastic import ElasticConfig
 from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.prefetch import Prefetcher
-from torchfold.train.sampler import StepPlan, TraceBatchSampler
+from torchfold.train.sampler import StepSplit, TraceBatchSampler
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
 from torchfold.train.trainer import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
 
@@ -46,7 +49,7 @@ __all__ = [
     "Prefetcher",
     "Step",
     "StepLoader",
-    "StepPlan",
+    "StepSplit",
     "StepStats",
     "TraceBatchSampler",
     "TraceTrainer",
@@ -63,3 +66,24 @@ __all__ = [
     "to_device",
     "world",
 ]
+
+
+# Names that were renamed: the old spelling still works, warning once with the new one.
+_RENAMED = {"StepPlan": ("StepSplit", StepSplit)}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562, as torchfold's own _MOVED: resolve a renamed name with one FutureWarning.
+    if name in _RENAMED:
+        new, value = _RENAMED[name]
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"torchfold.train.{name} is deprecated; use torchfold.train.{new} (in torchfold a plan is a "
+                "compiled fold)",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return value
+    raise AttributeError(f"module 'torchfold.train' has no attribute {name!r}")

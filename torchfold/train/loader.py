@@ -39,7 +39,7 @@ from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.distributed import world
-from torchfold.train.sampler import StepPlan, TraceBatchSampler
+from torchfold.train.sampler import StepSplit, TraceBatchSampler, _warn_renamed
 from torchfold.train.trace import TraceLike
 
 __all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
@@ -71,14 +71,20 @@ class Minibatch(Generic[R]):
 
 @dataclass(frozen=True)
 class Step(Generic[R]):
-    """This rank's minibatches of one optimizer step (possibly none), and the step's plan.
+    """This rank's minibatches of one optimizer step (possibly none), and how the step is split.
 
-    Iterating a step gives its :class:`Minibatch` es; ``plan`` says the step's global batch and
+    Iterating a step gives its :class:`Minibatch` es; ``split`` says the step's global batch and
     how its minibatches are spread over the ranks.
     """
 
-    plan: StepPlan
+    split: StepSplit
     minibatches: tuple[Minibatch[R], ...]
+
+    @property
+    def plan(self) -> StepSplit:
+        """Deprecated: :attr:`split` (a plan is a compiled fold)."""
+        _warn_renamed("Step.plan", "Step.split")
+        return self.split
 
     def __iter__(self) -> Iterator[Minibatch[R]]:
         return iter(self.minibatches)
@@ -89,12 +95,12 @@ class Step(Generic[R]):
     @property
     def step(self) -> int:
         """The global step index (counts across epochs)."""
-        return self.plan.step
+        return self.split.step
 
     @property
     def batch_size(self) -> int:
         """The step's global batch size (over all ranks)."""
-        return self.plan.batch_size
+        return self.split.batch_size
 
 
 def to_device(data: Any, device: torch.device) -> Any:
@@ -500,7 +506,7 @@ class StepLoader(Generic[T, R]):
 
     @property
     def num_epochs(self) -> int | None:
-        """Complete epochs a trace covers over the dataset (``None``: unbounded, as PopTorch's constant)."""
+        """Epochs to train: the trace's complete ones, or its one truncated epoch (``None``: unbounded, as PopTorch's constant)."""
         return self.sampler.num_epochs if self.sampler.trace.num_steps is not None else None
 
     @property
@@ -521,14 +527,14 @@ class StepLoader(Generic[T, R]):
             self._next_step = self.sampler.epoch_steps.first_step
             self._generation += 1
 
-    def steps(self) -> list[StepPlan]:
-        """The plans of the steps the next ``iter()`` yields.
+    def steps(self) -> list[StepSplit]:
+        """The splits of the steps the next ``iter()`` yields.
 
         The rest of the current epoch from :attr:`next_step`; the whole next epoch when the
         current one has been handed out completely.
         """
         if self._epoch_done():
-            return self.sampler.step_plan(self.sampler.epoch + 1)
+            return self.sampler.step_splits(self.sampler.epoch + 1)
         self._anchor()
         return self.sampler.steps()
 
@@ -540,7 +546,7 @@ class StepLoader(Generic[T, R]):
         return self._next_step >= self.sampler.epoch_steps.end_step
 
     def _anchor(self) -> None:
-        self.sampler.load_state_dict(self.sampler.state_dict(next_step=self._next_step))
+        self.sampler.seek(self._next_step)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last step handed out, and the settings it is only valid with.
@@ -548,7 +554,8 @@ class StepLoader(Generic[T, R]):
         The same on every rank (rank 0 may save it for all); ints, bools and strings only
         (``torch.load(weights_only=True)`` reads it).
         """
-        return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict(next_step=self._next_step)}
+        self._anchor()  # the sampler has read ahead for the workers: our position is the one handed out
+        return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the position saved by :meth:`state_dict` (mid-epoch too); an iteration in progress ends.
@@ -582,8 +589,8 @@ class StepLoader(Generic[T, R]):
         self._generation += 1
         generation = self._generation
         self._anchor()  # at our position: an abandoned iteration's read-ahead is simply dropped
-        plans = self.sampler.steps()
-        return self._steps(plans, generation)
+        splits = self.sampler.steps()
+        return self._steps(splits, generation)
 
     def _next_epoch(self) -> None:
         trace, epoch = self.sampler.trace, self.sampler.epoch
@@ -595,18 +602,18 @@ class StepLoader(Generic[T, R]):
             )
         self.set_epoch(epoch + 1)
 
-    def _steps(self, plans: list[StepPlan], generation: int) -> Iterator[Step[R]]:
-        if not plans:
+    def _steps(self, splits: list[StepSplit], generation: int) -> Iterator[Step[R]]:
+        if not splits:
             return
         batches = iter(self._loader)
-        for plan in plans:
+        for split in splits:
             if self._generation != generation or self._closed:
                 raise RuntimeError(
                     "this StepLoader iteration was superseded (a new iter(), set_epoch(), load_state_dict() or "
                     "close()); iterate the loader again"
                 )
             minibatches = []
-            for i in range(plan.local_minibatches):
+            for i in range(split.local_minibatches):
                 got: Minibatch[Any] | _BuildFailure = next(batches)
                 if isinstance(got, _BuildFailure):
                     got.raise_it()
@@ -615,8 +622,8 @@ class StepLoader(Generic[T, R]):
                 if self.device is not None:
                     minibatch = dataclasses.replace(minibatch, data=to_device(minibatch.data, self.device))
                 minibatches.append(minibatch)
-            self._next_step = plan.step + 1
-            yield Step(plan, tuple(minibatches))
+            self._next_step = split.step + 1
+            yield Step(split, tuple(minibatches))
 
     # -- shutting down ---------------------------------------------------------------------------
 

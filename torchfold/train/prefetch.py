@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Generic, TypeVar
 
 from torchfold._errors import FoldError, add_note
+from torchfold._validate import check_int
 
 __all__ = ["Prefetcher"]
 
@@ -71,8 +72,7 @@ class Prefetcher(Generic[B, T], Iterator[T]):
         prefetch_factor: int = 2,
         timeout: float | None = None,
     ) -> None:
-        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
+        check_int("prefetch_factor", prefetch_factor)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         self._build = build

@@ -36,8 +36,9 @@ fit into the samples left in the epoch:
   not used in this epoch, and the step becomes the first step of the next epoch, so every step
   has exactly its trace batch size.
 
-A trace that ends inside an epoch is too short for that epoch (a ``ValueError`` names the trace,
-the epoch and the samples it lacks).
+A trace that ends inside an epoch gives that epoch only the steps it has (``truncated``: a trace
+shorter than one epoch trains its steps, as it says); the epochs after it are too short (a
+``ValueError`` names the trace, the epoch and the samples it lacks).
 """
 
 from __future__ import annotations
@@ -257,12 +258,15 @@ class EpochSteps:
         batch_sizes: global batch size of each step of the epoch; the last one is smaller than
             the trace's when ``drop_last=False`` cut it at the end of the dataset.
         dataset_size: number of samples in the dataset.
+        truncated: the trace ends inside this epoch: its last steps run, and the epoch's other
+            samples (:attr:`leftover`) are not used.
     """
 
     epoch: int
     first_step: int
     batch_sizes: tuple[int, ...]
     dataset_size: int
+    truncated: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -286,7 +290,7 @@ class EpochSteps:
 
     @property
     def leftover(self) -> int:
-        """Samples of the dataset not used in the epoch (0 unless ``drop_last=True``)."""
+        """Samples of the dataset not used in the epoch (0 unless ``drop_last=True`` or :attr:`truncated`)."""
         return self.dataset_size - self.num_samples
 
 
@@ -695,19 +699,31 @@ class BatchSizeTrace:
             raise TypeError(f"drop_last should be a bool, got {drop_last!r}")
         starts = self._epoch_starts(dataset_size, drop_last, upto=epoch + 1)
         if len(starts) <= epoch + 1:
-            left = dataset_size - sum(self._sizes[starts[-1] :])
-            raise ValueError(
-                f"trace {self.source!r} is too short: it has {len(self._sizes)} steps "
-                f"({self.total_samples} samples in all) and ends {left} samples before the end of epoch "
-                f"{len(starts) - 1} over dataset_size={dataset_size} (that epoch starts at step {starts[-1]}); "
-                f"use a longer trace or fewer epochs (it covers {len(starts) - 1} full epochs)"
-            )
+            last = len(starts) - 1  # the trace ends inside this epoch
+            if epoch == last and starts[-1] < len(self._sizes):
+                # Its steps run: the trace says what to train, even when it ends before the data does.
+                return EpochSteps(
+                    epoch, starts[-1], tuple(self._sizes[starts[-1] :]), dataset_size, truncated=True
+                )
+            raise self._too_short(starts, dataset_size)
         first, end = starts[epoch], starts[epoch + 1]
         sizes = [self[s] for s in range(first, end)]
         used = sum(sizes)
         if not drop_last and used > dataset_size:
             sizes[-1] -= used - dataset_size
         return EpochSteps(epoch, first, tuple(sizes), dataset_size)
+
+    def _too_short(self, starts: list[int], dataset_size: int) -> ValueError:
+        last = len(starts) - 1  # the epoch the trace ends in
+        left = dataset_size - sum(self._sizes[starts[-1] :])
+        steps = len(self._sizes) - starts[-1]
+        covers = f"{last} full epochs" + (f" and {steps} steps of epoch {last}" if steps else "")
+        return ValueError(
+            f"trace {self.source!r} is too short: it has {len(self._sizes)} steps "
+            f"({self.total_samples} samples in all) and ends {left} samples before the end of epoch "
+            f"{last} over dataset_size={dataset_size} (that epoch starts at step {starts[-1]}); "
+            f"use a longer trace or fewer epochs (it covers {covers})"
+        )
 
     def _epoch_starts(self, dataset_size: int, drop_last: bool, upto: int | None) -> list[int]:
         """First global step of epochs ``0..upto`` (or of every epoch the trace completes, and the end).
@@ -751,14 +767,18 @@ class BatchSizeTrace:
     def split_epochs(
         self, dataset_size: int, num_epochs: int | None = None, *, drop_last: bool = False
     ) -> list[EpochSteps]:
-        """Split the trace into ``num_epochs`` epochs (default: every full epoch it covers).
+        """Split the trace into ``num_epochs`` complete epochs (default: every full epoch it covers).
 
         Raises:
-            ValueError: the trace is too short for ``num_epochs`` epochs (naming the trace and epoch).
+            ValueError: the trace is too short for ``num_epochs`` complete epochs (naming the trace
+                and epoch); a truncated last epoch (see :meth:`epoch`) does not count here.
         """
+        full = self.num_full_epochs(dataset_size, drop_last=drop_last)
         if num_epochs is None:
-            num_epochs = self.num_full_epochs(dataset_size, drop_last=drop_last)
+            num_epochs = full
         check_int("num_epochs", num_epochs, minimum=0)
+        if num_epochs > full:
+            raise self._too_short(self._epoch_starts(dataset_size, drop_last, upto=None), dataset_size)
         return [self.epoch(e, dataset_size, drop_last=drop_last) for e in range(num_epochs)]
 
     def num_full_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
@@ -766,6 +786,12 @@ class BatchSizeTrace:
         self._require_bounded("num_full_epochs")
         check_int("dataset_size", dataset_size)
         return len(self._epoch_starts(dataset_size, drop_last, upto=None)) - 1
+
+    def num_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
+        """Epochs over ``dataset_size`` samples the trace has steps in: the full ones and a truncated last one."""
+        full = self.num_full_epochs(dataset_size, drop_last=drop_last)
+        starts = self._epoch_starts(dataset_size, drop_last, upto=None)
+        return full + (1 if starts[-1] < len(self._sizes) else 0)
 
     # -- output ---------------------------------------------------------------------------------
 

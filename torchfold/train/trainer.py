@@ -424,7 +424,7 @@ class TraceTrainer:
         Every rank must call it for every step, also when it has no minibatch in it.
         """
         start = time.perf_counter()
-        plan = step.plan
+        plan = step.split
         self.model.train()
         weight_by_samples = self.optimizer.reduction == "mean"
         # Summed on the device and read once per step (no host sync per minibatch on accelerators).

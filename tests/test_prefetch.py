@@ -193,5 +193,5 @@ def test_bad_arguments(kwargs: dict[str, float], message: str) -> None:
 def test_prefetch_factor_is_checked_as_every_int_argument() -> None:
     with pytest.raises(ValueError, match="prefetch_factor must be a positive int, got 0"):
         Prefetcher(BATCHES, len, prefetch_factor=0)
-    with pytest.raises(TypeError, match="prefetch_factor must be an int, got float 1.5"):
+    with pytest.raises(TypeError, match=r"prefetch_factor must be an int, got float 1\.5"):
         Prefetcher(BATCHES, len, prefetch_factor=1.5)  # type: ignore[arg-type]

@@ -39,9 +39,9 @@ from torchfold.train.distributed import (
     is_main_process,
     world,
 )
+from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.sampler import minibatches_per_rank
-from torchfold.train.trace import scaled_lr
 
 REPO = Path(__file__).resolve().parents[1]
 MINIBATCH = 8

@@ -5,13 +5,16 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.lr import scaled_lr
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
 
 
 def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:
@@ -519,3 +522,36 @@ def test_plot_unbounded_needs_num_steps(tmp_path: Path) -> None:
         BatchSizeTrace.constant(8).plot(tmp_path / "x.png")
     BatchSizeTrace.constant(8).plot(tmp_path / "x.png", num_steps=10)
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_trace_modules_split_by_concept() -> None:
+    # trace.py held CSV parsing, availability traces, the LR rule and plotting together.
+    import torchfold.train.availability as availability
+    import torchfold.train.lr as lr
+    import torchfold.train.plot as plot
+    import torchfold.train.trace as trace
+
+    assert {"read_availability", "AvailabilityInterval", "availability_batch_sizes"} <= set(
+        availability.__all__
+    )
+    assert set(lr.__all__) == {"LR_RULES", "scaled_lr"} and set(plot.__all__) == {"plot_trace"}
+    assert not {"scaled_lr", "read_availability", "AvailabilityInterval"} & set(trace.__all__)
+
+
+def test_plotting_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    # matplotlib is imported when a plot is drawn: importing the train half never needs it.
+    script = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if not installed\n"
+        "import torchfold.train as tt\n"
+        "assert 'matplotlib.figure' not in sys.modules\n"
+        "try:\n"
+        f"    tt.BatchSizeTrace([4, 8]).plot({str(tmp_path / 'x.png')!r})\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        "plotting a trace needs matplotlib" in done.stdout and "pip install 'torchfold[plot]'" in done.stdout
+    )

@@ -31,10 +31,11 @@ from torchfold.train.distributed import (
 )
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
+from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.prefetch import Prefetcher
 from torchfold.train.sampler import StepSplit, TraceBatchSampler
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
 from torchfold.train.trainer import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
 
 __all__ = [

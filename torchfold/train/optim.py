@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchfold._validate import check_int
 from torchfold.train.distributed import all_reduce_sum_, world, xla_sync
-from torchfold.train.trace import scaled_lr
+from torchfold.train.lr import scaled_lr
 
 __all__ = ["AccumulatingOptimizer"]
 

@@ -322,6 +322,7 @@ class TraceBatchSampler(Sampler[list[int]]):
                 batch_size,
                 self.max_device_batch_size,
                 world_size=self.num_replicas,
+                rank=self.rank,  # the cut is the same for every rank; never this process's world()
                 max_accumulation_steps=self.max_accumulation_steps,
             )
             return config.minibatch_sizes()

@@ -25,6 +25,7 @@ setup(
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.80", "ruff>=0.5", "mypy>=1.8"],
         "notebooks": ["torchvision>=0.16", "mlxtend>=0.23", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
         "xla": ["torch_xla>=2.1"],
+        "plot": ["matplotlib>=3.6"],  # already a dependency; named so the plotting error can point to it
     },
     entry_points={"console_scripts": ["torchfold=torchfold.cli:main"]},
     classifiers=[

@@ -60,10 +60,10 @@ def train_on_xla(
 def _replica(index: int, initial: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor], out: str) -> None:
     import torch_xla.runtime as xr
 
-    from torchfold.train.distributed import get_rank, get_world_size
+    from torchfold.train.distributed import world
 
     world_size, rank = xr.world_size(), xr.global_ordinal()
-    assert (get_world_size(), get_rank()) == (world_size, rank)
+    assert world() == (world_size, rank, "torch_xla")
     try:
         results = {rule: train_on_xla(rule, initial, data, world_size, rank) for rule in RULES}
     except BaseException:

@@ -35,14 +35,13 @@ from torchfold.train.distributed import (
     check_same_on_all_ranks,
     default_device,
     fingerprint,
-    get_rank,
-    get_world_size,
     init_distributed,
     is_main_process,
+    world,
 )
+from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.sampler import minibatches_per_rank
-from torchfold.train.trace import scaled_lr
 
 REPO = Path(__file__).resolve().parents[1]
 MINIBATCH = 8
@@ -329,7 +328,7 @@ def test_a_rank_that_loses_the_store_says_so_in_one_line_and_keeps_its_own_error
 
 
 def test_single_process_helpers() -> None:
-    assert (get_world_size(), get_rank(), is_main_process()) == (1, 0, True)
+    assert (world(), is_main_process()) == ((1, 0, "single process"), True)
     assert default_device() == torch.device("cpu")
     t = torch.arange(3.0)
     all_reduce_sum_([t])
@@ -337,6 +336,20 @@ def test_single_process_helpers() -> None:
     broadcast_parameters(make_model())
     check_same_on_all_ranks({"a": 1})
     assert fingerprint({"b": [1, 2], "a": 1}) == fingerprint({"a": 1, "b": [1, 2]})
+
+
+def test_get_world_size_and_get_rank_are_deprecated_aliases_of_world() -> None:
+    import torchfold.train as tt
+    from torchfold.train import distributed
+
+    distributed._deprecation_warned.clear()
+    with pytest.warns(
+        FutureWarning, match=r"get_world_size\(\) is deprecated; use torchfold.train.world\(\).size"
+    ):
+        assert tt.get_world_size() == 1
+    with pytest.warns(FutureWarning, match=r"use torchfold.train.world\(\).rank"):
+        assert tt.get_rank() == 0
+    assert "get_world_size" not in tt.__all__ and "world" in tt.__all__
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchfold.train.elastic import ElasticConfig, detect_world_size
+from torchfold.train.distributed import world
+from torchfold.train.elastic import ElasticConfig
 
 
 @pytest.mark.parametrize(
@@ -64,20 +65,23 @@ def test_main_process_and_rank() -> None:
 def test_detected_devices_in_this_process() -> None:
     # The test machine runs one CPU process without torch.distributed or launcher variables.
     c = ElasticConfig(256, 64)
-    assert (c.num_devices, c.rank, c.source) == (*detect_world_size()[:2], detect_world_size()[2])
+    assert (c.num_devices, c.rank, c.source) == tuple(world()) == (1, 0, "single process")
     assert c.num_devices * c.accumulation_steps * c.max_device_batch_size >= 256
 
 
-def test_detects_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_variables_alone_do_not_make_a_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one rule (world()), as the loader and the sampler read it: until a process group
+    # exists, WORLD_SIZE / RANK do not connect anything, and a config for 4 devices at rank 3
+    # would make this process train on a quarter of every step.
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     c = ElasticConfig(256, 64)
     assert (c.num_devices, c.rank, c.is_main, c.accumulation_steps, c.source) == (
-        4,
-        3,
-        False,
         1,
-        "WORLD_SIZE",
+        0,
+        True,
+        4,
+        "single process",
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing
 import os
 import signal
@@ -15,7 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _loader_worker import failing_build, slow_build, square_build, wrong_build
+from _loader_worker import (
+    TwoArgumentError,
+    failing_build,
+    raising_build,
+    slow_build,
+    square_build,
+    wrong_build,
+)
 from _loop_worker import sst_trees
 
 from torchfold.examples.datasets import Vocab
@@ -100,9 +108,9 @@ def test_poptorch_sizes_and_the_combined_batch() -> None:
     assert loader.combined_batch_size == 2 * 3 * 2 * 4
     assert len(loader) == 13  # 12 steps of 16 and one of the 8 left
     steps = list(loader)
-    assert len(steps) == 13 and len(loader) == 0
+    assert len(steps) == 13 and len(loader) == 13 and loader.steps()[0].epoch == 1  # next: epoch 1
     assert all(len(step) == 4 and step.batch_size == 16 for step in steps[:-1])
-    assert steps[-1].batch_size == 8 and len(steps[-1]) == 2 and steps[-1].plan.num_minibatches == 4
+    assert steps[-1].batch_size == 8 and len(steps[-1]) == 2 and steps[-1].split.num_minibatches == 4
 
 
 def test_trace_mode_yields_the_samplers_minibatches_step_by_step() -> None:
@@ -111,7 +119,7 @@ def test_trace_mode_yields_the_samplers_minibatches_step_by_step() -> None:
         loader = StepLoader(list(range(100)), 6, trace=trace, replication_factor=2, rank=rank, seed=3)
         sampler = TraceBatchSampler(100, trace, 6, num_replicas=2, rank=rank, seed=3)
         steps = list(loader)
-        assert [step.plan for step in steps] == sampler.steps()
+        assert [step.split for step in steps] == sampler.steps()
         assert [mb.indices for step in steps for mb in step] == list(sampler)
         assert [len(step) for step in steps] == [p.local_minibatches for p in sampler.steps()]
         assert any(len(step) > 1 for step in steps)
@@ -191,9 +199,44 @@ def test_iterating_again_goes_on_from_the_last_step_handed_out() -> None:
     assert head == [0, 1, 2, 3]
     with pytest.raises(RuntimeError, match="superseded"):
         next(it)
-    assert list(loader) == []  # the epoch is over until set_epoch(1)
-    loader.set_epoch(1)
-    assert len(list(loader)) == 10
+    assert (
+        len(loader) == 10 and loader.steps()[0].epoch == 1
+    )  # the epoch is over: the next iter() is epoch 1's
+    assert [step.step for step in loader] == list(range(10, 20))
+    loader.set_epoch(2)  # set_epoch after the roll-over works as before
+    assert [step.step for step in loader] == list(range(20, 30))
+
+
+def test_every_iteration_is_a_full_pass_without_set_epoch() -> None:
+    # `for epoch in range(3): for step in loader:` once trained one epoch, then two empty ones.
+    loader = StepLoader(list(range(12)), 2, seed=5)
+    passes = [[mb.indices for step in loader for mb in step] for _ in range(3)]
+    assert [sorted(i for mb in p for i in mb) for p in passes] == [list(range(12))] * 3
+    assert len({str(p) for p in passes}) == 3  # each pass is a new epoch: a new permutation
+    assert loader.epoch == 2
+    expected = StepLoader(list(range(12)), 2, seed=5)
+    expected.set_epoch(1)
+    assert passes[1] == [mb.indices for step in expected for mb in step]
+
+
+def test_a_state_saved_at_an_epoch_end_resumes_with_the_next_epoch() -> None:
+    loader = StepLoader(list(range(12)), 2, seed=5)
+    list(loader)
+    state = loader.state_dict()
+    expected = [mb.indices for step in loader for mb in step]
+    assert len(expected) == 6  # epoch 1
+    resumed = StepLoader(list(range(12)), 2, seed=5)
+    resumed.load_state_dict(state)
+    assert [mb.indices for step in resumed for mb in step] == expected
+
+
+def test_iterating_past_a_bounded_trace_names_the_trace() -> None:
+    loader = StepLoader(list(range(8)), 2, trace=[4, 4, 4, 4])
+    assert len(list(loader)) == 2 and len(list(loader)) == 2
+    with pytest.raises(
+        ValueError, match=r"handed out every step of its trace .* \(4 steps, the last in epoch 1\)"
+    ):
+        iter(loader)
 
 
 def test_an_abandoned_iteration_with_workers_goes_on_exactly() -> None:
@@ -219,6 +262,58 @@ def test_a_build_error_is_raised_with_the_worker_traceback_and_the_items(num_wor
     assert "dataset indices [12, 13, 14, 15]" in text
     if num_workers:
         assert "DataLoader worker process" in text and "failing_build" in text  # the worker's traceback
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("unicode", UnicodeDecodeError),
+        ("json", json.JSONDecodeError),
+        ("subprocess", subprocess.CalledProcessError),
+        ("user", TwoArgumentError),
+    ],
+)
+def test_a_build_error_keeps_its_type_from_a_worker(num_workers: int, kind: str, error: type) -> None:
+    # DataLoader rebuilds a worker's exception as type(message): these came back as RuntimeError.
+    loader = StepLoader(
+        list(range(12)),
+        4,
+        build=raising_build(kind),
+        shuffle=False,
+        num_workers=num_workers,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    with loader, pytest.raises(error) as info:
+        list(loader)
+    assert type(info.value) is error
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "dataset indices [4, 5, 6, 7]" in notes
+    if num_workers:
+        assert "Traceback in DataLoader worker process 0" in notes and "_loader_worker.py" in notes
+    if kind == "user":
+        assert (info.value.path, info.value.line) == ("trees.txt", 7)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_stop_iteration_in_the_build_is_named_not_generator_raised(num_workers: int) -> None:
+    loader = StepLoader(
+        list(range(12)),
+        4,
+        build=raising_build("stop"),
+        shuffle=False,
+        num_workers=num_workers,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    with (
+        loader,
+        pytest.raises(
+            RuntimeError,
+            match=r"build raised StopIteration for the minibatch of dataset indices \[4, 5, 6, 7\]",
+        ) as info,
+    ):
+        list(loader)
+    assert isinstance(info.value.__cause__, StopIteration)
 
 
 def test_a_build_returning_the_wrong_type_is_named() -> None:
@@ -359,3 +454,107 @@ def test_iterating_leaves_the_global_generators_alone(num_workers: int) -> None:
             list(loader)
             loader.set_epoch(loader.epoch + 1)
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_an_exception_that_cannot_be_pickled_comes_back_with_its_type_and_message() -> None:
+    import threading
+
+    from torchfold.train.loader import _portable
+
+    class Locked(Exception):  # local: pickling by reference fails too
+        pass
+
+    error = ValueError("bad tree")
+    error.lock = threading.Lock()  # type: ignore[attr-defined]
+    back = _portable(error, str(error))
+    assert type(back) is ValueError and str(back) == "bad tree" and back is not error
+    unprintable = TwoArgumentError("trees.txt", 7)  # its __str__ needs what only __init__ sets
+    unprintable.lock = threading.Lock()  # type: ignore[attr-defined]
+    assert repr(_portable(unprintable, "trees.txt, line 7: bad tree")) == (
+        "RuntimeError('TwoArgumentError: trees.txt, line 7: bad tree')"
+    )
+    fallback = _portable(Locked("x"), "x")
+    assert type(fallback) is RuntimeError and str(fallback) == "Locked: x"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"timeout": 1},
+            ValueError,
+            r"timeout=1 bounds the wait .* num_workers=0 starts none; pass num_workers >= 1",
+        ),
+        ({"timeout": -1, "num_workers": 1}, ValueError, "timeout must be a number of seconds >= 0"),
+        ({"seed": 2**80}, ValueError, r"seed must be an int from 0 to 2\*\*63 - 1"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction_in_one_line(kwargs: dict, error: type, match: str) -> None:
+    # timeout without workers was a raw AssertionError from DataLoader at the first iteration;
+    # seed=2**80 was "Overflow when unpacking long long".
+    with pytest.raises(error, match=match) as info:
+        StepLoader(list(range(8)), 2, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_a_resume_state_with_a_string_step_is_named() -> None:
+    loader = StepLoader(list(range(8)), 2)
+    state = loader.state_dict()
+    state["sampler"]["next_step"] = "1"
+    with pytest.raises(TypeError, match=r"sampler state's 'next_step' must be an int, got str '1'"):
+        loader.load_state_dict(state)
+
+
+def test_an_unclosed_loader_is_not_closed_by_a_forked_worker(tmp_path: Path) -> None:
+    # A worker forked by a second loader inherits the first one; collecting it there called
+    # DataLoader's shutdown from a process that is not the workers' parent.
+    script = tmp_path / "unclosed.py"
+    script.write_text(
+        "import gc, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from _loader_worker import collecting_build, failing_build\n"
+        "from torchfold.train.loader import StepLoader\n"
+        "gc.disable()  # only the worker's gc.collect() collects the first loader\n"
+        "first = StepLoader(list(range(40)), 4, build=failing_build, shuffle=False, num_workers=1,\n"
+        "                   multiprocessing_context='fork')\n"
+        "try:\n"
+        "    list(first)\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "first.cycle = first  # unreachable once the name goes, but alive until a collection\n"
+        "del first\n"
+        "second = StepLoader(list(range(8)), 4, build=collecting_build, num_workers=1, multiprocessing_context='fork')\n"
+        "assert sum(len(step) for step in second) == 2\n"
+        "second.close()\n"
+        "gc.collect()  # here, in its own process, the first loader stops its worker\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr and "child process" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_trace_shorter_than_one_epoch_trains_its_steps() -> None:
+    # It raised at construction, advising "fewer epochs" than 0.
+    loader = StepLoader(list(range(64)), 16, trace=[32, 16])
+    steps = [sorted(i for mb in step for i in mb.indices) for step in loader]
+    assert [len(s) for s in steps] == [32, 16] and len(set(steps[0] + steps[1])) == 48
+    assert loader.num_epochs == 1
+
+
+def test_the_train_cli_trains_on_a_trace_shorter_than_one_epoch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchfold.cli import main
+
+    trace = tmp_path / "short.csv"
+    trace.write_text("step,batchsize\n0,32\n1,16\n")
+    args = ["train", "--trace", str(trace), "--generate", "64", "--minibatch-size", "16", "--max-steps", "1"]
+    main([*args, "--no-progress", "--threads", "1", "--workers", "0"])
+    assert "done: 1 steps (32 samples" in capsys.readouterr().out

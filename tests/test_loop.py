@@ -38,9 +38,9 @@ from torchfold.examples.datasets import Tree, Vocab
 from torchfold.examples.models import TreeLSTMBuild, encode_trees, tree_lstm_loss
 from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
 from torchfold.train.loader import StepLoader
+from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.sampler import minibatches_per_rank
-from torchfold.train.trace import scaled_lr
 from torchfold.train.trainer import StepStats, TraceTrainer
 
 # The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to

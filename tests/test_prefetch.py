@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import time
 from typing import Any
@@ -62,8 +64,40 @@ def test_worker_errors_are_raised_in_the_loop_with_the_batch_number() -> None:
         return len(batch)
 
     seen = []
+    with pytest.raises(KeyError, match="no such word") as info, Prefetcher(BATCHES, failing) as ready:
+        seen.extend(ready)
+    assert seen == [3, 2]
+    assert info.value.__notes__ == ["torchfold.train.Prefetcher: while building batch 2"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+        json.JSONDecodeError("Expecting value", "{", 1),
+        subprocess.CalledProcessError(3, ["parse"]),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_build_error_keeps_its_type(error: Exception) -> None:
+    # These came back as FoldError: `except UnicodeDecodeError:` must catch a UnicodeDecodeError.
+    def failing(batch: list[int]) -> int:
+        raise error
+
+    with pytest.raises(type(error)) as info, Prefetcher(BATCHES, failing) as ready:
+        next(ready)
+    assert info.value is error
+
+
+def test_a_stop_iteration_in_the_build_does_not_end_the_loop_silently() -> None:
+    def failing(batch: list[int]) -> int:
+        if batch == [6, 7, 8, 9]:
+            raise StopIteration
+        return len(batch)
+
+    seen: list[int] = []
     with (
-        pytest.raises(FoldError, match=r"building batch 2 failed: KeyError: 'no such word'"),
+        pytest.raises(RuntimeError, match="build raised StopIteration for batch 2"),
         Prefetcher(BATCHES, failing) as ready,
     ):
         seen.extend(ready)
@@ -154,3 +188,10 @@ def test_close_stops_the_worker_early() -> None:
 def test_bad_arguments(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Prefetcher([], len, **kwargs)  # type: ignore[arg-type]
+
+
+def test_prefetch_factor_is_checked_as_every_int_argument() -> None:
+    with pytest.raises(ValueError, match="prefetch_factor must be a positive int, got 0"):
+        Prefetcher(BATCHES, len, prefetch_factor=0)
+    with pytest.raises(TypeError, match=r"prefetch_factor must be an int, got float 1\.5"):
+        Prefetcher(BATCHES, len, prefetch_factor=1.5)  # type: ignore[arg-type]

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from torchfold.cli.replay import CSV_COLUMNS, main, plan_replay, processes_for
+from torchfold.train.availability import AvailabilityInterval, read_availability
 from torchfold.train.checkpoint import checkpoint_path, load_checkpoint
-from torchfold.train.trace import AvailabilityInterval, BatchSizeTrace, read_availability
+from torchfold.train.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[1]
 

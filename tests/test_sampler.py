@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchfold.train.sampler import StepPlan, TraceBatchSampler, minibatches_per_rank
+from torchfold.train.sampler import StepSplit, TraceBatchSampler, minibatches_per_rank
 from torchfold.train.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,7 +156,8 @@ def test_resume_mid_epoch_equals_uninterrupted(setup: dict[str, object], data: s
     plans = saver.steps()
     done = data.draw(st.integers(0, len(plans)))  # steps completed before the "crash"
     next_step = plans[0].step + done
-    state = saver.state_dict(next_step=next_step)
+    saver.seek(next_step)
+    state = saver.state_dict()
     assert state == json.loads(json.dumps(state))  # plain data
 
     uninterrupted = TraceBatchSampler(num_replicas=world, rank=rank, **setup)  # type: ignore[arg-type]
@@ -219,7 +222,7 @@ def test_example_trace_8_replicas(example_trace: Path) -> None:
         716,
     ]  # by hand: cumulative sums
     # The warm-up steps of 32..128 samples leave most ranks without a minibatch.
-    plans = TraceBatchSampler(n, trace, m, num_replicas=world, rank=7).step_plan(0)
+    plans = TraceBatchSampler(n, trace, m, num_replicas=world, rank=7).step_splits(0)
     assert [p.minibatches for p in plans[:8]] == [
         (1, 1, 1, 1, 0, 0, 0, 0),
         (1, 1, 1, 1, 0, 0, 0, 0),
@@ -232,9 +235,11 @@ def test_example_trace_8_replicas(example_trace: Path) -> None:
     ]
     assert plans[20].minibatches == (2,) * 8  # 512 samples: 16 minibatches, 2 per rank
     assert plans[40].minibatches == (8,) * 8  # 2048 samples: 64 minibatches, 8 per rank
-    assert samplers[0].num_epochs == 12
+    assert samplers[0].num_epochs == 12  # the complete ones; the trace's last steps make a truncated 13th
+    samplers[0].set_epoch(12)
+    assert samplers[0].epoch_steps.truncated and samplers[0].epoch_steps.end_step == 810
     with pytest.raises(ValueError, match="too short"):
-        samplers[0].set_epoch(12)
+        samplers[0].set_epoch(13)
 
 
 def test_dataloader_and_step_loop() -> None:
@@ -252,7 +257,7 @@ def test_dataloader_and_step_loop() -> None:
                 (x,) = next(batches)
                 assert x.shape == (4, 1)
                 seen += x.flatten().long().tolist()
-            assert isinstance(plan, StepPlan)
+            assert isinstance(plan, StepSplit)
         with pytest.raises(StopIteration):
             next(batches)
     assert len(set(seen)) == len(seen) == 88
@@ -290,7 +295,7 @@ def test_minibatches_per_rank_table() -> None:
             ValueError,
             "Invalid rank -1, rank should be in the interval [0, 1]",
         ),
-        ({"rank": False}, TypeError, "rank should be an int, got bool False"),
+        ({"rank": False}, TypeError, "rank must be an int, got bool False"),
         ({"minibatch_size": 0}, ValueError, "minibatch_size must be a positive int, got 0"),
         ({"minibatch_size": 2.0}, TypeError, "minibatch_size must be an int, got float 2.0"),
         (
@@ -303,9 +308,14 @@ def test_minibatches_per_rank_table() -> None:
         ({"dataset": object()}, TypeError, "dataset should be a dataset with len()"),
         ({"shuffle": 1}, TypeError, "shuffle should be a bool, got int 1"),
         ({"drop_last": None}, TypeError, "drop_last should be a bool"),
-        ({"seed": 1.5}, TypeError, "seed should be an int, got float 1.5"),
+        ({"seed": 1.5}, TypeError, "seed must be an int, got float 1.5"),
+        (
+            {"seed": 2**80},
+            ValueError,
+            "seed must be an int from 0 to 2**63 - 1 (9223372036854775807), got 1208925819614629174706176",
+        ),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
         ({"trace": [8, 9]}, ValueError, "<list>, step 1: batch size 9 is not a multiple of minibatch_size=4"),
-        ({"trace": [8, 16], "dataset": 100}, ValueError, "too short"),
     ],
 )
 def test_argument_errors(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
@@ -326,18 +336,21 @@ def test_trace_file_error_names_line(tmp_path: Path) -> None:
 
 def test_set_epoch_and_state_dict_errors() -> None:
     s = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2)
-    for bad in (-1, True, 1.0):
-        with pytest.raises(ValueError, match="epoch should be an integer >= 0"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        s.set_epoch(-1)
+    for bad in (True, 1.0):  # one int check for the train half: check_int's TypeError
+        with pytest.raises(TypeError, match=f"epoch must be an int, got {type(bad).__name__}"):
             s.set_epoch(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"next_step=4 is outside epoch 0, which runs steps 0\.\.2"):
-        s.state_dict(next_step=4)
-    with pytest.raises(TypeError, match="next_step should be an int"):
-        s.state_dict(next_step=True)
-    assert s.state_dict()["next_step"] == 0 and s.state_dict(next_step=3)["next_step"] == 3
-    next(iter(s))  # once the epoch is being iterated, only the caller knows how far training got
-    with pytest.raises(ValueError, match=r"epoch 0 is being iterated.*pass next_step=plan\.step \+ 1"):
-        s.state_dict()
-    assert s.state_dict(next_step=1)["next_step"] == 1
+        s.seek(4)
+    with pytest.raises(TypeError, match="next_step must be an int"):
+        s.seek(True)  # type: ignore[arg-type]
+    assert s.state_dict()["next_step"] == 0
+    s.seek(3)
+    assert s.state_dict()["next_step"] == 3
+    s.seek(1)
+    next(iter(s))  # the first minibatch of step 1 (of 2 there): the step is not done
+    assert s.state_dict()["next_step"] == 1
     s.set_epoch(1)
     assert s.state_dict()["next_step"] == 3  # a new epoch that has not started: its first step
 
@@ -365,7 +378,9 @@ def test_load_state_dict_mismatch(other: dict[str, object], message: str) -> Non
         "num_replicas": 2,
         "rank": 0,
     }
-    state = TraceBatchSampler(**args).state_dict(next_step=1)  # type: ignore[arg-type]
+    saver = TraceBatchSampler(**args)  # type: ignore[arg-type]
+    saver.seek(1)
+    state = saver.state_dict()
     target = TraceBatchSampler(**{**args, **other})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape(message)):
         target.load_state_dict(state)
@@ -373,18 +388,22 @@ def test_load_state_dict_mismatch(other: dict[str, object], message: str) -> Non
 
 def test_load_state_dict_bad_states() -> None:
     s = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2)
-    good = s.state_dict(next_step=2)
+    s.seek(2)
+    good = s.state_dict()
     with pytest.raises(ValueError, match=re.escape("sampler state is missing ['next_step']")):
         s.load_state_dict({k: v for k, v in good.items() if k != "next_step"})
     with pytest.raises(ValueError, match="next_step=5, outside its epoch 0"):
         s.load_state_dict({**good, "next_step": 5})
+    with pytest.raises(TypeError, match=r"sampler state's 'next_step' must be an int, got str '2'"):
+        s.load_state_dict({**good, "next_step": "2"})  # once a raw TypeError from comparing str and int
     with pytest.raises(TypeError, match="state should be a dict"):
         s.load_state_dict([1])  # type: ignore[arg-type]
 
 
 def test_resume_at_epoch_end_yields_nothing_until_next_epoch() -> None:
     s = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2, seed=4)
-    state = s.state_dict(next_step=3)  # epoch 0 (steps 0..2) is complete
+    s.seek(3)  # epoch 0 (steps 0..2) is complete
+    state = s.state_dict()
     resumed = TraceBatchSampler(10, [4, 4, 4, 4, 4, 4], minibatch_size=2, seed=4)
     resumed.load_state_dict(state)
     assert list(resumed) == [] and len(resumed) == 0 and resumed.steps() == []
@@ -437,3 +456,52 @@ def test_defaults_from_torch_distributed() -> None:
     ]
     assert [o["batches"] for o in outputs] == expected
     assert outputs[0]["plans"][2] == [2, [1, 0], 1] and outputs[1]["plans"][2] == [2, [1, 0], 0]
+
+
+def test_a_trace_shorter_than_one_epoch_yields_its_steps() -> None:
+    sampler = TraceBatchSampler(100, [8, 16], minibatch_size=8, shuffle=False)
+    assert list(sampler) == [list(range(8)), list(range(8, 16)), list(range(16, 24))]
+    assert [p.batch_size for p in sampler.steps()] == [8, 16] and sampler.num_epochs == 1
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_state_dict_takes_no_argument_and_tracks_the_position(num_replicas: int) -> None:
+    # It took next_step=; PyTorch's stateful convention is state_dict() alone.
+    assert list(inspect.signature(TraceBatchSampler.state_dict).parameters) == ["self"]
+    args: dict[str, Any] = {"dataset": 40, "trace": [8, 4, 12, 8, 8], "minibatch_size": 2, "seed": 3}
+    uninterrupted = TraceBatchSampler(**args, num_replicas=num_replicas, rank=0)
+    expected = list(uninterrupted)
+    for done in range(len(uninterrupted.steps()) + 1):  # the loop of the module docstring, rank 0
+        sampler = TraceBatchSampler(**args, num_replicas=num_replicas, rank=0)
+        batches, got = iter(sampler), []
+        for plan in sampler.steps()[:done]:
+            got += [next(batches) for _ in range(plan.local_minibatches)]
+        state = sampler.state_dict()
+        assert state["next_step"] == done
+        resumed = TraceBatchSampler(**args, num_replicas=num_replicas, rank=0)
+        resumed.load_state_dict(state)
+        assert got + list(resumed) == expected
+
+
+def test_step_plan_is_a_deprecated_alias_of_step_split() -> None:
+    import warnings
+
+    import torchfold.train as tt
+
+    tt._warned.discard("StepPlan")
+    with pytest.warns(
+        FutureWarning, match=r"torchfold.train.StepPlan is deprecated; use torchfold.train.StepSplit"
+    ):
+        assert tt.StepPlan is StepSplit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tt.StepPlan is StepSplit  # once
+    assert "StepPlan" not in tt.__all__ and "StepSplit" in tt.__all__
+    sampler = TraceBatchSampler(8, [4, 4], minibatch_size=2)
+    with pytest.warns(
+        FutureWarning, match=r"step_plan\(\) is deprecated; use TraceBatchSampler.step_splits\(\)"
+    ):
+        assert sampler.step_plan() == sampler.step_splits()
+    step = next(iter(tt.StepLoader(list(range(8)), 2, trace=[4, 4])))
+    with pytest.warns(FutureWarning, match=r"Step.plan is deprecated; use Step.split"):
+        assert step.plan is step.split

@@ -5,13 +5,16 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.lr import scaled_lr
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
 
 
 def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:
@@ -285,8 +288,19 @@ def test_epoch_too_short_names_trace_and_epoch(tmp_path: Path) -> None:
     message = f"trace '{path}' is too short: it has 5 steps (20 samples in all) and ends 4 samples before the end of epoch 2"
     with pytest.raises(ValueError, match=re.escape(message)):
         trace.split_epochs(8, 3)
-    with pytest.raises(ValueError, match="it covers 2 full epochs"):
+    with pytest.raises(ValueError, match="it covers 2 full epochs and 1 steps of epoch 2"):
         trace.epoch(5, 8)
+    assert trace.epoch(2, 8) == EpochSteps(2, 4, (4,), 8, truncated=True)  # the steps it has run
+    assert trace.num_epochs(8) == 3
+
+
+def test_a_trace_shorter_than_one_epoch_runs_its_steps() -> None:
+    # It raised, advising "fewer epochs" than 0.
+    trace = BatchSizeTrace([32, 16])
+    assert (trace.num_full_epochs(64), trace.num_epochs(64)) == (0, 1)
+    assert trace.epoch(0, 64) == EpochSteps(0, 0, (32, 16), 64, truncated=True)
+    with pytest.raises(ValueError, match=r"too short.*it covers 0 full epochs and 2 steps of epoch 0"):
+        trace.epoch(1, 64)
 
 
 def test_example_trace_epochs(traces_dir: Path) -> None:
@@ -341,8 +355,13 @@ def test_epochs_partition_the_trace(sizes: list[int], dataset_size: int, drop_la
             break
         left = max(0, left - size)
     assert left > 0, "the rest of the trace completes an epoch that split_epochs left out"
+    rest = tuple(sizes[step:])
+    if rest:  # the trace ends inside the next epoch: it runs the steps it has
+        last = trace.epoch(len(epochs), dataset_size, drop_last=drop_last)
+        assert (last.first_step, last.batch_sizes, last.truncated) == (step, rest, True)
+        assert last.leftover == dataset_size - sum(rest) > 0
     with pytest.raises(ValueError, match="too short"):
-        trace.epoch(len(epochs), dataset_size, drop_last=drop_last)
+        trace.epoch(len(epochs) + (1 if rest else 0), dataset_size, drop_last=drop_last)
 
 
 def test_drop_last_batch_larger_than_dataset() -> None:
@@ -503,3 +522,36 @@ def test_plot_unbounded_needs_num_steps(tmp_path: Path) -> None:
         BatchSizeTrace.constant(8).plot(tmp_path / "x.png")
     BatchSizeTrace.constant(8).plot(tmp_path / "x.png", num_steps=10)
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_trace_modules_split_by_concept() -> None:
+    # trace.py held CSV parsing, availability traces, the LR rule and plotting together.
+    import torchfold.train.availability as availability
+    import torchfold.train.lr as lr
+    import torchfold.train.plot as plot
+    import torchfold.train.trace as trace
+
+    assert {"read_availability", "AvailabilityInterval", "availability_batch_sizes"} <= set(
+        availability.__all__
+    )
+    assert set(lr.__all__) == {"LR_RULES", "scaled_lr"} and set(plot.__all__) == {"plot_trace"}
+    assert not {"scaled_lr", "read_availability", "AvailabilityInterval"} & set(trace.__all__)
+
+
+def test_plotting_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    # matplotlib is imported when a plot is drawn: importing the train half never needs it.
+    script = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if not installed\n"
+        "import torchfold.train as tt\n"
+        "assert 'matplotlib.figure' not in sys.modules\n"
+        "try:\n"
+        f"    tt.BatchSizeTrace([4, 8]).plot({str(tmp_path / 'x.png')!r})\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        "plotting a trace needs matplotlib" in done.stdout and "pip install 'torchfold[plot]'" in done.stdout
+    )

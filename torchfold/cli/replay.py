@@ -1,6 +1,6 @@
 """``python -m torchfold elastic replay``: drive a real training run through a resource-availability trace.
 
-A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.trace.read_availability`) says how
+A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.availability.read_availability`) says how
 many devices a job had over time. The replay scales that count to the processes one machine can
 run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
 seconds, as :meth:`~torchfold.train.BatchSizeTrace.from_availability` counts them) and cuts the
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from torchfold._validate import check_int, non_negative_float, positive_float, positive_int, seed_int
-from torchfold.train.trace import AvailabilityInterval, read_availability
+from torchfold.train.availability import AvailabilityInterval, read_availability
 
 __all__ = [
     "ReplayError",
@@ -201,7 +201,7 @@ def plan_replay(
     process count changes. A pause that no step follows is left out.
 
     Args:
-        intervals: the trace's rows (:func:`~torchfold.train.trace.read_availability`).
+        intervals: the trace's rows (:func:`~torchfold.train.availability.read_availability`).
         step_time: trace seconds per step.
         max_processes: processes for the trace's peak device count (:func:`processes_for`).
         max_steps: keep at most this many steps.

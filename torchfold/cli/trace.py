@@ -18,7 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from torchfold._validate import positive_float, positive_int
-from torchfold.train.trace import LR_RULES, BatchSizeTrace
+from torchfold.train.lr import LR_RULES
+from torchfold.train.trace import BatchSizeTrace
 
 __all__ = ["main"]
 

@@ -9,23 +9,33 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 [[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
 """
 
+import warnings
+from typing import Any
+
 from torchfold.train.distributed import (
+    World,
     all_reduce_sum_,
     broadcast_parameters,
     check_same_on_all_ranks,
     default_device,
     fingerprint,
-    get_rank,
-    get_world_size,
     init_distributed,
     is_main_process,
+    world,
+)
+from torchfold.train.distributed import (
+    get_rank as get_rank,  # deprecated: world().rank
+)
+from torchfold.train.distributed import (
+    get_world_size as get_world_size,  # deprecated: world().size
 )
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
+from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.prefetch import Prefetcher
-from torchfold.train.sampler import StepPlan, TraceBatchSampler
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace, scaled_lr
+from torchfold.train.sampler import StepSplit, TraceBatchSampler
+from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
 from torchfold.train.trainer import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
 
 __all__ = [
@@ -40,20 +50,41 @@ __all__ = [
     "Prefetcher",
     "Step",
     "StepLoader",
-    "StepPlan",
+    "StepSplit",
     "StepStats",
     "TraceBatchSampler",
     "TraceTrainer",
+    "World",
     "all_reduce_sum_",
     "as_trace",
     "broadcast_parameters",
     "check_same_on_all_ranks",
     "default_device",
     "fingerprint",
-    "get_rank",
-    "get_world_size",
     "init_distributed",
     "is_main_process",
     "scaled_lr",
     "to_device",
+    "world",
 ]
+
+
+# Names that were renamed: the old spelling still works, warning once with the new one.
+_RENAMED = {"StepPlan": ("StepSplit", StepSplit)}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562, as torchfold's own _MOVED: resolve a renamed name with one FutureWarning.
+    if name in _RENAMED:
+        new, value = _RENAMED[name]
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"torchfold.train.{name} is deprecated; use torchfold.train.{new} (in torchfold a plan is a "
+                "compiled fold)",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return value
+    raise AttributeError(f"module 'torchfold.train' has no attribute {name!r}")

@@ -23,8 +23,9 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,15 @@ import torch.distributed as dist
 from torchfold._validate import check_int
 
 __all__ = [
+    "World",
     "all_reduce_sum_",
     "broadcast_parameters",
     "check_same_on_all_ranks",
     "default_device",
     "fingerprint",
-    "get_rank",
-    "get_world_size",
     "init_distributed",
     "is_main_process",
+    "world",
     "xla_sync",
 ]
 
@@ -54,43 +55,88 @@ def _dist_active() -> bool:
 
 
 def _xla_runtime() -> Any | None:
-    """``torch_xla.runtime`` when the user is running on XLA (torch_xla already imported), else ``None``.
+    """``torch_xla.runtime`` inside a running XLA job, else ``None``.
 
-    Importing torch_xla initializes a runtime, so it is never imported just to ask a question.
+    Only when torch_xla is already imported (importing it just to ask would make it a hard
+    dependency) and its runtime is initialized, as it is in every replica that ``xmp.spawn`` or
+    ``torch_xla.launch`` starts. Before that, ``xr.world_size()`` answers 1 and caches it, and
+    initializes the runtime, after which ``xmp.spawn`` refuses to start: so it is not asked.
     """
     if "torch_xla" not in sys.modules:
         return None
+    import torch_xla
     import torch_xla.runtime as xr
 
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
     return xr
 
 
-def get_world_size() -> int:
-    """Number of processes taking part in training: the process group's size, XLA's, else 1.
+class World(NamedTuple):
+    """How many processes (replicas) share the training, and which one this is.
 
-    >>> get_world_size()
-    1
+    Args:
+        size: the number of processes, >= 1.
+        rank: this one's, in ``[0, size)``.
+        source: where the answer came from: ``"torch.distributed"``, ``"torch_xla"`` or
+            ``"single process"``.
+    """
+
+    size: int
+    rank: int
+    source: str
+
+
+def world() -> World:
+    """The one rule for "how many processes, which one am I", used by every part of torchfold.
+
+    In order: an initialized ``torch.distributed`` process group (e.g. under ``torchrun``, after
+    :func:`init_distributed`); a torch_xla replica (``xmp.spawn`` / ``torch_xla.launch``: XLA's
+    world size and global ordinal); else a single process. Launcher environment variables alone
+    (``WORLD_SIZE``) do not count: the processes are not connected until the group exists, so
+    create loaders and samplers after it.
+
+    >>> world()
+    World(size=1, rank=0, source='single process')
     """
     if _dist_active():
-        return dist.get_world_size()
+        return World(dist.get_world_size(), dist.get_rank(), "torch.distributed")
     xr = _xla_runtime()
     if xr is not None:
-        return int(xr.world_size())
-    return 1
+        return World(int(xr.world_size()), int(xr.global_ordinal()), "torch_xla")
+    return World(1, 0, "single process")
+
+
+def check_rank(rank: object, world_size: int) -> int:
+    """``rank`` if it is an int in ``[0, world_size)``, else a TypeError/ValueError naming it (torch's wording)."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+    return rank
+
+
+_deprecation_warned: set[str] = set()
+
+
+def _deprecated(old: str, new: str) -> None:
+    if old not in _deprecation_warned:
+        _deprecation_warned.add(old)
+        warnings.warn(
+            f"torchfold.train.{old}() is deprecated; use torchfold.train.{new}", FutureWarning, stacklevel=3
+        )
+
+
+def get_world_size() -> int:
+    """Deprecated: ``world().size`` (see :func:`world`)."""
+    _deprecated("get_world_size", "world().size")
+    return world().size
 
 
 def get_rank() -> int:
-    """This process's rank in ``[0, get_world_size())``: the process group's, XLA's ordinal, else 0.
-
-    >>> get_rank()
-    0
-    """
-    if _dist_active():
-        return dist.get_rank()
-    xr = _xla_runtime()
-    if xr is not None:
-        return int(xr.global_ordinal())
-    return 0
+    """Deprecated: ``world().rank`` (see :func:`world`)."""
+    _deprecated("get_rank", "world().rank")
+    return world().rank
 
 
 def is_main_process() -> bool:
@@ -99,7 +145,7 @@ def is_main_process() -> bool:
     >>> is_main_process()
     True
     """
-    return get_rank() == 0
+    return world().rank == 0
 
 
 def default_device() -> torch.device:
@@ -386,10 +432,8 @@ def init_distributed(
         init_distributed("gloo", rank=0, world_size=1, master_port=29512, timeout=5.0,
                          config={"trace": fingerprint([64, 128])})
     """
-    rank = check_int("rank", _env_int("rank", rank, "RANK"), 0)
     world_size = check_int("world_size", _env_int("world_size", world_size, "WORLD_SIZE"), 1)
-    if rank >= world_size:
-        raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+    rank = check_rank(_env_int("rank", rank, "RANK"), world_size)
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")

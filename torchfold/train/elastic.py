@@ -15,39 +15,11 @@ all-reduce with zero gradients (see :class:`~torchfold.train.AccumulatingOptimiz
 from __future__ import annotations
 
 import math
-import os
-import sys
-
-import torch
-import torch.distributed as dist
 
 from torchfold._validate import check_int
+from torchfold.train.distributed import check_rank, world
 
-__all__ = ["ElasticConfig", "detect_world_size"]
-
-
-def detect_world_size() -> tuple[int, int, str]:
-    """Count the devices this run trains on: ``(world_size, rank, source)``.
-
-    In order: an initialized ``torch.distributed`` group; the ``WORLD_SIZE`` / ``RANK`` variables a
-    launcher such as ``torchrun`` sets; torch_xla's world (only when torch_xla is already
-    imported, i.e. the program runs on XLA); the number of CUDA devices (one process per device
-    is expected); else one CPU.
-
-    >>> detect_world_size()[0] >= 1
-    True
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank(), "torch.distributed"
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0")), "WORLD_SIZE"
-    if "torch_xla" in sys.modules:
-        import torch_xla.runtime as xr
-
-        return int(xr.world_size()), int(xr.global_ordinal()), "torch_xla"
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count(), 0, "cuda"
-    return 1, 0, "cpu"
+__all__ = ["ElasticConfig"]
 
 
 class ElasticConfig:
@@ -56,9 +28,9 @@ class ElasticConfig:
     Args:
         global_batch_size: samples per optimizer step, over all devices and accumulation steps.
         max_device_batch_size: most samples one device processes at once (what fits in memory).
-        world_size: number of devices; default: detected (see :func:`detect_world_size`).
-        rank: this process's rank in ``[0, world_size)``; default: detected with the world size
-            when ``world_size`` is not given, else 0.
+        world_size: number of devices; default: this run's (:func:`~torchfold.train.world`).
+        rank: this process's rank in ``[0, world_size)``; default: this run's
+            (:func:`~torchfold.train.world`).
         max_accumulation_steps: the most accumulation steps a step may take (default: no limit);
             a global batch that needs more on these devices is refused.
 
@@ -84,19 +56,15 @@ class ElasticConfig:
     ) -> None:
         self.global_batch_size = check_int("global_batch_size", global_batch_size)
         self.max_device_batch_size = check_int("max_device_batch_size", max_device_batch_size)
-        if world_size is None:
-            detected, detected_rank, self.source = detect_world_size()
-            world_size = detected
-            rank = detected_rank if rank is None else rank
+        if world_size is None or rank is None:
+            found = world()
+            self.source = found.source if world_size is None else "argument"
+            world_size = found.size if world_size is None else world_size
+            rank = found.rank if rank is None else rank
         else:
             self.source = "argument"
-            check_int("world_size", world_size)
-        if rank is None:
-            rank = 0
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+        check_int("world_size", world_size)
+        check_rank(rank, world_size)
         self.num_devices = world_size
         self.rank = rank
         self.accumulation_steps = math.ceil(global_batch_size / (world_size * max_device_batch_size))

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import pickle
+import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -35,8 +38,8 @@ from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan
-from torchfold.train.distributed import get_world_size
-from torchfold.train.sampler import StepPlan, TraceBatchSampler
+from torchfold.train.distributed import world
+from torchfold.train.sampler import StepSplit, TraceBatchSampler, _warn_renamed
 from torchfold.train.trace import TraceLike
 
 __all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
@@ -68,14 +71,20 @@ class Minibatch(Generic[R]):
 
 @dataclass(frozen=True)
 class Step(Generic[R]):
-    """This rank's minibatches of one optimizer step (possibly none), and the step's plan.
+    """This rank's minibatches of one optimizer step (possibly none), and how the step is split.
 
-    Iterating a step gives its :class:`Minibatch` es; ``plan`` says the step's global batch and
+    Iterating a step gives its :class:`Minibatch` es; ``split`` says the step's global batch and
     how its minibatches are spread over the ranks.
     """
 
-    plan: StepPlan
+    split: StepSplit
     minibatches: tuple[Minibatch[R], ...]
+
+    @property
+    def plan(self) -> StepSplit:
+        """Deprecated: :attr:`split` (a plan is a compiled fold)."""
+        _warn_renamed("Step.plan", "Step.split")
+        return self.split
 
     def __iter__(self) -> Iterator[Minibatch[R]]:
         return iter(self.minibatches)
@@ -86,12 +95,12 @@ class Step(Generic[R]):
     @property
     def step(self) -> int:
         """The global step index (counts across epochs)."""
-        return self.plan.step
+        return self.split.step
 
     @property
     def batch_size(self) -> int:
         """The step's global batch size (over all ranks)."""
-        return self.plan.batch_size
+        return self.split.batch_size
 
 
 def to_device(data: Any, device: torch.device) -> Any:
@@ -117,7 +126,68 @@ def to_device(data: Any, device: torch.device) -> Any:
     return data
 
 
-class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
+def _portable(error: BaseException, message: str) -> BaseException:
+    """``error`` if it survives pickling (so a worker can send it back), else one of its type with ``message``.
+
+    A type that cannot be made from a message alone (or pickled) falls back to ``RuntimeError``.
+    """
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        pass
+    kind = type(error)
+    try:
+        clone = kind.__new__(kind, message)
+        clone.args = (message,)
+        pickle.loads(pickle.dumps(clone))
+        str(clone)
+        return clone
+    except Exception:
+        return RuntimeError(f"{kind.__name__}: {message}")
+
+
+class _BuildFailure:
+    """A failed minibatch, sent back as data: the exception itself reaches the training loop.
+
+    DataLoader re-creates a worker's exception as ``type(message)``, which turns every exception
+    whose constructor takes other arguments (UnicodeDecodeError, JSONDecodeError,
+    CalledProcessError, most user exceptions) into a RuntimeError, and a StopIteration into the
+    end of the iteration. A return value crosses unharmed.
+    """
+
+    def __init__(self, error: BaseException, where: str) -> None:
+        self.error = error
+        self.where = where
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled only to leave a worker: say so, with the worker's traceback (lost in the pickle).
+        info = torch.utils.data.get_worker_info()
+        worker = f" {info.id}" if info is not None else ""
+        frames = "".join(traceback.format_tb(self.error.__traceback__)).rstrip()
+        notes = [
+            *getattr(self.error, "__notes__", []),
+            f"Traceback in DataLoader worker process{worker} (most recent call last):\n{frames}",
+        ]
+        return (_BuildFailure._arrived, (_portable(self.error, str(self.error)), self.where, notes))
+
+    @staticmethod
+    def _arrived(error: BaseException, where: str, notes: list[str]) -> _BuildFailure:
+        # Some exceptions pickle through their constructor's arguments only, dropping the notes.
+        error.__notes__ = notes
+        return _BuildFailure(error, where)
+
+    def raise_it(self) -> NoReturn:
+        if isinstance(self.error, StopIteration):
+            # Raised as it is, it would end the loop over the steps as if the epoch were over.
+            raise RuntimeError(
+                f"build raised StopIteration for the minibatch of {self.where}; a StopIteration would end the "
+                "training loop silently, so it is raised as this RuntimeError (the original is its __cause__)"
+            ) from self.error
+        raise self.error
+
+
+class _Builder(torch.utils.data.Dataset["Minibatch[Any] | _BuildFailure"]):
     """What the workers run: ``dataset[i]`` for a minibatch's indices, then ``build`` on the items."""
 
     def __init__(self, dataset: Sequence[Any], build: Callable[[list[Any]], Any] | None) -> None:
@@ -127,14 +197,17 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, indices: list[int]) -> Minibatch[Any]:
+    def __getitem__(self, indices: list[int]) -> Minibatch[Any] | _BuildFailure:
+        where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
         try:
-            items = [self.dataset[i] for i in indices]
-            data = items if self.build is None else self.build(items)
+            return self._build(indices)
         except Exception as e:
-            where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
             add_note(e, f"torchfold.train.StepLoader: while building the minibatch of {where}")
-            raise
+            return _BuildFailure(e, where)
+
+    def _build(self, indices: list[int]) -> Minibatch[Any]:
+        items = [self.dataset[i] for i in indices]
+        data = items if self.build is None else self.build(items)
         if self.build is not None and not (
             isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)
         ):
@@ -147,6 +220,23 @@ class _Builder(torch.utils.data.Dataset[Minibatch[Any]]):
                 "(fold.plan([nodes]), labels)"
             )
         return Minibatch(data, len(indices), list(indices))
+
+
+# Loaders that may own worker processes. A process forked from their owner (another loader's
+# worker, a user's fork) inherits copies: there the workers are not its children, and a copy
+# being collected must not try to stop them (DataLoader's iterator asserts, and says so on stderr).
+_LOADERS: weakref.WeakSet[StepLoader[Any, Any]] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    for loader in list(_LOADERS):
+        loader._closed = True
+        iterator = getattr(loader._loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown"):
+            iterator._shutdown = True  # DataLoader's own flag: nothing left to stop in this process
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 def _first(batch: Minibatch[Any]) -> Minibatch[Any]:
@@ -181,10 +271,11 @@ class StepLoader(Generic[T, R]):
             ``batch_size * replication_factor * gradient_accumulation``.
         device_iterations: PopTorch's optimizer steps per host step (default 1). The loader hands
             out one step at a time, so it only enters :attr:`combined_batch_size` and its check.
-        replication_factor: processes sharing each step (default: the ``torch.distributed``
-            world size, else 1); each reads a disjoint part of every step.
+        replication_factor: processes sharing each step (default: this run's,
+            :func:`~torchfold.train.world`: the ``torch.distributed`` group's, torch_xla's
+            replicas, else 1); each reads a disjoint part of every step.
         gradient_accumulation: minibatches per replica per step (default 1; without ``trace``).
-        rank: this process (default: the ``torch.distributed`` rank, else 0).
+        rank: this process (default: this run's, :func:`~torchfold.train.world`).
         shuffle: a new seeded permutation every epoch (default ``True``), the same on every rank.
         seed: the permutation's seed, the same on every rank (default 0).
         drop_last: ``False`` (default): the samples left at the end of an epoch make a last,
@@ -207,6 +298,13 @@ class StepLoader(Generic[T, R]):
             :class:`~torchfold.train.ElasticConfig`).
         max_accumulation_steps: with ``max_device_batch_size``: refuse a trace whose global batch
             needs more minibatches per replica than this (default: no limit).
+
+    Every ``iter()`` is a pass, as with a ``DataLoader``: it goes on from the last step handed out
+    (:attr:`next_step`), to the end of the current epoch; once an epoch has been handed out
+    completely, the next ``iter()`` starts the next epoch (as ``set_epoch(epoch + 1)`` would), so a
+    loop without ``set_epoch`` trains every epoch too. An iteration left early (``break``) is
+    continued by the next ``iter()``. A bounded trace whose steps have all been handed out raises
+    ``ValueError`` at the next ``iter()``.
 
     Worker processes start with the first iteration and stay for the next ones (no start-up cost
     per epoch or resume); an iteration left early (``break``) simply drops what they built ahead.
@@ -280,8 +378,11 @@ class StepLoader(Generic[T, R]):
             check_int("batch_size", batch_size)
         check_int("device_iterations", device_iterations)
         check_int("gradient_accumulation", gradient_accumulation)
-        if replication_factor is None:
-            replication_factor = get_world_size()
+        if replication_factor is None or rank is None:
+            # One rule for both, so they cannot come from different places (XLA's size, rank 0).
+            found = world()
+            replication_factor = found.size if replication_factor is None else replication_factor
+            rank = found.rank if rank is None else rank
         check_int("replication_factor", replication_factor)
         check_int("num_workers", num_workers, minimum=0)
         if prefetch_factor is not None:
@@ -291,6 +392,13 @@ class StepLoader(Generic[T, R]):
                     f"prefetch_factor={prefetch_factor} needs worker processes to build ahead; pass num_workers >= 1 "
                     "or leave prefetch_factor=None"
                 )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0 (0: no limit), got {timeout!r}")
+        if timeout and num_workers == 0:
+            raise ValueError(
+                f"timeout={timeout!r} bounds the wait for a worker process's minibatch, and num_workers=0 starts "
+                "none; pass num_workers >= 1 or leave timeout=0"
+            )
         if build is not None and not callable(build):
             raise TypeError(f"build must be callable as build(items) -> (FoldPlan, targets), got {build!r}")
         if trace is not None and gradient_accumulation != 1:
@@ -374,6 +482,10 @@ class StepLoader(Generic[T, R]):
         self._next_step = self.sampler.epoch_steps.first_step
         self._generation = 0  # bumped by every iter(): an older iteration may not go on
         self._closed = False
+        # A worker process (fork) inherits this object: only the process that made it stops its workers.
+        self._owner_pid = os.getpid()
+        if num_workers:
+            _LOADERS.add(self)
 
     # -- position --------------------------------------------------------------------------------
 
@@ -394,7 +506,7 @@ class StepLoader(Generic[T, R]):
 
     @property
     def num_epochs(self) -> int | None:
-        """Complete epochs a trace covers over the dataset (``None``: unbounded, as PopTorch's constant)."""
+        """Epochs to train: the trace's complete ones, or its one truncated epoch (``None``: unbounded, as PopTorch's constant)."""
         return self.sampler.num_epochs if self.sampler.trace.num_steps is not None else None
 
     @property
@@ -415,17 +527,26 @@ class StepLoader(Generic[T, R]):
             self._next_step = self.sampler.epoch_steps.first_step
             self._generation += 1
 
-    def steps(self) -> list[StepPlan]:
-        """The plans of the steps the next ``iter()`` yields (the current epoch from :attr:`next_step`)."""
+    def steps(self) -> list[StepSplit]:
+        """The splits of the steps the next ``iter()`` yields.
+
+        The rest of the current epoch from :attr:`next_step`; the whole next epoch when the
+        current one has been handed out completely.
+        """
+        if self._epoch_done():
+            return self.sampler.step_splits(self.sampler.epoch + 1)
         self._anchor()
         return self.sampler.steps()
 
     def __len__(self) -> int:
-        """Steps the next ``iter()`` yields: the rest of the current epoch."""
+        """Steps the next ``iter()`` yields (see :meth:`steps`)."""
         return len(self.steps())
 
+    def _epoch_done(self) -> bool:
+        return self._next_step >= self.sampler.epoch_steps.end_step
+
     def _anchor(self) -> None:
-        self.sampler.load_state_dict(self.sampler.state_dict(next_step=self._next_step))
+        self.sampler.seek(self._next_step)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last step handed out, and the settings it is only valid with.
@@ -433,7 +554,8 @@ class StepLoader(Generic[T, R]):
         The same on every rank (rank 0 may save it for all); ints, bools and strings only
         (``torch.load(weights_only=True)`` reads it).
         """
-        return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict(next_step=self._next_step)}
+        self._anchor()  # the sampler has read ahead for the workers: our position is the one handed out
+        return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the position saved by :meth:`state_dict` (mid-epoch too); an iteration in progress ends.
@@ -459,37 +581,57 @@ class StepLoader(Generic[T, R]):
     def __iter__(self) -> Iterator[Step[R]]:
         if self._closed:
             raise RuntimeError("the StepLoader is closed; make a new one")
+        if self._epoch_done():
+            # Every iter() is a pass: after a complete epoch, the next one (as set_epoch(epoch + 1)),
+            # so `for epoch in ...: for step in loader:` trains every epoch, and a resume from a
+            # state saved at an epoch's end goes on exactly as the run that saved it.
+            self._next_epoch()
         self._generation += 1
         generation = self._generation
         self._anchor()  # at our position: an abandoned iteration's read-ahead is simply dropped
-        plans = self.sampler.steps()
-        return self._steps(plans, generation)
+        splits = self.sampler.steps()
+        return self._steps(splits, generation)
 
-    def _steps(self, plans: list[StepPlan], generation: int) -> Iterator[Step[R]]:
-        if not plans:
+    def _next_epoch(self) -> None:
+        trace, epoch = self.sampler.trace, self.sampler.epoch
+        if trace.num_steps is not None and self._next_step >= trace.num_steps:
+            raise ValueError(
+                f"the StepLoader has handed out every step of its trace {trace.source!r} ({trace.num_steps} steps, "
+                f"the last in epoch {epoch}); iterating it again needs a longer trace, or load_state_dict() / "
+                "set_epoch() to go back"
+            )
+        self.set_epoch(epoch + 1)
+
+    def _steps(self, splits: list[StepSplit], generation: int) -> Iterator[Step[R]]:
+        if not splits:
             return
         batches = iter(self._loader)
-        for plan in plans:
+        for split in splits:
             if self._generation != generation or self._closed:
                 raise RuntimeError(
                     "this StepLoader iteration was superseded (a new iter(), set_epoch(), load_state_dict() or "
                     "close()); iterate the loader again"
                 )
             minibatches = []
-            for i in range(plan.local_minibatches):
-                minibatch: Minibatch[Any] = next(batches)
+            for i in range(split.local_minibatches):
+                got: Minibatch[Any] | _BuildFailure = next(batches)
+                if isinstance(got, _BuildFailure):
+                    got.raise_it()
+                minibatch = got
                 minibatch = dataclasses.replace(minibatch, position=i * self.replication_factor + self.rank)
                 if self.device is not None:
                     minibatch = dataclasses.replace(minibatch, data=to_device(minibatch.data, self.device))
                 minibatches.append(minibatch)
-            self._next_step = plan.step + 1
-            yield Step(plan, tuple(minibatches))
+            self._next_step = split.step + 1
+            yield Step(split, tuple(minibatches))
 
     # -- shutting down ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the worker processes and drop what they built ahead (safe to call more than once)."""
         self._closed = True
+        if os.getpid() != self._owner_pid:
+            return  # a copy in another process (a forked worker's): the workers are not its children
         iterator = getattr(self._loader, "_iterator", None)
         if iterator is not None:
             # DataLoader keeps persistent workers in its iterator; this is how it stops them itself.

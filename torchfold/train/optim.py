@@ -28,8 +28,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from torchfold._validate import check_int
-from torchfold.train.distributed import all_reduce_sum_, get_world_size, xla_sync
-from torchfold.train.trace import scaled_lr
+from torchfold.train.distributed import all_reduce_sum_, world, xla_sync
+from torchfold.train.lr import scaled_lr
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -405,7 +405,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         num_samples, num_minibatches = round(totals[_SAMPLES]), round(totals[_MINIBATCHES])
         plain_ranks = round(totals[_PLAIN_RANKS])
         self._reset_step()
-        if totals[_UNIT] != self._unit() * get_world_size():
+        if totals[_UNIT] != self._unit() * world().size:
             raise RuntimeError(
                 f"the ranks' optimizers have different minibatch_size (this rank: {self.minibatch_size}); give "
                 "every rank the same (or none)"

@@ -3,7 +3,8 @@
 Recording a fold is Python work (``add`` per node); running it is mostly C++ that releases the
 GIL (autograd's backward, large kernels). :class:`Prefetcher` overlaps the two: a worker
 thread calls ``build(batch)`` for upcoming batches and the training loop receives finished
-results in order. Exceptions in the worker are re-raised in the consumer with the batch number;
+results in order. An exception in the build is re-raised in the consumer, its own type with a note
+naming the batch number;
 a consumer waiting longer than ``timeout`` gets an error instead of a hang.
 """
 
@@ -15,7 +16,8 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Generic, TypeVar
 
-from torchfold._errors import FoldError
+from torchfold._errors import FoldError, add_note
+from torchfold._validate import check_int
 
 __all__ = ["Prefetcher"]
 
@@ -70,8 +72,7 @@ class Prefetcher(Generic[B, T], Iterator[T]):
         prefetch_factor: int = 2,
         timeout: float | None = None,
     ) -> None:
-        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
+        check_int("prefetch_factor", prefetch_factor)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         self._build = build
@@ -127,9 +128,15 @@ class Prefetcher(Generic[B, T], Iterator[T]):
             raise StopIteration
         if isinstance(item, _Failure):
             self.close()
-            raise FoldError(
-                f"Prefetcher: building batch {item.index} failed: {type(item.error).__name__}: {item.error}"
-            ) from item.error
+            if isinstance(item.error, StopIteration):
+                # Raised as it is, it would end the consumer's loop as if the batches were done.
+                raise RuntimeError(
+                    f"Prefetcher: build raised StopIteration for batch {item.index}; a StopIteration would end the "
+                    "loop silently, so it is raised as this RuntimeError (the original is its __cause__)"
+                ) from item.error
+            # The build's own exception, so `except UnicodeDecodeError:` (or the user's type) catches it.
+            add_note(item.error, f"torchfold.train.Prefetcher: while building batch {item.index}")
+            raise item.error
         return item  # type: ignore[return-value]
 
     def close(self, wait: bool = True) -> None:

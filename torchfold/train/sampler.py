@@ -10,10 +10,10 @@ gradients over them), one, or none.
 A rank never receives a fake minibatch for a step in which it has none (repeating a sample would
 skew BatchNorm statistics and the gradient). Instead the sampler simply yields nothing for that
 step (so the default ``DataLoader`` collation never sees an empty batch), and says so in its
-**step plan**: :meth:`TraceBatchSampler.steps` lists, for every step the next ``iter()`` covers, a
-:class:`StepPlan` with ``num_minibatches`` (over all ranks), ``local_minibatches`` (this rank's,
+**step splits**: :meth:`TraceBatchSampler.steps` lists, for every step the next ``iter()`` covers, a
+:class:`StepSplit` with ``num_minibatches`` (over all ranks), ``local_minibatches`` (this rank's,
 possibly 0), ``minibatches`` (per rank), ``batch_size`` and ``local_samples``. The training loop
-walks the plan, draws ``plan.local_minibatches`` batches from the loader for each step, and then
+walks the splits, draws ``split.local_minibatches`` batches from the loader for each step, and then
 ends the step on every rank, so that a rank without data still joins the gradient all-reduce
 (with zero gradients). With torchfold's ``AccumulatingOptimizer``::
 
@@ -22,14 +22,15 @@ ends the step on every rank, so that a rank without data still joins the gradien
     for epoch in range(sampler.num_epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
-        for plan in sampler.steps():
-            for _ in range(plan.local_minibatches):      # may be 0 on some ranks
+        for split in sampler.steps():
+            for _ in range(split.local_minibatches):     # may be 0 on some ranks
                 x, y = next(batches)
                 optimizer.backward(loss_fn(model(x), y), num_samples=len(y))
             optimizer.step()                             # every rank, every step
             optimizer.zero_grad()
-            if plan.step % 100 == 99:
-                save(sampler.state_dict(next_step=plan.step + 1), ...)
+            if split.step % 100 == 99:
+                sampler.seek(split.step + 1)               # the DataLoader may have read ahead
+                save(sampler.state_dict(), ...)
 
 Epochs follow :meth:`BatchSizeTrace.epoch`: the step counter is global across epochs, a step
 never crosses an epoch boundary, and ``drop_last`` says what happens to the samples that do not
@@ -48,31 +49,41 @@ anything.
 **World-size invariance.** A step's samples are the next ``trace[s]`` of the shared permutation,
 whatever the number of ranks: only how they are cut and dealt depends on ``num_replicas``. With a
 fixed ``minibatch_size`` even the minibatches are the same (minibatch ``j`` of a step holds the
-same samples on 1 rank or 8). So ``state_dict(next_step=...)`` / ``load_state_dict()`` resume
+same samples on 1 rank or 8). So ``state_dict()`` / ``load_state_dict()`` resume
 exactly mid-epoch, on the same number of ranks or another one. The state does not depend on the
 rank, so one rank can save it for all.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from torchfold._validate import check_int
+from torchfold._validate import SEED_MAX, check_int
+from torchfold.train.distributed import check_rank, world
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 
-__all__ = ["StepPlan", "TraceBatchSampler", "minibatches_per_rank"]
+__all__ = ["StepSplit", "TraceBatchSampler", "minibatches_per_rank"]
 
 _STATE_VERSION = 1
 # Settings a saved position is only valid with. The number of ranks is not one of them: a step
 # holds the same samples on any number (see the module docstring).
 _OPTIONAL_SETTINGS = {"max_device_batch_size": None, "max_accumulation_steps": None}
+
+
+_warned: set[str] = set()
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=3)
 
 
 def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int) -> tuple[int, ...]:
@@ -96,15 +107,17 @@ def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """What one optimizer step looks like across ranks.
+class StepSplit:
+    """How one optimizer step is split across ranks: its global batch and each rank's minibatches.
+
+    (Formerly ``StepPlan``: in torchfold a *plan* is a compiled fold, :class:`~torchfold.FoldPlan`.)
 
     Args:
         step: global step index into the trace (counts across epochs).
         epoch: the epoch the step belongs to.
         batch_size: global number of samples in the step (the trace's, or fewer for the final
             step of an epoch with ``drop_last=False``).
-        rank: the rank this plan was made for.
+        rank: the rank this split was made for.
         minibatches: number of minibatches of each rank in this step.
         local_samples: number of samples in this rank's minibatches.
     """
@@ -137,9 +150,9 @@ class TraceBatchSampler(Sampler[list[int]]):
         minibatch_size: samples per minibatch (per forward pass on one rank); every batch size in
             the trace must be a multiple of it (except an epoch's last step). Give it or
             ``max_device_batch_size``.
-        num_replicas: number of ranks (default: the ``torch.distributed`` world size when it is
-            initialized, else 1).
-        rank: this rank (default: the ``torch.distributed`` rank when initialized, else 0).
+        num_replicas: number of ranks (default: this run's, :func:`~torchfold.train.world`: the
+            ``torch.distributed`` group's, torch_xla's, else 1).
+        rank: this rank (default: this run's, :func:`~torchfold.train.world`).
         shuffle: draw a random permutation each epoch (``True``) or go in index order.
         seed: random seed; must be the same on every rank.
         drop_last: what to do with samples that do not fill an epoch's last step (see
@@ -205,20 +218,18 @@ class TraceBatchSampler(Sampler[list[int]]):
             check_int("max_device_batch_size", max_device_batch_size)
         if max_accumulation_steps is not None:
             check_int("max_accumulation_steps", max_accumulation_steps)
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if num_replicas is None or rank is None:
+            found = world()
+            num_replicas = found.size if num_replicas is None else num_replicas
+            rank = found.rank if rank is None else rank
         check_int("num_replicas", num_replicas)
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank should be an int, got {type(rank).__name__} {rank!r}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+        check_rank(rank, num_replicas)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} should be a bool, got {type(flag).__name__} {flag!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed should be an int, got {type(seed).__name__} {seed!r}")
+        check_int("seed", seed, minimum=0)
+        if seed > SEED_MAX:  # torch's generators take a signed 64-bit seed, and the epoch is added to it
+            raise ValueError(f"seed must be an int from 0 to 2**63 - 1 ({SEED_MAX}), got {seed}")
         self.trace: BatchSizeTrace = as_trace(trace)
         if minibatch_size is not None:
             self.trace.check_minibatch_size(minibatch_size)
@@ -242,8 +253,8 @@ class TraceBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self._start_step = 0  # global step the next iteration starts at (mid-epoch after a resume)
         self._epoch_steps = self.trace.epoch(0, dataset_size, drop_last=drop_last)
-        self._plan: list[StepPlan] | None = None  # step_plan() of the current epoch, made on demand
-        self._iterated = False  # an iteration of this epoch has started: the position is unknown
+        self._splits: list[StepSplit] | None = None  # step_splits() of the current epoch, made on demand
+        self._position = 0  # global step a resume starts at: see state_dict()
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch: its permutation (``seed + epoch``) and its steps of the trace.
@@ -257,34 +268,46 @@ class TraceBatchSampler(Sampler[list[int]]):
         Raises:
             ValueError: the trace is too short for ``epoch``.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch should be an integer >= 0, got {epoch!r}")
+        check_int("epoch", epoch, minimum=0)
         if epoch == self.epoch:
             return
         self._epoch_steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
         self.epoch = epoch
-        self._start_step = self._epoch_steps.first_step
-        self._plan, self._iterated = None, False
+        self._start_step = self._position = self._epoch_steps.first_step
+        self._splits = None
 
     @property
     def num_epochs(self) -> int | None:
-        """Complete epochs the trace covers over this dataset (``None`` for an unbounded trace)."""
+        """Epochs to train over this dataset: every complete epoch the trace covers (``None``: unbounded).
+
+        A trace shorter than one epoch has one, truncated: its steps are what there is to train
+        (see :meth:`BatchSizeTrace.epoch`). A longer trace's steps after its last complete epoch
+        are reachable with ``set_epoch`` but not counted, so every counted epoch sees the dataset.
+        """
         if self.trace.num_steps is None:
             return None
-        return self.trace.num_full_epochs(self.dataset_size, drop_last=self.drop_last)
+        full = self.trace.num_full_epochs(self.dataset_size, drop_last=self.drop_last)
+        if full:
+            return full
+        return self.trace.num_epochs(self.dataset_size, drop_last=self.drop_last)
 
     @property
     def epoch_steps(self) -> EpochSteps:
         """The current epoch's steps (global indices and actual batch sizes), from its start."""
         return self._epoch_steps
 
-    def step_plan(self, epoch: int | None = None) -> list[StepPlan]:
-        """The plan of every step of ``epoch`` (default: the current epoch), from its first step."""
+    def step_splits(self, epoch: int | None = None) -> list[StepSplit]:
+        """The split of every step of ``epoch`` (default: the current epoch), from its first step."""
         if epoch is None or epoch == self.epoch:
-            if self._plan is None:
-                self._plan = self._make_plan(self._epoch_steps)
-            return list(self._plan)
-        return self._make_plan(self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last))
+            if self._splits is None:
+                self._splits = self._make_splits(self._epoch_steps)
+            return list(self._splits)
+        return self._make_splits(self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last))
+
+    def step_plan(self, epoch: int | None = None) -> list[StepSplit]:
+        """Deprecated: :meth:`step_splits`."""
+        _warn_renamed("TraceBatchSampler.step_plan()", "TraceBatchSampler.step_splits()")
+        return self.step_splits(epoch)
 
     def minibatch_sizes(self, batch_size: int) -> list[int]:
         """How a step of ``batch_size`` samples is cut: minibatch ``j`` goes to rank ``j % num_replicas``.
@@ -299,6 +322,7 @@ class TraceBatchSampler(Sampler[list[int]]):
                 batch_size,
                 self.max_device_batch_size,
                 world_size=self.num_replicas,
+                rank=self.rank,  # the cut is the same for every rank; never this process's world()
                 max_accumulation_steps=self.max_accumulation_steps,
             )
             return config.minibatch_sizes()
@@ -306,22 +330,22 @@ class TraceBatchSampler(Sampler[list[int]]):
         assert m is not None
         return [min(m, batch_size - start) for start in range(0, batch_size, m)]
 
-    def _make_plan(self, steps: EpochSteps) -> list[StepPlan]:
-        plans = []
+    def _make_splits(self, steps: EpochSteps) -> list[StepSplit]:
+        splits = []
         r = self.num_replicas
         for step, size in zip(steps.steps, steps.batch_sizes, strict=True):
             sizes = self.minibatch_sizes(size)
             counts = tuple(len(sizes[rank::r]) for rank in range(r))
-            plans.append(StepPlan(step, steps.epoch, size, self.rank, counts, sum(sizes[self.rank :: r])))
-        return plans
+            splits.append(StepSplit(step, steps.epoch, size, self.rank, counts, sum(sizes[self.rank :: r])))
+        return splits
 
-    def steps(self) -> list[StepPlan]:
-        """The plan of the steps the next ``iter()`` covers: the current epoch from its resume point.
+    def steps(self) -> list[StepSplit]:
+        """The splits of the steps the next ``iter()`` covers: the current epoch from its resume point.
 
         ``sum(p.local_minibatches for p in sampler.steps()) == len(sampler)``.
         """
         skip = self._start_step - self._epoch_steps.first_step
-        return self.step_plan()[skip:]
+        return self.step_splits()[skip:]
 
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
@@ -331,59 +355,63 @@ class TraceBatchSampler(Sampler[list[int]]):
         return torch.randperm(self.dataset_size, generator=g)
 
     def __iter__(self) -> Iterator[list[int]]:
-        self._iterated = True
         steps = self._epoch_steps
         skip = self._start_step - steps.first_step
         offset = sum(steps.batch_sizes[:skip])
         indices = self._permutation()[offset : steps.num_samples].tolist()
         r, pos = self.num_replicas, 0
-        for size in steps.batch_sizes[skip:]:
+        self._position = self._start_step
+        for step, size in zip(steps.steps[skip:], steps.batch_sizes[skip:], strict=True):
             sizes = self.minibatch_sizes(size)
+            last = max((j for j in range(len(sizes)) if j % r == self.rank), default=-1)
             start = pos
             for j, length in enumerate(sizes):
                 if j % r == self.rank:
+                    # Handing out this rank's last minibatch of the step: once the caller asks
+                    # for a state, it has trained it, so a resume starts at the next step.
+                    self._position = step + 1 if j == last else step
                     yield indices[start : start + length]
                 start += length
             pos += size
+        self._position = steps.end_step
 
     def __len__(self) -> int:
         """Number of minibatches this rank yields in the current epoch (from its resume point)."""
         return sum(p.local_minibatches for p in self.steps())
 
-    def state_dict(self, next_step: int | None = None) -> dict[str, Any]:
-        """The position to resume from, and the settings it is only valid with.
+    def seek(self, next_step: int) -> None:
+        """Set the position: the next ``iter()`` and :meth:`state_dict` start at global step ``next_step``.
 
-        Args:
-            next_step: global step the resumed run starts at: the step after the last one the
-                optimizer completed (``plan.step + 1``); it must lie in the current epoch or be
-                its end (a complete epoch: a resumed sampler yields nothing until
-                ``set_epoch(epoch + 1)``). The sampler cannot tell on its own how far a ``DataLoader`` with workers
-                (which fetches ahead) or the other ranks have got, so it must be given this once
-                this epoch's iteration has begun. ``None`` is allowed only before that, and means
-                the current resume point (the epoch's start after :meth:`set_epoch`).
-
-        The state is the same on every rank (rank 0 may save it for all) and holds only ints,
-        bools and strings (safe for ``torch.load(weights_only=True)``).
+        For callers that read ahead of training (a ``DataLoader`` with workers, another rank's
+        view): the sampler's own count then runs ahead of the steps the optimizer completed.
+        ``next_step`` must lie in the current epoch or be its end.
         """
         steps = self._epoch_steps
-        if next_step is None:
-            if self._iterated:
-                raise ValueError(
-                    f"epoch {self.epoch} is being iterated, so the sampler cannot tell which step to resume at; "
-                    "pass next_step=plan.step + 1 for the last step the optimizer completed"
-                )
-            next_step = self._start_step
-        if isinstance(next_step, bool) or not isinstance(next_step, int):
-            raise TypeError(f"next_step should be an int, got {type(next_step).__name__} {next_step!r}")
+        check_int("next_step", next_step, minimum=0)
         if not steps.first_step <= next_step <= steps.end_step:
             raise ValueError(
                 f"next_step={next_step} is outside epoch {self.epoch}, which runs steps "
                 f"{steps.first_step}..{steps.end_step - 1}; call set_epoch() for the epoch that step belongs to"
             )
+        self._start_step = self._position = next_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position to resume from, and the settings it is only valid with (PyTorch's ``Stateful``).
+
+        The position is the step after the last one whose minibatches this sampler has handed out
+        to this rank: exact for a loop that draws each minibatch when it trains it (no read-ahead)
+        on rank 0, which has a minibatch in every step; a rank idle in the last steps, or a
+        ``DataLoader`` with workers reading ahead, tells it with :meth:`seek` first
+        (:class:`~torchfold.train.StepLoader` does). Before any iteration it is the resume point
+        (the epoch's start after :meth:`set_epoch`).
+
+        The state is the same on every rank (rank 0 may save it for all) and holds only ints,
+        bools and strings (safe for ``torch.load(weights_only=True)``).
+        """
         return {
             "version": _STATE_VERSION,
             "epoch": self.epoch,
-            "next_step": next_step,
+            "next_step": self._position,
             "num_replicas": self.num_replicas,  # for the record: a resume may have another number
             **self._settings(),
         }
@@ -432,6 +460,13 @@ class TraceBatchSampler(Sampler[list[int]]):
                     f"{key}={current[key]!r} (trace {self.trace.source!r}); resume with the same {what} "
                     "or start a fresh sampler"
                 )
+        for key in ("epoch", "next_step"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"sampler state's {key!r} must be an int, got {type(value).__name__} {value!r}; expected a dict "
+                    "from TraceBatchSampler.state_dict()"
+                )
         epoch, next_step = state["epoch"], state["next_step"]
         steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
         if not steps.first_step <= next_step <= steps.end_step:
@@ -439,5 +474,6 @@ class TraceBatchSampler(Sampler[list[int]]):
                 f"sampler state has next_step={next_step}, outside its epoch {epoch} "
                 f"(steps {steps.first_step}..{steps.end_step - 1}); the state is corrupt"
             )
-        self.epoch, self._epoch_steps, self._start_step = epoch, steps, next_step
-        self._plan, self._iterated = None, False
+        self.epoch, self._epoch_steps = epoch, steps
+        self._start_step = self._position = next_step
+        self._splits = None

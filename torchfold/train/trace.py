@@ -9,7 +9,10 @@ A :class:`BatchSizeTrace` is an immutable sequence of positive integers, one per
 * a schedule (:meth:`~BatchSizeTrace.linear`, :meth:`~BatchSizeTrace.stepwise`,
   :meth:`~BatchSizeTrace.from_schedule` with ``"linear:32:256:1000"``-style specs),
 * a resource-availability trace, devices available over time
-  (:meth:`BatchSizeTrace.from_availability`).
+  (:meth:`BatchSizeTrace.from_availability`; the reading and conversion are in
+  :mod:`torchfold.train.availability`).
+
+Learning-rate rules are in :mod:`torchfold.train.lr`, plotting in :mod:`torchfold.train.plot`.
 
 :func:`as_trace` accepts any of these, and is what the sampler and the training loop call.
 
@@ -36,215 +39,28 @@ fit into the samples left in the epoch:
   not used in this epoch, and the step becomes the first step of the next epoch, so every step
   has exactly its trace batch size.
 
-A trace that ends inside an epoch is too short for that epoch (a ``ValueError`` names the trace,
-the epoch and the samples it lacks).
+A trace that ends inside an epoch gives that epoch only the steps it has (``truncated``: a trace
+shorter than one epoch trains its steps, as it says); the epochs after it are too short (a
+``ValueError`` names the trace, the epoch and the samples it lacks).
 """
 
 from __future__ import annotations
 
-import codecs
 import csv
 import hashlib
-import itertools
 import math
 import os
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Union, cast, overload
+from typing import Union, cast, overload
 
 from torchfold._validate import check_int
+from torchfold.train._csvrows import _check_num_steps, _looks_numeric, _parse_int, _rows, _show, _text_lines
+from torchfold.train.availability import availability_batch_sizes
+from torchfold.train.plot import plot_trace
 
-__all__ = [
-    "AvailabilityInterval",
-    "BatchSizeTrace",
-    "EpochSteps",
-    "TraceLike",
-    "as_trace",
-    "read_availability",
-    "scaled_lr",
-]
-
-# The learning-rate rules that depend on the batch size alone (the optimizer wrapper adds AdaScale).
-LR_RULES: tuple[str, ...] = ("constant", "linear", "sqrt")
-
-# More steps than any real run takes (large runs take ~1e6): a longer trace comes from a unit
-# mistake (a step time in hours read as seconds, a time gap of years) and would not fit in memory.
-MAX_TRACE_STEPS = 10_000_000
-_INT64_MAX = 2**63 - 1
-_DIGITS = re.compile(r"[0-9]+")  # ASCII only: \d would also take Arabic-Indic and other digits
-_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
-
-
-def _rows(reader: Any, path: Path) -> Iterator[tuple[int, list[str], list[str]]]:
-    """The non-blank rows of a ``csv.reader`` as (line number, stripped fields, row as read)."""
-    while True:
-        try:
-            row = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as e:  # e.g. a field over csv's size limit
-            raise ValueError(f"{path}, line {reader.line_num}: not a CSV row: {e}") from e
-        fields = [field.strip() for field in row]
-        if any(fields):
-            yield reader.line_num, fields, row
-
-
-def _text_lines(handle: Iterable[str], path: Path) -> Iterator[str]:
-    """The lines of an open text file; a byte that is not UTF-8 is an error naming its line."""
-    try:
-        yield from handle
-    except UnicodeDecodeError as e:
-        data = path.read_bytes()  # only on this error: find the line of the first bad byte
-        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-        try:
-            data[bom:].decode("utf-8")
-            offset = bom + e.start  # not reached unless the file changed meanwhile
-        except UnicodeDecodeError as whole:
-            offset = bom + whole.start
-        line = data.count(b"\n", 0, offset) + 1
-        column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
-        raise ValueError(
-            f"{path}, line {line}: byte 0x{data[offset]:02x} at column {column} is not UTF-8 text; "
-            "save the file as UTF-8 (or plain ASCII)"
-        ) from e
-
-
-def _show(text: str, limit: int = 24) -> str:
-    """``text`` quoted for an error message, cut to ``limit`` characters (a bad field may be huge)."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
-
-
-def _looks_numeric(text: str) -> bool:
-    """Whether a field was meant as a number (so a first row starting with it is not a header)."""
-    return re.match(r"[+-]?\d", text) is not None
-
-
-def _int_to_python(text: str) -> bool:
-    """Whether ``int()`` takes ``text`` (also ``+1``, ``1_000``, non-ASCII digits, which files must not use)."""
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _parse_int(text: str, what: str, where: str) -> int:
-    """A plain decimal integer: ASCII digits with an optional ``-``, within int64; else a short ValueError."""
-    digits = text[1:] if text.startswith("-") else text
-    if not _DIGITS.fullmatch(digits):
-        rule = "a plain integer (ASCII digits 0-9 only)" if _int_to_python(text) else "an integer"
-        raise ValueError(f"{where}: {what} should be {rule}, got {_show(text)}")
-    if len(digits) > len(str(_INT64_MAX)) or abs(int(text)) > _INT64_MAX:
-        raise ValueError(f"{where}: {what} {_show(text)} is too large (at most {_INT64_MAX})")
-    return int(text)
-
-
-def _check_num_steps(what: str, num_steps: int) -> None:
-    if num_steps > MAX_TRACE_STEPS:
-        raise ValueError(
-            f"{what} has {num_steps} steps, more than the {MAX_TRACE_STEPS} a trace may have; "
-            "check the units, or make a shorter trace"
-        )
-
-
-class AvailabilityInterval(NamedTuple):
-    """One row of a resource-availability trace: ``devices`` from ``start_time`` until ``end_time``.
-
-    Times are the file's (seconds); ``line`` is the row's line in the file, for messages.
-    """
-
-    start_time: float
-    end_time: float
-    devices: int
-    line: int
-
-    def num_steps(self, step_time: float, origin: float) -> int:
-        """How many step starts ``origin + k * step_time`` (k >= 0) fall in ``[start_time, end_time)``.
-
-        Counted on the absolute clock, so fractions of a step carry over between intervals.
-
-        >>> AvailabilityInterval(104.0, 110.0, 2, line=3).num_steps(4.0, origin=100.0)  # 104, 108
-        2
-        """
-        return math.ceil((self.end_time - origin) / step_time - 1e-9) - math.ceil(
-            (self.start_time - origin) / step_time - 1e-9
-        )
-
-
-def read_availability(path: str | os.PathLike[str]) -> list[AvailabilityInterval]:
-    """Read a resource-availability trace: the intervals of its device counts, in time order.
-
-    The file has a header with a ``Time`` column (seconds) and the device count in the last
-    column, e.g. ``,Time,GPUs`` (index, unix time, count). Row ``i`` holds from its time until
-    row ``i + 1``'s; the last row only marks the end. Errors name the file and line.
-
-    >>> import tempfile, pathlib
-    >>> p = pathlib.Path(tempfile.mkdtemp()) / "gpus.csv"
-    >>> _ = p.write_text(",Time,GPUs\\n0,100,2\\n1,110,0\\n2,120,4\\n")
-    >>> [(i.start_time, i.end_time, i.devices, i.line) for i in read_availability(p)]
-    [(100.0, 110.0, 2, 2), (110.0, 120.0, 0, 3)]
-    """
-    path = Path(path)
-    rows: list[tuple[int, float, int]] = []  # (line, time, devices)
-    with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-        reader = csv.reader(_text_lines(f, path))
-        header = next(_rows(reader, path), (0, [], []))[2] or None
-        names = [name.strip().lower() for name in header or []]
-        if "time" not in names or len(names) < 2 or names[-1] == "time":
-            raise ValueError(
-                f"{path}, line 1: header should name a 'Time' column and end with the device count "
-                f"column (e.g. ',Time,GPUs'), got {_show(','.join(header or []), 60)}"
-            )
-        time_col = names.index("time")
-        for line, fields, _ in _rows(reader, path):
-            where = f"{path}, line {line}"
-            if len(fields) != len(names):
-                raise ValueError(f"{where}: expected {len(names)} fields like the header, got {len(fields)}")
-            if not _NUMBER.fullmatch(fields[time_col]):
-                raise ValueError(f"{where}: time should be a number, got {_show(fields[time_col])}")
-            time = float(fields[time_col])
-            if not math.isfinite(time):
-                raise ValueError(f"{where}: time should be finite, got {_show(fields[time_col])}")
-            if not _DIGITS.fullmatch(fields[-1]):
-                raise ValueError(f"{where}: device count should be an integer >= 0, got {_show(fields[-1])}")
-            devices = _parse_int(fields[-1], "device count", where)
-            if rows and time <= rows[-1][1]:
-                raise ValueError(f"{where}: time {time} does not increase (previous row: {rows[-1][1]})")
-            rows.append((line, time, devices))
-    if len(rows) < 2:
-        raise ValueError(f"{path}: needs at least 2 rows (a start and an end time), got {len(rows)}")
-    return [
-        AvailabilityInterval(start, end, devices, line)
-        for (line, start, devices), (_, end, _) in itertools.pairwise(rows)
-    ]
-
-
-def scaled_lr(base_lr: float, batch_size: int, ref_batch_size: int, rule: str = "linear") -> float:
-    """Learning rate for ``batch_size`` under a scaling rule relative to ``ref_batch_size``.
-
-    Args:
-        base_lr: learning rate at the reference batch size.
-        batch_size: global batch size of the step.
-        ref_batch_size: batch size at which ``base_lr`` applies.
-        rule: ``"constant"`` (``base_lr``), ``"linear"`` (``base_lr * batch / ref``) or
-            ``"sqrt"`` (``base_lr * sqrt(batch / ref)``).
-
-    >>> scaled_lr(0.1, 512, 256, "linear"), scaled_lr(0.1, 1024, 256, "sqrt")
-    (0.2, 0.2)
-    """
-    check_int("batch_size", batch_size)
-    check_int("ref_batch_size", ref_batch_size)
-    if rule == "constant":
-        return base_lr
-    if rule == "linear":
-        return base_lr * batch_size / ref_batch_size
-    if rule == "sqrt":
-        return base_lr * math.sqrt(batch_size / ref_batch_size)
-    raise ValueError(f"rule should be one of {LR_RULES}, got {rule!r}")
+__all__ = ["BatchSizeTrace", "EpochSteps", "TraceLike", "as_trace"]
 
 
 @dataclass(frozen=True)
@@ -257,12 +73,15 @@ class EpochSteps:
         batch_sizes: global batch size of each step of the epoch; the last one is smaller than
             the trace's when ``drop_last=False`` cut it at the end of the dataset.
         dataset_size: number of samples in the dataset.
+        truncated: the trace ends inside this epoch: its last steps run, and the epoch's other
+            samples (:attr:`leftover`) are not used.
     """
 
     epoch: int
     first_step: int
     batch_sizes: tuple[int, ...]
     dataset_size: int
+    truncated: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -286,7 +105,7 @@ class EpochSteps:
 
     @property
     def leftover(self) -> int:
-        """Samples of the dataset not used in the epoch (0 unless ``drop_last=True``)."""
+        """Samples of the dataset not used in the epoch (0 unless ``drop_last=True`` or :attr:`truncated`)."""
         return self.dataset_size - self.num_samples
 
 
@@ -521,7 +340,7 @@ class BatchSizeTrace:
     ) -> BatchSizeTrace:
         """A trace from a resource-availability trace: devices available over time.
 
-        The file is read by :func:`read_availability` (``,Time,GPUs`` rows; row ``i`` holds from its
+        The file is read by :func:`~torchfold.train.availability.read_availability` (``,Time,GPUs`` rows; row ``i`` holds from its
         time until row ``i + 1``'s). Steps take ``step_time`` seconds and run
         with ``devices * per_device_batch`` samples; an interval holds the steps whose start time
         falls in it (counted on the absolute clock, so fractions of a step carry over between
@@ -539,43 +358,8 @@ class BatchSizeTrace:
         >>> BatchSizeTrace.from_availability(p, per_device_batch=16, step_time=4).batch_sizes
         (32, 32, 32, 64, 64)
         """
-        check_int("per_device_batch", per_device_batch)
-        if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
-            raise ValueError(f"step_time should be a positive number of seconds, got {step_time!r}")
-        if max_steps is not None:
-            check_int("max_steps", max_steps)
-        path = Path(path)
-        intervals = read_availability(path)
-        t0 = intervals[0].start_time
-        span = intervals[-1].end_time - t0
-        if not math.isfinite(span / step_time):
-            raise ValueError(
-                f"{path}: its {span:g} s at step_time={step_time!r} s are too many steps to count; "
-                "use a larger step time"
-            )
-        # Step k starts at t0 + k * step_time; it belongs to the interval holding its start.
-        counts = [
-            (interval.line, interval.devices, interval.num_steps(step_time, t0)) for interval in intervals
-        ]
-        total = sum(count for _, devices, count in counts if devices > 0)
-        num_steps = total if max_steps is None else min(total, max_steps)
-        if num_steps > MAX_TRACE_STEPS:
-            raise ValueError(
-                f"{path}: at step_time={step_time!r} s its {span:g} s hold {total:.4g} steps, more than the "
-                f"{MAX_TRACE_STEPS} a trace may have; pass max_steps (--max-steps) or a larger step time"
-            )
-        sizes: list[int] = []
-        lines: list[int] = []
-        for line, devices, count in counts:  # only the steps kept are built
-            if devices > 0 and len(sizes) < num_steps:
-                count = min(count, num_steps - len(sizes))
-                sizes += [devices * per_device_batch] * count
-                lines += [line] * count
-        if not sizes:
-            raise ValueError(
-                f"{path}: no step fits: no interval with devices > 0 holds the start of a {step_time} s step"
-            )
-        return cls(sizes, source=str(path), line_numbers=lines)
+        sizes, lines = availability_batch_sizes(path, per_device_batch, step_time, max_steps=max_steps)
+        return cls(sizes, source=str(Path(path)), line_numbers=lines)
 
     # -- the sequence ---------------------------------------------------------------------------
 
@@ -695,19 +479,31 @@ class BatchSizeTrace:
             raise TypeError(f"drop_last should be a bool, got {drop_last!r}")
         starts = self._epoch_starts(dataset_size, drop_last, upto=epoch + 1)
         if len(starts) <= epoch + 1:
-            left = dataset_size - sum(self._sizes[starts[-1] :])
-            raise ValueError(
-                f"trace {self.source!r} is too short: it has {len(self._sizes)} steps "
-                f"({self.total_samples} samples in all) and ends {left} samples before the end of epoch "
-                f"{len(starts) - 1} over dataset_size={dataset_size} (that epoch starts at step {starts[-1]}); "
-                f"use a longer trace or fewer epochs (it covers {len(starts) - 1} full epochs)"
-            )
+            last = len(starts) - 1  # the trace ends inside this epoch
+            if epoch == last and starts[-1] < len(self._sizes):
+                # Its steps run: the trace says what to train, even when it ends before the data does.
+                return EpochSteps(
+                    epoch, starts[-1], tuple(self._sizes[starts[-1] :]), dataset_size, truncated=True
+                )
+            raise self._too_short(starts, dataset_size)
         first, end = starts[epoch], starts[epoch + 1]
         sizes = [self[s] for s in range(first, end)]
         used = sum(sizes)
         if not drop_last and used > dataset_size:
             sizes[-1] -= used - dataset_size
         return EpochSteps(epoch, first, tuple(sizes), dataset_size)
+
+    def _too_short(self, starts: list[int], dataset_size: int) -> ValueError:
+        last = len(starts) - 1  # the epoch the trace ends in
+        left = dataset_size - sum(self._sizes[starts[-1] :])
+        steps = len(self._sizes) - starts[-1]
+        covers = f"{last} full epochs" + (f" and {steps} steps of epoch {last}" if steps else "")
+        return ValueError(
+            f"trace {self.source!r} is too short: it has {len(self._sizes)} steps "
+            f"({self.total_samples} samples in all) and ends {left} samples before the end of epoch "
+            f"{last} over dataset_size={dataset_size} (that epoch starts at step {starts[-1]}); "
+            f"use a longer trace or fewer epochs (it covers {covers})"
+        )
 
     def _epoch_starts(self, dataset_size: int, drop_last: bool, upto: int | None) -> list[int]:
         """First global step of epochs ``0..upto`` (or of every epoch the trace completes, and the end).
@@ -751,14 +547,18 @@ class BatchSizeTrace:
     def split_epochs(
         self, dataset_size: int, num_epochs: int | None = None, *, drop_last: bool = False
     ) -> list[EpochSteps]:
-        """Split the trace into ``num_epochs`` epochs (default: every full epoch it covers).
+        """Split the trace into ``num_epochs`` complete epochs (default: every full epoch it covers).
 
         Raises:
-            ValueError: the trace is too short for ``num_epochs`` epochs (naming the trace and epoch).
+            ValueError: the trace is too short for ``num_epochs`` complete epochs (naming the trace
+                and epoch); a truncated last epoch (see :meth:`epoch`) does not count here.
         """
+        full = self.num_full_epochs(dataset_size, drop_last=drop_last)
         if num_epochs is None:
-            num_epochs = self.num_full_epochs(dataset_size, drop_last=drop_last)
+            num_epochs = full
         check_int("num_epochs", num_epochs, minimum=0)
+        if num_epochs > full:
+            raise self._too_short(self._epoch_starts(dataset_size, drop_last, upto=None), dataset_size)
         return [self.epoch(e, dataset_size, drop_last=drop_last) for e in range(num_epochs)]
 
     def num_full_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
@@ -766,6 +566,12 @@ class BatchSizeTrace:
         self._require_bounded("num_full_epochs")
         check_int("dataset_size", dataset_size)
         return len(self._epoch_starts(dataset_size, drop_last, upto=None)) - 1
+
+    def num_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
+        """Epochs over ``dataset_size`` samples the trace has steps in: the full ones and a truncated last one."""
+        full = self.num_full_epochs(dataset_size, drop_last=drop_last)
+        starts = self._epoch_starts(dataset_size, drop_last, upto=None)
+        return full + (1 if starts[-1] < len(self._sizes) else 0)
 
     # -- output ---------------------------------------------------------------------------------
 
@@ -792,32 +598,13 @@ class BatchSizeTrace:
             path: output image file.
             lr: base learning rate at ``ref_batch_size``; adds a learning-rate panel.
             ref_batch_size: reference batch size for ``lr`` (default: the first step's batch size).
-            rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`scaled_lr`).
+            rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`~torchfold.train.lr.scaled_lr`).
             num_steps: how many steps to plot (required for an unbounded trace).
-        """
-        # A bare Figure renders with Agg and leaves pyplot's global backend and figures alone.
-        from matplotlib.figure import Figure
 
-        if num_steps is None:
-            self._require_bounded("plot without num_steps")
-            num_steps = len(self._sizes)
-        check_int("num_steps", num_steps)
-        sizes = [self[s] for s in range(min(num_steps, self.num_steps or num_steps))]
-        ref = sizes[0] if ref_batch_size is None else ref_batch_size
-        lrs = None if lr is None else [scaled_lr(lr, b, ref, rule) for b in sizes]
-        panels = 1 if lrs is None else 2
-        fig = Figure(figsize=(8, 2.6 * panels))
-        axes = fig.subplots(panels, 1, sharex=True, squeeze=False)
-        steps = range(len(sizes))
-        axes[0][0].step(steps, sizes, where="post")
-        axes[0][0].set_ylabel("global batch size")
-        axes[0][0].set_title(f"{Path(self.source).name}: {len(sizes)} steps, {sum(sizes)} samples")
-        if lrs is not None:
-            axes[1][0].step(steps, lrs, where="post", color="tab:orange")
-            axes[1][0].set_ylabel(f"lr ({rule}, {lr} @ {ref})")
-        axes[-1][0].set_xlabel("step")
-        fig.tight_layout()
-        fig.savefig(path, format="png", dpi=100)
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'torchfold[plot]'``).
+        """
+        plot_trace(self, path, lr=lr, ref_batch_size=ref_batch_size, rule=rule, num_steps=num_steps)
 
 
 TraceLike = Union[BatchSizeTrace, str, "os.PathLike[str]", Sequence[int], int]

@@ -71,8 +71,7 @@ from torchfold.train.distributed import (
     all_reduce_sum_,
     broadcast_parameters,
     first_line,
-    get_rank,
-    get_world_size,
+    world,
     xla_sync,
 )
 from torchfold.train.loader import Step, StepLoader, to_device
@@ -254,7 +253,8 @@ class TraceTrainer:
             raise ValueError(
                 f"preemption_timeout must be a positive number of seconds, got {preemption_timeout!r}"
             )
-        world_size, rank = get_world_size(), get_rank()
+        found = world()
+        world_size, rank = found.size, found.rank
         if (loader.replication_factor, loader.rank) != (world_size, rank):
             raise ValueError(
                 f"the loader is for rank {loader.rank} of {loader.replication_factor} but this process is rank "
@@ -374,7 +374,7 @@ class TraceTrainer:
             yield
             return
         timers: list[threading.Timer] = []
-        rank = get_rank()
+        rank = world().rank
 
         def forced_exit(why: str) -> None:
             print(
@@ -424,7 +424,7 @@ class TraceTrainer:
         Every rank must call it for every step, also when it has no minibatch in it.
         """
         start = time.perf_counter()
-        plan = step.plan
+        plan = step.split
         self.model.train()
         weight_by_samples = self.optimizer.reduction == "mean"
         # Summed on the device and read once per step (no host sync per minibatch on accelerators).
@@ -490,7 +490,7 @@ class TraceTrainer:
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
             loss=total_loss / total_samples if total_samples else math.nan,
             seconds=time.perf_counter() - start,
-            world_size=get_world_size(),
+            world_size=world().size,
             stop_requested=stopping_ranks > 0,
         )
 
@@ -563,7 +563,7 @@ class TraceTrainer:
             states = gathered
         return {
             "step": self.next_step,
-            "world_size": get_world_size(),
+            "world_size": world().size,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "loader": self.loader.state_dict(),
@@ -576,7 +576,8 @@ class TraceTrainer:
         missing = sorted({"step", "world_size", "model", "optimizer", "loader", "rng"} - set(state))
         if missing:
             raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
-        world_size, rank = get_world_size(), get_rank()
+        found = world()
+        world_size, rank = found.size, found.rank
         check_trainer_state(state, source)
         saved_settings = state.get("settings", {})
         for name, value in self.settings.items():

@@ -578,3 +578,45 @@ def test_a_replaced_gradient_accumulator_is_refused_then_rehooked() -> None:
     F.cross_entropy(ref(xb.float()), yb).backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("skip", ["grad_scaler", "non_finite_clip_norm"])
+def test_adascale_recovers_from_a_skipped_non_finite_step(skip: str) -> None:
+    model = make_model().float()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3), lr_rule="adascale", ref_batch_size=16
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    steps = _batches([[16] * 4, [16] * 4, [16] * 4])
+
+    def run(step: list[tuple[torch.Tensor, torch.Tensor]], blow_up: bool) -> bool:
+        """One step; True if it was skipped."""
+        for xb, yb in step:
+            with opt.minibatch(len(xb)):
+                loss = F.cross_entropy(model(xb.float()), yb) * (math.inf if blow_up else 1.0)
+                (scaler.scale(loss) if skip == "grad_scaler" else loss).backward()
+        opt.synchronize()
+        if skip == "grad_scaler":
+            scaler.step(opt)  # finds inf: skips optimizer.step()
+            scaler.update()
+            skipped = opt.steps == done
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            skipped = not torch.isfinite(norm)
+            if not skipped:
+                opt.step()
+        opt.zero_grad()
+        return skipped
+
+    done = 0
+    assert not run(steps[0], blow_up=False)
+    done = opt.steps
+    averages = (opt._var_avg, opt._sqr_avg)
+    assert all(a is not None and math.isfinite(a) for a in averages)
+    assert run(steps[1], blow_up=True)
+    assert (opt._var_avg, opt._sqr_avg) == averages  # the skipped step left them alone
+    assert 1.0 <= opt.last_lr_factor <= 64 / 16
+    assert not run(steps[2], blow_up=False)
+    assert math.isfinite(opt._var_avg) and math.isfinite(opt._sqr_avg)  # type: ignore[arg-type]
+    assert 1.0 <= opt.last_lr_factor <= 64 / 16
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
@@ -546,12 +547,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         gradient ``g = sum(n_i g_i) / n`` and ``A = sum(n_i |g_i|^2)``: ``E[A - n |g|^2] = (m - 1) var``
         for the per-sample variance ``var``, and ``E[|g|^2] = sqr + var / n``. These unbiased
         estimates (clipped at 0) feed moving averages; a step with one minibatch has no spread and
-        leaves them unchanged.
+        leaves them unchanged, and so does a step whose gradients are not finite (an overflow that a
+        ``GradScaler``, or the loop, skips: one such step must not make the averages NaN for good).
+        The gain is kept between 1 and ``B / R``.
         """
-        if m > 1:
+        if m > 1 and math.isfinite(weighted_sqnorm) and math.isfinite(grad_sqnorm):
             var = max((weighted_sqnorm - n * grad_sqnorm) / (m - 1), 0.0)
             sqr = max(grad_sqnorm - var / n, 0.0)
-            if self._var_avg is None or self._sqr_avg is None:
+            if (
+                self._var_avg is None
+                or self._sqr_avg is None
+                or not math.isfinite(
+                    self._var_avg + self._sqr_avg
+                )  # NaN from a checkpoint of an older version
+            ):
                 self._var_avg, self._sqr_avg = var, sqr
             else:
                 theta = self.adascale_smoothing
@@ -561,9 +570,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._var_avg is None or self._sqr_avg is None or n == ref:
             return 1.0
         denominator = self._var_avg / n + self._sqr_avg
-        if denominator <= 0.0:
+        if not denominator > 0.0:
             return 1.0
-        return (self._var_avg / ref + self._sqr_avg) / denominator
+        gain = (self._var_avg / ref + self._sqr_avg) / denominator
+        if not math.isfinite(gain):
+            return 1.0
+        low, high = sorted((1.0, n / ref))
+        return min(max(gain, low), high)  # rounding must not take it past the bounds
 
     # -- checkpoints -----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,11 +29,9 @@ from torchfold.examples.datasets import (
     read_sst_file,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = DATA_DIR
 SST_DIR = SHARED_DATA / "sst"
-needs_sst = pytest.mark.skipif(
-    not (SST_DIR / "train.txt").is_file(), reason=f"real SST data not at {SST_DIR}"
-)
+needs_sst = pytest.mark.usefixtures("data_dir")  # fails (never skips) without the data
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -139,20 +138,20 @@ def test_load_sst_accepts_the_sst_dir_the_data_root_and_the_env_var(monkeypatch:
     assert [str(t) for t in load_sst(SHARED_DATA, "dev", max_trees=3)] == expected
     monkeypatch.setenv("TORCHFOLD_DATA", str(SHARED_DATA))
     assert [str(t) for t in load_sst(split="dev", max_trees=3)] == expected
-    monkeypatch.delenv("TORCHFOLD_DATA")
-    assert [str(t) for t in load_sst(split="dev", max_trees=3)] == expected  # found via ../shared/data
 
 
-def test_default_data_root_is_shared_data_next_to_the_working_directory(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_no_data_directory_is_assumed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
-    (tmp_path / "shared" / "data" / "sst").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "sst").mkdir(parents=True)  # where the old default looked
     (tmp_path / "shared" / "data" / "sst" / "dev.txt").write_text("(4 (2 a) (4 gem))\n", encoding="utf-8")
     (tmp_path / "project").mkdir()
     monkeypatch.chdir(tmp_path / "project")
-    assert data_root() == tmp_path / "shared" / "data"
-    assert [str(t) for t in load_sst(split="dev")] == ["(4 (2 a) (4 gem))"]
+    assert data_root() is None
+    with pytest.raises(FileNotFoundError) as info:
+        load_sst(split="dev")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "pass root=DIR" in message and "TORCHFOLD_DATA=DIR" in message and "generate_sst()" in message
 
 
 def test_load_sst_errors(tmp_path: Path) -> None:
@@ -320,7 +319,7 @@ def test_load_mnist_without_fallback_or_for_the_test_split_raises(tmp_path: Path
 
 
 def test_load_mnist_download_needs_a_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(datasets, "data_root", lambda root=None: None if root is None else Path(root))
+    monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
     with pytest.raises(ValueError, match="download=True needs a root directory"):
         load_mnist(download=True)
 

@@ -19,7 +19,7 @@ pause), ``replay.png``, ``logs/`` (each group's output), ``history/`` (each grou
 
 Example::
 
-    python -m torchfold elastic replay --availability ../shared/data/traces/gcp_a100_gpus.csv \\
+    python -m torchfold elastic replay --availability DATA/traces/gcp_a100_gpus.csv \\
         --run-dir runs/a100 --step-time 630 --max-train 400 --max-words 12
 
 Exit status: 0 when the replay ran and its parameters match the uninterrupted run, 1 when a
@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from torchfold._validate import check_int, non_negative_float, positive_float, positive_int, seed_int
+from torchfold.examples.datasets import ENV_VAR
 from torchfold.train.trace import AvailabilityInterval, read_availability
 
 __all__ = [
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most samples per process per minibatch; accumulation minibatches per process = "
         "ceil(global / (processes * this)) (default 8)",
     )
-    p.add_argument("--data", metavar="DIR", help="SST directory (as train's --data)")
+    p.add_argument("--data", metavar="DIR", help=f"SST directory (as train's --data; default ${ENV_VAR})")
     p.add_argument("--max-train", type=positive_int, default=400, help="training trees (default 400)")
     p.add_argument("--max-words", type=positive_int, default=12, help="longest tree in words (default 12)")
     p.add_argument("--hidden-dim", type=positive_int, default=32, help="Tree-LSTM size (default 32)")
@@ -729,6 +730,11 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _replay(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.data is None and not os.environ.get(ENV_VAR) and "--generate" not in extra:
+        raise ValueError(
+            f"no training data: pass --data DIR (SST's train.txt, or an sst/ subdirectory) or set ${ENV_VAR}=DIR; "
+            "or pass train's --generate N after --"
+        )
     source = args.availability
     intervals = read_availability(source)
     step_time = args.step_time

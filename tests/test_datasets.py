@@ -12,7 +12,7 @@ from conftest import DATA_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.examples import datasets
+from torchfold.examples import generated
 from torchfold.examples.datasets import (
     Tree,
     TreeParseError,
@@ -218,12 +218,12 @@ def test_vocab_build_rejects_bad_arguments(kwargs: dict[str, int], message: str)
 def _rule_score(tree: Tree) -> int:
     """The generator's labelling rule, written independently: the score a node should get."""
     if tree.word is not None:
-        return datasets._POLAR_WORDS.get(tree.word, 0)
+        return generated._POLAR_WORDS.get(tree.word, 0)
     left, right = tree.children
     right_score = _rule_score(right)
-    if left.word in datasets._NEGATORS:
+    if left.word in generated._NEGATORS:
         return (right_score < 0) - (right_score > 0)
-    if left.word in datasets._INTENSIFIERS:
+    if left.word in generated._INTENSIFIERS:
         return max(-2, min(2, 2 * right_score))
     return max(-2, min(2, _rule_score(left) + right_score))
 
@@ -235,7 +235,7 @@ def test_generated_labels_follow_the_rule_without_noise() -> None:
     # Every kind of label and every rule occurs, so the demo has something to learn.
     assert {t.label for t in trees} == {0, 1, 2, 3, 4}
     words = {w for t in trees for w in t.words()}
-    assert words & set(datasets._NEGATORS) and words & set(datasets._INTENSIFIERS)
+    assert words & set(generated._NEGATORS) and words & set(generated._INTENSIFIERS)
 
 
 def test_generated_label_noise_moves_labels_one_step_at_the_given_rate() -> None:
@@ -347,3 +347,14 @@ def test_load_mnist_reads_torchvision_files_when_present(
         torch.testing.assert_close(data.images, images.reshape(-1, 784).float() / 255)
         assert data.labels.tolist() == labels.tolist()
     assert "from torchvision files under" in capsys.readouterr().err
+
+
+def test_the_datasets_namespace_is_the_concept_modules() -> None:
+    from torchfold.examples import datadir, datasets, mnist, sst
+
+    assert datasets.load_sst is sst.load_sst and datasets.Tree is sst.Tree and datasets.Vocab is sst.Vocab
+    assert datasets.generate_sst is generated.generate_sst and datasets.load_mnist is mnist.load_mnist
+    assert datasets.data_root is datadir.data_root and datasets.ENV_VAR == "TORCHFOLD_DATA"
+    assert sorted(datasets.__all__) == sorted(
+        {*sst.__all__, *generated.__all__, *mnist.__all__, *datadir.__all__}
+    )

@@ -620,3 +620,14 @@ def test_adascale_recovers_from_a_skipped_non_finite_step(skip: str) -> None:
     assert math.isfinite(opt._var_avg) and math.isfinite(opt._sqr_avg)  # type: ignore[arg-type]
     assert 1.0 <= opt.last_lr_factor <= 64 / 16
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_group_added_mid_step_with_unweighted_gradients_is_refused() -> None:
+    model = _FineTuned()
+    inner = torch.optim.SGD(model.body.parameters(), lr=LR)
+    opt = AccumulatingOptimizer(inner)
+    (xb, yb), (xc, yc) = _batches([[5, 7]])[0]
+    opt.backward(F.cross_entropy(model(xb), yb), num_samples=5)  # model.offset's gradient: not weighted
+    inner.add_param_group({"params": [model.offset]})
+    with pytest.raises(RuntimeError, match=r"shapes \[\(10,\)\] got gradients in this step before they were"):
+        opt.backward(F.cross_entropy(model(xc), yc), num_samples=7)

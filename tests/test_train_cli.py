@@ -184,6 +184,8 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_the_cause_and_the_in
         ("0", ["--trace 0", "positive integer"]),
         ("-5", ["--trace -5", "positive integer"]),
         ("32.5", ["--trace 32.5", "whole number"]),
+        ("no-such-trace.csv", ["--trace no-such-trace.csv: "]),
+        ("linear:32", ["--trace linear:32: "]),
     ],
 )
 def test_trace_mistakes_name_the_flag(

@@ -202,7 +202,7 @@ def _trace(text: str) -> BatchSizeTrace:
             return BatchSizeTrace.from_schedule(text)
         return as_trace(text)
     except (ValueError, TypeError, OSError) as e:
-        message = str(e) if "--trace" in str(e) or text in str(e) else f"--trace {text}: {e}"
+        message = str(e) if "--trace" in str(e) else f"--trace {text}: {e}"
         raise ValueError(message) from e
 
 

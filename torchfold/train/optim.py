@@ -309,6 +309,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, ref))
             self._post_hooked.add(id(p))
 
+    def _check_unweighted(self, new: list[torch.Tensor]) -> None:
+        """Newly hooked parameters must not hold gradients of this step's earlier, weighted minibatches."""
+        if self._local_minibatches and any(p.grad is not None for p in new):
+            shapes = [tuple(p.shape) for p in new if p.grad is not None]
+            raise RuntimeError(
+                f"parameters of shapes {shapes} got gradients in this step before they were in the optimizer or "
+                "required grad, so those were not weighted by sample count; unfreeze parameters and add groups "
+                "between steps (after zero_grad()), then run the step again"
+            )
+
     def _check_weighed(self, p: torch.Tensor) -> None:
         """A gradient reached ``p.grad`` without the weighting hook: its accumulator node was replaced."""
         if id(p) in self._weighed:
@@ -405,7 +415,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._synced:
             raise RuntimeError("optimizer.minibatch() after synchronize(); call step() and zero_grad() first")
         params = self._params()
-        self._hook_params(params)  # parameters unfrozen, or groups added to the wrapped optimizer, since
+        # Parameters unfrozen, or groups added to the wrapped optimizer, since the last scan.
+        self._check_unweighted(self._hook_params(params))
         self._weight = num_samples / self._unit() if self.reduction == "mean" else 1.0
         self._minibatch_samples = num_samples
         try:
@@ -446,6 +457,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if not params:
             raise RuntimeError("the optimizer has no parameters to synchronize")
         unfrozen = self._hook_params(params)
+        self._check_unweighted(unfrozen)
         if not self._local_minibatches and any(p.grad is not None for p in unfrozen):
             self._plain = True  # a parameter unfrozen since the last scan, from a plain backward
         device = params[0].device

@@ -264,7 +264,10 @@ def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
         )
         assert train_main([*args, "--max-steps", "6", "--no-resume"]) == 0  # starts afresh
         assert train_main(["--trace", "7", "--data", str(data), "--minibatch-size", "6"]) == 2
-        assert "batch size 7 is not a multiple of minibatch_size=6" in capsys.readouterr().err
+        assert (
+            "--trace 7: constant:7, step 0: batch size 7 is not a multiple of --minibatch-size 6"
+            in capsys.readouterr().err
+        )
     finally:
         torch.set_num_threads(threads)
 

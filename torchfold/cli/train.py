@@ -317,9 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 trace.check_minibatch_size(args.minibatch_size)
             except ValueError as e:
-                raise ValueError(
-                    f"--trace {args.trace} with --minibatch-size {args.minibatch_size}: {e}"
-                ) from e
+                detail = str(e).replace("minibatch_size=", "--minibatch-size ")  # the trace module's word
+                raise ValueError(f"--trace {args.trace}: {detail}") from e
         if trace.num_steps is None and args.max_steps is None and args.epochs is None:
             raise ValueError(
                 f"--trace {args.trace} has no end (every step the same or a schedule without one): pass "

@@ -221,7 +221,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     harness.add_sst_data_argument(
-        parser, help="SST-format trees (default: ../shared/data/sst/train.txt if present)"
+        parser,
+        help="SST-format trees (default: sst/train.txt under $TORCHFOLD_DATA or ../shared/data, if present)",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-size", type=int, default=50)

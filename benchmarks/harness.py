@@ -21,17 +21,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def add_sst_data_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """``--data FILE``: SST-format trees; default the shared ``sst/train.txt`` when present, else None."""
-    from torchfold.examples.datasets import (
-        data_root,  # here, not at the top: harness must import without torch
-    )
+# The benchmarks' data: $TORCHFOLD_DATA, else ../shared/data next to the repository (torchfold
+# itself assumes no directory; the scripts name theirs here).
+DATA_DIR = Path(os.environ.get("TORCHFOLD_DATA") or REPO_ROOT.parent / "shared" / "data")
 
-    root = data_root()
-    default = root / "sst" / "train.txt" if root is not None else None
-    parser.add_argument(
-        "--data", type=Path, default=default if default is not None and default.is_file() else None, help=help
-    )
+
+def add_sst_data_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--data FILE``: SST-format trees; default ``DATA_DIR/sst/train.txt`` when present, else None."""
+    default = DATA_DIR / "sst" / "train.txt"
+    parser.add_argument("--data", type=Path, default=default if default.is_file() else None, help=help)
 
 
 def cpu_model() -> str:

@@ -264,7 +264,10 @@ def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
         )
         assert train_main([*args, "--max-steps", "6", "--no-resume"]) == 0  # starts afresh
         assert train_main(["--trace", "7", "--data", str(data), "--minibatch-size", "6"]) == 2
-        assert "batch size 7 is not a multiple of minibatch_size=6" in capsys.readouterr().err
+        assert (
+            "--trace 7: constant:7, step 0: batch size 7 is not a multiple of --minibatch-size 6"
+            in capsys.readouterr().err
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -349,8 +352,8 @@ def test_the_cli_resume_refuses_another_lr_momentum_or_optimizer_unless_overridd
         ),
         (
             ("--max-words", "1"),
-            "--max-words 1: no training tree in {data} has at most 1 words (the shortest has 3); use --max-words 3 "
-            "or more",
+            "--max-words 1: no training tree in {data} has at most 1 words (the shortest has {shortest}); use "
+            "--max-words {shortest} or more",
         ),
     ],
 )
@@ -359,7 +362,8 @@ def test_the_cli_names_the_bad_option_in_one_line(
 ) -> None:
     code, out, err = _run_cli([*_cli(tmp_path, "--max-steps", "1"), *change], capsys)
     assert code == 2 and "resumed" not in out
-    assert err.splitlines()[-1].endswith(message.format(data=tmp_path / "data")), err
+    shortest = min(len(tree.words()) for tree in sst_trees()[:24])
+    assert err.splitlines()[-1].endswith(message.format(data=tmp_path / "data", shortest=shortest)), err
 
 
 def test_the_cli_stops_with_exit_1_when_the_loss_becomes_non_finite(

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.examples import datasets
+from torchfold.examples import generated
 from torchfold.examples.datasets import (
     Tree,
     TreeParseError,
@@ -28,11 +29,9 @@ from torchfold.examples.datasets import (
     read_sst_file,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = DATA_DIR
 SST_DIR = SHARED_DATA / "sst"
-needs_sst = pytest.mark.skipif(
-    not (SST_DIR / "train.txt").is_file(), reason=f"real SST data not at {SST_DIR}"
-)
+needs_sst = pytest.mark.usefixtures("data_dir")  # fails (never skips) without the data
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -139,20 +138,20 @@ def test_load_sst_accepts_the_sst_dir_the_data_root_and_the_env_var(monkeypatch:
     assert [str(t) for t in load_sst(SHARED_DATA, "dev", max_trees=3)] == expected
     monkeypatch.setenv("TORCHFOLD_DATA", str(SHARED_DATA))
     assert [str(t) for t in load_sst(split="dev", max_trees=3)] == expected
-    monkeypatch.delenv("TORCHFOLD_DATA")
-    assert [str(t) for t in load_sst(split="dev", max_trees=3)] == expected  # found via ../shared/data
 
 
-def test_default_data_root_is_shared_data_next_to_the_working_directory(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_no_data_directory_is_assumed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
-    (tmp_path / "shared" / "data" / "sst").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "sst").mkdir(parents=True)  # where the old default looked
     (tmp_path / "shared" / "data" / "sst" / "dev.txt").write_text("(4 (2 a) (4 gem))\n", encoding="utf-8")
     (tmp_path / "project").mkdir()
     monkeypatch.chdir(tmp_path / "project")
-    assert data_root() == tmp_path / "shared" / "data"
-    assert [str(t) for t in load_sst(split="dev")] == ["(4 (2 a) (4 gem))"]
+    assert data_root() is None
+    with pytest.raises(FileNotFoundError) as info:
+        load_sst(split="dev")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "pass root=DIR" in message and "TORCHFOLD_DATA=DIR" in message and "generate_sst()" in message
 
 
 def test_load_sst_errors(tmp_path: Path) -> None:
@@ -219,12 +218,12 @@ def test_vocab_build_rejects_bad_arguments(kwargs: dict[str, int], message: str)
 def _rule_score(tree: Tree) -> int:
     """The generator's labelling rule, written independently: the score a node should get."""
     if tree.word is not None:
-        return datasets._POLAR_WORDS.get(tree.word, 0)
+        return generated._POLAR_WORDS.get(tree.word, 0)
     left, right = tree.children
     right_score = _rule_score(right)
-    if left.word in datasets._NEGATORS:
+    if left.word in generated._NEGATORS:
         return (right_score < 0) - (right_score > 0)
-    if left.word in datasets._INTENSIFIERS:
+    if left.word in generated._INTENSIFIERS:
         return max(-2, min(2, 2 * right_score))
     return max(-2, min(2, _rule_score(left) + right_score))
 
@@ -236,7 +235,7 @@ def test_generated_labels_follow_the_rule_without_noise() -> None:
     # Every kind of label and every rule occurs, so the demo has something to learn.
     assert {t.label for t in trees} == {0, 1, 2, 3, 4}
     words = {w for t in trees for w in t.words()}
-    assert words & set(datasets._NEGATORS) and words & set(datasets._INTENSIFIERS)
+    assert words & set(generated._NEGATORS) and words & set(generated._INTENSIFIERS)
 
 
 def test_generated_label_noise_moves_labels_one_step_at_the_given_rate() -> None:
@@ -320,7 +319,7 @@ def test_load_mnist_without_fallback_or_for_the_test_split_raises(tmp_path: Path
 
 
 def test_load_mnist_download_needs_a_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(datasets, "data_root", lambda root=None: None if root is None else Path(root))
+    monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
     with pytest.raises(ValueError, match="download=True needs a root directory"):
         load_mnist(download=True)
 
@@ -348,3 +347,14 @@ def test_load_mnist_reads_torchvision_files_when_present(
         torch.testing.assert_close(data.images, images.reshape(-1, 784).float() / 255)
         assert data.labels.tolist() == labels.tolist()
     assert "from torchvision files under" in capsys.readouterr().err
+
+
+def test_the_datasets_namespace_is_the_concept_modules() -> None:
+    from torchfold.examples import datadir, datasets, mnist, sst
+
+    assert datasets.load_sst is sst.load_sst and datasets.Tree is sst.Tree and datasets.Vocab is sst.Vocab
+    assert datasets.generate_sst is generated.generate_sst and datasets.load_mnist is mnist.load_mnist
+    assert datasets.data_root is datadir.data_root and datasets.ENV_VAR == "TORCHFOLD_DATA"
+    assert sorted(datasets.__all__) == sorted(
+        {*sst.__all__, *generated.__all__, *mnist.__all__, *datadir.__all__}
+    )

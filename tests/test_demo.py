@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA_DIR
 
 from torchfold.cli.demo import main
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
-needs_sst = pytest.mark.skipif(
-    not (SHARED_DATA / "sst" / "train.txt").is_file(), reason=f"real SST data not at {SHARED_DATA / 'sst'}"
-)
+SHARED_DATA = DATA_DIR
+needs_sst = pytest.mark.usefixtures("data_dir")  # fails (never skips) without the data
 TINY = ["--epochs", "1", "--max-train", "50", "--max-dev", "20", "--no-progress", "--threads", "1"]
 TINY += ["--embedding-dim", "16", "--hidden-dim", "16"]
 

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DATA_DIR
 
 import torchfold
 from torchfold.examples.datasets import Tree, Vocab, generate_sst, load_sst, parse_tree
 from torchfold.examples.models import MLP, TreeLSTM, encode_tree, encode_trees, forward_tree
 
-SST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sst"
-needs_sst = pytest.mark.skipif(not (SST_DIR / "dev.txt").is_file(), reason=f"real SST data not at {SST_DIR}")
+SST_DIR = DATA_DIR / "sst"
+needs_sst = pytest.mark.usefixtures("data_dir")  # fails (never skips) without the data
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

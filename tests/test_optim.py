@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist_worker import make_model, mnist_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchfold.train.optim import AccumulatingOptimizer
 
@@ -488,3 +490,144 @@ def test_misuse_is_rejected() -> None:
         other.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="keys 'state' and 'param_groups'"):
         other.load_state_dict({"model": {}})
+
+
+class _FineTuned(torch.nn.Module):
+    """make_model() plus a logit offset: a parameter that joins the optimizer as a group of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.offset = torch.nn.Parameter(torch.linspace(-0.5, 0.5, 10, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.offset
+
+
+def _fine_tuning_setup(
+    wrap: bool,
+) -> tuple[_FineTuned, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """The first layer frozen when the optimizer is made and unfrozen later; the offset added as a group."""
+    model = _FineTuned()
+    first = model.body[0]
+    first.requires_grad_(False)
+    inner = torch.optim.SGD(model.body.parameters(), lr=LR, momentum=0.9)
+    opt: torch.optim.Optimizer = AccumulatingOptimizer(inner) if wrap else inner
+    first.requires_grad_(True)  # unfrozen after the optimizer exists (usual fine-tuning)
+    inner.add_param_group({"params": [model.offset], "lr": 2 * LR})  # on the wrapped optimizer itself
+    return model, opt, inner
+
+
+@settings(max_examples=15, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=4), min_size=1, max_size=3))
+def test_accumulation_equals_one_big_batch_for_unfrozen_parameters_and_added_groups(
+    steps: list[list[int]],
+) -> None:
+    model, opt, _ = _fine_tuning_setup(wrap=True)
+    ref_model, ref_opt, _ = _fine_tuning_setup(wrap=False)
+    for step in _batches(steps):
+        for xb, yb in step:
+            opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))  # type: ignore[attr-defined]
+        opt.step()
+        opt.zero_grad()
+        x = torch.cat([xb for xb, _ in step])
+        y = torch.cat([yb for _, yb in step])
+        ref_opt.zero_grad()
+        F.cross_entropy(ref_model(x), y).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_autograd_grad_is_untouched_inside_and_outside_minibatch() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    params = list(model.parameters())
+    (xb, yb), (xc, yc) = _batches([[5, 7]])[0]
+    true = torch.autograd.grad(F.cross_entropy(model(xb), yb), params)
+    with opt.minibatch(5):
+        inside = torch.autograd.grad(F.cross_entropy(model(xb), yb), params)
+        F.cross_entropy(model(xb), yb).backward()
+    for g, t in zip(inside, true, strict=True):
+        torch.testing.assert_close(g, t)  # not 5 times it
+    outside = torch.autograd.grad(F.cross_entropy(model(xc), yc), params)  # not taken for a plain backward
+    with opt.minibatch(7):
+        F.cross_entropy(model(xc), yc).backward()
+    opt.synchronize()
+    assert opt.last_batch_size == 12 and opt.last_num_minibatches == 2
+    expected = [
+        (5 * a + 7 * b) / 12
+        for a, b in zip(true, torch.autograd.grad(F.cross_entropy(model(xc), yc), params), strict=True)
+    ]
+    for p, e, o in zip(params, expected, outside, strict=True):
+        torch.testing.assert_close(p.grad, e)
+        torch.testing.assert_close(o, torch.autograd.grad(F.cross_entropy(model(xc), yc), [p])[0])
+
+
+def test_a_replaced_gradient_accumulator_is_refused_then_rehooked() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    model.float()  # after the optimizer: each parameter gets a new gradient accumulator
+    xb, yb = _batches([[4]])[0][0]
+    with pytest.raises(RuntimeError, match=r"gradient accumulator was replaced.*create the optimizer after"):
+        opt.backward(F.cross_entropy(model(xb.float()), yb), num_samples=4)
+    opt.zero_grad()
+    ref = copy.deepcopy(model)
+    opt.backward(F.cross_entropy(model(xb.float()), yb), num_samples=4)
+    opt.synchronize()
+    F.cross_entropy(ref(xb.float()), yb).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("skip", ["grad_scaler", "non_finite_clip_norm"])
+def test_adascale_recovers_from_a_skipped_non_finite_step(skip: str) -> None:
+    model = make_model().float()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3), lr_rule="adascale", ref_batch_size=16
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    steps = _batches([[16] * 4, [16] * 4, [16] * 4])
+
+    def run(step: list[tuple[torch.Tensor, torch.Tensor]], blow_up: bool) -> bool:
+        """One step; True if it was skipped."""
+        for xb, yb in step:
+            with opt.minibatch(len(xb)):
+                loss = F.cross_entropy(model(xb.float()), yb) * (math.inf if blow_up else 1.0)
+                (scaler.scale(loss) if skip == "grad_scaler" else loss).backward()
+        opt.synchronize()
+        if skip == "grad_scaler":
+            scaler.step(opt)  # finds inf: skips optimizer.step()
+            scaler.update()
+            skipped = opt.steps == done
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            skipped = not torch.isfinite(norm)
+            if not skipped:
+                opt.step()
+        opt.zero_grad()
+        return skipped
+
+    done = 0
+    assert not run(steps[0], blow_up=False)
+    done = opt.steps
+    averages = (opt._var_avg, opt._sqr_avg)
+    assert all(a is not None and math.isfinite(a) for a in averages)
+    assert run(steps[1], blow_up=True)
+    assert (opt._var_avg, opt._sqr_avg) == averages  # the skipped step left them alone
+    assert 1.0 <= opt.last_lr_factor <= 64 / 16
+    assert not run(steps[2], blow_up=False)
+    assert math.isfinite(opt._var_avg) and math.isfinite(opt._sqr_avg)  # type: ignore[arg-type]
+    assert 1.0 <= opt.last_lr_factor <= 64 / 16
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_group_added_mid_step_with_unweighted_gradients_is_refused() -> None:
+    model = _FineTuned()
+    inner = torch.optim.SGD(model.body.parameters(), lr=LR)
+    opt = AccumulatingOptimizer(inner)
+    (xb, yb), (xc, yc) = _batches([[5, 7]])[0]
+    opt.backward(F.cross_entropy(model(xb), yb), num_samples=5)  # model.offset's gradient: not weighted
+    inner.add_param_group({"params": [model.offset]})
+    with pytest.raises(RuntimeError, match=r"shapes \[\(10,\)\] got gradients in this step before they were"):
+        opt.backward(F.cross_entropy(model(xc), yc), num_samples=7)

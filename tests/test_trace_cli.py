@@ -40,7 +40,7 @@ def test_check_example_trace(traces_dir: Path, capsys: pytest.CaptureFixture[str
     [
         (
             ["--minibatch-size", "48"],
-            "line 2 (step 0): batch size 128 is not a multiple of minibatch_size=48",
+            "line 2 (step 0): batch size 128 is not a multiple of --minibatch-size 48",
         ),
         (["--dataset-size", "60000", "--epochs", "13"], "is too short: it has 810 steps"),
     ],

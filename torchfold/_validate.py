@@ -1,7 +1,7 @@
 """Argument checks shared by the whole package, so every module words the same mistake the same way.
 
 ``check_int`` for int arguments of functions and classes; ``positive_int``, ``non_negative_int``,
-``positive_float``, ``non_negative_float`` and ``seed_int`` as argparse types of the command lines
+``positive_float``, ``non_negative_float``, ``seed_int`` and ``thread_count`` as argparse types of the command lines
 (``demo``, ``trace``, ``train``).
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 __all__ = [
     "check_int",
@@ -17,8 +18,10 @@ __all__ = [
     "positive_float",
     "positive_int",
     "seed_int",
+    "thread_count",
 ]
 
+THREADS_PER_CPU = 4  # --threads above cpu_count() x this is refused: huge counts crash torch's pool
 SEED_MAX = 2**63 - 1  # torch and the samplers take seeds up to 2**64 - 1; the epoch is added to it
 
 
@@ -73,4 +76,20 @@ def seed_int(text: str) -> int:
     value = int(_number(text, int, "an integer seed"))
     if not 0 <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_MAX} (2**63 - 1), got {value}")
+    return value
+
+
+def max_threads() -> int:
+    """The most threads ``--threads`` accepts on this machine."""
+    cpus: int | None = getattr(os, "process_cpu_count", os.cpu_count)()  # 3.13: the CPUs it may use
+    return max(1, cpus or 1) * THREADS_PER_CPU
+
+
+def thread_count(text: str) -> int:
+    value = positive_int(text)
+    limit = max_threads()
+    if value > limit:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {limit} ({THREADS_PER_CPU} per CPU of this machine), got {value}"
+        )
     return value

@@ -1,5 +1,8 @@
 """``python -m torchfold elastic replay``: drive a real training run through a resource-availability trace.
 
+This module holds the command line and the process orchestration; the plan (steps and segments)
+is :mod:`torchfold.cli.replay_plan`, the figure :mod:`torchfold.cli.replay_plot`.
+
 A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.availability.read_availability`) says how
 many devices a job had over time. The replay scales that count to the processes one machine can
 run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
@@ -19,7 +22,7 @@ pause), ``replay.png``, ``logs/`` (each group's output), ``history/`` (each grou
 
 Example::
 
-    python -m torchfold elastic replay --availability ../shared/data/traces/gcp_a100_gpus.csv \\
+    python -m torchfold elastic replay --availability DATA/traces/gcp_a100_gpus.csv \\
         --run-dir runs/a100 --step-time 630 --max-train 400 --max-words 12
 
 Exit status: 0 when the replay ran and its parameters match the uninterrupted run, 1 when a
@@ -33,7 +36,6 @@ import argparse
 import contextlib
 import csv
 import json
-import math
 import os
 import signal
 import socket
@@ -46,8 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchfold._validate import check_int, non_negative_float, positive_float, positive_int, seed_int
-from torchfold.train.availability import AvailabilityInterval, read_availability
+from torchfold._validate import non_negative_float, positive_float, positive_int, seed_int
+from torchfold.cli.replay_plan import ReplaySchedule, ReplayStep, Segment, plan_replay, processes_for
+from torchfold.cli.replay_plot import plot_replay
+from torchfold.examples.datasets import ENV_VAR
+from torchfold.train.availability import read_availability
 
 __all__ = [
     "ReplayError",
@@ -77,209 +82,6 @@ CSV_COLUMNS = (
     "reference_loss",
     "segment",
 )
-
-
-def processes_for(devices: int, peak_devices: int, max_processes: int) -> int:
-    """The processes that stand for ``devices`` when ``peak_devices`` map to ``max_processes``.
-
-    Proportional and rounded up, so any available device keeps at least one process running,
-    and only zero devices give zero processes: ``ceil(devices * max_processes / peak_devices)``.
-
-    Args:
-        devices: devices available, ``0 <= devices <= peak_devices``.
-        peak_devices: the most devices the trace ever has (maps to ``max_processes``).
-        max_processes: the most processes to run.
-
-    >>> [processes_for(d, 56, 3) for d in (0, 1, 18, 19, 37, 38, 56)]
-    [0, 1, 1, 2, 2, 3, 3]
-    """
-    check_int("devices", devices, minimum=0)
-    check_int("peak_devices", peak_devices)
-    check_int("max_processes", max_processes)
-    if devices > peak_devices:
-        raise ValueError(f"devices={devices} is more than peak_devices={peak_devices}")
-    return -(-devices * max_processes // peak_devices)
-
-
-@dataclass(frozen=True)
-class ReplayStep:
-    """One optimizer step of a replay: when it starts in the trace and what was available then.
-
-    Args:
-        step: global step index (into the batch-size trace).
-        trace_time: seconds since the trace's first row at which the step starts.
-        devices: devices the trace has then.
-        processes: processes that stand for them (:func:`processes_for`).
-        line: the trace file's line that holds the step.
-    """
-
-    step: int
-    trace_time: float
-    devices: int
-    processes: int
-    line: int
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Consecutive steps with one process count (a group of processes), or a pause without devices.
-
-    Args:
-        index: position in the replay, from 0.
-        processes: the group's processes; 0 for a pause.
-        first_step: the first step the group runs (for a pause: the step it delays).
-        end_step: the step after its last (``== first_step`` for a pause).
-        start_time: trace seconds (since the first row) at which the segment starts.
-        end_time: trace seconds at which it ends.
-    """
-
-    index: int
-    processes: int
-    first_step: int
-    end_step: int
-    start_time: float
-    end_time: float
-
-    @property
-    def is_pause(self) -> bool:
-        """True for a span without devices, where no process runs."""
-        return self.processes == 0
-
-    @property
-    def num_steps(self) -> int:
-        """Steps planned for the segment (0 for a pause)."""
-        return self.end_step - self.first_step
-
-
-@dataclass(frozen=True)
-class ReplaySchedule:
-    """The steps and segments of a replay (see :func:`plan_replay`).
-
-    Args:
-        steps: every step, in order.
-        segments: groups and pauses, in order; groups' steps cover ``steps`` without gaps.
-        peak_devices: the most devices the trace has (maps to the most processes).
-        step_time: trace seconds per step.
-    """
-
-    steps: tuple[ReplayStep, ...]
-    segments: tuple[Segment, ...]
-    peak_devices: int
-    step_time: float
-
-    @property
-    def num_steps(self) -> int:
-        """Steps in the replay."""
-        return len(self.steps)
-
-    @property
-    def groups(self) -> tuple[Segment, ...]:
-        """The segments that run processes."""
-        return tuple(s for s in self.segments if not s.is_pause)
-
-    @property
-    def pauses(self) -> tuple[Segment, ...]:
-        """The segments without devices."""
-        return tuple(s for s in self.segments if s.is_pause)
-
-
-def plan_replay(
-    intervals: Sequence[AvailabilityInterval],
-    *,
-    step_time: float,
-    max_processes: int,
-    max_steps: int | None = None,
-    source: str = "<intervals>",
-) -> ReplaySchedule:
-    """Map an availability trace onto steps and process groups.
-
-    Step slots start every ``step_time`` seconds from the first row; an interval holds the slots
-    whose start falls in it (as in :meth:`~torchfold.train.BatchSizeTrace.from_availability`,
-    which gives the same steps). A slot in an interval with devices is an optimizer step; one
-    without devices is a pause. Consecutive steps with the same process count form one segment
-    (one group of processes), so a change of the device count restarts the run only when the
-    process count changes. A pause that no step follows is left out.
-
-    Args:
-        intervals: the trace's rows (:func:`~torchfold.train.availability.read_availability`).
-        step_time: trace seconds per step.
-        max_processes: processes for the trace's peak device count (:func:`processes_for`).
-        max_steps: keep at most this many steps.
-        source: the trace's name, for messages.
-
-    Raises:
-        ValueError: no interval ever has a device, or no step slot falls in one (naming
-            ``source`` and the fix).
-
-    >>> rows = [(0, 30, 4, 2), (30, 50, 6, 3), (50, 70, 0, 4), (70, 90, 2, 5)]
-    >>> plan = plan_replay([AvailabilityInterval(*r) for r in rows], step_time=10, max_processes=3)
-    >>> [(s.processes, s.first_step, s.end_step) for s in plan.segments]
-    [(2, 0, 3), (3, 3, 5), (0, 5, 5), (1, 5, 7)]
-    >>> [s.trace_time for s in plan.steps]
-    [0.0, 10.0, 20.0, 30.0, 40.0, 70.0, 80.0]
-    """
-    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
-        raise ValueError(f"step_time should be a positive number of seconds, got {step_time!r}")
-    check_int("max_processes", max_processes)
-    if max_steps is not None:
-        check_int("max_steps", max_steps)
-    step_time = float(step_time)
-    if not intervals:
-        raise ValueError(f"{source}: no intervals; an availability trace needs at least 2 rows")
-    peak = max(interval.devices for interval in intervals)
-    if peak == 0:
-        raise ValueError(
-            f"{source}: no device is available at any time (all {len(intervals)} intervals have 0 devices); "
-            "a replay needs a trace with at least one device"
-        )
-    origin = intervals[0].start_time
-    if not math.isfinite((intervals[-1].end_time - origin) / step_time):
-        raise ValueError(f"{source}: too many steps to count at step_time={step_time!r} s; use a larger one")
-    limit = sys.maxsize if max_steps is None else max_steps
-    steps: list[ReplayStep] = []
-    # (processes, first_step, end_step, start_time, end_time) of the segment being built.
-    segments: list[list[Any]] = []
-    for interval in intervals:
-        if len(steps) >= limit:
-            break
-        slots = interval.num_steps(step_time, origin)
-        if slots <= 0:
-            continue  # shorter than a step and holding no step's start: not seen at this step time
-        first_slot = math.ceil((interval.start_time - origin) / step_time - 1e-9)
-        processes = processes_for(interval.devices, peak, max_processes)
-        if processes > 0:
-            slots = min(slots, limit - len(steps))
-            if len(steps) + slots > 10_000_000:
-                raise ValueError(
-                    f"{source}: at step_time={step_time!r} s the trace holds more than 10000000 steps; "
-                    "pass --max-steps or a larger --step-time"
-                )
-        start, end = first_slot * step_time, (first_slot + slots) * step_time
-        if segments and segments[-1][0] == processes:
-            segments[-1][2] += 0 if processes == 0 else slots
-            segments[-1][4] = end
-        else:
-            segments.append([processes, len(steps), len(steps) + (slots if processes else 0), start, end])
-        if processes > 0:
-            steps += [
-                ReplayStep(
-                    len(steps) + k, (first_slot + k) * step_time, interval.devices, processes, interval.line
-                )
-                for k in range(slots)
-            ]
-    while segments and segments[-1][0] == 0:
-        segments.pop()  # a pause at the end delays nothing
-    if not steps:
-        raise ValueError(
-            f"{source}: no step fits: no interval with devices > 0 holds the start of a {step_time} s step; "
-            "use a smaller --step-time"
-        )
-    return ReplaySchedule(
-        steps=tuple(steps),
-        segments=tuple(Segment(i, *fields) for i, fields in enumerate(segments)),
-        peak_devices=peak,
-        step_time=step_time,
-    )
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -336,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most samples per process per minibatch; accumulation minibatches per process = "
         "ceil(global / (processes * this)) (default 8)",
     )
-    p.add_argument("--data", metavar="DIR", help="SST directory (as train's --data)")
+    p.add_argument("--data", metavar="DIR", help=f"SST directory (as train's --data; default ${ENV_VAR})")
     p.add_argument("--max-train", type=positive_int, default=400, help="training trees (default 400)")
     p.add_argument("--max-words", type=positive_int, default=12, help="longest tree in words (default 12)")
     p.add_argument("--hidden-dim", type=positive_int, default=32, help="Tree-LSTM size (default 32)")
@@ -602,109 +404,11 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _time_unit(seconds: float) -> tuple[float, str]:
-    if seconds >= 2 * 3600:
-        return 3600.0, "h"
-    if seconds >= 120:
-        return 60.0, "min"
-    return 1.0, "s"
-
-
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _plot(
-    path: Path,
-    intervals: Sequence[AvailabilityInterval],
-    schedule: ReplaySchedule,
-    rows: list[dict[str, Any]],
-    results: list[_GroupResult],
-    title: str,
-) -> None:
-    # A bare Figure renders with Agg and leaves pyplot's global backend and figures alone.
-    from matplotlib.figure import Figure
-
-    origin = intervals[0].start_time
-    horizon = schedule.steps[-1].trace_time + schedule.step_time
-    scale, unit = _time_unit(horizon)
-    fig = Figure(figsize=(9, 12))
-    axes = fig.subplots(5, 1)
-    # Panel 1, over trace time: what the trace offered and what the replay ran.
-    shown = [i for i in intervals if i.start_time - origin < horizon]
-    times = [(i.start_time - origin) / scale for i in shown] + [
-        min(shown[-1].end_time - origin, horizon) / scale
-    ]
-    devices = [i.devices for i in shown]
-    ax = axes[0]
-    ax.step(times, [*devices, devices[-1]], where="post", color="tab:gray", label="devices available")
-    ax.set_ylabel("devices available")
-    ax.set_xlabel(f"trace time ({unit})")
-    twin = ax.twinx()
-    # Processes over time: each step's group, none during a pause, held to the end of the last step.
-    used = sorted(
-        [(r["trace_time_s"], r["processes"]) for r in rows] + [(p.start_time, 0) for p in schedule.pauses]
-    )
-    used.append((horizon, used[-1][1]))
-    twin.step(
-        [t / scale for t, _ in used],
-        [n for _, n in used],
-        where="post",
-        color="tab:blue",
-        label="processes used",
-    )
-    twin.set_ylabel("processes used", color="tab:blue")
-    twin.set_ylim(0, max(r["processes"] for r in rows) + 0.5)
-    for pause in schedule.pauses:
-        ax.axvspan(pause.start_time / scale, pause.end_time / scale, color="tab:red", alpha=0.15, lw=0)
-    ax.set_title(title)
-    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles, [str(h.get_label()) for h in handles], loc="lower left", fontsize=8)
-    # Panels 2-5, over steps.
-    # A step plot draws a value from its step to the next: repeat the last value at the end step.
-    steps = [r["step"] for r in rows] + [rows[-1]["step"] + 1]
-    rows = [*rows, rows[-1]]
-    panels = [
-        (axes[1], [r["global_batch"] for r in rows], "global batch", "tab:green"),
-        (
-            axes[2],
-            [r["accumulation_minibatches"] for r in rows],
-            "accumulation\nminibatches / process",
-            "tab:purple",
-        ),
-        (axes[3], [r["lr"] for r in rows], "learning rate", "tab:orange"),
-    ]
-    for ax, values, label, color in panels:
-        ax.step(steps, values, where="post", color=color)
-        ax.set_ylabel(label)
-    axes[2].step(
-        steps, [r["processes"] for r in rows], where="post", color="tab:blue", alpha=0.6, label="processes"
-    )
-    axes[2].legend(loc="upper right", fontsize=8)
-    # Losses are points, one per step: without the repeated end.
-    axes[4].plot(steps[:-1], [r["loss"] for r in rows[:-1]], color="tab:red", label="replay")
-    if any(r["reference_loss"] != "" for r in rows):
-        axes[4].plot(
-            steps[:-1],
-            [math.nan if r["reference_loss"] == "" else r["reference_loss"] for r in rows[:-1]],
-            color="black",
-            ls=":",
-            label="one uninterrupted process",
-        )
-    axes[4].set_ylabel("loss")
-    axes[4].legend(loc="upper right", fontsize=8)
-    axes[4].set_xlabel("step")
-    for ax in axes[1:]:
-        for result in results[1:]:
-            if result.rows:
-                ax.axvline(result.first_step, color="gray", lw=0.6, ls="--")
-        for pause in schedule.pauses:
-            ax.axvline(pause.first_step, color="tab:red", lw=1.2, alpha=0.5)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=90)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -729,6 +433,11 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _replay(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.data is None and not os.environ.get(ENV_VAR) and "--generate" not in extra:
+        raise ValueError(
+            f"no training data: pass --data DIR (SST's train.txt, or an sst/ subdirectory) or set ${ENV_VAR}=DIR; "
+            "or pass train's --generate N after --"
+        )
     source = args.availability
     intervals = read_availability(source)
     step_time = args.step_time
@@ -896,12 +605,12 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
         )
     _write_csv(run_dir / "replay.csv", rows)
     restarts = sum(1 for r in results if r.rows) - 1
-    _plot(
+    plot_replay(
         run_dir / "replay.png",
         intervals,
         schedule,
         rows,
-        results,
+        [r.first_step for r in results[1:] if r.rows],  # where a restarted group resumed
         f"{Path(source).name}: {final_step} steps, {_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}",
     )
     print(

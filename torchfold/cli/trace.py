@@ -87,7 +87,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--epochs needs --dataset-size")
     trace = BatchSizeTrace.from_csv(args.file)
     if args.minibatch_size is not None:
-        trace.check_minibatch_size(args.minibatch_size)
+        try:
+            trace.check_minibatch_size(args.minibatch_size)
+        except ValueError as e:  # the trace module names its parameter; the command line, its flag
+            raise ValueError(str(e).replace("minibatch_size=", "--minibatch-size ")) from e
     lines = _summary(trace)
     if args.minibatch_size is not None:
         lines.append(f"minibatch size: {args.minibatch_size} (divides every batch size)")

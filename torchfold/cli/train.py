@@ -11,6 +11,7 @@ after the current step with a checkpoint and exit status 75 (:data:`PREEMPTED_EX
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -19,11 +20,19 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 
-from torchfold._validate import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
+from torchfold._validate import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_int,
+    thread_count,
+)
 from torchfold.engine.static.shapes import StaticShapes
 from torchfold.examples.datasets import (
     ENV_VAR,
@@ -35,7 +44,7 @@ from torchfold.examples.datasets import (
     load_sst,
 )
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train.checkpoint import latest_checkpoint, load_checkpoint
+from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, load_checkpoint
 from torchfold.train.distributed import default_device, init_distributed
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
@@ -65,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         metavar="DIR",
-        help=f"directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR} or ../shared/data, "
-        "else generated trees (--generate)",
+        help=f"directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR}; one of the two, "
+        "or --generate, is required",
     )
     p.add_argument("--max-train", type=positive_int, help="use only the first N training trees")
     p.add_argument(
@@ -75,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="use only training trees of at most N words (before --max-train)",
     )
     p.add_argument(
-        "--generate", type=positive_int, default=2000, metavar="N", help="without data: N generated trees"
+        "--generate",
+        type=positive_int,
+        metavar="N",
+        help="without --data or $" + ENV_VAR + ": train on N generated SST-like trees",
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument(
@@ -137,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
     p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads per process (default 1)")
+    p.add_argument(
+        "--threads",
+        type=thread_count,
+        default=1,
+        help="CPU threads per process (default 1; at most 4 per CPU of the machine)",
+    )
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda", "xla"),
@@ -159,16 +176,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _trace(text: str) -> BatchSizeTrace:
-    if re.fullmatch(r"-?[0-9]+", text.strip()):  # ASCII digits: isdigit() also takes other scripts'
-        return as_trace(int(text))
-    if ":" in text and not Path(text).exists():
-        return BatchSizeTrace.from_schedule(text)
-    return as_trace(text)
+    """The trace ``--trace`` names; every mistake is a ValueError naming ``--trace``."""
+    number = text.strip()
+    if re.fullmatch(r"[-+]?[0-9]+", number):  # ASCII digits: isdigit() also takes other scripts'
+        if int(number) < 1:
+            raise ValueError(
+                f"--trace {text}: a constant global batch size must be a positive integer (samples per step)"
+            )
+        return as_trace(int(number))
+    if re.fullmatch(
+        r"[-+]?([0-9]*\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+", number
+    ):
+        raise ValueError(
+            f"--trace {text}: a constant global batch size must be a whole number of samples, e.g. "
+            f"--trace {max(1, round(float(number)))}"
+        )
+    path = Path(text)
+    if path.is_dir():
+        raise ValueError(
+            f"--trace {text} is a directory; give a step,batchsize CSV file, an integer or a schedule such as "
+            "linear:32:256:1000"
+        )
+    try:
+        if ":" in text and not path.exists():
+            return BatchSizeTrace.from_schedule(text)
+        return as_trace(text)
+    except (ValueError, TypeError, OSError) as e:
+        message = str(e) if "--trace" in str(e) else f"--trace {text}: {e}"
+        raise ValueError(message) from e
 
 
 def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
-    root = args.data if args.data is not None else data_root()
-    if root is not None and (args.data is not None or Path(root).exists()):
+    root = data_root(args.data)
+    if root is not None:
         trees = load_sst(root, "train", max_trees=None if args.max_words else args.max_train)
         if args.max_words:
             short = [t for t in trees if len(t.words()) <= args.max_words][: args.max_train]
@@ -180,10 +220,72 @@ def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
                 )
             trees = short
         return trees, f"SST train trees from {root}"
+    if args.generate is None:
+        raise ValueError(
+            f"no training data: pass --data DIR (a directory with SST's train.txt, or an sst/ subdirectory) or set "
+            f"${ENV_VAR}=DIR; or --generate N to train on N generated trees"
+        )
     count = args.generate if args.max_train is None else min(args.generate, args.max_train)
     max_words = 20 if args.max_words is None else args.max_words
     trees = generate_sst(count, seed=args.seed, min_words=min(2, max_words), max_words=max_words)
-    return trees, f"{count} GENERATED trees (no SST data found; pass --data DIR)"
+    return trees, f"{count} GENERATED trees (--generate {args.generate})"
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse --history and --checkpoint-dir paths of the wrong kind before any work is done."""
+    if args.history is not None:
+        history = Path(args.history)
+        if history.is_dir():
+            raise ValueError(f"--history {args.history} is a directory; give a file to write JSON lines to")
+        if not history.parent.is_dir():
+            raise ValueError(f"--history {args.history}: directory {history.parent} does not exist")
+    if args.checkpoint_dir is not None:
+        directory = Path(args.checkpoint_dir)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(
+                f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (created if missing)"
+            )
+
+
+def _lock_checkpoint_dir(args: argparse.Namespace, main_rank: bool) -> CheckpointDirLock | None:
+    """Lock --checkpoint-dir on the main rank for the run; every rank raises if it is in use."""
+    lock, problem = None, None
+    if args.checkpoint_dir is not None and main_rank:
+        try:
+            lock = CheckpointDirLock(args.checkpoint_dir)
+        except ValueError as e:
+            problem = f"--checkpoint-dir {e}"
+        except OSError as e:
+            problem = f"--checkpoint-dir {args.checkpoint_dir}: cannot create it or its lock file ({e})"
+    if args.checkpoint_dir is not None and dist.is_available() and dist.is_initialized():
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)  # the other ranks stop too, with rank 0's reason
+        problem = shared[0]
+    if problem is not None:
+        raise ValueError(problem)
+    return lock
+
+
+def _open_history(path: str, resumed_at: int | None) -> TextIO:
+    """Open --history: afresh, or on resume keep the lines of the steps before ``resumed_at`` and append."""
+    try:
+        if resumed_at is None or not Path(path).is_file():
+            return open(path, "w")
+        kept = []
+        with open(path) as old:
+            for line in old:
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash
+                if isinstance(step, int) and step < resumed_at:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        handle = open(path, "w")  # noqa: SIM115
+        handle.writelines(kept)  # the steps the resumed run repeats are written again as it goes
+        handle.flush()
+        return handle
+    except OSError as e:
+        raise OSError(e.errno, f"--history {path}: cannot write it ({e.strerror or e})") from e
 
 
 def _init_distributed(args: argparse.Namespace, config: dict[str, object]) -> bool:
@@ -212,7 +314,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         trace = _trace(args.trace)
         if args.minibatch_size is not None:
-            trace.check_minibatch_size(args.minibatch_size)
+            try:
+                trace.check_minibatch_size(args.minibatch_size)
+            except ValueError as e:
+                detail = str(e).replace("minibatch_size=", "--minibatch-size ")  # the trace module's word
+                raise ValueError(f"--trace {args.trace}: {detail}") from e
+        if trace.num_steps is None and args.max_steps is None and args.epochs is None:
+            raise ValueError(
+                f"--trace {args.trace} has no end (every step the same or a schedule without one): pass "
+                "--max-steps N or --epochs N"
+            )
+        _check_paths(args)
         trees, origin = _trees(args)
     except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
@@ -238,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as e:
         print(f"torchfold train: {e}", file=sys.stderr)
         return e.exit_code
-    except (RuntimeError, TimeoutError, FloatingPointError) as e:
+    except (RuntimeError, TimeoutError, FloatingPointError, OSError) as e:
         print(f"torchfold train: error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -318,12 +430,19 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         max_device_batch_size=args.max_device_batch_size,
         max_accumulation_steps=args.max_accumulation,
     )
-    history = open(args.history, "w") if args.history and loader.rank == 0 else None  # noqa: SIM115
+    history: list[TextIO] = []  # opened once the resume step is known (main rank)
 
     def record(stats: StepStats) -> None:
-        if history is not None:
-            history.write(json.dumps(stats.__dict__) + "\n")
-            history.flush()  # a line per step, readable while the run goes on
+        for handle in history:
+            try:
+                handle.write(json.dumps(stats.__dict__) + "\n")
+                handle.flush()  # a line per step, readable while the run goes on
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"--history {args.history}: cannot write step {stats.step}'s line ({e.strerror or e}); the run "
+                    "stopped after that step",
+                ) from e
 
     trainer = TraceTrainer(
         model,
@@ -353,11 +472,29 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
             )
             + f"{args.workers} fold-building worker(s) each, device {device}"
         )
+    lock: CheckpointDirLock | None = None
+    try:
+        lock = _lock_checkpoint_dir(args, main_rank)  # held until the run ends: one run per directory
+        return _run(args, trainer, history)
+    finally:
+        loader.close()
+        for handle in history:
+            with contextlib.suppress(OSError):  # a failed write was reported already; keep that error
+                handle.close()
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO]) -> int:
+    """Resume (unless --no-resume), open --history, train; the caller closes what this opens."""
+    main_rank = trainer.is_main
     resumed, overridden = (None, []) if args.no_resume else _resume(args, trainer)
     if resumed is not None and main_rank:
         print(f"resumed from {resumed} at step {trainer.next_step}")
         for line in overridden:
             print(line)
+    if args.history and main_rank:
+        history.append(_open_history(args.history, trainer.next_step if resumed is not None else None))
     # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
     # forked into the workers, out of their copy-on-write pages). Undone at the end (main() may
     # run inside a bigger process), unless something else had frozen objects before.
@@ -368,11 +505,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
     try:
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     finally:
-        loader.close()
         if freeze:
             gc.unfreeze()
-        if history is not None:
-            history.close()
     if main_rank:
         samples = sum(s.batch_size for s in steps)
         seconds = sum(s.seconds for s in steps)

@@ -15,13 +15,19 @@ newest and :func:`prune_checkpoints` keeps the last few.
 The random number generators' states (torch, CUDA, Python's ``random`` and NumPy's global
 generator) are captured by :func:`rng_state` and restored by :func:`set_rng_state`, in the same
 plain form.
+
+:class:`CheckpointDirLock` keeps a second run off a directory that a run is writing to (an
+``fcntl.flock`` on ``DIR/.lock``, released by the kernel when the holder exits, however it exits).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import random
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +38,7 @@ import torch
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
+    "CheckpointDirLock",
     "check_trainer_state",
     "checkpoint_path",
     "latest_checkpoint",
@@ -119,6 +126,23 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        # torch.save reports a failed write as "[enforce fail at inline_container.cc] unexpected pos";
+        # the OSError it swallowed says why (a full disk, a quota, a read-only filesystem).
+        earlier = [p for _, p in list_checkpoints(path.parent) if p != path]
+        intact = (
+            f"the earlier checkpoints are intact (newest: {earlier[-1]})"
+            if earlier
+            else "no earlier checkpoint was changed"
+        )
+        raise OSError(
+            cause.errno,
+            f"cannot write checkpoint {path}: {cause.strerror or cause}; nothing was written under "
+            f"its name and {intact}",
+        ) from e
     finally:
         tmp.unlink(missing_ok=True)
     # Make the rename itself durable (a crash right after must not bring the old name back).
@@ -129,6 +153,69 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
         finally:
             os.close(fd)
     return path
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind ``error`` (itself, or one in its chain of causes and contexts)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class CheckpointDirLock:
+    """An exclusive lock on a checkpoint directory for the life of a run (``fcntl.flock`` on ``DIR/.lock``).
+
+    Two runs writing ``step-N.pt`` into one directory would overwrite each other's checkpoints
+    and resume from a mixture. The lock file records the holder's pid and host, so the run
+    refused can name it; the kernel releases the lock when the holder exits, also when it is
+    killed, so a crashed run never leaves the directory locked. Creates the directory.
+
+    Raises:
+        ValueError: ``directory`` is a file, or another process holds the lock.
+        OSError: the directory or its lock file cannot be created.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"checkpoint directory {self.directory} is a file, not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / self.NAME
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(
+                f"checkpoint directory {self.directory} is in use by {holder}: wait for that run to end, or use "
+                "another directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Give the directory back (also done by the kernel when the process exits)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> CheckpointDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _fix(path: Path) -> str:

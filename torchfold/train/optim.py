@@ -9,8 +9,9 @@ minibatches, spread over the ranks in any way (a rank may have none), updates th
 exactly like one step of the wrapped optimizer on the mean loss over the ``B`` samples, with the
 learning rate multiplied by the rule's factor. Minibatches may differ in size: a minibatch of
 ``n_i`` samples, run inside ``with optimizer.minibatch(n_i):``, has its mean-loss gradient ``g_i``
-weighted by ``n_i`` as it reaches ``p.grad`` (a gradient hook: the one place where gradients are
-weighted), and :meth:`~AccumulatingOptimizer.synchronize` sums over the ranks and divides once, by
+weighted by ``n_i`` as it reaches ``p.grad`` (a hook on each parameter's gradient accumulator,
+which runs only when a backward writes ``p.grad``, so ``torch.autograd.grad`` is left alone: the
+one place where gradients are weighted), and :meth:`~AccumulatingOptimizer.synchronize` sums over the ranks and divides once, by
 ``B = sum(n_i)`` counted over all ranks. With ``reduction="sum"`` (losses summed over samples) the
 gradients are summed and not divided. A ``loss.backward()`` outside ``minibatch()`` is plain
 PyTorch: its gradient is used as it is (averaged over the ranks that have one).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
@@ -42,9 +44,23 @@ _SAMPLES, _MINIBATCHES, _PLAIN_RANKS, _WEIGHTED_SQNORM, _UNIT = 0, 1, 2, 3, 4
 _N_STATS = 5
 
 
-def _grad_hook(ref: weakref.ref[AccumulatingOptimizer], grad: torch.Tensor) -> torch.Tensor | None:
+def _accumulate_hook(
+    ref: weakref.ref[AccumulatingOptimizer], key: int, grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...] | None:
+    """Before a gradient is added to ``p.grad`` (a backward, never ``torch.autograd.grad``): weigh it."""
     optimizer = ref()
-    return None if optimizer is None else optimizer._weigh(grad)
+    if optimizer is None or grads[0] is None:
+        return None
+    optimizer._weighed.add(key)
+    weighted = optimizer._weigh(grads[0])
+    return None if weighted is None else (weighted, *grads[1:])
+
+
+def _accumulated_hook(ref: weakref.ref[AccumulatingOptimizer], param: torch.Tensor) -> None:
+    """After a gradient was added to ``p.grad``: check that it went through :func:`_accumulate_hook`."""
+    optimizer = ref()
+    if optimizer is not None:
+        optimizer._check_weighed(param)
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -177,9 +193,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                     "forward_sync_buffers=False in newer PyTorch)"
                 )
             self._no_sync.enter_context(module.no_sync())
-        # The gradient hooks: they weigh each minibatch's gradient by its sample count.
-        self._hooked: set[int] = set()
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # The gradient hooks: they weigh each minibatch's gradient by its sample count. They sit on
+        # each parameter's gradient accumulator (the autograd node that writes p.grad), which only
+        # a backward runs; a parameter that does not require grad has none yet, so parameters are
+        # (re)scanned at every minibatch and synchronize(): unfrozen ones and added groups included.
+        self._hooked: dict[int, tuple[Any, torch.utils.hooks.RemovableHandle]] = {}
+        self._post_hooked: set[int] = set()
+        self._weighed: set[int] = set()  # parameters whose gradient _accumulate_hook just saw
         self._hook_params(self._params())
         # This step's local state (reset by zero_grad() and after step()).
         self._weight: float | None = None  # inside minibatch(): the weight of the gradients arriving
@@ -262,12 +282,60 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _hook_params(self, params: list[torch.Tensor]) -> None:
+    def _hook_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Hook the gradient accumulator of every parameter that requires grad; returns the new ones."""
+        new = [p for p in params if p.requires_grad and id(p) not in self._hooked]
+        for p in new:
+            self._hook(p)
+        return new
+
+    def _hook(self, p: torch.Tensor) -> None:
         ref = weakref.ref(self)
-        for p in params:
-            if id(p) not in self._hooked and p.requires_grad:
-                self._hooks.append(p.register_hook(functools.partial(_grad_hook, ref)))
-                self._hooked.add(id(p))
+        # The leaf's AccumulateGrad node; held here, since the tensor only keeps a weak reference.
+        with torch.enable_grad():  # also when called from a hook during backward (grad mode off)
+            view_fn = p.view_as(p).grad_fn
+        node = view_fn.next_functions[0][0] if view_fn is not None else None
+        if node is None:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} requires grad but has no gradient accumulator"
+            )
+        handle = node.register_prehook(functools.partial(_accumulate_hook, ref, id(p)))
+        old = self._hooked.get(id(p))
+        if old is not None:
+            old[1].remove()
+        self._hooked[id(p)] = (node, handle)
+        if id(p) not in self._post_hooked:
+            # On the tensor itself, so it outlives the node (which model.to(dtype) replaces).
+            p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, ref))
+            self._post_hooked.add(id(p))
+
+    def _check_unweighted(self, new: list[torch.Tensor]) -> None:
+        """Newly hooked parameters must not hold gradients of this step's earlier, weighted minibatches."""
+        if self._local_minibatches and any(p.grad is not None for p in new):
+            shapes = [tuple(p.shape) for p in new if p.grad is not None]
+            raise RuntimeError(
+                f"parameters of shapes {shapes} got gradients in this step before they were in the optimizer or "
+                "required grad, so those were not weighted by sample count; unfreeze parameters and add groups "
+                "between steps (after zero_grad()), then run the step again"
+            )
+
+    def _check_weighed(self, p: torch.Tensor) -> None:
+        """A gradient reached ``p.grad`` without the weighting hook: its accumulator node was replaced."""
+        if id(p) in self._weighed:
+            self._weighed.discard(id(p))
+            return
+        for q in self._params():  # model.to() replaced them all: the next backward uses the new nodes
+            if q.requires_grad:
+                self._hook(q)
+        if self._weight is None and not self._local_minibatches:
+            self._plain = True  # a plain backward: used as it is, nothing was missed
+            return
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} got its gradient without the AccumulatingOptimizer's "
+            "weighting: its gradient accumulator was replaced after the optimizer was created (e.g. "
+            "model.to(dtype or device) changed it); create the optimizer after moving the model, or call "
+            "optimizer.zero_grad() and run this step again"
+        )
 
     def _unit(self) -> float:
         """What a minibatch's sample count is measured in (see ``minibatch_size``)."""
@@ -346,6 +414,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         if self._synced:
             raise RuntimeError("optimizer.minibatch() after synchronize(); call step() and zero_grad() first")
+        params = self._params()
+        # Parameters unfrozen, or groups added to the wrapped optimizer, since the last scan.
+        self._check_unweighted(self._hook_params(params))
         self._weight = num_samples / self._unit() if self.reduction == "mean" else 1.0
         self._minibatch_samples = num_samples
         try:
@@ -354,7 +425,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._weight = None
         self._local_samples += num_samples
         self._local_minibatches += 1
-        params = self._params()
         if params and params[0].device.type == "xla":
             # One lazy graph per minibatch: compiled once and reused however many minibatches a
             # step has, instead of one new graph per distinct count.
@@ -386,6 +456,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         params = self._params()
         if not params:
             raise RuntimeError("the optimizer has no parameters to synchronize")
+        unfrozen = self._hook_params(params)
+        self._check_unweighted(unfrozen)
+        if not self._local_minibatches and any(p.grad is not None for p in unfrozen):
+            self._plain = True  # a parameter unfrozen since the last scan, from a plain backward
         device = params[0].device
         stats_dtype = torch.float32 if device.type in ("xla", "mps") else torch.float64
         stats = torch.zeros(_N_STATS + len(params), dtype=stats_dtype, device=device)
@@ -485,12 +559,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         gradient ``g = sum(n_i g_i) / n`` and ``A = sum(n_i |g_i|^2)``: ``E[A - n |g|^2] = (m - 1) var``
         for the per-sample variance ``var``, and ``E[|g|^2] = sqr + var / n``. These unbiased
         estimates (clipped at 0) feed moving averages; a step with one minibatch has no spread and
-        leaves them unchanged.
+        leaves them unchanged, and so does a step whose gradients are not finite (an overflow that a
+        ``GradScaler``, or the loop, skips: one such step must not make the averages NaN for good).
+        The gain is kept between 1 and ``B / R``.
         """
-        if m > 1:
+        if m > 1 and math.isfinite(weighted_sqnorm) and math.isfinite(grad_sqnorm):
             var = max((weighted_sqnorm - n * grad_sqnorm) / (m - 1), 0.0)
             sqr = max(grad_sqnorm - var / n, 0.0)
-            if self._var_avg is None or self._sqr_avg is None:
+            if (
+                self._var_avg is None
+                or self._sqr_avg is None
+                or not math.isfinite(
+                    self._var_avg + self._sqr_avg
+                )  # NaN from a checkpoint of an older version
+            ):
                 self._var_avg, self._sqr_avg = var, sqr
             else:
                 theta = self.adascale_smoothing
@@ -500,9 +582,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._var_avg is None or self._sqr_avg is None or n == ref:
             return 1.0
         denominator = self._var_avg / n + self._sqr_avg
-        if denominator <= 0.0:
+        if not denominator > 0.0:
             return 1.0
-        return (self._var_avg / ref + self._sqr_avg) / denominator
+        gain = (self._var_avg / ref + self._sqr_avg) / denominator
+        if not math.isfinite(gain):
+            return 1.0
+        low, high = sorted((1.0, n / ref))
+        return min(max(gain, low), high)  # rounding must not take it past the bounds
 
     # -- checkpoints -----------------------------------------------------------------------------
 

@@ -1,0 +1,212 @@
+"""`python -m torchfold train`: resume keeps the history, one run per checkpoint directory, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _loop_worker import sst_trees
+
+from torchfold._validate import max_threads
+from torchfold.cli.train import main as train_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _data(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    if not data.exists():
+        data.mkdir()
+        (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()[:24]))
+    return data
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        *("--trace", "12", "--data", str(_data(tmp_path)), "--minibatch-size", "6", "--hidden-dim", "4"),
+        *("--embedding-dim", "4", "--no-progress", "--log-every", "0", "--workers", "0"),
+        *extra,
+    ]
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    threads = torch.get_num_threads()
+    try:
+        code = train_main(args)
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _usage_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    [line] = err.splitlines()  # one line, no traceback
+    assert line.startswith("torchfold train: error: ") or line.startswith(
+        "python -m torchfold train: error: "
+    )
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_resume_appends_to_the_history_dropping_the_steps_it_repeats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    history, ck = tmp_path / "history.jsonl", tmp_path / "ck"
+    common = ("--history", str(history), "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+    assert _run(_args(tmp_path, "--max-steps", "3", *common), capsys)[0] == 0  # checkpoints at 2 and 3
+    (ck / "step-00000003.pt").unlink()  # resume from step 2: step 2's line is repeated
+    code, out, err = _run(_args(tmp_path, "--max-steps", "5", *common), capsys)
+    assert code == 0 and "resumed from" in out and "at step 2" in out, err
+    steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]
+    code, out, err = _run(_args(tmp_path, "--max-steps", "5", *common, "--no-resume"), capsys)
+    assert code == 0 and "resumed" not in out
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2, 3, 4]
+
+
+def _child(tmp_path: Path, ck: Path, max_steps: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["OMP_NUM_THREADS"] = "1"
+    args = _args(tmp_path, "--max-steps", max_steps, "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchfold", "train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_checkpoint_directory_in_use_is_refused(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    first = _child(tmp_path, ck, "100000")  # long enough to be running when the second starts
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ck.glob("step-*.pt")):  # it holds the lock before its first checkpoint
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first run wrote no checkpoint"
+            time.sleep(0.1)
+        second = _child(tmp_path, ck, "3")
+        _out, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        [line] = err.splitlines()
+        assert str(ck) in line and f"pid {first.pid} on host {socket.gethostname()}" in line, line
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.terminate()  # SIGTERM: it stops after the step, with a checkpoint
+        first.communicate(timeout=120)
+    assert first.returncode == 75
+    after = _child(tmp_path, ck, "0")  # the lock went with the process
+    _out, err = after.communicate(timeout=120)
+    assert after.returncode == 0, err
+
+
+def test_too_many_threads_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _out, err = _run(_args(tmp_path, "--max-steps", "1", "--threads", "100000"), capsys)
+    assert code == 2 and "argument --threads: must be at most" in err and "got 100000" in err, err
+    code, _out, err = _run(_args(tmp_path, "--max-steps", "1", "--threads", str(max_threads())), capsys)
+    assert code == 0, err
+
+
+def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, _, err = _run(["--trace", str(folder), "--data", str(_data(tmp_path)), "--max-steps", "1"], capsys)
+    _usage_error(code, err, f"--trace {folder} is a directory")
+    code, _, err = _run(_args(tmp_path, "--max-steps", "1", "--history", str(folder)), capsys)
+    _usage_error(code, err, f"--history {folder} is a directory")
+    code, _, err = _run(_args(tmp_path, "--max-steps", "1", "--checkpoint-dir", str(a_file)), capsys)
+    _usage_error(code, err, f"--checkpoint-dir {a_file} is a file")
+
+
+def test_an_unwritable_history_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _out, err = _run(_args(tmp_path, "--max-steps", "2", "--history", "/dev/full"), capsys)
+    assert code == 1, err
+    [line] = err.splitlines()
+    assert "--history /dev/full" in line and "No space left on device" in line, line
+
+
+@pytest.fixture
+def full_dir(tmp_path: Path) -> object:
+    """A directory on a real 64 KiB filesystem (tmpfs; needs root to mount)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tiny tmpfs needs root; run this test as root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_checkpoint_that_cannot_be_written_names_the_file_the_cause_and_the_intact_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], full_dir: Path
+) -> None:
+    # Checkpoints of a few KiB: the first ones fit, a later one fills the filesystem.
+    args: list[str] = []
+    code, _out, err = _run(
+        _args(
+            tmp_path,
+            "--max-steps",
+            "40",
+            "--checkpoint-dir",
+            str(full_dir),
+            "--checkpoint-every",
+            "1",
+            "--keep-checkpoints",
+            "40",
+            *args,
+        ),
+        capsys,
+    )
+    assert code == 1, err
+    [line] = err.splitlines()
+    assert "cannot write checkpoint" in line and "No space left on device" in line, line
+    assert "the earlier checkpoints are intact (newest: " in line and "inline_container" not in line, line
+    assert not [p for p in full_dir.iterdir() if ".tmp-" in p.name]  # the partial file is gone
+
+
+@pytest.mark.parametrize(
+    ("trace", "needles"),
+    [
+        ("0", ["--trace 0", "positive integer"]),
+        ("-5", ["--trace -5", "positive integer"]),
+        ("32.5", ["--trace 32.5", "whole number"]),
+        ("no-such-trace.csv", ["--trace no-such-trace.csv: "]),
+        ("linear:32", ["--trace linear:32: "]),
+    ],
+)
+def test_trace_mistakes_name_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trace: str, needles: list[str]
+) -> None:
+    args = ["--trace", trace, "--data", str(_data(tmp_path)), "--max-steps", "1"]
+    code, _, err = _run(args, capsys)
+    _usage_error(code, err, *needles)
+    assert "batch_size" not in err
+
+
+def test_an_endless_trace_asks_for_the_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["--trace", "12", "--data", str(_data(tmp_path)), "--minibatch-size", "6"], capsys)
+    _usage_error(code, err, "--trace 12", "--max-steps N or --epochs N")
+    assert "fit()" not in err and "max_steps=" not in err
+
+
+def test_no_data_is_a_usage_error_saying_how_to_get_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(["--trace", "12", "--max-steps", "1", "--minibatch-size", "6"], capsys)
+    _usage_error(code, err, "--data DIR", "TORCHFOLD_DATA", "--generate N")

@@ -1,7 +1,7 @@
 # The two commands the README documents (each creates the environment it needs):
 #   make demo   - create .venv and run the main job: a short Tree-LSTM training demo
 #   make test   - create .venv (and .venv-xla: torch_xla on its CPU backend) and run lint, type
-#                 checks and the whole test suite, the XLA tests included
+#                 checks, the docs build and the whole test suite, the XLA tests included
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,14 +14,14 @@ DYNET_VENV ?= .venv-dynet
 DYNET_STAMP := $(DYNET_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck unit test-xla env env-xla env-dynet clean
+.PHONY: demo test lint typecheck docs unit test-xla env env-xla env-dynet clean
 
 env: $(STAMP)
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,notebooks]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,notebooks,plot,docs]'
 	touch $@
 
 env-xla: $(XLA_STAMP)
@@ -44,11 +44,16 @@ demo: env
 	$(BIN)/python -m torchfold demo $(DEMO_ARGS)
 
 lint: env
-	$(BIN)/ruff check torchfold tests benchmarks scripts
-	$(BIN)/ruff format --check torchfold tests benchmarks scripts
+	$(BIN)/ruff check torchfold tests benchmarks scripts docs/_hooks
+	$(BIN)/ruff format --check torchfold tests benchmarks scripts docs/_hooks
 
 typecheck: env
 	$(BIN)/mypy
+
+# the site goes under build/ (git-ignored); --strict turns every warning (a broken link, a
+# docstring reference that does not resolve) into a failure
+docs: env
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 unit: env env-dynet
 	$(BIN)/python -m pytest -m "not xla"
@@ -56,7 +61,7 @@ unit: env env-dynet
 test-xla: env-xla
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py
 
-test: lint typecheck unit test-xla
+test: lint typecheck docs unit test-xla
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(DYNET_VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -20,12 +20,30 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["torchfold", "torchfold.*"]),
     package_data={"torchfold": ["py.typed"]},
-    install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60", "matplotlib>=3.6"],
+    install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.80", "ruff>=0.5", "mypy>=1.8"],
-        "notebooks": ["torchvision>=0.16", "mlxtend>=0.23", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
+        # Fold.draw, trace and replay plots
+        "plot": ["matplotlib>=3.6"],
+        # TPUs (and XLA's CPU backend): torch_xla pins its own torch
         "xla": ["torch_xla>=2.1"],
-        "plot": ["matplotlib>=3.6"],  # already a dependency; named so the plotting error can point to it
+        "notebooks": [
+            "matplotlib>=3.6",
+            "torchvision>=0.16",
+            "mlxtend>=0.23",
+            "nbclient>=0.9",
+            "nbformat>=5.9",
+            "ipykernel>=6",
+        ],
+        "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mkdocs-material>=9.5"],
+        # setuptools: tests/test_wheel.py builds the wheel without build isolation
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout>=2.1",
+            "hypothesis>=6.80",
+            "ruff>=0.5",
+            "mypy>=1.8",
+            "setuptools>=64",
+        ],
     },
     entry_points={"console_scripts": ["torchfold=torchfold.cli:main"]},
     classifiers=[

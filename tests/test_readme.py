@@ -1,5 +1,5 @@
-"""The README's examples run as written: the quickstart (with the plan it shows), DataLoader-built
-plans and the training snippet."""
+"""The README's examples run as written (the quickstart with the plan it shows, DataLoader-built
+plans, the training snippets), and the README stays a user guide: short, no lab notes, no dead links."""
 
 from __future__ import annotations
 
@@ -17,17 +17,45 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def quickstart() -> tuple[str, str]:
+    """The Quickstart section's one python block and the output block shown under it."""
+    section = re.search(r"^## Quickstart\n(.*?)^## ", README.read_text(), flags=re.S | re.M)
+    assert section is not None, "README.md has no '## Quickstart' section"
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", section.group(1), flags=re.S | re.M)
+    code = [body for lang, body in blocks if lang == "python"]
+    shown = [body for lang, body in blocks if not lang]
+    assert len(code) == 1 and len(shown) == 1, "the Quickstart has one python block and its output"
+    return code[0], shown[0]
+
+
 def test_quickstart_runs_and_prints_the_documented_plan() -> None:
-    quickstart = next(b for b in python_blocks() if "fold.apply" in b)
-    assert len(quickstart.strip().splitlines()) <= 25
+    code, shown = quickstart()
+    assert len(code.strip().splitlines()) <= 25
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
-        exec(compile(quickstart, str(README), "exec"), {})
-    printed = output.getvalue()
-    assert printed.startswith("torch.Size([3, 16])\n")
-    shown = re.search(r"```\n(Fold: .*?)```", README.read_text(), flags=re.S)
-    assert shown is not None
-    assert printed.split("\n", 1)[1] == shown.group(1)
+        exec(compile(code, str(README), "exec"), {})
+    assert output.getvalue() == "torch.Size([3, 16])\n" + shown
+
+
+def test_readme_is_a_short_user_guide() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 350
+    for heading in ("## Install", "## Quickstart", "## How it works", "## Command line", "## API map"):
+        assert f"\n{heading}\n" in text, heading
+    assert "make demo" in text and "make test" in text
+    # No lab notebook: issue numbers, commit hashes, run numbers.
+    assert not re.search(r"\bissue \d+|#\d+\b|\brun \d+\b", text, flags=re.I)
+    hashes = [
+        w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"[a-f]", w) and re.search(r"\d", w)
+    ]
+    assert not hashes, hashes
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    text = README.read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            assert (README.parent / target).exists(), target
 
 
 def test_training_snippets_run_the_trace() -> None:

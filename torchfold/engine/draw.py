@@ -1,7 +1,8 @@
 """Pictures of a fold: nodes laid out by depth, each batched group drawn as one box.
 
-Uses matplotlib only (no graphviz). Small folds show every node and edge; folds with more
-than ``max_nodes`` nodes are drawn one box per group, with edges between groups.
+Uses matplotlib only (no graphviz), from the ``plot`` extra: ``pip install 'torchfold[plot]'``.
+Small folds show every node and edge; folds with more than ``max_nodes`` nodes are drawn one
+box per group, with edges between groups.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def draw_fold(
 
     Raises:
         ValueError: more than ``max_groups`` groups to draw, or no group at ``depths``.
+        ImportError: matplotlib is missing (install the ``plot`` extra).
 
     Example:
         >>> import torchfold
@@ -67,6 +69,7 @@ def draw_fold(
         >>> a = f.add("leaf", 1)
         >>> fig = f.draw(title="one leaf")
     """
+    _require_matplotlib()
     groups = fold.groups()
     all_depths = len({g.depth for g in groups})
     if depths is not None:
@@ -115,6 +118,19 @@ def draw_fold(
     if path is not None:
         fig.savefig(path, dpi=120, bbox_inches="tight")
     return fig
+
+
+def _require_matplotlib() -> None:
+    # matplotlib is the optional `plot` extra: name the extra to install, keeping the import error's type.
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise type(error)(
+            f"Fold.draw needs matplotlib, which could not be imported ({error}): "
+            "pip install 'torchfold[plot]'",
+            name=error.name,
+            path=error.path,
+        ) from error
 
 
 def _column_height(groups: Sequence[Group], depth: int) -> float:

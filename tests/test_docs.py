@@ -1,0 +1,89 @@
+"""The documentation stays whole: its examples run, every page is in the nav, every public module
+has an API page. (``make docs`` builds it with ``mkdocs build --strict``.)"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.S | re.M)
+
+
+# What each page's examples print, as the page says in its comments.
+PRINTS = {
+    "index.md": "tensor([1., 3., 5.])\n",
+    "guide/engine.md": "Fold: 15 nodes in 4 batched groups over 4 depths\n",
+    "guide/static-shapes.md": "torch.Size([3, 1]) torch.Size([16, 1])\n",
+    "guide/training.md": "[32, 64, 96, 64, 32]\n",
+}
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(DOCS))
+)
+def test_python_examples_run(page: Path) -> None:
+    # A page's blocks run in order in one namespace, as a reader would type them.
+    out = io.StringIO()
+    scope: dict[str, object] = {}
+    with contextlib.redirect_stdout(out):
+        for block in python_blocks(page):
+            exec(compile(block, str(page), "exec"), scope)
+    name = page.relative_to(DOCS).as_posix()
+    assert out.getvalue().startswith(PRINTS[name]), (name, out.getvalue())
+
+
+def test_every_page_is_in_the_nav() -> None:
+    nav = set(re.findall(r":\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M))
+    assert nav == {p.relative_to(DOCS).as_posix() for p in PAGES}
+
+
+def test_every_public_module_has_an_api_page() -> None:
+    documented = {
+        line.split()[1]
+        for page in (DOCS / "api").glob("*.md")
+        for line in page.read_text().splitlines()
+        if line.startswith("::: ")
+    }
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for sub in ("engine", "train", "examples")
+        for p in (ROOT / "torchfold" / sub).rglob("*.py")
+        if not p.name.startswith("_")
+    }
+    assert modules - documented == set()
+    assert {
+        "torchfold",
+        "torchfold.engine",
+        "torchfold.train",
+        "torchfold.examples",
+        "torchfold.cli",
+    } <= documented
+
+
+def test_pictures_match_the_repository_originals() -> None:
+    # mkdocs serves only what is under docs/, so the engine page keeps copies of img/.
+    for copy in (DOCS / "guide" / "img").iterdir():
+        assert copy.read_bytes() == (ROOT / "img" / copy.name).read_bytes(), copy.name
+
+
+def test_doctest_blocks_render_as_code() -> None:
+    spec = importlib.util.spec_from_file_location("doctest_fences", DOCS / "_hooks" / "doctest_fences.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "Example:\n    >>> [[1, 2]]\n    [[1, 2]]\n\nAfter."
+    assert (
+        module.fence_doctests(text)
+        == "Example:\n    ```pycon\n    >>> [[1, 2]]\n    [[1, 2]]\n    ```\n\nAfter."
+    )

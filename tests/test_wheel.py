@@ -1,0 +1,184 @@
+"""Release check: the wheel installs into a clean virtual environment and runs the README's quickstart.
+
+The environment is made with ``python -m venv``, without system or user site-packages, outside
+the repository, with no ``PYTHONPATH``. Installing torch there from the index would unpack
+gigabytes (CUDA libraries) for minutes, so the venv is lent this environment's torch instead:
+a folder of links to exactly torch and the distributions it requires (their files and
+metadata, found from torch's own requirements), added to the venv's path after its own
+site-packages. Nothing else of this environment is visible: not torchfold (the test checks
+that ``import torchfold`` fails before the wheel goes in, and that the imported one comes from
+the venv), not numpy or tqdm (pip must install them from the wheel's requirements: the test
+checks they are absent first), not matplotlib (a plain install must not pull it in).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+import torchfold
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quickstart() -> tuple[str, str]:
+    """The README's Quickstart section: its one python block and the output block shown under it."""
+    section = re.search(r"^## Quickstart\n(.*?)^## ", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+    assert section is not None, "README.md has no '## Quickstart' section"
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", section.group(1), flags=re.S | re.M)
+    code = [body for lang, body in blocks if lang == "python"]
+    shown = [body for lang, body in blocks if not lang]
+    assert len(code) == 1 and len(shown) == 1, "the Quickstart has one python block and its output"
+    return code[0], shown[0]
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without anything that would let the venv see another torchfold."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PYTHONNOUSERSITE"] = "1"  # no ~/.local site-packages either
+    return env
+
+
+def run(args: list[str | Path], cwd: Path) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def lend_torch(site: Path, into: Path) -> list[str]:
+    """Link torch and every distribution it requires (transitively) into ``into``; add it to ``site``."""
+    into.mkdir()
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = ["torch"]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in found:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a requirement whose marker is true but which torch does without here
+        found[name] = dist
+        for line in dist.requires or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    for dist in found.values():
+        base = Path(str(dist.locate_file("")))
+        tops = {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops - {"__pycache__"}:
+            if not (into / top).exists():
+                (into / top).symlink_to(base / top)
+    (site / "lent-torch.pth").write_text(f"{into}\n")
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def work() -> Iterator[Path]:
+    # Not pytest's tmp_path, which keeps the last runs' folders: each holds a whole venv.
+    with tempfile.TemporaryDirectory(prefix="torchfold-wheel-") as directory:
+        path = Path(directory).resolve()
+        assert not path.is_relative_to(ROOT), f"{path} must lie outside the repository"
+        yield path
+
+
+@pytest.fixture(scope="module")
+def wheel(work: Path) -> Path:
+    """The wheel, built from a copy of the sources (so no stale build/ folder can leak into it)."""
+    source = work / "source"
+    source.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "torchfold", source / "torchfold", ignore=shutil.ignore_patterns("__pycache__"))
+    dist = work / "dist"
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, source], work)
+    (built,) = dist.glob("torchfold-*.whl")
+    return built
+
+
+def test_wheel_holds_the_package_and_requires_no_extra(wheel: Path) -> None:
+    assert wheel.name.startswith(f"torchfold-{torchfold.__version__}-")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        requires = [
+            line.removeprefix("Requires-Dist: ")
+            for line in archive.read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist: ")
+        ]
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "torchfold").rglob("*.py")}
+    assert modules <= names, f"missing from the wheel: {sorted(modules - names)}"
+    assert "torchfold/py.typed" in names
+    assert {n.split("/")[0] for n in names} == {"torchfold", metadata.split("/")[0]}
+    plain = sorted(re.split(r"[<>=! ;\[]", r)[0] for r in requires if "extra ==" not in r)
+    assert plain == ["numpy", "torch", "tqdm"]
+    extras = {m.group(1) for r in requires if (m := re.search(r"extra == \"(\w+)\"", r))}
+    assert extras == {"dev", "docs", "notebooks", "plot", "xla"}
+
+
+@pytest.mark.timeout(600)
+def test_clean_install_runs_the_quickstart_outside_the_repository(work: Path, wheel: Path) -> None:
+    venv = work / "venv"
+    run([sys.executable, "-m", "venv", venv], work)
+    python = venv / "bin" / "python"
+    outside = work / "run"
+    outside.mkdir()
+    site = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], outside).stdout
+    lent = lend_torch(Path(site.strip()), work / "torch")
+    assert "torch" in lent and not {"torchfold", "numpy", "tqdm", "matplotlib"} & set(lent), lent
+
+    for module in ("torchfold", "numpy", "tqdm", "matplotlib"):
+        before = subprocess.run(
+            [python, "-c", f"import {module}"], cwd=outside, env=clean_env(), capture_output=True, text=True
+        )
+        assert before.returncode != 0 and f"No module named '{module}'" in before.stderr, (
+            f"the venv is not clean: it imports {module} before the wheel is installed"
+        )
+    assert run([python, "-c", "import torch; print(torch.__version__)"], outside).stdout.strip() == str(
+        torch.__version__
+    )
+
+    run([python, "-m", "pip", "install", "--quiet", wheel], outside)
+
+    code, shown = quickstart()
+    (outside / "quickstart.py").write_text(code)
+    printed = run([python, "quickstart.py"], outside).stdout
+    assert printed == "torch.Size([3, 16])\n" + shown
+
+    probe = (
+        "import importlib.util, torchfold; "
+        "print(torchfold.__file__); print(torchfold.__version__); "
+        "print(importlib.util.find_spec('matplotlib') is None)"
+    )
+    where, version, no_matplotlib = run([python, "-c", probe], outside).stdout.split()
+    for module in ("numpy", "tqdm"):  # installed by pip from the wheel's requirements, into the venv
+        found = run([python, "-c", f"import {module}; print({module}.__file__)"], outside).stdout.strip()
+        assert Path(found).is_relative_to(venv), found
+    assert Path(where).is_relative_to(venv), f"torchfold imported from {where}, not the clean venv"
+    assert version == torchfold.__version__
+    assert no_matplotlib == "True", "a plain install must not pull in matplotlib (the plot extra)"
+    # Without the plot extra, Fold.draw says which extra to install.
+    draw = "import torchfold; f = torchfold.Fold(); f.add('leaf', 1); f.draw()"
+    failed = subprocess.run(
+        [python, "-c", draw], cwd=outside, env=clean_env(), capture_output=True, text=True
+    )
+    assert failed.returncode != 0 and "pip install 'torchfold[plot]'" in failed.stderr, failed.stderr
+    usage = run([venv / "bin" / "torchfold", "--help"], outside).stdout
+    assert usage.startswith("usage: python -m torchfold")

@@ -308,3 +308,49 @@ def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_pa
             f"step {number}: both replicas read {set(mine[0]) & set(mine[1])}"
         )
         assert sorted(mine[0] + mine[1]) == samples, f"step {number}"
+
+
+SST_DIR = HERE.parent.parent / "shared" / "data" / "sst"
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_captured_training_on_xla_devices_equals_one_cpu_process(tmp_path: Path, devices: int) -> None:
+    """TraceTrainer(compile="on") with openxla: 32 steps of varying minibatch counts, a resume mid-run.
+
+    On 2 CPU devices (threads of one process) the trainer falls back to lazy steps, with a warning.
+    """
+    sys.path.insert(0, str(HERE))
+    from _xla_compiled_worker import TRACE, train_on_cpu
+
+    out = tmp_path / "compiled.pt"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_xla_compiled_worker.py"), str(SST_DIR), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = train_on_cpu(str(SST_DIR))
+    counts = []
+    for rank in range(devices):
+        replica = torch.load(f"{out}.rank{rank}", weights_only=False)
+        assert (replica["world_size"], replica["rank"]) == (devices, rank)
+        if devices == 1:
+            assert replica["captures"] == 1  # one layout: captured once, replayed for every minibatch
+        else:  # replicas that are threads of one process cannot capture: lazy steps, and a warning
+            assert replica["captures"] == 0
+            assert any("replicas as threads" in w for w in replica["warnings"]), replica["warnings"]
+        compilations = replica["compilations"]
+        assert len(compilations) == len(TRACE)
+        # every minibatch count has been seen by step 8: no compilation after it
+        assert compilations[-1] == compilations[7], compilations
+        for p, q in zip(replica["params"], expected, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        if devices == 1:  # the resume from step 16 continues the same run
+            for r, p in zip(replica["resumed_params"], replica["params"], strict=True):
+                torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-6)
+        counts.append(replica["local_minibatches"])
+    if devices == 2:
+        assert counts[0] != counts[1] and 0 in counts[1]

@@ -45,6 +45,7 @@ from torchfold.examples.datasets import (
 )
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, load_checkpoint
+from torchfold.train.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.distributed import default_device, init_distributed
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
@@ -161,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): XLA when PJRT_DEVICE is set and torch_xla is installed, else CUDA if present, "
         "else the CPU; on XLA, folds are padded into static shapes fitted to the first minibatches",
+    )
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="auto",
+        help="capture each minibatch's forward, loss and backward once per static-shape layout and replay it: "
+        "auto (default) on XLA and CUDA, on: also on the CPU, off: never",
     )
     p.add_argument(
         "--workers",
@@ -421,7 +429,11 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         trees,
         args.minibatch_size,
         build=TreeLSTMBuild(
-            vocab, shapes=_static_shapes(trees, vocab, fold_trees) if device.type == "xla" else None
+            vocab,
+            # static shapes: what XLA needs to repeat its graphs, and what a captured step replays
+            shapes=_static_shapes(trees, vocab, fold_trees)
+            if device.type == "xla" or wants_compile(args.compile, device)
+            else None,
         ),
         trace=trace,
         seed=args.seed,
@@ -458,6 +470,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         on_step=record,
         seed=args.seed,  # each fold's random draws: the same on any number of processes
         settings=_checkpoint_settings(args, trace, len(trees)),
+        compile=args.compile,
     )
     main_rank = trainer.is_main
     if main_rank:

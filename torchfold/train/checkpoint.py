@@ -118,7 +118,9 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **state}
+    # On the host: a file of XLA (or CUDA) storages cannot be read back with weights_only, nor
+    # on a machine without that device; loading copies the values into the model's own tensors.
+    state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **_on_host(state)}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as handle:
@@ -216,6 +218,18 @@ class CheckpointDirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _on_host(value: Any) -> Any:
+    """``value`` with every tensor on a device other than the CPU copied to the CPU (containers rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_on_host(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
 
 
 def _fix(path: Path) -> str:

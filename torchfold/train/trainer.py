@@ -67,6 +67,7 @@ from torchfold.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from torchfold.train.compiled import CompiledLoss, check_loss, wants_compile
 from torchfold.train.distributed import (
     all_reduce_sum_,
     broadcast_parameters,
@@ -184,6 +185,12 @@ class TraceTrainer:
             (e.g. a command line's ``{"--hidden-dim": 64}``; plain values). Saved in every
             checkpoint; a resume with a different value is refused naming the setting and both
             values.
+        compile: capture each minibatch's forward, loss and backward once per static-shape
+            layout and replay it (:class:`~torchfold.train.compiled.CompiledLoss`): ``"auto"``
+            (default) on XLA and CUDA, ``"on"`` on any device, ``"off"`` never. Needs the build
+            to return static-shape plans (``StaticPlan``); other plans run eagerly.
+        compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
+            on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
 
     Example:
         >>> import torchfold
@@ -220,6 +227,8 @@ class TraceTrainer:
         handle_sigterm: bool = True,
         preemption_timeout: float = 120.0,
         settings: dict[str, Any] | None = None,
+        compile: str = "auto",
+        compile_backend: str | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -284,6 +293,13 @@ class TraceTrainer:
         self.handle_sigterm = handle_sigterm
         self.preemption_timeout = float(preemption_timeout)
         self.settings = dict(settings or {})
+        #: the captured steps, or None when steps run eagerly (see ``compile``)
+        self.compile = compile
+        self.compiled: CompiledLoss | None = (
+            CompiledLoss(model, loss, device=self.device, backend=compile_backend)
+            if wants_compile(compile, self.device)
+            else None
+        )
         self._sigterm_received = False
         self._warned_unpadded = False
         self.next_step: int = loader.next_step
@@ -450,13 +466,14 @@ class TraceTrainer:
             with self.optimizer.minibatch(minibatch.num_samples):
                 # padded=True: a static-shape plan's outputs keep their capacity (the build padded
                 # the targets to match), so every minibatch runs the same graph on XLA
-                loss = self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise TypeError(
-                        f"loss must return a scalar tensor (the minibatch's loss), got "
-                        f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                # compile="on" refuses an unpadded plan (CompiledLoss says how to fix it); "auto" runs it eagerly
+                if self.compiled is not None and (isinstance(fold_plan, StaticPlan) or self.compile == "on"):
+                    loss = self.compiled(fold_plan, targets)  # forward, loss and backward, captured
+                else:
+                    loss = check_loss(
+                        self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
                     )
-                loss.backward()
+                    loss.backward()
             if self.device.type == "xla":
                 # One graph per minibatch (forward, backward, gradient accumulation): a step with a
                 # new number of minibatches then reuses the graphs compiled before
@@ -468,6 +485,10 @@ class TraceTrainer:
             samples += minibatch.num_samples
         self.optimizer.step()
         self.optimizer.zero_grad()
+        if self.device.type == "xla":
+            # The update as a graph of its own (the same every step): left pending, it would be
+            # cut wherever the next host read falls (a checkpoint's copy: a graph per tensor)
+            xla_sync()
         if self.optimizer.last_batch_size != plan.batch_size:
             raise RuntimeError(
                 f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
@@ -636,7 +657,9 @@ class TraceTrainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Resume from a checkpoint file (every rank reads it)."""
-        self.load_state_dict(load_checkpoint(path, map_location=self.device), source=f"checkpoint {path}")
+        # Read on the host (torch.load cannot place a storage on an XLA device); loading copies the
+        # values into the model's and the optimizer's tensors on their devices.
+        self.load_state_dict(load_checkpoint(path, map_location="cpu"), source=f"checkpoint {path}")
 
     def resume(self) -> Path | None:
         """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none."""

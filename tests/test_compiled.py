@@ -1,0 +1,213 @@
+"""Captured steps (torchfold.train.compiled): equal to the eager step, captured once per layout, clear refusals.
+
+The captures here use torch.compile's ``aot_eager`` backend: dynamo and AOTAutograd capture the
+forward and backward graphs exactly as on XLA or CUDA, without generating code (fast on a CPU).
+The XLA lane (tests/test_xla.py) runs the real ``openxla`` backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchfold import Fold, StaticPlan, StaticShapes, StaticShapesWarning
+from torchfold.examples.datasets import Vocab, load_sst
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
+from torchfold.train.compiled import CompiledLoss, compile_backend, wants_compile
+
+BACKEND = "aot_eager"
+SST = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst"
+
+
+class Chain(torch.nn.Module):
+    """Leaves from ints, a binary op, a unary op: enough for random forests of any shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.mix = torch.nn.Linear(8, 4)
+        self.out = torch.nn.Linear(4, 1)
+
+    def leaf(self, word: torch.Tensor) -> torch.Tensor:
+        return self.embed(word)
+
+    def pair(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(torch.cat([a, b], 1)))
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+def _forest(fold: Fold, shapes: list[int], seed: int) -> list[object]:
+    rng = np.random.default_rng(seed)
+    roots = []
+    for leaves in shapes:
+        nodes = [fold.add("leaf", int(rng.integers(10))) for _ in range(leaves)]
+        while len(nodes) > 1:
+            i = int(rng.integers(len(nodes) - 1))
+            nodes[i : i + 2] = [fold.add("pair", nodes[i], nodes[i + 1])]
+        roots.append(fold.add("score", nodes[0]))
+    return roots
+
+
+def _loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return (outputs[0].squeeze(1) * targets).pow(2).sum()
+
+
+def _eager_and_captured(
+    plan: StaticPlan, targets: torch.Tensor, captured: CompiledLoss, model: Chain
+) -> None:
+    reference = copy.deepcopy(model)
+    expected = _loss(reference, plan.apply(reference, padded=True), targets)
+    expected.backward()
+    got = captured(plan, targets)  # forward, loss and backward
+    assert not got.requires_grad
+    torch.testing.assert_close(got, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name  # an op no plan of the envelope ran has none
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=4), st.integers(0, 99)
+)
+def test_captured_loss_and_gradients_equal_the_eager_step(batches: list[list[int]], seed: int) -> None:
+    torch.manual_seed(seed)
+    model = Chain()
+    shapes = StaticShapes(min_rows=4)
+    captured = CompiledLoss(model, _loss, backend=BACKEND)
+    for number, trees in enumerate(batches):
+        fold = Fold(shapes=shapes)
+        plan = fold.plan([_forest(fold, trees, seed + number)])
+        assert isinstance(plan, StaticPlan)
+        weights = plan.pad(0, np.linspace(0.5, 1.5, len(trees)).astype(np.float32))
+        model.zero_grad(set_to_none=True)
+        _eager_and_captured(plan, weights, captured, model)
+    assert 1 <= captured.captures <= shapes.version * 2
+
+
+def test_one_capture_per_layout_and_a_new_one_after_growth() -> None:
+    torch.manual_seed(0)
+    model, shapes = Chain(), StaticShapes(min_rows=4, warmup=12, headroom=1.0, level_step=1)
+    captured = CompiledLoss(model, _loss, backend=BACKEND)
+    unpadded = []
+    for seed in range(6):
+        fold = Fold(shapes=None)
+        unpadded.append(fold.plan([_forest(fold, [2, 3], seed)]))
+    for plan in unpadded:  # the warm-up: the envelope grows to fit them all, silently
+        shapes.fit(plan)
+    plans = [shapes.fit(plan) for plan in unpadded]
+    keys = {plan.layout.key for plan in plans}
+    assert len(keys) == 1
+    for plan in plans:
+        captured(plan, plan.pad(0, [1.0, 1.0]))
+    assert captured.captures == 1
+    fold = Fold(shapes=shapes)
+    with pytest.warns(StaticShapesWarning):  # the envelope grows: one warning, one new capture
+        bigger = fold.plan([_forest(fold, [6, 6, 6, 6, 6], 9)])
+    assert bigger.layout.key not in keys
+    reference = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    _eager_and_captured(bigger, bigger.pad(0, [1.0] * 5), captured, model)
+    assert captured.captures == 2
+    del reference
+
+
+def test_a_replaced_parameter_is_captured_anew_never_run_stale() -> None:
+    torch.manual_seed(0)
+    model, shapes = Chain(), StaticShapes(min_rows=4)
+    captured = CompiledLoss(model, _loss, backend=BACKEND)
+    fold = Fold(shapes=shapes)
+    plan = fold.plan([_forest(fold, [3, 2], 0)])
+    targets = plan.pad(0, [1.0, 1.0])
+    captured(plan, targets)
+    model.out.weight = torch.nn.Parameter(torch.full_like(model.out.weight, 3.0))
+    model.zero_grad(set_to_none=True)
+    _eager_and_captured(plan, targets, captured, model)
+
+
+def test_an_unpadded_plan_is_refused_with_the_fix() -> None:
+    model = Chain()
+    fold = Fold(shapes=None)
+    plan = fold.plan([_forest(fold, [2], 0)])
+    with pytest.raises(TypeError, match=r"static-shape plan .*compile='off'"):
+        CompiledLoss(model, _loss, backend=BACKEND)(plan, torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_a_loss_that_reads_a_value_on_the_host_names_the_op() -> None:
+    model = Chain()
+
+    def syncing(model: torch.nn.Module, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        values = outputs[0].tolist()  # a device-to-host read: cannot be part of a captured graph
+        return outputs[0].sum() * len(values)
+
+    fold = Fold(shapes=StaticShapes(min_rows=4))
+    plan = fold.plan([_forest(fold, [2], 0)])
+    captured = CompiledLoss(model, syncing, backend=BACKEND)
+    with pytest.raises(Exception, match="tolist") as info:
+        captured(plan, torch.ones(4))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "cannot be captured as one graph" in notes and "compile='off'" in notes
+    assert "test_compiled.py:" in notes and "outputs[0].tolist()" in notes  # the user's line that read
+    assert captured.captures == 0  # nothing half-captured is kept
+
+
+def test_compile_choices() -> None:
+    cpu, cuda, xla = torch.device("cpu"), torch.device("cuda"), torch.device("xla")
+    assert [wants_compile("auto", d) for d in (cpu, cuda, xla)] == [False, True, True]
+    assert [wants_compile("off", d) for d in (cpu, cuda, xla)] == [False, False, False]
+    assert wants_compile("on", cpu)
+    with pytest.raises(ValueError, match=r"compile must be one of \('auto', 'off', 'on'\), got 'yes'"):
+        wants_compile("yes", cpu)
+    assert compile_backend(xla) == ("openxla", None)
+    assert compile_backend(cuda) == ("inductor", "reduce-overhead")
+
+
+def _sst_trainer(compile: str, trees: list[object], vocab: Vocab, shapes: StaticShapes) -> TraceTrainer:
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 8, 8)
+    optimizer = AccumulatingOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), lr_rule="linear", ref_batch_size=8
+    )
+    loader = StepLoader(
+        trees, 4, build=TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes)), trace=[8, 4, 12, 16, 4], seed=1
+    )
+    return TraceTrainer(
+        model, optimizer, loader, tree_lstm_loss, progress=False, compile=compile, compile_backend=BACKEND
+    )
+
+
+@pytest.mark.skipif(not SST.is_dir(), reason="needs ../shared/data/sst beside the repository")
+def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst() -> None:
+    trees = load_sst(SST, split="train", max_trees=44)
+    vocab = Vocab.build(trees)
+    shapes = StaticShapes()
+    for start in range(0, len(trees), 4):  # fitted on the host first: the envelope does not grow in training
+        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+    eager, captured = _sst_trainer("off", trees, vocab, shapes), _sst_trainer("on", trees, vocab, shapes)
+    assert eager.compiled is None and captured.compiled is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaticShapesWarning)
+        expected, got = eager.fit(), captured.fit()
+    assert [s.num_minibatches for s in got] == [2, 1, 3, 4, 1]  # a varying number of minibatches per step
+    assert [s.loss for s in got] == pytest.approx([s.loss for s in expected], rel=1e-5)
+    for p, q in zip(captured.model.parameters(), eager.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for a, b in zip(
+        captured.optimizer.state_dict()["state"].values(),
+        eager.optimizer.state_dict()["state"].values(),
+        strict=True,
+    ):
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7)
+    assert captured.compiled.captures == 1

@@ -11,12 +11,15 @@ and Adam step, synchronised at the end:
 * ``static plans``: the plans padded into one ``StaticShapes`` envelope (fitted to all batches
   first, so that every plan runs the same operations on the same shapes), applied eagerly,
   padded rows weighing 0 in the loss;
-* ``static plans, CUDA graph``: the same padded step (forward, loss, backward, ``Adam(capturable=True)``)
-  captured once per envelope layout in a ``torch.cuda.CUDAGraph`` and replayed, after copying
-  the plan's packed index array, labels and weights into the graph's input buffers.
+* ``static plans, captured``: the same padded step's forward, loss and backward captured once per
+  envelope layout by the library (``torchfold.train.compiled.CompiledLoss``: torch.compile's
+  inductor with CUDA graphs) and replayed with each plan's index tensors; fused Adam after;
+* ``TraceTrainer, captured``: the library's training loop (``TraceTrainer(compile="auto")``) over
+  a ``StepLoader`` whose worker process builds the static plans, one step per batch.
 
 Before timing, the first batch's loss must agree between every version (the graph's replay
-too). ``--device cpu`` runs the eager versions on the CPU (no graph), for the smoke test.
+too; the trainer's loss weighs trees, not nodes, equally, so it is left out of that check).
+``--device cpu`` runs the eager versions on the CPU (no capture), for the smoke test.
 
 Usage::
 
@@ -41,9 +44,10 @@ import tree_lstm
 from torch import Tensor
 
 import torchfold
-from torchfold.engine.static import StaticInputs, StaticPlan
+from torchfold.engine.static import StaticPlan
 from torchfold.examples.datasets import Vocab
-from torchfold.examples.models import TreeLSTM, encode_trees, tree_lstm_loss
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, encode_trees, tree_lstm_loss
+from torchfold.train.compiled import CompiledLoss
 
 
 def hand_plan_to(plan: tree_lstm.Plan, device: torch.device) -> tree_lstm.Plan:
@@ -63,30 +67,6 @@ def weighted_targets(batch: tree_lstm.Batch) -> tuple[np.ndarray, np.ndarray]:
     """Labels of every node and weights that make the weighted sum the mean over the batch's nodes."""
     labels = np.asarray([label for flat in batch.flat for label in flat.labels], dtype=np.int64)
     return labels, np.full(len(labels), 1 / len(labels))
-
-
-def optimizer_state_snapshot(optimizer: torch.optim.Optimizer) -> dict[Tensor, dict[str, Tensor]]:
-    """Copies of the optimizer's state tensors, per parameter (none for parameters without state yet)."""
-    return {
-        param: {key: value.clone() for key, value in state.items() if isinstance(value, Tensor)}
-        for param, state in optimizer.state.items()
-    }
-
-
-def restore_optimizer_state(
-    optimizer: torch.optim.Optimizer, snapshot: dict[Tensor, dict[str, Tensor]]
-) -> None:
-    """Put the state back into the optimizer's own state tensors (a CUDA graph holds those): from
-    ``snapshot``, or zeros for a parameter that had no state then (Adam's state before its first step)."""
-    for param, state in optimizer.state.items():
-        before = snapshot.get(param)
-        for key, value in state.items():
-            if not isinstance(value, Tensor):
-                continue
-            if before is None:
-                value.zero_()
-            else:
-                value.copy_(before[key])
 
 
 class Version:
@@ -148,72 +128,56 @@ class Planned(Version):
         return tree_lstm_loss(self.model, plan.apply(self.model, padded=True), self.targets[i])
 
 
-class Graphed(Version):
-    """Static plans replayed from CUDA graphs, one per envelope layout (captured on first use)."""
+class Captured(Version):
+    """Static plans, forward + loss + backward captured once per layout by the library
+    (``torchfold.train.compiled.CompiledLoss``: inductor with CUDA graphs on a GPU), fused Adam after."""
 
     def __init__(
-        self, model: TreeLSTM, plans: list[StaticPlan], targets: list[tuple[np.ndarray, np.ndarray]]
+        self,
+        model: TreeLSTM,
+        plans: list[StaticPlan],
+        targets: list[tuple[Tensor, Tensor]],
+        device: torch.device,
     ) -> None:
-        super().__init__(model, capturable=True)
+        super().__init__(model)
         self.plans = plans
-        self.targets = targets
-        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
-
-    def _fill(self, buffers: list[Tensor], i: int) -> None:
-        plan = self.plans[i]
-        labels, weights = self.targets[i]
-        for buffer, host in zip(buffers, (plan.ints, plan.floats, labels, weights), strict=True):
-            buffer.copy_(torch.from_numpy(np.ascontiguousarray(host)).to(buffer.dtype), non_blocking=False)
-
-    def _capture(self, i: int) -> tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]:
-        plan = self.plans[i]
-        labels, weights = self.targets[i]
-        device = next(self.model.parameters()).device
-        buffers = [
-            torch.zeros(len(plan.ints), dtype=torch.int64, device=device),
-            torch.zeros(len(plan.floats), dtype=torch.get_default_dtype(), device=device),
-            torch.zeros(len(labels), dtype=torch.int64, device=device),
-            torch.zeros(len(weights), dtype=torch.float32, device=device),
-        ]
-        self._fill(buffers, i)
-
-        def body() -> Tensor:
-            outputs = plan.layout.run(
-                self.model, StaticInputs(buffers[0], buffers[1], tuple(t.to(device) for t in plan.given))
-            )
-            loss = tree_lstm_loss(self.model, outputs, (buffers[2], buffers[3]))
-            loss.backward()
-            self.optimizer.step()
-            return loss
-
-        # warm up on a side stream (as torch.cuda.graphs' whole-network example), then capture
-        state = optimizer_state_snapshot(self.optimizer)
-        weights_before = copy.deepcopy(self.model.state_dict())
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self.optimizer.zero_grad(set_to_none=True)
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        self.optimizer.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss = body()
-        # The warm-up and capture changed the weights and Adam's state: put them back, in place,
-        # since the graph replays on these very tensors (load_state_dict would install new ones).
-        self.model.load_state_dict(weights_before)
-        restore_optimizer_state(self.optimizer, state)
-        return graph, buffers, loss
+        self.targets = [(labels.to(device), weights.to(device)) for labels, weights in targets]
+        self.captured = CompiledLoss(model, tree_lstm_loss, device=device)
 
     def step(self, i: int) -> None:
-        key = self.plans[i].layout.key
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(i)
-        graph, buffers, loss = self.graphs[key]
-        self._fill(buffers, i)
-        graph.replay()
-        self.losses.append(loss.item())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.captured(self.plans[i], self.targets[i])  # forward, loss and backward
+        self.optimizer.step()
+        self.losses.append(loss.item())  # synchronises
+
+
+class Trainer(Version):
+    """``TraceTrainer(compile="auto")`` over a ``StepLoader`` whose worker builds the static plans:
+    the library's whole training loop (its own loss weighs each tree equally, so its losses are
+    not compared with the others')."""
+
+    def __init__(
+        self, model: TreeLSTM, trees: list[Any], vocab: Vocab, shapes: Any, batch_size: int, workers: int
+    ) -> None:
+        from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
+
+        self.model = model
+        self.losses = []
+        optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, fused=True))
+        build = TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes))
+        loader = StepLoader(
+            trees, batch_size, build=build, trace=batch_size, shuffle=False, num_workers=workers
+        )
+        self.trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="auto")
+        self.loader = loader
+        self.steps = iter(loader)
+
+    def step(self, i: int) -> None:
+        step = next(self.steps, None)
+        if step is None:  # the epoch is over: every iter() is the next one
+            self.steps = iter(self.loader)
+            step = next(self.steps)
+        self.losses.append(self.trainer.train_step(step).loss)  # reads the step's loss: synchronises
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -230,6 +194,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=20, help="distinct batches, cycled")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--updates", type=int, default=10, help="timed updates per version per round")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=4,
+        help="worker processes building the TraceTrainer's plans (default 4)",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -257,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     static_targets = [
         (s.pad(0, labels), s.pad(0, weights)) for s, (labels, weights) in zip(static, targets, strict=True)
     ]
-    layouts = len({id(s.slots) for s in static})
+    layouts = len({s.layout.key for s in static})
 
     model = TreeLSTM(len(vocab), args.hidden, args.hidden).to(device)
     versions: dict[str, Version] = {
@@ -267,7 +237,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         "static plans": Planned(copy.deepcopy(model), static, static_targets),
     }
     if device.type == "cuda":
-        versions["static plans, CUDA graph"] = Graphed(copy.deepcopy(model), static, static_targets)
+        versions["static plans, captured"] = Captured(copy.deepcopy(model), static, static_targets, device)
+    compared = dict(versions)  # the versions whose losses and weights must agree
+    if device.type == "cuda":
+        versions["TraceTrainer, captured"] = Trainer(
+            copy.deepcopy(model),
+            [t for b in batches for t in b.trees],
+            vocab,
+            shapes,
+            args.batch_size,
+            args.workers,
+        )
 
     # Equivalence: the first three updates' losses, and the weights after them, agree across
     # versions (the graph's replays too: the weights also show that Adam's state is right).
@@ -276,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         for i in range(checked):
             version.step(i % len(batches))
     reference = versions["hand-batched"]
-    for name, version in versions.items():
+    for name, version in compared.items():
         torch.testing.assert_close(
             torch.tensor(version.losses), torch.tensor(reference.losses), rtol=1e-4, atol=1e-5,
             msg=lambda m, name=name: f"{name}: losses differ from hand-batched: {m}",

@@ -10,10 +10,16 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   weighting padded rows 0, so that forward, loss, backward and update repeat one graph per
   envelope version;
 * ``xla static, fitted``: the same, after fitting the envelope to the first ``--warmup`` batches'
-  plans on the host (``StaticShapes.fit``: no tensor op, milliseconds), so warm-up compiles once.
+  plans on the host (``StaticShapes.fit``: no tensor op, milliseconds), so warm-up compiles once;
+* ``xla captured``: fitted static shapes, and the forward, loss and backward captured once per
+  layout (``torchfold.train.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
+  replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
+* ``xla captured shallow`` / ``xla captured deep``: the same on batches of the shallowest and of
+  the deepest trees, to show the host time per step does not grow with depth.
 
 Prints, per variant, new compilations in the warm-up and after it, compile seconds, padding
-waste (padded calls / real calls - 1) and steady-state sentences/s (batches after the warm-up).
+waste (padded calls / real calls - 1), steady-state sentences/s (batches after the warm-up) and
+the host's milliseconds per steady step (building the plan aside: tracing or replaying the step).
 Run with torch_xla on its CPU backend::
 
     PJRT_DEVICE=CPU .venv-xla/bin/python benchmarks/xla.py --trees 25 --batches 100
@@ -34,6 +40,7 @@ from harness import add_sst_data_argument, machine_lines, markdown_table
 from torchfold import Fold, StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
+from torchfold.train.compiled import CompiledLoss
 
 
 def node_weights(roots: list[int], trees: int) -> list[float]:
@@ -47,7 +54,15 @@ def node_weights(roots: list[int], trees: int) -> list[float]:
     return weights
 
 
+def node_loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: tuple[Any, Any]) -> torch.Tensor:
+    """Cross-entropy at every node, weighted (padded rows weigh 0)."""
+    [states] = outputs
+    labels, weights = targets
+    return (F.cross_entropy(model.logits(states), labels, reduction="none") * weights).sum()  # type: ignore[operator]
+
+
 PHASES: dict[str, float] = {}
+HOST: list[float] = []  # per step: the host's time to trace (or replay) forward, loss, backward and update
 
 
 def train(
@@ -56,11 +71,13 @@ def train(
     vocab: Vocab,
     shapes: StaticShapes | None,
     on_step: Callable[[int], None],
+    captured: bool = False,
 ) -> list[float]:
     """One training run; returns the loss of every step (read after the run: no host sync in the loop)."""
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), 128, 128).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = CompiledLoss(model, node_loss, device=device) if captured else None
     losses = []
     for number, trees in enumerate(batches):
         started = time.perf_counter()
@@ -69,16 +86,20 @@ def train(
         plan = fold.plan([nodes])
         planned = time.perf_counter()
         PHASES["record + plan (+ pad)"] += planned - started
-        [states] = plan.apply(model, padded=True)
         weights = plan.pad(0, node_weights(roots, len(trees))).to(device, torch.float32)
         targets = plan.pad(0, labels).to(device)
-        loss = (F.cross_entropy(model.logits(states), targets, reduction="none") * weights).sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        optimizer.zero_grad(set_to_none=step is None)  # a captured step's gradients stay where they are
+        if step is not None:
+            assert isinstance(plan, StaticPlan)
+            loss = step(plan, (targets, weights))  # forward, loss and backward, replayed
+        else:
+            loss = node_loss(model, plan.apply(model, padded=True), (targets, weights))
+            loss.backward()
         optimizer.step()
         losses.append(loss.detach())
         traced = time.perf_counter()
         PHASES["apply + loss + backward + step"] += traced - planned
+        HOST.append(traced - planned)
         on_step(number)
         PHASES["sync (launch, wait when timed)"] += time.perf_counter() - traced
     return [float(loss) for loss in losses]
@@ -91,6 +112,7 @@ def run_variant(
     vocab: Vocab,
     shapes: StaticShapes | None,
     warmup: int,
+    captured: bool = False,
 ) -> dict[str, Any]:
     xla = device.type == "xla"
     stamps: list[float] = []
@@ -122,13 +144,16 @@ def run_variant(
             ["record + plan (+ pad)", "apply + loss + backward + step", "sync (launch, wait when timed)"], 0.0
         )
     )
+    HOST.clear()
     start = time.perf_counter()
-    losses = train(device, batches, vocab, shapes, on_step)
+    losses = train(device, batches, vocab, shapes, on_step, captured)
     row: dict[str, Any] = {"variant": name, "batches": len(batches)}
     steady = stamps[-1] - stamps[warmup - 1] if len(stamps) > warmup else float("nan")
     sentences = sum(len(trees) for trees in batches[warmup:])
     row["wall s"] = round(stamps[-1] - start, 1)
     row["steady sentences/s"] = round(sentences / steady, 1)
+    row["host ms/step"] = round(1000 * sum(HOST[warmup:]) / max(1, len(HOST[warmup:])), 1)
+    row["mean depth"] = round(sum(tree_depth(t) for b in batches for t in b) / sum(map(len, batches)), 1)
     if xla:
         row["compilations, warm-up"] = compiles[warmup][0] - compiles[0][0] if len(compiles) > warmup else "-"
         row["compilations after"] = compiles[-1][0] - compiles[min(warmup, len(compiles) - 1)][0]
@@ -141,6 +166,22 @@ def run_variant(
         f"{1000 * v / len(batches):.0f}" for v in PHASES.values()
     )
     return row
+
+
+def fitted_shapes(batches: list[list[Tree]], vocab: Vocab) -> StaticShapes:
+    """An envelope fitted on the host to ``batches``' plans (no tensor op), its waste counter reset."""
+    shapes = StaticShapes()
+    for batch in batches:
+        fold = Fold()
+        nodes, _, _ = encode_trees(fold, batch, vocab)
+        shapes.fit(fold.plan([nodes]))
+    shapes.real_calls = shapes.padded_calls = 0  # count the waste of the training run only
+    return shapes
+
+
+def tree_depth(tree: Tree) -> int:
+    """Levels from the root to the deepest leaf (a leaf: 1)."""
+    return 1 + max((tree_depth(child) for child in tree.children), default=0)
 
 
 def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> None:
@@ -191,7 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20, help="batches before steady state")
     parser.add_argument("--unpadded-batches", type=int, default=8, help="batches for the unpadded XLA run")
-    parser.add_argument("--variants", default="cpu,xla unpadded,xla static,xla static fitted")
+    parser.add_argument(
+        "--variants",
+        default="cpu,xla unpadded,xla static,xla static fitted,xla captured,xla captured shallow,xla captured deep",
+    )
     parser.add_argument(
         "--candidates", action="store_true", help="only count each scheme's graphs (host only)"
     )
@@ -231,14 +275,23 @@ def main(argv: list[str] | None = None) -> None:
             )
         elif variant == "xla static":
             rows.append(run_variant(variant, torch_xla.device(), batches, vocab, StaticShapes(), args.warmup))
-        elif variant == "xla static fitted":
-            shapes = StaticShapes()
-            for batch in batches[: args.warmup]:  # host only: record and compile plans, fit the envelope
-                fold = Fold()
-                nodes, _, _ = encode_trees(fold, batch, vocab)
-                shapes.fit(fold.plan([nodes]))
-            shapes.real_calls = shapes.padded_calls = 0  # count the waste of the training run only
-            rows.append(run_variant(variant, torch_xla.device(), batches, vocab, shapes, args.warmup))
+        elif variant in ("xla static fitted", "xla captured", "xla captured shallow", "xla captured deep"):
+            chosen = batches
+            if variant.endswith(("shallow", "deep")):
+                ordered = sorted(trees, key=tree_depth, reverse=variant.endswith("deep"))
+                chosen = [ordered[i * args.trees : (i + 1) * args.trees] for i in range(args.batches // 2)]
+            shapes = fitted_shapes(chosen[: args.warmup], vocab)
+            rows.append(
+                run_variant(
+                    variant,
+                    torch_xla.device(),
+                    chosen,
+                    vocab,
+                    shapes,
+                    args.warmup,
+                    variant.startswith("xla captured"),
+                )
+            )
         else:
             parser.error(f"unknown variant {variant!r}")
         print(rows[-1], flush=True)

@@ -252,34 +252,6 @@ def test_schedule_counts_on_a_graph_where_depth_batching_is_above_the_bound() ->
     assert sorted(depths.values()) == [0, 1, 1, 2, 2]
 
 
-def test_gpu_script_restores_adam_state_in_place_for_its_cuda_graph() -> None:
-    # The captured graph replays on the optimizer's own state tensors: after the warm-up steps
-    # the state must be put back into those same tensors, not into new ones.
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-
-    def steps(count: int) -> None:
-        for _ in range(count):
-            optimizer.zero_grad()
-            model(torch.ones(4, 3)).pow(2).sum().backward()
-            optimizer.step()
-
-    empty = gpu_tree_lstm.optimizer_state_snapshot(optimizer)
-    assert empty == {}
-    steps(2)
-    held = {id(v) for state in optimizer.state.values() for v in state.values()}
-    gpu_tree_lstm.restore_optimizer_state(optimizer, empty)  # no state then: Adam starts afresh
-    assert all(float(v.abs().sum()) == 0 for state in optimizer.state.values() for v in state.values())
-    steps(1)
-    snapshot = gpu_tree_lstm.optimizer_state_snapshot(optimizer)
-    steps(3)
-    gpu_tree_lstm.restore_optimizer_state(optimizer, snapshot)
-    assert {id(v) for state in optimizer.state.values() for v in state.values()} == held
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            torch.testing.assert_close(value, snapshot[param][key])
-
-
 def test_markdown_table_aligns_columns() -> None:
     table = harness.markdown_table(["a", "bb"], [["x", 1.5], ["yyy", 1234.0]])
     lines = table.splitlines()

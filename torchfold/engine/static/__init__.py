@@ -5,7 +5,7 @@ pads a :class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan` (:
 whose outputs and gradients equal the unpadded plan's. A plan is a :class:`StaticLayout`
 (:mod:`.layout`: all that is constant per envelope version) and its batch's
 :class:`StaticInputs`; ``plan.layout.run(nn, plan.inputs())`` is what ``plan.apply`` runs.
-:mod:`.columns` reads a compiled plan as padding sees it. See ``docs/static-shapes.md`` for
+:mod:`.columns` reads a compiled plan as padding sees it. See ``docs/design/envelope.md`` for
 why an envelope.
 """
 

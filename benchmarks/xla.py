@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -278,7 +279,9 @@ def main(argv: list[str] | None = None) -> None:
         elif variant in ("xla static fitted", "xla captured", "xla captured shallow", "xla captured deep"):
             chosen = batches
             if variant.endswith(("shallow", "deep")):
-                ordered = sorted(trees, key=tree_depth, reverse=variant.endswith("deep"))
+                # the shallowest (deepest) half of the trees, shuffled: batches of one kind, in no order of depth
+                ordered = sorted(trees, key=tree_depth, reverse=variant.endswith("deep"))[: len(trees) // 2]
+                random.Random(0).shuffle(ordered)
                 chosen = [ordered[i * args.trees : (i + 1) * args.trees] for i in range(args.batches // 2)]
             shapes = fitted_shapes(chosen[: args.warmup], vocab)
             rows.append(

@@ -42,6 +42,7 @@ __all__ = [
     "init_distributed",
     "is_main_process",
     "world",
+    "world_or",
     "xla_sync",
 ]
 
@@ -105,6 +106,19 @@ def world() -> World:
     if xr is not None:
         return World(int(xr.world_size()), int(xr.global_ordinal()), "torch_xla")
     return World(1, 0, "single process")
+
+
+def world_or(size: int | None, rank: int | None) -> tuple[int, int]:
+    """``(size, rank)`` with whichever is None taken from :func:`world` (both from the same rule).
+
+    >>> world_or(None, None), world_or(4, 2)
+    ((1, 0), (4, 2))
+    """
+    if size is None or rank is None:
+        found = world()
+        size = found.size if size is None else size
+        rank = found.rank if rank is None else rank
+    return size, rank
 
 
 def check_rank(rank: object, world_size: int) -> int:

@@ -38,7 +38,7 @@ from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan
-from torchfold.train.distributed import world
+from torchfold.train.distributed import world_or
 from torchfold.train.sampler import StepSplit, TraceBatchSampler, _warn_renamed
 from torchfold.train.trace import TraceLike
 
@@ -378,11 +378,8 @@ class StepLoader(Generic[T, R]):
             check_int("batch_size", batch_size)
         check_int("device_iterations", device_iterations)
         check_int("gradient_accumulation", gradient_accumulation)
-        if replication_factor is None or rank is None:
-            # One rule for both, so they cannot come from different places (XLA's size, rank 0).
-            found = world()
-            replication_factor = found.size if replication_factor is None else replication_factor
-            rank = found.rank if rank is None else rank
+        # One rule for both, so they cannot come from different places (XLA's size, rank 0).
+        replication_factor, rank = world_or(replication_factor, rank)
         check_int("replication_factor", replication_factor)
         check_int("num_workers", num_workers, minimum=0)
         if prefetch_factor is not None:

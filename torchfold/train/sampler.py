@@ -65,7 +65,7 @@ import torch
 from torch.utils.data import Sampler
 
 from torchfold._validate import SEED_MAX, check_int
-from torchfold.train.distributed import check_rank, world
+from torchfold.train.distributed import check_rank, world_or
 from torchfold.train.elastic import ElasticConfig
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 
@@ -218,10 +218,7 @@ class TraceBatchSampler(Sampler[list[int]]):
             check_int("max_device_batch_size", max_device_batch_size)
         if max_accumulation_steps is not None:
             check_int("max_accumulation_steps", max_accumulation_steps)
-        if num_replicas is None or rank is None:
-            found = world()
-            num_replicas = found.size if num_replicas is None else num_replicas
-            rank = found.rank if rank is None else rank
+        num_replicas, rank = world_or(num_replicas, rank)
         check_int("num_replicas", num_replicas)
         check_rank(rank, num_replicas)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):

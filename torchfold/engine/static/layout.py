@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import pickle
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -354,11 +356,37 @@ class StaticLayout:
             check_portable_op(slot.op, slot.name, slot.depth)
         return self.__dict__
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Every plan built in a DataLoader worker carries its layout, tens of KB for SST batches
+        # that are the same for every plan of an envelope version. The state travels whole, as
+        # one bytes object pickled once per layout here; the receiving process unpickles it only
+        # for a key it has not seen, and otherwise hands back the layout it already has (the key
+        # includes a digest of the content, so equal keys mean equal layouts).
+        blob = _SENT.get(self)
+        if blob is None:
+            blob = _SENT[self] = pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
+        return (_received_layout, (self._key, blob))
+
     def __repr__(self) -> str:
         return (
             f"StaticLayout({len(self.slots)} slots of {self.total_calls} calls, {len(self.requests)} requests, "
             f"key version {self._key[1]})"
         )
+
+
+# A layout's pickled state, per layout (sending side); the layouts unpickled, per key (receiving side).
+_SENT: weakref.WeakKeyDictionary[StaticLayout, bytes] = weakref.WeakKeyDictionary()
+_RECEIVED: weakref.WeakValueDictionary[tuple[Any, ...], StaticLayout] = weakref.WeakValueDictionary()
+
+
+def _received_layout(key: tuple[Any, ...], blob: bytes) -> StaticLayout:
+    """The layout of ``key``: the one this process already has, else the one ``blob`` holds."""
+    layout = _RECEIVED.get(key)
+    if layout is None:
+        layout = StaticLayout.__new__(StaticLayout)
+        layout.__dict__.update(pickle.loads(blob))
+        _RECEIVED[key] = layout
+    return layout
 
 
 def _every_level(reach: frozenset[tuple[Stream, float]]) -> frozenset[Stream] | None:

@@ -98,39 +98,29 @@ def _replica(index: int, sst: str, out: str, initial: torch.nn.Module) -> None:
         # One replica: a checkpoint mid-run, and a resume from it. (Checkpoints of several torch_xla
         # replicas hold only rank 0's generator states: they cannot be resumed yet.)
         checkpoints = Path(f"{out}.checkpoints") if world_size == 1 else None
-        model = copy.deepcopy(initial).to(device)
+
+        def captured(**kwargs: Any) -> Any:
+            """A trainer with captured steps on a fresh copy of the initial model, its own envelope copy."""
+            model = copy.deepcopy(initial).to(device)
+            build = TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes))
+            return _trainer(model, trees, build, world_size, rank, "on", **kwargs)
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = _trainer(
-                model,
-                trees,
-                TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes)),
-                world_size,
-                rank,
-                "on",
-                checkpoint_dir=checkpoints,
-                checkpoint_every=CHECKPOINT_STEP,
-                keep_checkpoints=10,
+            trainer = captured(
+                checkpoint_dir=checkpoints, checkpoint_every=CHECKPOINT_STEP, keep_checkpoints=10
             )
         trainer.on_step = count
         stats = trainer.fit(max_steps=len(TRACE))
-        straight = [p.detach().cpu() for p in model.parameters()]
+        straight = [p.detach().cpu() for p in trainer.model.parameters()]
         captures = trainer.compiled.captures if trainer.compiled is not None else 0
 
         resumed_params = None
         if checkpoints is not None:
-            resumed_model = copy.deepcopy(initial).to(device)
-            resumed = _trainer(
-                resumed_model,
-                trees,
-                TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes)),
-                world_size,
-                rank,
-                "on",
-            )
+            resumed = captured()
             resumed.load_checkpoint(checkpoint_path(checkpoints, CHECKPOINT_STEP))
             resumed.fit(max_steps=len(TRACE))
-            resumed_params = [p.detach().cpu() for p in resumed_model.parameters()]
+            resumed_params = [p.detach().cpu() for p in resumed.model.parameters()]
         torch.save(
             {
                 "world_size": world_size,

@@ -66,9 +66,10 @@ def wants_compile(choice: str, device: torch.device) -> bool:
     if choice not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {choice!r}")
     wanted = device.type in ("xla", "cuda") if choice == "auto" else choice == "on"
-    if wanted and device.type == "xla" and _xla_replica_threads() > 1:
+    threads = _xla_replica_threads() if wanted and device.type == "xla" else 1
+    if threads > 1:
         warnings.warn(
-            f"compile={choice!r}: torch_xla runs {_xla_replica_threads()} replicas as threads of this process, "
+            f"compile={choice!r}: torch_xla runs {threads} replicas as threads of this process, "
             "where captures would stall each other's all-reduce; their steps run lazily (one process per "
             "device, as on TPU v4 and later, captures)",
             stacklevel=3,
@@ -186,20 +187,19 @@ class CompiledLoss:
         # backward, and neither is safe in two threads at once (torch_xla's replicas on one host
         # may be threads): one captured step at a time in a process.
         with _CAPTURE_LOCK:
-            if not first:
-                return self._backward(fn(inputs, targets))
             try:
                 return self._backward(fn(inputs, targets))
             except Exception as error:
-                if _is_graph_break(error):
-                    add_note(
-                        error,
-                        f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
-                        f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
-                        "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
-                        "train with compile='off'",
-                    )
-                del self._compiled[layout.key]
+                if first:  # a failed capture: say why, and keep nothing half-captured
+                    if _is_graph_break(error):
+                        add_note(
+                            error,
+                            f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
+                            f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
+                            "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
+                            "train with compile='off'",
+                        )
+                    del self._compiled[layout.key]
                 raise
 
     @staticmethod

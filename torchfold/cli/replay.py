@@ -11,7 +11,10 @@ steps into segments of one process count (:func:`plan_replay`). Each segment run
 ``torchrun`` group of ``python -m torchfold train``, which resumes from the newest checkpoint;
 when the process count changes, the replay sends SIGTERM to the group's torchrun agent (it
 forwards the signal to its workers, which finish the step in progress, checkpoint and exit), waits
-for it to exit, and starts the next group. A span without devices pauses the run: no process
+for it to exit, and starts the next group. Like a real preemption, the signal races the training:
+a group whose steps are faster than the signal's way to its workers runs a few steps of the next
+segment; ``replay.csv`` records the processes that ran each step, and the next group resumes
+from the newest checkpoint (or is skipped if it has nothing left to run). A span without devices pauses the run: no process
 runs for a short real pause. At the end one uninterrupted process trains on the same steps, and
 the replay compares the two runs' parameters: training is world-size invariant, so they agree up
 to float summation order.
@@ -302,7 +305,7 @@ def _run_group(
                             f"SIGTERM; killed it. Log {log}:{_log_tail(log)}"
                         ) from None
                     break
-                time.sleep(0.05)
+                time.sleep(0.01)  # a short poll keeps the overrun past a segment small
         finally:
             if process.poll() is None:  # an error or Ctrl-C in the replay itself: leave no process behind
                 _kill_group(process)

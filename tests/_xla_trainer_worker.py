@@ -1,11 +1,16 @@
 """TraceTrainer on XLA devices (torch_xla's CPU backend) for tests/test_xla.py.
 
-``python tests/_xla_trainer_worker.py OUT.pt`` trains the SST Tree-LSTM with one replica per
-XLA CPU device (``CPU_NUM_DEVICES``, through ``xmp.spawn``) on a batch-size trace whose steps
-give the replicas different numbers of minibatches (one of them none), with static-shape plans;
-it saves each replica's final parameters and its XLA compilations per step. ``train_on_cpu``
-is the single-process reference. It must start in a fresh process (``xmp.spawn`` needs an
-uninitialized runtime).
+``python tests/_xla_trainer_worker.py SST_DIR OUT COMPILE STEPS [FAIL_RANK]`` trains the SST
+Tree-LSTM with static-shape plans, one replica per XLA CPU device (``CPU_NUM_DEVICES``, through
+``xmp.spawn``; several CPU devices are threads of one process), for the first ``STEPS`` steps of
+a batch-size trace whose steps give the replicas varying numbers of minibatches (a replica of
+two may have none). ``COMPILE`` is the trainer's ``compile`` (``on``: steps captured with
+torch.compile's ``openxla`` backend; ``off``: lazy). With one replica it also writes a
+checkpoint at step 16 and trains again from it in a fresh trainer. Each replica saves its final
+parameters, its XLA compilations after every step, its capture count and any warnings; with
+``FAIL_RANK``, that replica's loss raises at its third minibatch and every replica saves the
+error it stopped with. ``train_on_cpu`` is the one-process eager reference. It must start in a
+fresh process (``xmp.spawn`` needs an uninitialized runtime).
 """
 
 from __future__ import annotations
@@ -13,99 +18,150 @@ from __future__ import annotations
 import copy
 import sys
 import traceback
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
 MINIBATCH = 4
-# Repeated once, so the second half of the steps has the minibatch counts of the first: no new graph
-TRACE = [8, 16, 4, 12] * 2
+TRACE = [8, 16, 4, 12] * 8  # 32 steps: 2, 4, 1, 3 minibatches in all
+CHECKPOINT_STEP = 16
 DIMS = (8, 8)
 
 
-def _data() -> tuple[list[Any], Any]:
+def _data(sst: str) -> tuple[list[Any], Any]:
     from torchfold.examples.datasets import Vocab, load_sst
 
-    trees = load_sst(split="train", max_trees=sum(TRACE))
+    trees = load_sst(sst, split="train", max_trees=sum(TRACE[:4]) * 2)
     return trees, Vocab.build(trees)
 
 
-def _setup() -> tuple[list[Any], Any, torch.nn.Module]:
-    """Data and the initial model (seeded: call it outside replica threads, which share the generator)."""
+def _model(vocab: Any) -> torch.nn.Module:
     from torchfold.examples.models import TreeLSTM
 
-    trees, vocab = _data()
     torch.manual_seed(0)
-    return trees, vocab, TreeLSTM(len(vocab), *DIMS)
+    return TreeLSTM(len(vocab), *DIMS)
 
 
-def _trainer(model: torch.nn.Module, trees: list[Any], build: Any, world_size: int, rank: int) -> Any:
+def _trainer(
+    model: torch.nn.Module,
+    trees: list[Any],
+    build: Any,
+    world_size: int,
+    rank: int,
+    compile: str,
+    steps: int,
+    loss: Any = None,
+    **kwargs: Any,
+) -> Any:
     from torchfold.examples.models import tree_lstm_loss
     from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
 
     optimizer = AccumulatingOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), lr_rule="linear", ref_batch_size=8
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), lr_rule="linear", ref_batch_size=8
     )
     loader = StepLoader(
-        trees, MINIBATCH, build=build, trace=TRACE, seed=3, replication_factor=world_size, rank=rank
+        trees, MINIBATCH, build=build, trace=TRACE[:steps], seed=3, replication_factor=world_size, rank=rank
     )
-    return TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False)
+    return TraceTrainer(
+        model, optimizer, loader, loss or tree_lstm_loss, progress=False, compile=compile, **kwargs
+    )
 
 
-def train_on_cpu() -> list[torch.Tensor]:
+def train_on_cpu(sst: str, steps: int) -> list[torch.Tensor]:
+    """The reference: one process, eager, unpadded plans."""
     from torchfold.examples.models import TreeLSTMBuild
 
-    trees, vocab, model = _setup()
-    _trainer(model, trees, TreeLSTMBuild(vocab), 1, 0).fit()
+    trees, vocab = _data(sst)
+    model = _model(vocab)
+    _trainer(model, trees, TreeLSTMBuild(vocab), 1, 0, "off", steps).fit()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _replica(index: int, out: str, initial: torch.nn.Module) -> None:
+def _failing_loss(fail_rank: int, rank: int) -> Any:
+    """The Tree-LSTM loss, raising at its third call on ``fail_rank``."""
+    from torchfold.examples.models import tree_lstm_loss
+
+    calls = [0]
+
+    def loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor:
+        calls[0] += 1
+        if rank == fail_rank and calls[0] == 3:
+            raise ValueError(f"injected failure on rank {rank}")
+        return tree_lstm_loss(model, outputs, targets)
+
+    return loss
+
+
+def _replica(
+    index: int, sst: str, out: str, compile: str, steps: int, fail_rank: int | None, initial: Any
+) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
     import torch_xla.runtime as xr
 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTMBuild
+    from torchfold.train.checkpoint import checkpoint_path
 
+    world_size, rank = xr.world_size(), xr.global_ordinal()
+    result: dict[str, Any] = {"world_size": world_size, "rank": rank}
     try:
-        world_size, rank = xr.world_size(), xr.global_ordinal()
-        trees, vocab = _data()
-        # The replicas are threads sharing one global CPU generator here, so a model seeded in each
-        # could differ; every replica starts from a copy of the one made before xmp.spawn
-        model = copy.deepcopy(initial)
+        trees, vocab = _data(sst)
         shapes = StaticShapes()
         for start in range(0, len(trees), MINIBATCH):  # fitted on the host: the same on every replica
             shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
-        model = model.to(torch_xla.device())
+        device = torch_xla.device()
         compilations: list[int] = []
 
         def count(_: Any) -> None:
             data = met.metric_data("CompileTime")
             compilations.append(0 if data is None else int(data[0]))
 
-        trainer = _trainer(model, trees, TreeLSTMBuild(vocab, shapes=shapes), world_size, rank)
-        trainer.on_step = count
-        stats = trainer.fit()
-        torch.save(
-            {
-                "world_size": world_size,
-                "rank": rank,
-                "params": [p.detach().cpu() for p in model.parameters()],
-                "compilations": compilations,
-                "local_minibatches": [s.local_minibatches for s in stats],
-                "seconds": [s.seconds for s in stats],  # each step's, all-reduce wait included
-                "envelope_versions": shapes.version,
-            },
-            f"{out}.rank{rank}",
-        )
-    except BaseException:
+        # One replica: a checkpoint mid-run, and a resume from it. (Checkpoints of several torch_xla
+        # replicas hold only rank 0's generator states: they cannot be resumed yet.)
+        resume = world_size == 1 and fail_rank is None and steps > CHECKPOINT_STEP
+        checkpoints = Path(f"{out}.checkpoints") if resume else None
+        loss = None if fail_rank is None else _failing_loss(fail_rank, rank)
+
+        def trainer(**kwargs: Any) -> Any:
+            """A trainer on a fresh copy of the initial model (the replicas are threads sharing one
+            generator: a model seeded in each could differ), with its own envelope copy."""
+            model = copy.deepcopy(initial).to(device)
+            build = TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes))
+            return _trainer(model, trees, build, world_size, rank, compile, steps, loss, **kwargs)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            straight = trainer(
+                checkpoint_dir=checkpoints, checkpoint_every=CHECKPOINT_STEP, keep_checkpoints=10
+            )
+            straight.on_step = count
+            stats = straight.fit()
+        result["warnings"] = [str(w.message) for w in caught]
+        result["params"] = [p.detach().cpu() for p in straight.model.parameters()]
+        result["compilations"] = compilations
+        result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
+        result["local_minibatches"] = [s.local_minibatches for s in stats]
+        if checkpoints is not None:
+            resumed = trainer()
+            resumed.load_checkpoint(checkpoint_path(checkpoints, CHECKPOINT_STEP))
+            resumed.fit()
+            result["resumed_params"] = [p.detach().cpu() for p in resumed.model.parameters()]
+    except BaseException as error:
+        result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc()  # a replica's error would otherwise surface only as the others' timeout
         sys.stderr.flush()
         raise
+    finally:
+        torch.save(result, f"{out}.rank{rank}")
 
 
 if __name__ == "__main__":
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(_replica, args=(sys.argv[1], _setup()[2]))
+    sst_dir, out_path, compile_choice, num_steps = sys.argv[1:5]
+    fail = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    initial_model = _model(_data(sst_dir)[1])
+    xmp.spawn(_replica, args=(sst_dir, out_path, compile_choice, int(num_steps), fail, initial_model))

@@ -229,26 +229,6 @@ def test_apply_on_xla_pads_by_default_and_returns_exact_outputs() -> None:
     assert StaticShapes.of(model).plans == 1  # the XLA apply went through the module's envelope
 
 
-def test_the_trainer_on_two_xla_devices_equals_one_cpu_process(tmp_path: Path) -> None:
-    """TraceTrainer with static-shape plans on 2 XLA CPU replicas (xm.all_reduce) follows a trace whose
-    steps give the replicas 0 to 3 minibatches; the parameters equal one CPU process's, and the
-    steps that repeat earlier minibatch counts compile nothing new."""
-    from _xla_trainer_worker import TRACE, train_on_cpu
-
-    out = _spawn_two_replicas("_xla_trainer_worker.py", tmp_path / "trainer.pt", timeout=600)
-    expected = train_on_cpu()
-    for rank in (0, 1):
-        replica = torch.load(f"{out}.rank{rank}", weights_only=False)
-        assert (replica["world_size"], replica["rank"]) == (2, rank)
-        assert len(replica["compilations"]) == len(TRACE)
-        half = len(TRACE) // 2
-        assert replica["compilations"][-1] == replica["compilations"][half - 1], replica["compilations"]
-        for p, q in zip(replica["params"], expected, strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-    counts = [torch.load(f"{out}.rank{r}", weights_only=False)["local_minibatches"] for r in (0, 1)]
-    assert 0 in counts[1] and counts[0] != counts[1]
-
-
 @pytest.mark.parametrize("device", ["xla", "auto"])
 def test_the_train_cli_runs_on_xla_with_static_shapes(device: str) -> None:
     """``python -m torchfold train --device xla`` (and ``auto`` with PJRT_DEVICE set) trains on the XLA device."""
@@ -313,44 +293,65 @@ def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_pa
 SST_DIR = HERE.parent.parent / "shared" / "data" / "sst"
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_captured_training_on_xla_devices_equals_one_cpu_process(tmp_path: Path, devices: int) -> None:
-    """TraceTrainer(compile="on") with openxla: 32 steps of varying minibatch counts, a resume mid-run.
-
-    On 2 CPU devices (threads of one process) the trainer falls back to lazy steps, with a warning.
-    """
-    sys.path.insert(0, str(HERE))
-    from _xla_compiled_worker import TRACE, train_on_cpu
-
-    out = tmp_path / "compiled.pt"
+def _trainer_replicas(
+    tmp_path: Path, devices: int, *args: str
+) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
+    """Run ``_xla_trainer_worker.py`` on ``devices`` XLA CPU devices; its exit and each replica's results."""
+    out = tmp_path / "trainer.pt"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     done = subprocess.run(
-        [sys.executable, str(HERE / "_xla_compiled_worker.py"), str(SST_DIR), str(out)],
+        [sys.executable, str(HERE / "_xla_trainer_worker.py"), str(SST_DIR), str(out), *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
+    return done, [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(devices)]
+
+
+@pytest.mark.parametrize(("compile", "devices", "steps"), [("off", 2, 8), ("on", 1, 32), ("on", 2, 32)])
+def test_the_trainer_on_xla_devices_equals_one_cpu_process(
+    tmp_path: Path, compile: str, devices: int, steps: int
+) -> None:
+    """TraceTrainer with static-shape plans on 1 or 2 XLA CPU replicas (xm.all_reduce), lazy or with
+    captured steps (openxla), follows a trace whose steps give the replicas 0 to 4 minibatches; the
+    parameters equal one CPU process's, the steps that repeat earlier minibatch counts compile
+    nothing new, and (one replica) a resume from the step-16 checkpoint continues the same run.
+    Two CPU devices are threads of one process: each captures its own step, and they meet before
+    every all-reduce, however long a capture takes."""
+    sys.path.insert(0, str(HERE))
+    from _xla_trainer_worker import TRACE, train_on_cpu
+
+    done, replicas = _trainer_replicas(tmp_path, devices, compile, str(steps))
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = train_on_cpu(str(SST_DIR))
-    counts = []
-    for rank in range(devices):
-        replica = torch.load(f"{out}.rank{rank}", weights_only=False)
+    expected = train_on_cpu(str(SST_DIR), steps)
+    for rank, replica in enumerate(replicas):
         assert (replica["world_size"], replica["rank"]) == (devices, rank)
-        if devices == 1:
-            assert replica["captures"] == 1  # one layout: captured once, replayed for every minibatch
-        else:  # replicas that are threads of one process cannot capture: lazy steps, and a warning
-            assert replica["captures"] == 0
-            assert any("replicas as threads" in w for w in replica["warnings"]), replica["warnings"]
+        assert replica["captures"] == (
+            1 if compile == "on" else 0
+        )  # one layout: captured once, then replayed
+        assert not replica["warnings"], replica["warnings"]
         compilations = replica["compilations"]
-        assert len(compilations) == len(TRACE)
-        # every minibatch count has been seen by step 8: no compilation after it
-        assert compilations[-1] == compilations[7], compilations
+        assert len(compilations) == len(TRACE[:steps])
+        # every minibatch count (on every replica) has been seen by the trace's first repeat
+        assert compilations[-1] == compilations[min(7, steps // 2 - 1)], compilations
         for p, q in zip(replica["params"], expected, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-        if devices == 1:  # the resume from step 16 continues the same run
+        if devices == 1:
             for r, p in zip(replica["resumed_params"], replica["params"], strict=True):
                 torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-6)
-        counts.append(replica["local_minibatches"])
     if devices == 2:
+        counts = [replica["local_minibatches"] for replica in replicas]
         assert counts[0] != counts[1] and 0 in counts[1]
+
+
+def test_a_failing_replica_thread_stops_the_others_at_once(tmp_path: Path) -> None:
+    """Replica 1's loss raises: replica 0, waiting for it before an all-reduce, stops with an error
+    saying so (instead of waiting out the timeout, or XLA aborting the process)."""
+    done, replicas = _trainer_replicas(tmp_path, 2, "off", "8", "1")
+    assert done.returncode != 0
+    assert replicas[1]["error"] == "ValueError: injected failure on rank 1"
+    assert replicas[0]["error"].startswith(
+        "RuntimeError: torchfold: replica 0 of 2 XLA replicas in this process"
+    ), replicas[0]["error"]
+    assert "one of them failed" in replicas[0]["error"]

@@ -32,7 +32,6 @@ import torch
 
 from torchfold._errors import add_note
 from torchfold.engine.static import StaticLayout, StaticPlan
-from torchfold.train.distributed import world
 
 __all__ = ["COMPILE_CHOICES", "CompiledLoss", "check_loss", "compile_backend", "wants_compile"]
 
@@ -55,37 +54,12 @@ def check_loss(loss: Any) -> torch.Tensor:
 def wants_compile(choice: str, device: torch.device) -> bool:
     """Whether ``compile=choice`` captures steps on ``device``: ``auto`` does on XLA and CUDA.
 
-    Not where torch_xla runs several replicas as threads of one process (its CPU backend with
-    ``CPU_NUM_DEVICES`` > 1): torch.compile cannot capture in two threads at once, and a replica
-    capturing alone stalls the others' all-reduce past XLA's rendezvous timeout. There the steps
-    run lazily, with a warning.
-
     >>> wants_compile("auto", torch.device("cpu")), wants_compile("on", torch.device("cpu"))
     (False, True)
     """
     if choice not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {choice!r}")
-    wanted = device.type in ("xla", "cuda") if choice == "auto" else choice == "on"
-    threads = _xla_replica_threads() if wanted and device.type == "xla" else 1
-    if threads > 1:
-        warnings.warn(
-            f"compile={choice!r}: torch_xla runs {threads} replicas as threads of this process, "
-            "where captures would stall each other's all-reduce; their steps run lazily (one process per "
-            "device, as on TPU v4 and later, captures)",
-            stacklevel=3,
-        )
-        return False
-    return wanted
-
-
-def _xla_replica_threads() -> int:
-    """Replicas of this run that share this process (threads), under torch_xla; 1 otherwise."""
-    current = world()
-    if current.source != "torch_xla" or current.size <= 1:
-        return 1
-    import torch_xla.runtime as xr  # world() found it running
-
-    return int(xr.addressable_runtime_device_count())
+    return device.type in ("xla", "cuda") if choice == "auto" else choice == "on"
 
 
 def compile_backend(device: torch.device) -> tuple[str, str | None]:

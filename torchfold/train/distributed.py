@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -273,14 +274,57 @@ def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
     # every replica), materialized by a graph cut, then reduced in a graph of its own.
     groups = _by_dtype(tensors)
     flats = [torch.cat([t.reshape(-1) for t in members]) for members in groups]
+    _replica_threads_meet()
     xla_sync()
     xm.all_reduce(xm.REDUCE_SUM, flats)  # a list is reduced in place
     # Run exactly the all-reduce, nothing else, as its own graph (a full sync here can block
     # while holding the GIL until the collective completes: replicas that are threads of one
-    # process, as on XLA's CPU backend, then never reach it).
-    torch_xla._XLAC._xla_sync_multi(flats, devices=[], wait=False)
+    # process, as on XLA's CPU backend, then never reach it). Such replicas launch it one at a
+    # time: launched together, each may compile the graph itself, and XLA numbers the collectives
+    # of two compilations apart, so they would wait for each other in different rendezvous.
+    with _launch_lock:
+        torch_xla._XLAC._xla_sync_multi(flats, devices=[], wait=False)
     for flat, members in zip(flats, groups, strict=True):
         _unflatten_into(flat, members)
+
+
+# Replicas that are threads of one process (torch_xla's CPU backend with CPU_NUM_DEVICES > 1)
+# wait for each other here before an all-reduce, however long the slowest takes to get there
+# (a first capture can take a minute). XLA's own rendezvous gives up after seconds.
+XLA_THREAD_MEET_TIMEOUT_S = 600.0
+_thread_meets: dict[int, threading.Barrier] = {}
+_thread_meets_lock = threading.Lock()
+_launch_lock = threading.Lock()
+
+
+def _replica_threads_meet() -> None:
+    """Block until every replica thread of this process reaches its next all-reduce (no-op otherwise)."""
+    import torch_xla.runtime as xr
+
+    threads = int(xr.addressable_runtime_device_count())
+    if threads <= 1:
+        return
+    with _thread_meets_lock:
+        barrier = _thread_meets.setdefault(threads, threading.Barrier(threads))
+    try:
+        barrier.wait(timeout=XLA_THREAD_MEET_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise RuntimeError(
+            f"torchfold: replica {xr.global_ordinal()} of {threads} XLA replicas in this process waited "
+            f"{XLA_THREAD_MEET_TIMEOUT_S:g} s for the others to reach the same all-reduce (or one of them failed); "
+            "every replica must take part in every step, also one without minibatches"
+        ) from None
+
+
+def abort_replica_threads() -> None:
+    """Release the replica threads of this process waiting for an all-reduce: one of them failed.
+
+    :meth:`TraceTrainer.fit <torchfold.train.TraceTrainer.fit>` calls it when a step raises, so the
+    other replicas stop with an error at once instead of waiting out the timeout.
+    """
+    with _thread_meets_lock:
+        for barrier in _thread_meets.values():
+            barrier.abort()
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:

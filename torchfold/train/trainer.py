@@ -69,6 +69,7 @@ from torchfold.train.checkpoint import (
 )
 from torchfold.train.compiled import CompiledLoss, check_loss, wants_compile
 from torchfold.train.distributed import (
+    abort_replica_threads,
     all_reduce_sum_,
     broadcast_parameters,
     first_line,
@@ -439,6 +440,14 @@ class TraceTrainer:
 
         Every rank must call it for every step, also when it has no minibatch in it.
         """
+        try:
+            return self._train_step(step)
+        except BaseException:
+            if self.device.type == "xla":  # replicas that are threads of this process: stop them too
+                abort_replica_threads()
+            raise
+
+    def _train_step(self, step: Step[Any]) -> StepStats:
         start = time.perf_counter()
         plan = step.split
         self.model.train()

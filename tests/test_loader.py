@@ -96,6 +96,15 @@ def test_ranks_read_disjoint_parts_of_one_seeded_permutation(batch: int, accumul
     assert first != second  # set_epoch changes the order
 
 
+def test_the_split_settings_are_read_from_the_sampler() -> None:
+    fixed = StepLoader(list(range(20)), 2, replication_factor=2, rank=1)
+    settings = (fixed.batch_size, fixed.max_device_batch_size, fixed.replication_factor, fixed.rank)
+    assert settings == (2, None, 2, 1)
+    assert fixed.sampler.minibatch_size == 2 and fixed.sampler.num_replicas == 2
+    elastic = StepLoader(list(range(20)), trace=8, max_device_batch_size=3)
+    assert (elastic.batch_size, elastic.max_device_batch_size, elastic.replication_factor) == (None, 3, 1)
+
+
 def test_poptorch_sizes_and_the_combined_batch() -> None:
     loader = StepLoader(
         list(range(200)),

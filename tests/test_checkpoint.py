@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from _loop_worker import make_trainer, sst_trees
+from _train_cli import run_train, small_run, train
 
-from torchfold.cli.train import main as train_main
 from torchfold.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -234,71 +234,33 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
 def test_the_cli_reports_a_corrupt_checkpoint_and_a_bad_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()[:24]))
-    args = ["--trace", "12", "--data", str(data), "--minibatch-size", "6", "--hidden-dim", "4"]
-    args += [
-        "--embedding-dim",
-        "4",
-        "--checkpoint-dir",
-        str(tmp_path / "ck"),
-        "--no-progress",
-        "--log-every",
-        "0",
-    ]
-    threads = torch.get_num_threads()
-    try:
-        history = tmp_path / "history.jsonl"
-        assert train_main([*args, "--max-steps", "2", "--history", str(history)]) == 0
-        lines = [json.loads(line) for line in history.read_text().splitlines()]
-        assert [(r["step"], r["batch_size"], r["num_minibatches"]) for r in lines] == [(0, 12, 2), (1, 12, 2)]
-        _truncated(checkpoint_path(tmp_path / "ck", 4))
-        assert train_main([*args, "--max-steps", "6"]) == 2
-        err = capsys.readouterr().err
-        assert (
-            f"torchfold train: error: checkpoint {tmp_path / 'ck' / 'step-00000004.pt'} cannot be read" in err
-        )
-        assert (
-            f"delete it to resume from the previous checkpoint {tmp_path / 'ck' / 'step-00000002.pt'}" in err
-        )
-        assert train_main([*args, "--max-steps", "6", "--no-resume"]) == 0  # starts afresh
-        assert train_main(["--trace", "7", "--data", str(data), "--minibatch-size", "6"]) == 2
-        assert (
-            "--trace 7: constant:7, step 0: batch size 7 is not a multiple of --minibatch-size 6"
-            in capsys.readouterr().err
-        )
-    finally:
-        torch.set_num_threads(threads)
+    args = small_run(tmp_path, "--checkpoint-dir", str(tmp_path / "ck"))
+    history = tmp_path / "history.jsonl"
+    assert train([*args, "--max-steps", "2", "--history", str(history)]) == 0
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert [(r["step"], r["batch_size"], r["num_minibatches"]) for r in lines] == [(0, 12, 2), (1, 12, 2)]
+    _truncated(checkpoint_path(tmp_path / "ck", 4))
+    assert train([*args, "--max-steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert f"torchfold train: error: checkpoint {tmp_path / 'ck' / 'step-00000004.pt'} cannot be read" in err
+    assert f"delete it to resume from the previous checkpoint {tmp_path / 'ck' / 'step-00000002.pt'}" in err
+    assert train([*args, "--max-steps", "6", "--no-resume"]) == 0  # starts afresh
+    assert train(["--trace", "7", "--data", str(tmp_path / "data"), "--minibatch-size", "6"]) == 2
+    assert (
+        "--trace 7: constant:7, step 0: batch size 7 is not a multiple of --minibatch-size 6"
+        in capsys.readouterr().err
+    )
 
 
 def _cli(tmp_path: Path, *extra: str) -> list[str]:
-    data = tmp_path / "data"
-    if not data.exists():
-        data.mkdir()
-        (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()[:24]))
-    return [
-        *("--trace", "12", "--data", str(data), "--minibatch-size", "6", "--hidden-dim", "4"),
-        *("--embedding-dim", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"),
-        *("--log-every", "0", "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9"),
-        *extra,
-    ]
-
-
-def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    threads = torch.get_num_threads()
-    try:
-        code = train_main(args)
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return code, out, err
+    sgd = ("--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9")
+    return small_run(tmp_path, "--checkpoint-dir", str(tmp_path / "ck"), *sgd, *extra)
 
 
 def test_the_cli_resume_refuses_another_lr_momentum_or_optimizer_unless_overridden(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _run_cli(_cli(tmp_path, "--max-steps", "2"), capsys)[0] == 0
+    assert run_train(_cli(tmp_path, "--max-steps", "2"), capsys)[0] == 0
     ck = tmp_path / "ck" / "step-00000002.pt"
     refused = [
         (
@@ -318,10 +280,10 @@ def test_the_cli_resume_refuses_another_lr_momentum_or_optimizer_unless_overridd
         ),
     ]
     for change, message in refused:
-        code, out, err = _run_cli([*_cli(tmp_path, "--max-steps", "3"), *change], capsys)
+        code, out, err = run_train([*_cli(tmp_path, "--max-steps", "3"), *change], capsys)
         assert code == 2 and err == f"torchfold train: error: checkpoint {ck} {message}\n", err
         assert "resumed" not in out
-    code, out, err = _run_cli(
+    code, out, err = run_train(
         [
             *_cli(tmp_path, "--max-steps", "3"),
             "--lr",
@@ -360,7 +322,7 @@ def test_the_cli_resume_refuses_another_lr_momentum_or_optimizer_unless_overridd
 def test_the_cli_names_the_bad_option_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], change: tuple[str, ...], message: str
 ) -> None:
-    code, out, err = _run_cli([*_cli(tmp_path, "--max-steps", "1"), *change], capsys)
+    code, out, err = run_train([*_cli(tmp_path, "--max-steps", "1"), *change], capsys)
     assert code == 2 and "resumed" not in out
     shortest = min(len(tree.words()) for tree in sst_trees()[:24])
     assert err.splitlines()[-1].endswith(message.format(data=tmp_path / "data", shortest=shortest)), err
@@ -371,7 +333,7 @@ def test_the_cli_stops_with_exit_1_when_the_loss_becomes_non_finite(
 ) -> None:
     # An SGD learning rate near float32's limit: the loss overflows within a few steps.
     args = _cli(tmp_path, "--max-steps", "10", "--checkpoint-every", "2", "--lr", "3e38")
-    code, out, err = _run_cli(args, capsys)
+    code, out, err = run_train(args, capsys)
     assert code == 1 and "done:" not in out
     found = re.fullmatch(
         r"torchfold train: error: step (\d+): the loss became (inf|nan), so training stopped before saving this "

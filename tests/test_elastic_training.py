@@ -21,6 +21,7 @@ import pytest
 import torch
 from _dist_worker import free_port, run_ranks
 from _loop_worker import TRACE, make_trainer, params_of, sst_trees, train_rank
+from _train_cli import train, write_sst
 
 from torchfold.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from torchfold.train.trainer import PREEMPTED_EXIT_CODE
@@ -150,18 +151,11 @@ def test_the_minibatch_seed_changes_the_draws() -> None:
 # -- the command line: bad input, SIGTERM -------------------------------------------------------
 
 
-def _trees_dir(tmp_path: Path) -> Path:
-    data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
-    (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()))
-    return data
-
-
 def _cli(tmp_path: Path, ckpt: Path, *extra: str, repeat: int = 1) -> list[str]:
     trace = tmp_path / "trace.csv"
     trace.write_text("step,batchsize\n" + "".join(f"{i},{b}\n" for i, b in enumerate(TRACE * repeat)))
     return [
-        *("--trace", str(trace), "--data", str(_trees_dir(tmp_path)), "--lr", "0.01"),
+        *("--trace", str(trace), "--data", str(write_sst(tmp_path)), "--lr", "0.01"),
         *("--embedding-dim", "8", "--hidden-dim", "12", "--dtype", "float64", "--seed", "100"),
         *("--checkpoint-dir", str(ckpt), "--no-progress", "--timeout", "20", "--workers", "0"),
         *extra,
@@ -180,36 +174,22 @@ def _env(**extra: str) -> dict[str, str]:
 def test_the_cli_refuses_a_checkpoint_of_another_split_naming_the_setting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torchfold.cli.train import main
-
     ckpt = tmp_path / "ckpt"
-    threads = torch.get_num_threads()
-    try:
-        assert main([*_cli(tmp_path, ckpt, "--max-device-batch-size", "8", "--max-steps", "2")]) == 0
-        capsys.readouterr()
-        assert main([*_cli(tmp_path, ckpt, "--max-device-batch-size", "6", "--max-steps", "3")]) == 2
-        err = capsys.readouterr().err
-        assert re.search(
-            r"written with --max-device-batch-size 8, this run has --max-device-batch-size 6", err
-        )
-        assert main([*_cli(tmp_path, ckpt, "--minibatch-size", "6", "--max-steps", "3")]) == 2
-        assert (
-            "written with --minibatch-size None, this run has --minibatch-size 6" in capsys.readouterr().err
-        )
-        assert main([*_cli(tmp_path, ckpt, "--max-device-batch-size", "8", "--hidden-dim", "10")]) == 2
-        assert "written with --hidden-dim 12, this run has --hidden-dim 10" in capsys.readouterr().err
-        # A global batch the devices cannot hold within the accumulation limit: the step is named
-        assert main([*_cli(tmp_path, ckpt, "--max-device-batch-size", "8", "--max-accumulation", "2")]) == 2
-        err = capsys.readouterr().err
-        assert re.search(
-            r"line 4 \(step 2\): a global batch of 18 needs 3 accumulation steps on 1 device", err
-        )
-        assert main([*_cli(tmp_path, ckpt, "--max-device-batch-size", "0")]) == 2
-        assert (
-            "argument --max-device-batch-size: must be a positive integer, got 0" in capsys.readouterr().err
-        )
-    finally:
-        torch.set_num_threads(threads)
+    assert train([*_cli(tmp_path, ckpt, "--max-device-batch-size", "8", "--max-steps", "2")]) == 0
+    capsys.readouterr()
+    assert train([*_cli(tmp_path, ckpt, "--max-device-batch-size", "6", "--max-steps", "3")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"written with --max-device-batch-size 8, this run has --max-device-batch-size 6", err)
+    assert train([*_cli(tmp_path, ckpt, "--minibatch-size", "6", "--max-steps", "3")]) == 2
+    assert "written with --minibatch-size None, this run has --minibatch-size 6" in capsys.readouterr().err
+    assert train([*_cli(tmp_path, ckpt, "--max-device-batch-size", "8", "--hidden-dim", "10")]) == 2
+    assert "written with --hidden-dim 12, this run has --hidden-dim 10" in capsys.readouterr().err
+    # A global batch the devices cannot hold within the accumulation limit: the step is named
+    assert train([*_cli(tmp_path, ckpt, "--max-device-batch-size", "8", "--max-accumulation", "2")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"line 4 \(step 2\): a global batch of 18 needs 3 accumulation steps on 1 device", err)
+    assert train([*_cli(tmp_path, ckpt, "--max-device-batch-size", "0")]) == 2
+    assert "argument --max-device-batch-size: must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def _wait_for(path: Path, pattern: str, procs: list[subprocess.Popen[str]], timeout: float = 90) -> None:
@@ -255,14 +235,8 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_step_with_one_checkpoint
     assert load_checkpoint(path)["world_size"] == 2
 
     # One process takes over from the checkpoint and ends where one uninterrupted process ends
-    from torchfold.cli.train import main
-
-    threads = torch.get_num_threads()
-    try:
-        assert main(_cli(tmp_path, ckpt, "--max-device-batch-size", "8", repeat=4)) == 0
-        assert main(_cli(tmp_path, tmp_path / "whole", "--max-device-batch-size", "8", repeat=4)) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert train(_cli(tmp_path, ckpt, "--max-device-batch-size", "8", repeat=4)) == 0
+    assert train(_cli(tmp_path, tmp_path / "whole", "--max-device-batch-size", "8", repeat=4)) == 0
     (end, resumed), (same_end, whole) = list_checkpoints(ckpt)[-1], list_checkpoints(tmp_path / "whole")[-1]
     assert end == same_end > step
     torch.testing.assert_close(load_checkpoint(resumed)["model"], load_checkpoint(whole)["model"])

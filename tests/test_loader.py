@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -93,6 +94,15 @@ def test_ranks_read_disjoint_parts_of_one_seeded_permutation(batch: int, accumul
     assert sorted(i for rank in first for i in rank) == list(range(100))  # disjoint, nothing lost
     assert sorted(i for rank in second for i in rank) == list(range(100))
     assert first != second  # set_epoch changes the order
+
+
+def test_the_split_settings_are_read_from_the_sampler() -> None:
+    fixed = StepLoader(list(range(20)), 2, replication_factor=2, rank=1)
+    settings = (fixed.batch_size, fixed.max_device_batch_size, fixed.replication_factor, fixed.rank)
+    assert settings == (2, None, 2, 1)
+    assert fixed.sampler.minibatch_size == 2 and fixed.sampler.num_replicas == 2
+    elastic = StepLoader(list(range(20)), trace=8, max_device_batch_size=3)
+    assert (elastic.batch_size, elastic.max_device_batch_size, elastic.replication_factor) == (None, 3, 1)
 
 
 def test_poptorch_sizes_and_the_combined_batch() -> None:
@@ -332,6 +342,12 @@ def test_device_moves_numpy_targets_to_tensors() -> None:
     assert plan.apply(Squares())[0].tolist() == [0.0, 1.0, 4.0]
 
 
+def _script(path: Path, body: str) -> Path:
+    """A Python script at ``path`` running ``body`` (dedented) that can import this folder's ``_loader_worker``."""
+    path.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n{textwrap.dedent(body)}")
+    return path
+
+
 def _children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children() if p.pid is not None}
 
@@ -351,17 +367,18 @@ def test_early_break_and_close_leave_no_worker() -> None:
 
 
 def test_keyboard_interrupt_leaves_no_orphan_process(tmp_path: Path) -> None:
-    script = tmp_path / "interrupted.py"
-    script.write_text(
-        "import multiprocessing, sys\n"
-        f"sys.path.insert(0, {str(TESTS)!r})\n"
-        "from _loader_worker import slow_build\n"
-        "from torchfold import StepLoader\n"
-        "if __name__ == '__main__':\n"
-        "    loader = StepLoader(list(range(400)), 2, build=slow_build, num_workers=2)\n"
-        "    for step in loader:\n"
-        "        pids = [p.pid for p in multiprocessing.active_children()]\n"
-        "        print(*pids, flush=True)\n"
+    script = _script(
+        tmp_path / "interrupted.py",
+        """
+        import multiprocessing
+        from _loader_worker import slow_build
+        from torchfold.train import StepLoader
+        if __name__ == "__main__":
+            loader = StepLoader(list(range(400)), 2, build=slow_build, num_workers=2)
+            for step in loader:
+                pids = [p.pid for p in multiprocessing.active_children()]
+                print(*pids, flush=True)
+        """,
     )
     proc = subprocess.Popen(
         [sys.executable, str(script)],
@@ -508,26 +525,27 @@ def test_a_resume_state_with_a_string_step_is_named() -> None:
 def test_an_unclosed_loader_is_not_closed_by_a_forked_worker(tmp_path: Path) -> None:
     # A worker forked by a second loader inherits the first one; collecting it there called
     # DataLoader's shutdown from a process that is not the workers' parent.
-    script = tmp_path / "unclosed.py"
-    script.write_text(
-        "import gc, sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from _loader_worker import collecting_build, failing_build\n"
-        "from torchfold.train.loader import StepLoader\n"
-        "gc.disable()  # only the worker's gc.collect() collects the first loader\n"
-        "first = StepLoader(list(range(40)), 4, build=failing_build, shuffle=False, num_workers=1,\n"
-        "                   multiprocessing_context='fork')\n"
-        "try:\n"
-        "    list(first)\n"
-        "except ValueError:\n"
-        "    pass\n"
-        "first.cycle = first  # unreachable once the name goes, but alive until a collection\n"
-        "del first\n"
-        "second = StepLoader(list(range(8)), 4, build=collecting_build, num_workers=1, multiprocessing_context='fork')\n"
-        "assert sum(len(step) for step in second) == 2\n"
-        "second.close()\n"
-        "gc.collect()  # here, in its own process, the first loader stops its worker\n"
-        "print('ok')\n"
+    script = _script(
+        tmp_path / "unclosed.py",
+        """
+        import gc
+        from _loader_worker import collecting_build, failing_build
+        from torchfold.train.loader import StepLoader
+        gc.disable()  # only the worker's gc.collect() collects the first loader
+        first = StepLoader(list(range(40)), 4, build=failing_build, shuffle=False, num_workers=1,
+                           multiprocessing_context="fork")
+        try:
+            list(first)
+        except ValueError:
+            pass
+        first.cycle = first  # unreachable once the name goes, but alive until a collection
+        del first
+        second = StepLoader(list(range(8)), 4, build=collecting_build, num_workers=1, multiprocessing_context="fork")
+        assert sum(len(step) for step in second) == 2
+        second.close()
+        gc.collect()  # here, in its own process, the first loader stops its worker
+        print("ok")
+        """,
     )
     done = subprocess.run(
         [sys.executable, str(script)],

@@ -31,8 +31,8 @@ from _loop_worker import (
     sst_trees,
     train_rank,
 )
+from _train_cli import train, write_sst
 
-from torchfold.cli.train import main as train_main
 from torchfold.engine.fold import Fold
 from torchfold.examples.datasets import Tree, Vocab
 from torchfold.examples.models import TreeLSTMBuild, encode_trees, tree_lstm_loss
@@ -334,15 +334,9 @@ def _cli_args(trace: Path, data: Path, ckpt: Path) -> list[str]:
 def test_torchrun_two_processes_equal_one_process(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("step,batchsize\n" + "".join(f"{i}, {b}\n" for i, b in enumerate(TRACE)))
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()))
+    data = write_sst(tmp_path)
     args = _cli_args(trace, data, tmp_path / "one")
-    threads = torch.get_num_threads()
-    try:
-        assert train_main(args[1:]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert train(args[1:]) == 0
     args = _cli_args(trace, data, tmp_path / "two")
     command = [
         sys.executable,

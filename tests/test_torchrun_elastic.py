@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist_worker import free_port
+from _train_cli import train
 from test_elastic_training import _cli, _env
 
 from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
@@ -130,13 +131,7 @@ def test_a_lost_node_restarts_the_group_with_the_nodes_left_and_no_step_is_appli
     final_step, final = list_checkpoints(ckpt)[-1]
     assert final_step == max(counts) + 1 and load_checkpoint(final)["world_size"] == 2
 
-    from torchfold.cli.train import main
-
-    threads = torch.get_num_threads()
-    try:
-        assert main(_cli(tmp_path, tmp_path / "whole", "--minibatch-size", "6", repeat=4)) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert train(_cli(tmp_path, tmp_path / "whole", "--minibatch-size", "6", repeat=4)) == 0
     [(whole_step, whole)] = list_checkpoints(tmp_path / "whole")
     assert whole_step == final_step
     torch.testing.assert_close(load_checkpoint(final)["model"], load_checkpoint(whole)["model"])

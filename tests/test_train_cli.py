@@ -11,39 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from _loop_worker import sst_trees
+from _train_cli import run_train, small_run, write_sst
 
 from torchfold._validate import max_threads
-from torchfold.cli.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _data(tmp_path: Path) -> Path:
-    data = tmp_path / "data"
-    if not data.exists():
-        data.mkdir()
-        (data / "train.txt").write_text("".join(f"{tree}\n" for tree in sst_trees()[:24]))
-    return data
-
-
 def _args(tmp_path: Path, *extra: str) -> list[str]:
-    return [
-        *("--trace", "12", "--data", str(_data(tmp_path)), "--minibatch-size", "6", "--hidden-dim", "4"),
-        *("--embedding-dim", "4", "--no-progress", "--log-every", "0", "--workers", "0"),
-        *extra,
-    ]
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    threads = torch.get_num_threads()
-    try:
-        code = train_main(args)
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return small_run(tmp_path, "--workers", "0", *extra)
 
 
 def _usage_error(code: int, err: str, *needles: str) -> None:
@@ -61,13 +37,13 @@ def test_resume_appends_to_the_history_dropping_the_steps_it_repeats(
 ) -> None:
     history, ck = tmp_path / "history.jsonl", tmp_path / "ck"
     common = ("--history", str(history), "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
-    assert _run(_args(tmp_path, "--max-steps", "3", *common), capsys)[0] == 0  # checkpoints at 2 and 3
+    assert run_train(_args(tmp_path, "--max-steps", "3", *common), capsys)[0] == 0  # checkpoints at 2 and 3
     (ck / "step-00000003.pt").unlink()  # resume from step 2: step 2's line is repeated
-    code, out, err = _run(_args(tmp_path, "--max-steps", "5", *common), capsys)
+    code, out, err = run_train(_args(tmp_path, "--max-steps", "5", *common), capsys)
     assert code == 0 and "resumed from" in out and "at step 2" in out, err
     steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4]
-    code, out, err = _run(_args(tmp_path, "--max-steps", "5", *common, "--no-resume"), capsys)
+    code, out, err = run_train(_args(tmp_path, "--max-steps", "5", *common, "--no-resume"), capsys)
     assert code == 0 and "resumed" not in out
     assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2, 3, 4]
 
@@ -111,9 +87,9 @@ def test_a_second_run_on_a_checkpoint_directory_in_use_is_refused(tmp_path: Path
 
 
 def test_too_many_threads_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _out, err = _run(_args(tmp_path, "--max-steps", "1", "--threads", "100000"), capsys)
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "1", "--threads", "100000"), capsys)
     assert code == 2 and "argument --threads: must be at most" in err and "got 100000" in err, err
-    code, _out, err = _run(_args(tmp_path, "--max-steps", "1", "--threads", str(max_threads())), capsys)
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "1", "--threads", str(max_threads())), capsys)
     assert code == 0, err
 
 
@@ -122,16 +98,18 @@ def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path: Path, capsys: pytest
     folder.mkdir()
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    code, _, err = _run(["--trace", str(folder), "--data", str(_data(tmp_path)), "--max-steps", "1"], capsys)
+    code, _, err = run_train(
+        ["--trace", str(folder), "--data", str(write_sst(tmp_path, 24)), "--max-steps", "1"], capsys
+    )
     _usage_error(code, err, f"--trace {folder} is a directory")
-    code, _, err = _run(_args(tmp_path, "--max-steps", "1", "--history", str(folder)), capsys)
+    code, _, err = run_train(_args(tmp_path, "--max-steps", "1", "--history", str(folder)), capsys)
     _usage_error(code, err, f"--history {folder} is a directory")
-    code, _, err = _run(_args(tmp_path, "--max-steps", "1", "--checkpoint-dir", str(a_file)), capsys)
+    code, _, err = run_train(_args(tmp_path, "--max-steps", "1", "--checkpoint-dir", str(a_file)), capsys)
     _usage_error(code, err, f"--checkpoint-dir {a_file} is a file")
 
 
 def test_an_unwritable_history_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _out, err = _run(_args(tmp_path, "--max-steps", "2", "--history", "/dev/full"), capsys)
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--history", "/dev/full"), capsys)
     assert code == 1, err
     [line] = err.splitlines()
     assert "--history /dev/full" in line and "No space left on device" in line, line
@@ -156,7 +134,7 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_the_cause_and_the_in
 ) -> None:
     # Checkpoints of a few KiB: the first ones fit, a later one fills the filesystem.
     args: list[str] = []
-    code, _out, err = _run(
+    code, _out, err = run_train(
         _args(
             tmp_path,
             "--max-steps",
@@ -191,14 +169,16 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_the_cause_and_the_in
 def test_trace_mistakes_name_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], trace: str, needles: list[str]
 ) -> None:
-    args = ["--trace", trace, "--data", str(_data(tmp_path)), "--max-steps", "1"]
-    code, _, err = _run(args, capsys)
+    args = ["--trace", trace, "--data", str(write_sst(tmp_path, 24)), "--max-steps", "1"]
+    code, _, err = run_train(args, capsys)
     _usage_error(code, err, *needles)
     assert "batch_size" not in err
 
 
 def test_an_endless_trace_asks_for_the_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(["--trace", "12", "--data", str(_data(tmp_path)), "--minibatch-size", "6"], capsys)
+    code, _, err = run_train(
+        ["--trace", "12", "--data", str(write_sst(tmp_path, 24)), "--minibatch-size", "6"], capsys
+    )
     _usage_error(code, err, "--trace 12", "--max-steps N or --epochs N")
     assert "fit()" not in err and "max_steps=" not in err
 
@@ -208,5 +188,5 @@ def test_no_data_is_a_usage_error_saying_how_to_get_it(
 ) -> None:
     monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
     monkeypatch.chdir(tmp_path)
-    code, _, err = _run(["--trace", "12", "--max-steps", "1", "--minibatch-size", "6"], capsys)
+    code, _, err = run_train(["--trace", "12", "--max-steps", "1", "--minibatch-size", "6"], capsys)
     _usage_error(code, err, "--data DIR", "TORCHFOLD_DATA", "--generate N")

@@ -28,23 +28,13 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from test_readme import quickstart
 
 import torchfold
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def quickstart() -> tuple[str, str]:
-    """The README's Quickstart section: its one python block and the output block shown under it."""
-    section = re.search(r"^## Quickstart\n(.*?)^## ", (ROOT / "README.md").read_text(), flags=re.S | re.M)
-    assert section is not None, "README.md has no '## Quickstart' section"
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", section.group(1), flags=re.S | re.M)
-    code = [body for lang, body in blocks if lang == "python"]
-    shown = [body for lang, body in blocks if not lang]
-    assert len(code) == 1 and len(shown) == 1, "the Quickstart has one python block and its output"
-    return code[0], shown[0]
 
 
 def clean_env() -> dict[str, str]:

@@ -26,36 +26,13 @@ import importlib
 import warnings
 from typing import Any
 
-from torchfold._errors import FoldError
+from torchfold import engine
 from torchfold._version import __version__
-from torchfold.engine import (
-    EagerFold,
-    EagerNode,
-    Fold,
-    FoldPlan,
-    Node,
-    StaticPlan,
-    StaticShapes,
-    StaticShapesWarning,
-)
-
-__all__ = [
-    "EagerFold",
-    "EagerNode",
-    "Fold",
-    "FoldError",
-    "FoldPlan",
-    "Node",
-    "StaticPlan",
-    "StaticShapes",
-    "StaticShapesWarning",
-    "__version__",
-    "cli",
-    "examples",
-    "train",
-]
+from torchfold.engine import *  # noqa: F403 (the root holds the engine's public names)
 
 _SUBPACKAGES = ("cli", "examples", "train")
+
+__all__ = ["__version__", *engine.__all__, *_SUBPACKAGES]
 
 # Names that moved in 0.2: the old spelling still works, warning once with the new one.
 _MOVED = {

@@ -452,12 +452,11 @@ class StepLoader(Generic[T, R]):
                         f"build {build!r} cannot be pickled for {method!r} worker processes ({e}); define it at "
                         "module level (or as an instance of a module-level class), not as a lambda or a local function"
                     ) from e
+        # The split settings (batch_size, max_device_batch_size, replication_factor, rank) are the
+        # sampler's: read through properties, never kept twice.
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.max_device_batch_size = max_device_batch_size
         self.build = build
         self.device_iterations = device_iterations
-        self.replication_factor = replication_factor
         self.gradient_accumulation = gradient_accumulation
         self.num_workers = num_workers
         self.device = torch.device(device) if device is not None else None
@@ -484,12 +483,29 @@ class StepLoader(Generic[T, R]):
         if num_workers:
             _LOADERS.add(self)
 
-    # -- position --------------------------------------------------------------------------------
+    # -- the split (the sampler's) -------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per minibatch (the sampler's ``minibatch_size``); ``None`` with ``max_device_batch_size``."""
+        return self.sampler.minibatch_size
+
+    @property
+    def max_device_batch_size(self) -> int | None:
+        """The most samples one replica processes at once, or ``None`` with a fixed ``batch_size``."""
+        return self.sampler.max_device_batch_size
+
+    @property
+    def replication_factor(self) -> int:
+        """Processes sharing each step (the sampler's ``num_replicas``)."""
+        return self.sampler.num_replicas
 
     @property
     def rank(self) -> int:
         """This process's rank among the ``replication_factor`` ones."""
         return self.sampler.rank
+
+    # -- position --------------------------------------------------------------------------------
 
     @property
     def epoch(self) -> int:

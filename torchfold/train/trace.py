@@ -583,28 +583,11 @@ class BatchSizeTrace:
             writer.writerow(["step", "batchsize"])
             writer.writerows(enumerate(self._sizes))
 
-    def plot(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        lr: float | None = None,
-        ref_batch_size: int | None = None,
-        rule: str = "linear",
-        num_steps: int | None = None,
-    ) -> None:
-        """Plot batch size over steps (and, with ``lr``, the learning rate under ``rule``) to a PNG.
+    plot = plot_trace
+    """Plot batch size over steps (with ``lr``, the learning rate too) to a PNG.
 
-        Args:
-            path: output image file.
-            lr: base learning rate at ``ref_batch_size``; adds a learning-rate panel.
-            ref_batch_size: reference batch size for ``lr`` (default: the first step's batch size).
-            rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`~torchfold.train.lr.scaled_lr`).
-            num_steps: how many steps to plot (required for an unbounded trace).
-
-        Raises:
-            ImportError: matplotlib is not installed (``pip install 'torchfold[plot]'``).
-        """
-        plot_trace(self, path, lr=lr, ref_batch_size=ref_batch_size, rule=rule, num_steps=num_steps)
+    ``trace.plot(path, ...)`` is :func:`~torchfold.train.plot.plot_trace` ``(trace, path, ...)``: one signature.
+    """
 
 
 TraceLike = Union[BatchSizeTrace, str, "os.PathLike[str]", Sequence[int], int]

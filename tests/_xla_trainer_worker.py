@@ -5,8 +5,8 @@ Tree-LSTM with static-shape plans, one replica per XLA CPU device (``CPU_NUM_DEV
 ``xmp.spawn``; several CPU devices are threads of one process), for the first ``STEPS`` steps of
 a batch-size trace whose steps give the replicas varying numbers of minibatches (a replica of
 two may have none). ``COMPILE`` is the trainer's ``compile`` (``on``: steps captured with
-torch.compile's ``openxla`` backend; ``off``: lazy). With one replica it also writes a
-checkpoint at step 16 and trains again from it in a fresh trainer. Each replica saves its final
+torch.compile's ``openxla`` backend; ``off``: lazy). Past 16 steps it also writes a checkpoint
+at step 16 and trains again from it in a fresh trainer. Each replica saves its final
 parameters, its XLA compilations after every step, its capture count and any warnings; with
 ``FAIL_RANK``, that replica's loss raises at its third minibatch and every replica saves the
 error it stopped with. ``train_on_cpu`` is the one-process eager reference. It must start in a
@@ -119,9 +119,8 @@ def _replica(
             data = met.metric_data("CompileTime")
             compilations.append(0 if data is None else int(data[0]))
 
-        # One replica: a checkpoint mid-run, and a resume from it. (Checkpoints of several torch_xla
-        # replicas hold only rank 0's generator states: they cannot be resumed yet.)
-        resume = world_size == 1 and fail_rank is None and steps > CHECKPOINT_STEP
+        # A checkpoint mid-run (rank 0 writes it, with every replica's generator states), and a resume from it
+        resume = fail_rank is None and steps > CHECKPOINT_STEP
         checkpoints = Path(f"{out}.checkpoints") if resume else None
         loss = None if fail_rank is None else _failing_loss(fail_rank, rank)
 

@@ -285,8 +285,9 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
 # -- random number generators ---------------------------------------------------------------
 
 
-def rng_state() -> dict[str, Any]:
-    """The states of torch's, CUDA's (if initialized), Python's and NumPy's (if imported) generators.
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """The states of torch's, CUDA's (if initialized), Python's and NumPy's (if imported) generators,
+    and an XLA ``device``'s seed.
 
     Only tensors and plain containers, so it can go into a checkpoint.
 
@@ -314,11 +315,16 @@ def rng_state() -> dict[str, Any]:
             int(has_gauss),
             float(cached),
         ]
+    if device is not None and device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        state["xla"] = int(xm.get_rng_state(device=device))
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore generator states captured by :func:`rng_state` (those present in ``state``)."""
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore generator states captured by :func:`rng_state` (those present in ``state``; the XLA
+    seed on ``device``)."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -329,6 +335,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "xla" in state and device is not None and device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(state["xla"], device=device)
 
 
 # -- checking what a checkpoint holds ---------------------------------------------------------
@@ -370,6 +380,8 @@ def _rng_problem(state: object) -> str | None:
     cuda = state.get("cuda", [])
     if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
         return f"'cuda' should be a list of tensors (one per device), got {_brief(cuda)}"
+    if "xla" in state and (not isinstance(state["xla"], int) or isinstance(state["xla"], bool)):
+        return f"'xla' should be an int (an XLA device's seed), got {_brief(state['xla'])}"
     if "numpy" in state:
         import numpy as np
 

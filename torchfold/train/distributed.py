@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -35,11 +36,13 @@ from torchfold._validate import check_int
 
 __all__ = [
     "World",
+    "abort_replica_threads",
     "all_reduce_sum_",
     "broadcast_parameters",
     "check_same_on_all_ranks",
     "default_device",
     "fingerprint",
+    "gather_objects",
     "init_distributed",
     "is_main_process",
     "world",
@@ -325,6 +328,46 @@ def abort_replica_threads() -> None:
     with _thread_meets_lock:
         for barrier in _thread_meets.values():
             barrier.abort()
+
+
+def gather_objects(value: Any, *, what: str = "values") -> list[Any]:
+    """Every rank's ``value`` (anything picklable), in rank order: a collective, every rank calls it.
+
+    Under ``torch.distributed`` it is ``all_gather_object``; across torch_xla's replicas the
+    pickled bytes travel through :func:`all_reduce_sum_` (each rank fills its own row of a zero
+    buffer); in a single process it is ``[value]``. ``what`` names the values in errors.
+
+    >>> gather_objects({"seed": 1})
+    [{'seed': 1}]
+    """
+    current = world()
+    if current.size == 1:
+        return [value]
+    if current.source == "torch_xla":
+        import torch_xla
+
+        device = torch_xla.device()
+        payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        lengths = torch.zeros(current.size, dtype=torch.float32)
+        lengths[current.rank] = payload.numel()
+        lengths = lengths.to(device)
+        all_reduce_sum_([lengths])
+        sizes = [int(n) for n in lengths.cpu().tolist()]
+        rows = torch.zeros(current.size, max(sizes), dtype=torch.float32)  # bytes are exact in float32
+        rows[current.rank, : payload.numel()] = payload.float()
+        rows = rows.to(device)
+        all_reduce_sum_([rows])
+        host = rows.cpu().to(torch.uint8)
+        return [pickle.loads(host[rank, :size].numpy().tobytes()) for rank, size in enumerate(sizes)]
+    gathered: list[Any] = [None] * current.size
+    try:
+        dist.all_gather_object(gathered, value)
+    except Exception as e:
+        raise RuntimeError(
+            f"torchfold: rank {current.rank} could not gather the ranks' {what}: another rank died or did not "
+            f"reach the same gather. Original error: {first_line(e)}"
+        ) from e
+    return gathered
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:

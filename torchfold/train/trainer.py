@@ -53,7 +53,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from torchfold.engine.static.shapes import StaticPlan
@@ -72,7 +71,7 @@ from torchfold.train.distributed import (
     abort_replica_threads,
     all_reduce_sum_,
     broadcast_parameters,
-    first_line,
+    gather_objects,
     world,
     xla_sync,
 )
@@ -580,17 +579,9 @@ class TraceTrainer:
 
         A collective: every rank must call it (each contributes its generators' states).
         """
-        states: list[Any] = [rng_state()]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            try:
-                dist.all_gather_object(gathered, states[0])
-            except Exception as e:
-                raise RuntimeError(
-                    f"torchfold: rank {dist.get_rank()} could not gather the ranks' generator states for the "
-                    f"checkpoint at step {self.next_step}: another rank died or did not reach it. Original error: {first_line(e)}"
-                ) from e
-            states = gathered
+        states = gather_objects(
+            rng_state(self.device), what=f"generator states for the checkpoint at step {self.next_step}"
+        )
         return {
             "step": self.next_step,
             "world_size": world().size,
@@ -632,7 +623,7 @@ class TraceTrainer:
                 ) from e
         saved_world = state["world_size"]
         if saved_world == world_size:
-            set_rng_state(state["rng"][rank])
+            set_rng_state(state["rng"][rank], self.device)
         else:
             # Rank r of K' has no generator state of its own in a checkpoint of K processes.
             self._seed_generators(

@@ -2,10 +2,10 @@
 
 - :mod:`~torchfold.engine.node` and :mod:`~torchfold.engine.fold`: recording (``Fold.add``);
 - :mod:`~torchfold.engine.compiler`: a recorded fold compiled to a picklable :class:`FoldPlan`;
-- :mod:`~torchfold.engine.executor`: the runner of a plan;
+- :mod:`~torchfold.engine.executor`: the runner of a plan, padded or not;
 - :mod:`~torchfold.engine.static`: padding a plan into a fixed envelope of shapes (XLA, CUDA graphs,
-  compiled steps), with its own runner (``StaticLayout.run``);
-- :mod:`~torchfold.engine.ops`: calling an op and checking what it returns, for both runners;
+  compiled steps), run by the same runner (``StaticLayout.run``);
+- :mod:`~torchfold.engine.ops`: calling an op and checking what it returns, for the runner;
 - :mod:`~torchfold.engine.eager`: the eager twin (:class:`EagerFold`), one call per node, for tests;
 - :mod:`~torchfold.engine.draw`: pictures of a fold (needs the ``plot`` extra).
 

@@ -1,7 +1,14 @@
-"""Running a compiled fold (:class:`~torchfold.engine.ir.PlanData`): one batched call per group, nothing per node.
+"""The runner of a plan, padded or not: one loop over its batched calls (:func:`run_calls`).
 
-Every group's result stays one batched tensor (or tuple of them). A consumer's argument is
-assembled with at most two tensor operations, whatever the number of nodes:
+:func:`run_calls` resolves the ops, then for each batched call in order assembles its
+arguments, calls the op (:func:`~torchfold.engine.ops.call_op`), checks and keeps what it
+returns (:func:`~torchfold.engine.ops.check_outputs`), and finally assembles one tensor per
+request. It runs a compiled fold (:class:`~torchfold.engine.ir.PlanData`, through :func:`run`)
+and a padded one (:meth:`StaticLayout.run <torchfold.engine.static.layout.StaticLayout.run>`)
+alike; what differs between them is how arguments are read from earlier results, which a
+:class:`Results` object of each plan kind says. Here, the compiled fold's: every group's
+result stays one batched tensor (or tuple of them), and a consumer's argument is assembled
+with at most two tensor operations, whatever the number of nodes:
 
 * all its rows come, in order, from one whole earlier result: that tensor is passed through
   with no copy;
@@ -18,19 +25,111 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
 
 from torchfold._errors import FoldError
 from torchfold.engine.ir import INT32_LIMIT, Arg, Gather, GroupCall, PlanData, call_offsets
+from torchfold.engine.node import Op
 from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
 from torchfold.engine.resolve import module_device, resolve_ops
 
-__all__ = ["run"]
+__all__ = ["BatchedCall", "Results", "run", "run_calls"]
 
 _Tensor = torch.Tensor
+
+
+class BatchedCall(Protocol):
+    """What the runner reads of a batched call: a compiled ``GroupCall`` or a static ``Slot``."""
+
+    op: Op
+    name: str
+    depth: int
+    num_calls: int
+    num_outputs: int
+
+
+_Call = TypeVar("_Call", bound=BatchedCall, contravariant=True)
+
+
+class Results(Protocol[_Call]):
+    """The results of a plan's batched calls so far, kept and read the way its kind of plan does.
+
+    :func:`run_calls` asks it for each call's arguments, gives it each call's checked outputs,
+    and at the end asks it for each request's tensor.
+    """
+
+    def arguments(self, call: _Call) -> list[Any]:
+        """The batched arguments of ``call``, one per position, from earlier results and the plan's data."""
+        ...
+
+    def store(self, number: int, call: _Call, out: Any, outputs: Sequence[_Tensor]) -> None:
+        """Keep what call ``number`` returned: ``out`` as the op returned it, ``outputs`` its checked tensors."""
+        ...
+
+    def request(self, number: int) -> _Tensor:
+        """The tensor of request ``number``, once every call has run."""
+        ...
+
+
+# NOTE: one runner for plain and padded plans. The loop, the op call, the output checks and the
+# request assembly are here once; a plan kind only says how it reads arguments (a compiled fold:
+# numpy indices, with pass-through, combined gathers and compaction, and precise mismatch
+# errors; a static layout: slices of its packed input tensors and running concatenations). The
+# static kind's reads are pure tensor operations, so that this loop stays one graph under
+# ``torch.compile(fullgraph=True)``: nothing here branches on a tensor's value.
+def run_calls(
+    nn: object,
+    calls: Sequence[_Call],
+    results: Results[_Call],
+    requests: int,
+    *,
+    padded: bool = False,
+    arg_shapes: list[list[tuple[Any, Any]]] | None = None,
+) -> list[_Tensor]:
+    """Run ``calls`` in order on ``nn``, their arguments read from ``results``; one tensor per request.
+
+    ``padded``: the calls are a static layout's (error messages say so). ``arg_shapes``, if
+    given, receives the (dtype, shape) of each call's batched arguments, one list per call.
+
+    Its two users: :func:`run` (a compiled fold) and :meth:`StaticLayout.run
+    <torchfold.engine.static.layout.StaticLayout.run>` (a padded one).
+    """
+    fns: list[Callable[..., Any]] = resolve_ops(nn, calls)
+    for number, (call, fn) in enumerate(zip(calls, fns, strict=True)):
+        args = results.arguments(call)
+        if arg_shapes is not None:
+            arg_shapes.append([(a.dtype, a.shape) for a in args])
+        name, depth, count = call.name, call.depth, call.num_calls
+        out = call_op(fn, args, name, depth, count, padded=padded)
+        outputs = check_outputs(out, name, depth, count, call.num_outputs, padded=padded)
+        results.store(number, call, out, outputs)
+    return [results.request(number) for number in range(requests)]
+
+
+def run(
+    plan: PlanData,
+    nn: object,
+    arg_shapes: list[list[tuple[Any, Any]]] | None = None,
+    device: torch.device | None = None,
+) -> list[_Tensor]:
+    """Run ``plan``'s steps on ``nn`` and return one batched tensor per request.
+
+    The plan is only read (several threads may run it). ``arg_shapes``, if given, receives the
+    (dtype, shape) of each step's batched arguments, one list per step run. ``device``: where
+    ints and floats are made, if the caller already knows (default: the plan's, else the module's).
+
+    >>> import torch, torchfold
+    >>> f = torchfold.Fold()
+    >>> run(f.plan([[f.add(torch.neg, 1), f.add(torch.neg, 2)]]), None)
+    [tensor([-1, -2])]
+    """
+    if device is None:
+        device = plan.device if plan.device is not None else module_device(nn)
+    return run_calls(nn, plan.steps, _Results(plan, device), len(plan.requests), arg_shapes=arg_shapes)
+
 
 # A source read only in part is gathered on its own first when copying it whole into the
 # concatenation would move more than this many unused bytes. Backward zero-fills the whole
@@ -42,21 +141,41 @@ COMPACT_BYTES = 1 << 23
 
 
 class _Results:
-    """Batched results of the steps run so far, by source number, and how many rows each call owns."""
+    """A compiled fold's results (:class:`Results`): the batched results of the steps run so far,
+    by source number, and how many rows each call owns. ``device``: where ints and floats are made."""
 
-    __slots__ = ("kinds", "outputs", "plan", "tensors")
+    __slots__ = ("device", "kinds", "outputs", "plan", "tensors")
 
-    def __init__(self, plan: PlanData) -> None:
+    def __init__(self, plan: PlanData, device: torch.device) -> None:
         count = len(plan.source_owner)
         self.plan = plan
+        self.device = device
         self.tensors: list[_Tensor | None] = [None] * count
         # per source: (rows per call, row shape, dtype, device): what must agree to gather together
         self.kinds: list[tuple[Any, ...] | None] = [None] * count
         self.outputs = [0] * len(plan.steps)  # outputs each step returned (0: one tensor)
 
-    def store(self, number: int, step: GroupCall, out: Any) -> None:
+    def arguments(self, step: GroupCall) -> list[Any]:
+        device = self.device
+        args: list[Any] = [None] * step.arity
+        for position, arg in step.fixed:
+            args[position] = _value(arg, self, device)
+        if step.combined:
+            gathered = _combined_gathered(step, self, device)
+            if gathered is not None:
+                positions = [position for gather in step.gathers for position in gather.positions]
+                for position, tensor in zip(positions, gathered, strict=True):
+                    args[position] = tensor
+                return args
+        for gather in step.gathers:
+            for position, tensor in zip(
+                gather.positions, _gathered(gather, self, device, step.where), strict=True
+            ):
+                args[position] = tensor
+        return args
+
+    def store(self, number: int, step: GroupCall, out: Any, outputs: Sequence[_Tensor]) -> None:
         calls = step.num_calls
-        outputs = check_outputs(out, step.name, step.depth, calls, step.num_outputs)
         if isinstance(out, _Tensor):
             sources: Sequence[int] = (step.source,)
         else:
@@ -75,6 +194,13 @@ class _Results:
         step, count = self.plan.steps[number], self.outputs[number]
         # A source that was split is checked by store(); so this is a result used whole that was a tuple.
         raise tuple_used_whole(self.plan.describe_item(source, call), step.name, step.depth, count)
+
+    def request(self, number: int) -> _Tensor:
+        request = self.plan.requests[number]
+        if isinstance(request, Arg):
+            return _value(request, self, self.device)
+        (output,) = _gathered(request, self, self.device, lambda _: f"apply request {number}")
+        return output
 
 
 def _rows_index(calls: np.ndarray, rows: int, device: torch.device) -> _Tensor:
@@ -247,58 +373,3 @@ def _compact_sparse_sources(
             tensors[p] = tensor.index_select(0, _rows_index(kept, rows, device))
     offsets = call_offsets([t.shape[0] // rows for t in tensors])
     return offsets[item_piece] + item_call
-
-
-def _arguments(step: GroupCall, results: _Results, device: torch.device) -> list[Any]:
-    args: list[Any] = [None] * step.arity
-    for position, arg in step.fixed:
-        args[position] = _value(arg, results, device)
-    if step.combined:
-        gathered = _combined_gathered(step, results, device)
-        if gathered is not None:
-            positions = [position for gather in step.gathers for position in gather.positions]
-            for position, tensor in zip(positions, gathered, strict=True):
-                args[position] = tensor
-            return args
-    for gather in step.gathers:
-        for position, tensor in zip(
-            gather.positions, _gathered(gather, results, device, step.where), strict=True
-        ):
-            args[position] = tensor
-    return args
-
-
-def _request_label(number: int) -> Callable[[int], str]:
-    return lambda _: f"apply request {number}"
-
-
-def run(
-    plan: PlanData,
-    nn: object,
-    arg_shapes: list[list[tuple[Any, Any]]] | None = None,
-    device: torch.device | None = None,
-) -> list[_Tensor]:
-    """Run ``plan``'s steps on ``nn`` and return one batched tensor per request.
-
-    The plan is only read (several threads may run it). ``arg_shapes``, if given, receives the
-    (dtype, shape) of each step's batched arguments, one list per step run. ``device``: where
-    ints and floats are made, if the caller already knows (default: the plan's, else the module's).
-    """
-    if device is None:
-        device = plan.device if plan.device is not None else module_device(nn)
-    fns: list[Callable[..., Any]] = resolve_ops(nn, plan.steps)
-    results = _Results(plan)
-    for number, (step, fn) in enumerate(zip(plan.steps, fns, strict=True)):
-        args = _arguments(step, results, device)
-        if arg_shapes is not None:
-            arg_shapes.append([(a.dtype, a.shape) for a in args])
-        out = call_op(fn, args, step.name, step.depth, step.num_calls)
-        results.store(number, step, out)
-    outputs = []
-    for number, request in enumerate(plan.requests):
-        if isinstance(request, Arg):
-            outputs.append(_value(request, results, device))
-        else:
-            (output,) = _gathered(request, results, device, _request_label(number))
-            outputs.append(output)
-    return outputs

@@ -337,11 +337,20 @@ class StaticLayout:
     def run(self, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
         """Run the layout's ops on ``nn`` with one plan's ``inputs``; one padded tensor per request.
 
-        A pure function of ``nn`` and the tensors of ``inputs``: tensor operations only, no
-        transfer, nothing read back to Python, no branch on a tensor's value; so it can be
-        traced once per layout (``torch.compile``, a CUDA graph capture) and replayed for
-        every plan of the layout. Outputs are padded to the capacities: a plan's sizes vary
-        from batch to batch, so cutting them (:meth:`StaticPlan.unpad`) is the plan's job.
+        The runner of every plan (:func:`~torchfold.engine.executor.run_calls`), each slot's
+        arguments read as slices of ``inputs``. A pure function of ``nn`` and the tensors of
+        ``inputs``: tensor operations only, no transfer, nothing read back to Python, no branch
+        on a tensor's value; so it can be traced once per layout (``torch.compile``, a CUDA
+        graph capture) and replayed for every plan of the layout. Outputs are padded to the
+        capacities: a plan's sizes vary from batch to batch, so cutting them
+        (:meth:`StaticPlan.unpad`) is the plan's job.
+
+        >>> import torch, torchfold
+        >>> f = torchfold.Fold(shapes=torchfold.StaticShapes(min_rows=4))
+        >>> plan = f.plan([[f.add(torch.neg, 1), f.add(torch.neg, 2)]])
+        >>> padded = plan.layout.run(None, plan.inputs())
+        >>> padded, plan.unpad(padded)
+        ([tensor([-1, -2, -1, -1])], [tensor([-1, -2])])
 
         Raises:
             ValueError: ``padded=False`` (unpadding needs the plan's sizes), or ``inputs``

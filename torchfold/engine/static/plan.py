@@ -1,22 +1,24 @@
-"""A plan padded into an envelope (:class:`StaticPlan`), its inputs (:class:`StaticInputs`), and the runner.
+"""A plan padded into an envelope (:class:`StaticPlan`), its inputs (:class:`StaticInputs`), and how they run.
 
-The runner (:func:`run`, :meth:`StaticLayout.run <torchfold.engine.static.layout.StaticLayout.run>`)
-is a pure function of a module and the inputs' tensors, so that compiled steps can trace it
-once per layout; :meth:`StaticPlan.apply` is that runner on the plan's inputs.
+:meth:`StaticLayout.run <torchfold.engine.static.layout.StaticLayout.run>` (:func:`run`) is the
+runner of every plan (:func:`~torchfold.engine.executor.run_calls`) with its arguments read as
+slices of the inputs' tensors: a pure function of a module and those tensors, so that compiled
+steps can trace it once per layout. :meth:`StaticPlan.apply` runs it on the plan's own inputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from torchfold._errors import FoldError
+from torchfold.engine.executor import run_calls
 from torchfold.engine.ir import check_pad_rows, check_portable_op, check_request_number, portable_tensors
-from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
-from torchfold.engine.resolve import module_device, resolve_ops
+from torchfold.engine.ops import tuple_used_whole
+from torchfold.engine.resolve import module_device
 
 if TYPE_CHECKING:
     from torchfold.engine.static.layout import Slot, StaticGather, StaticLayout
@@ -187,7 +189,8 @@ class StaticPlan:
 
 
 def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
-    """The runner of :meth:`StaticLayout.run` (see there): the layout's ops on ``nn`` with one plan's inputs."""
+    """:meth:`StaticLayout.run` (see there): the runner (:func:`~torchfold.engine.executor.run_calls`)
+    on the layout's slots, their arguments read from one plan's inputs."""
     if not padded:
         raise ValueError(
             "StaticLayout.run(padded=False): a layout does not know a batch's sizes; run it padded and cut the "
@@ -204,98 +207,100 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
             f"given tensors, but this layout takes ({layout.num_ints},), ({layout.num_floats},) and {len(layout.given)}; "
             "pass the inputs of a plan of this layout (plan.inputs(), where plan.layout.key is this layout's key)"
         )
-    fns: list[Callable[..., Any]] = resolve_ops(nn, layout.slots)
-    results: dict[tuple[int, int | None], _Tensor] = {}
-    memories: dict[frozenset[Any], tuple[_Tensor, int]] = {}  # per set of streams: its running concatenation
-    for number, (slot, fn) in enumerate(zip(layout.slots, fns, strict=True)):
+    return run_calls(nn, layout.slots, _SlotResults(layout, inputs), len(layout.requests), padded=True)
+
+
+class _SlotResults:
+    """A static layout's results (:class:`~torchfold.engine.executor.Results`): the outputs of the
+    slots run so far, by (slot, output or None), and the running concatenations; arguments are
+    slices of the inputs' packed tensors. Tensor operations only: the runner is traced through it."""
+
+    def __init__(self, layout: StaticLayout, inputs: StaticInputs) -> None:
+        self.slots = layout.slots
+        self.requests = layout.requests
+        self.ints, self.floats, self.given = inputs
+        self.tensors: dict[tuple[int, int | None], _Tensor] = {}
+        # per set of streams: its running concatenation, and how many pieces it holds
+        self.memories: dict[frozenset[Any], tuple[_Tensor, int]] = {}
+
+    def arguments(self, slot: Slot) -> list[Any]:
         args: list[Any] = [None] * slot.arity
         for gather, (start, end) in zip(slot.gathers, slot.gather_spans, strict=True):
-            taken, rows = _take(gather, results, memories, ints[start:end], layout.slots)
+            taken, rows = self._take(gather, self.ints[start:end])
             if len(gather.positions) == 1:
                 args[gather.positions[0]] = taken
             else:
                 for where, part in zip(gather.positions, taken.split(gather.items * rows), strict=True):
                     args[where] = part
         for position, kind, where in slot.fixed:
-            if kind == "ints":
-                args[position] = ints[where[0] : where[1]]
-            elif kind == "floats":
-                args[position] = floats[where[0] : where[1]]
-            else:
-                args[position] = given[where]
-        out = call_op(fn, args, slot.name, slot.depth, slot.num_calls, padded=True)
-        for output, value in _store(slot, out):
-            results[(number, output)] = value
-    outputs = []
-    for request in layout.requests:
+            args[position] = self._fixed(kind, where)
+        return args
+
+    def store(self, number: int, slot: Slot, out: Any, outputs: Sequence[_Tensor]) -> None:
+        if isinstance(out, _Tensor):
+            self.tensors[(number, None)] = out
+        else:
+            for output, value in enumerate(outputs):
+                self.tensors[(number, output)] = value
+
+    def request(self, number: int) -> _Tensor:
+        request = self.requests[number]
         where = request.where
         if request.gather is not None:
-            outputs.append(
-                _take(request.gather, results, memories, ints[where[0] : where[1]], layout.slots)[0]
-            )
-        elif request.kind == "ints":
-            outputs.append(ints[where[0] : where[1]])
-        elif request.kind == "floats":
-            outputs.append(floats[where[0] : where[1]])
-        else:
-            outputs.append(given[where])
-    return outputs
+            return self._take(request.gather, self.ints[where[0] : where[1]])[0]
+        return self._fixed(request.kind, where)
 
+    def _fixed(self, kind: str, where: Any) -> _Tensor:
+        """An argument or request that needs no gather: a span of the ints or floats, or a given tensor."""
+        if kind == "ints":
+            return self.ints[where[0] : where[1]]
+        if kind == "floats":
+            return self.floats[where[0] : where[1]]
+        return self.given[where]
 
-def _store(slot: Slot, out: Any) -> list[tuple[int | None, _Tensor]]:
-    """The outputs of a slot's call, checked like the unpadded runner's, by (output or None) number."""
-    outputs = check_outputs(out, slot.name, slot.depth, slot.num_calls, slot.num_outputs, padded=True)
-    if isinstance(out, _Tensor):
-        return [(None, out)]
-    return list(enumerate(outputs))
-
-
-def _take(
-    gather: StaticGather,
-    results: dict[tuple[int, int | None], _Tensor],
-    memories: dict[frozenset[Any], tuple[_Tensor, int]],
-    index: _Tensor,
-    slots: list[Slot],
-) -> tuple[_Tensor, int]:
-    """The rows of a gather: its pieces concatenated (a running concatenation extended, for a gather
-    reading every earlier level), then one ``index_select``."""
-    memory = None if gather.streams is None else memories.get(gather.streams)
-    have = 0 if memory is None else memory[1]
-    tensors = []
-    for piece in gather.pieces[have:]:
-        tensor = results.get((piece.slot, piece.output))
-        if tensor is None:  # a result used whole that was a tuple (what is split is checked by _store)
-            slot = slots[piece.slot]
-            count = slot.num_outputs or len([key for key in results if key[0] == piece.slot])
-            raise tuple_used_whole(
-                f"a node of op {slot.name!r} at depth {slot.depth}", slot.name, slot.depth, count
-            )
-        tensors.append(tensor)
-    # What the envelope joins over all batches must agree, though each batch alone may read only
-    # some of it: rows per call, row shape and dtype of every piece.
-    first = gather.pieces[0]
-    reference = memory[0] if memory is not None else tensors[0]
-    rows = reference.shape[0] // (
-        first.calls if memory is None else sum(p.calls for p in gather.pieces[:have])
-    )
-    for piece, tensor in zip(gather.pieces[have:], tensors, strict=True):
-        if (
-            tensor.shape[0] != piece.calls * rows
-            or tensor.shape[1:] != reference.shape[1:]
-            or tensor.dtype != reference.dtype
-        ):
-            raise FoldError(
-                f"static shapes: an argument position reads the outputs of op {slots[first.slot].name!r} "
-                f"({rows} rows of {tuple(reference.shape[1:])} {reference.dtype} per call) and, in this or an earlier "
-                f"batch, of op {slots[piece.slot].name!r} ({tensor.shape[0] / piece.calls:g} rows of "
-                f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
-                "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
-            )
-    if memory is not None:
-        tensors.insert(0, memory[0])
-    source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
-    if gather.streams is not None:
-        memories[gather.streams] = (source, len(gather.pieces))
-    if rows != 1:
-        index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
-    return source.index_select(0, index), rows
+    def _take(self, gather: StaticGather, index: _Tensor) -> tuple[_Tensor, int]:
+        """The rows of a gather: its pieces concatenated (a running concatenation extended, for a gather
+        reading every earlier level), then one ``index_select``."""
+        results, slots = self.tensors, self.slots
+        memory = None if gather.streams is None else self.memories.get(gather.streams)
+        have = 0 if memory is None else memory[1]
+        tensors = []
+        for piece in gather.pieces[have:]:
+            tensor = results.get((piece.slot, piece.output))
+            if (
+                tensor is None
+            ):  # a result used whole that was a tuple (what is split is checked by check_outputs)
+                slot = slots[piece.slot]
+                count = slot.num_outputs or len([key for key in results if key[0] == piece.slot])
+                raise tuple_used_whole(
+                    f"a node of op {slot.name!r} at depth {slot.depth}", slot.name, slot.depth, count
+                )
+            tensors.append(tensor)
+        # What the envelope joins over all batches must agree, though each batch alone may read only
+        # some of it: rows per call, row shape and dtype of every piece.
+        first = gather.pieces[0]
+        reference = memory[0] if memory is not None else tensors[0]
+        rows = reference.shape[0] // (
+            first.calls if memory is None else sum(p.calls for p in gather.pieces[:have])
+        )
+        for piece, tensor in zip(gather.pieces[have:], tensors, strict=True):
+            if (
+                tensor.shape[0] != piece.calls * rows
+                or tensor.shape[1:] != reference.shape[1:]
+                or tensor.dtype != reference.dtype
+            ):
+                raise FoldError(
+                    f"static shapes: an argument position reads the outputs of op {slots[first.slot].name!r} "
+                    f"({rows} rows of {tuple(reference.shape[1:])} {reference.dtype} per call) and, in this or an earlier "
+                    f"batch, of op {slots[piece.slot].name!r} ({tensor.shape[0] / piece.calls:g} rows of "
+                    f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
+                    "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
+                )
+        if memory is not None:
+            tensors.insert(0, memory[0])
+        source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+        if gather.streams is not None:
+            self.memories[gather.streams] = (source, len(gather.pieces))
+        if rows != 1:
+            index = (index.unsqueeze(1) * rows + torch.arange(rows, device=index.device)).reshape(-1)
+        return source.index_select(0, index), rows

@@ -24,7 +24,6 @@ from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
 from torchfold.train.compiled import CompiledLoss, compile_backend, wants_compile
 
 BACKEND = "aot_eager"
-SST = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst"
 
 
 class Chain(torch.nn.Module):
@@ -187,9 +186,8 @@ def _sst_trainer(compile: str, trees: list[object], vocab: Vocab, shapes: Static
     )
 
 
-@pytest.mark.skipif(not SST.is_dir(), reason="needs ../shared/data/sst beside the repository")
-def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst() -> None:
-    trees = load_sst(SST, split="train", max_trees=44)
+def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_dir: Path) -> None:
+    trees = load_sst(data_dir / "sst", split="train", max_trees=44)
     vocab = Vocab.build(trees)
     shapes = StaticShapes()
     for start in range(0, len(trees), 4):  # fitted on the host first: the envelope does not grow in training

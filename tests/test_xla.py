@@ -18,6 +18,7 @@ import pytest
 import torch
 from _dist_worker import make_model, mnist_rows, train
 from _xla_worker import MINIBATCH, RULES, TRACE, train_on_xla
+from conftest import DATA_DIR
 
 from torchfold.train.sampler import minibatches_per_rank
 
@@ -290,7 +291,7 @@ def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_pa
         assert sorted(mine[0] + mine[1]) == samples, f"step {number}"
 
 
-SST_DIR = HERE.parent.parent / "shared" / "data" / "sst"
+SST_DIR = DATA_DIR / "sst"
 
 
 def _trainer_replicas(

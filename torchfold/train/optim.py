@@ -462,20 +462,26 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._plain = True  # a parameter unfrozen since the last scan, from a plain backward
         device = params[0].device
         stats_dtype = torch.float32 if device.type in ("xla", "mps") else torch.float64
-        stats = torch.zeros(_N_STATS + len(params), dtype=stats_dtype, device=device)
-        stats[_SAMPLES] = self._local_samples
-        stats[_MINIBATCHES] = self._local_minibatches
-        stats[_PLAIN_RANKS] = float(self._plain)
-        stats[_UNIT] = self._unit()
-        if self._local_sqnorm is not None:
-            stats[_WEIGHTED_SQNORM] = self._local_sqnorm.to(device=device, dtype=stats_dtype)
+        local = [0.0] * (_N_STATS + len(params))
+        local[_SAMPLES] = self._local_samples
+        local[_MINIBATCHES] = self._local_minibatches
+        local[_PLAIN_RANKS] = float(self._plain)
+        local[_UNIT] = self._unit()
         grads: list[torch.Tensor] = []
         for i, p in enumerate(params):
             if p.grad is not None:
-                stats[_N_STATS + i] = 1.0
+                local[_N_STATS + i] = 1.0
             grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-        all_reduce_sum_([*grads, stats])  # idle ranks join with zeros
-        totals = stats.tolist()
+        if world().size == 1 and self._local_sqnorm is None:
+            # One process: nothing to sum, and nothing to read back, so the host goes on to the
+            # update while the device still runs the minibatches (no wait for it here).
+            totals = local
+        else:
+            stats = torch.tensor(local, dtype=stats_dtype).to(device)
+            if self._local_sqnorm is not None:
+                stats[_WEIGHTED_SQNORM] = self._local_sqnorm.to(device=device, dtype=stats_dtype)
+            all_reduce_sum_([*grads, stats])  # idle ranks join with zeros
+            totals = stats.tolist()
         num_samples, num_minibatches = round(totals[_SAMPLES]), round(totals[_MINIBATCHES])
         plain_ranks = round(totals[_PLAIN_RANKS])
         self._reset_step()

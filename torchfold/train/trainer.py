@@ -482,10 +482,9 @@ class TraceTrainer:
                         self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
                     )
                     loss.backward()
-            if self.device.type == "xla":
-                # One graph per minibatch (forward, backward, gradient accumulation): a step with a
-                # new number of minibatches then reuses the graphs compiled before
-                xla_sync()
+            # On XLA, leaving optimizer.minibatch() cut the graph: one per minibatch (forward,
+            # backward, accumulation), so a step with a new number of minibatches compiles nothing.
+            # (A second cut here would wait for that graph to finish before tracing on.)
             nodes += len(fold_plan)
             loss_sum += loss.detach().to(device=self.device, dtype=dtype) * (
                 minibatch.num_samples if weight_by_samples else 1

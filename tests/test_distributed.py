@@ -29,16 +29,7 @@ from _dist_worker import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchfold.train.distributed import (
-    all_reduce_sum_,
-    broadcast_parameters,
-    check_same_on_all_ranks,
-    default_device,
-    fingerprint,
-    init_distributed,
-    is_main_process,
-    world,
-)
+from torchfold.train import distributed
 from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.sampler import minibatches_per_rank
@@ -147,9 +138,9 @@ def test_a_stalled_rank_makes_the_others_fail_after_the_timeout(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_mismatched_ranks_fail_with_a_clear_error_within_the_timeout(tmp_path: Path) -> None:
-    same = {"trace": fingerprint(TRACE), "minibatch_size": MINIBATCH}
+    same = {"trace": distributed.fingerprint(TRACE), "minibatch_size": MINIBATCH}
     scenarios = [
-        {"world_size": [2, 2], "config": [same, {**same, "trace": fingerprint(TRACE[:-1])}]},
+        {"world_size": [2, 2], "config": [same, {**same, "trace": distributed.fingerprint(TRACE[:-1])}]},
         {"world_size": [3, 2], "config": [same, same]},
         {"world_size": [2, 2], "config": [same, same], "absent": [1]},
         # rank 1 still reading when rank 0, which hosts the store, has decided: both report the mismatch
@@ -166,7 +157,7 @@ def test_mismatched_ranks_fail_with_a_clear_error_within_the_timeout(tmp_path: P
     outcomes = run_ranks(handshake_rank, [(scenarios,), (scenarios,)], tmp_path, timeout=60)
     assert all(o is not None and "ok" in o for o in outcomes), outcomes
     rank0, rank1 = (o["ok"] for o in outcomes if o is not None)
-    trace0, trace1 = fingerprint(TRACE), fingerprint(TRACE[:-1])
+    trace0, trace1 = distributed.fingerprint(TRACE), distributed.fingerprint(TRACE[:-1])
     for rank, outcome in enumerate((rank0[0], rank1[0])):
         assert outcome.startswith("ValueError")
         assert (
@@ -200,7 +191,7 @@ def test_mismatched_world_sizes_fail_clearly_on_every_rank_every_time(tmp_path: 
     often died on the closed store with a C++ stack trace ending in 'Broken pipe'. Starts are
     staggered both ways, and a third of the launches give rank 1 slow store reads.
     """
-    same = {"trace": fingerprint(TRACE)}
+    same = {"trace": distributed.fingerprint(TRACE)}
     for launch in range(8):
         scenario = {
             "world_size": [2, 3],
@@ -328,14 +319,14 @@ def test_a_rank_that_loses_the_store_says_so_in_one_line_and_keeps_its_own_error
 
 
 def test_single_process_helpers() -> None:
-    assert (world(), is_main_process()) == ((1, 0, "single process"), True)
-    assert default_device() == torch.device("cpu")
+    assert (distributed.world(), distributed.is_main_process()) == ((1, 0, "single process"), True)
+    assert distributed.default_device() == torch.device("cpu")
     t = torch.arange(3.0)
-    all_reduce_sum_([t])
+    distributed.all_reduce_sum_([t])
     torch.testing.assert_close(t, torch.arange(3.0))
-    broadcast_parameters(make_model())
-    check_same_on_all_ranks({"a": 1})
-    assert fingerprint({"b": [1, 2], "a": 1}) == fingerprint({"a": 1, "b": [1, 2]})
+    distributed.broadcast_parameters(make_model())
+    distributed.check_same_on_all_ranks({"a": 1})
+    assert distributed.fingerprint({"b": [1, 2], "a": 1}) == distributed.fingerprint({"a": 1, "b": [1, 2]})
 
 
 def test_get_world_size_and_get_rank_are_deprecated_aliases_of_world() -> None:
@@ -371,18 +362,18 @@ def test_get_world_size_and_get_rank_are_deprecated_aliases_of_world() -> None:
 )
 def test_init_distributed_checks_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
-        init_distributed("gloo", master_port=free_port(), **kwargs)
+        distributed.init_distributed("gloo", master_port=free_port(), **kwargs)
 
 
 def test_init_distributed_needs_rank_from_somewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="rank was not given and the environment variable RANK is not set"):
-        init_distributed("gloo", world_size=1, master_port=free_port())
+        distributed.init_distributed("gloo", world_size=1, master_port=free_port())
 
 
 def test_ddp_module_stays_in_no_sync_until_close() -> None:
     # A real one-process gloo group, so that DistributedDataParallel can wrap the model.
-    init_distributed("gloo", rank=0, world_size=1, master_port=free_port(), timeout=5.0)
+    distributed.init_distributed("gloo", rank=0, world_size=1, master_port=free_port(), timeout=5.0)
     try:
         ddp = DistributedDataParallel(make_model())
         opt = AccumulatingOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), module=ddp)

@@ -194,13 +194,12 @@ class Fold:
 
         Example:
             >>> import torch, torchfold
-            >>> class Doubler(torch.nn.Module):
-            ...     def exp(self, x):
-            ...         return 2 * x
+            >>> model = torch.nn.Module()  # ops: its attributes, by name, or any callable
+            >>> model.square = lambda x: x * x
             >>> f = torchfold.Fold()
-            >>> nodes = [f.add("exp", value) for value in (1, 2)]
-            >>> f.apply(Doubler(), [nodes, [7, 9]])  # ints, e.g. labels, come back as one LongTensor
-            [tensor([2, 4]), tensor([7, 9])]
+            >>> nodes = [f.add(torch.neg, f.add("square", value)) for value in (1, 2)]
+            >>> f.apply(model, [nodes, [7, 9]])  # ints, e.g. labels, come back as one LongTensor
+            [tensor([-1, -4]), tensor([7, 9])]
 
         Raises:
             FoldError: unknown op, rows that disagree within a group, a bad split, an empty

@@ -14,6 +14,8 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
 * ``xla captured``: fitted static shapes, and the forward, loss and backward captured once per
   layout (``torchfold.train.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
+* ``xla captured, compiled update``: the same, and the optimizer's update compiled too
+  (``torch.compile(optimizer.step, backend="openxla")``, Adam with ``capturable=True``);
 * ``xla captured shallow`` / ``xla captured deep``: the same on batches of the shallowest and of
   the deepest trees, to show the host time per step does not grow with depth.
 
@@ -73,12 +75,15 @@ def train(
     shapes: StaticShapes | None,
     on_step: Callable[[int], None],
     captured: bool = False,
+    compiled_update: bool = False,
 ) -> list[float]:
     """One training run; returns the loss of every step (read after the run: no host sync in the loop)."""
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), 128, 128).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compiled_update)
     step = CompiledLoss(model, node_loss, device=device) if captured else None
+    # The optimizer's own step has a graph break by design (torch.optim), so not fullgraph
+    update = torch.compile(optimizer.step, backend="openxla") if compiled_update else optimizer.step
     losses = []
     for number, trees in enumerate(batches):
         started = time.perf_counter()
@@ -96,7 +101,7 @@ def train(
         else:
             loss = node_loss(model, plan.apply(model, padded=True), (targets, weights))
             loss.backward()
-        optimizer.step()
+        update()
         losses.append(loss.detach())
         traced = time.perf_counter()
         PHASES["apply + loss + backward + step"] += traced - planned
@@ -114,6 +119,7 @@ def run_variant(
     shapes: StaticShapes | None,
     warmup: int,
     captured: bool = False,
+    compiled_update: bool = False,
 ) -> dict[str, Any]:
     xla = device.type == "xla"
     stamps: list[float] = []
@@ -147,7 +153,7 @@ def run_variant(
     )
     HOST.clear()
     start = time.perf_counter()
-    losses = train(device, batches, vocab, shapes, on_step, captured)
+    losses = train(device, batches, vocab, shapes, on_step, captured, compiled_update)
     row: dict[str, Any] = {"variant": name, "batches": len(batches)}
     steady = stamps[-1] - stamps[warmup - 1] if len(stamps) > warmup else float("nan")
     sentences = sum(len(trees) for trees in batches[warmup:])
@@ -276,7 +282,13 @@ def main(argv: list[str] | None = None) -> None:
             )
         elif variant == "xla static":
             rows.append(run_variant(variant, torch_xla.device(), batches, vocab, StaticShapes(), args.warmup))
-        elif variant in ("xla static fitted", "xla captured", "xla captured shallow", "xla captured deep"):
+        elif variant in (
+            "xla static fitted",
+            "xla captured",
+            "xla captured, compiled update",
+            "xla captured shallow",
+            "xla captured deep",
+        ):
             chosen = batches
             if variant.endswith(("shallow", "deep")):
                 # the shallowest (deepest) half of the trees, shuffled: batches of one kind, in no order of depth
@@ -293,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                     shapes,
                     args.warmup,
                     variant.startswith("xla captured"),
+                    variant.endswith("compiled update"),
                 )
             )
         else:

@@ -14,7 +14,7 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
 * ``xla captured``: fitted static shapes, and the forward, loss and backward captured once per
   layout (``torchfold.train.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
-* ``xla captured, compiled update``: the same, and the optimizer's update compiled too
+* ``xla captured and update``: the same, and the optimizer's update compiled too
   (``torch.compile(optimizer.step, backend="openxla")``, Adam with ``capturable=True``);
 * ``xla captured shallow`` / ``xla captured deep``: the same on batches of the shallowest and of
   the deepest trees, to show the host time per step does not grow with depth.
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         elif variant in (
             "xla static fitted",
             "xla captured",
-            "xla captured, compiled update",
+            "xla captured and update",
             "xla captured shallow",
             "xla captured deep",
         ):
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                     shapes,
                     args.warmup,
                     variant.startswith("xla captured"),
-                    variant.endswith("compiled update"),
+                    variant.endswith("and update"),
                 )
             )
         else:

@@ -142,6 +142,7 @@ def _replica(
         result["params"] = [p.detach().cpu() for p in straight.model.parameters()]
         result["compilations"] = compilations
         result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
+        result["update"] = type(straight.optimizer.update_fn).__name__
         result["local_minibatches"] = [s.local_minibatches for s in stats]
         if checkpoints is not None:
             resumed = trainer()

@@ -21,7 +21,13 @@ from torchfold import Fold, StaticPlan, StaticShapes, StaticShapesWarning
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
-from torchfold.train.compiled import CompiledLoss, compile_backend, wants_compile
+from torchfold.train.compiled import (
+    CompiledLoss,
+    CompiledUpdate,
+    compile_backend,
+    uncapturable_update,
+    wants_compile,
+)
 
 BACKEND = "aot_eager"
 
@@ -175,9 +181,9 @@ def test_compile_choices() -> None:
 def _sst_trainer(compile: str, trees: list[object], vocab: Vocab, shapes: StaticShapes) -> TraceTrainer:
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), 8, 8)
-    optimizer = AccumulatingOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01), lr_rule="linear", ref_batch_size=8
-    )
+    # capturable: the captured trainer captures the update too (the eager one's Adam is the default)
+    adam = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compile == "on")
+    optimizer = AccumulatingOptimizer(adam, lr_rule="linear", ref_batch_size=8)
     loader = StepLoader(
         trees, 4, build=TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes)), trace=[8, 4, 12, 16, 4], seed=1
     )
@@ -194,6 +200,7 @@ def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_di
         shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
     eager, captured = _sst_trainer("off", trees, vocab, shapes), _sst_trainer("on", trees, vocab, shapes)
     assert eager.compiled is None and captured.compiled is not None
+    assert eager.optimizer.update_fn is None and isinstance(captured.optimizer.update_fn, CompiledUpdate)
     with warnings.catch_warnings():
         warnings.simplefilter("error", StaticShapesWarning)
         expected, got = eager.fit(), captured.fit()
@@ -209,3 +216,82 @@ def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_di
         for name in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7)
     assert captured.compiled.captures == 1
+
+
+def _graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_compiled_update_equals_the_plain_step_whatever_the_learning_rate(kind: str) -> None:
+    """A learning rate changed at every step (LR rules do) is an input of the update's graph:
+    the update is compiled at the first step and once more when the optimizer makes its state,
+    never again; parameters and state equal the plain step's."""
+
+    def make(params: list[torch.nn.Parameter], captured: bool) -> torch.optim.Optimizer:
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        # capturable: its step count on the device (the CPU's plain step refuses it; compiled, it runs)
+        return torch.optim.Adam(params, lr=0.1, capturable=captured)
+
+    torch.manual_seed(3)
+    # float64, so that equal updates agree to rounding; capturable Adam keeps its step count in
+    # a float32 tensor, so its bias corrections round to ~1e-7. torch.compile's Adam (any backend,
+    # capturable or not) also differs from eager Adam by ~1e-6 of the update: Adam's reference is
+    # torch.compile'd too (with a float lr: a new graph per value, as ours must not make).
+    tolerance = {"rtol": 1e-12, "atol": 1e-14} if kind == "sgd" else {"rtol": 1e-6, "atol": 1e-8}
+    ours = [
+        torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64)),
+        torch.nn.Parameter(torch.randn(5, dtype=torch.float64)),
+    ]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    compiled, plain = CompiledUpdate(make(ours, True), backend=BACKEND), make(theirs, False)
+    reference = plain.step if kind == "sgd" else torch.compile(plain.step, backend=BACKEND)
+    graphs = [0]
+    for step in range(6):
+        grads = [torch.randn_like(p) for p in ours]
+        for optimizer, params in ((compiled.optimizer, ours), (plain, theirs)):
+            optimizer.param_groups[0]["lr"] = 0.05 * (step + 1)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+        before = _graphs()
+        compiled()
+        graphs.append(graphs[-1] + _graphs() - before)
+        reference()
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, **tolerance)
+    assert graphs[-1] == graphs[2] <= 2, graphs  # nothing compiled after the second step
+    for a, b in zip(compiled.optimizer.state.values(), plain.state.values(), strict=True):
+        for name, value in a.items():
+            torch.testing.assert_close(value, b[name], **tolerance, check_dtype=False)
+
+
+def test_an_update_that_cannot_be_captured_is_named_with_its_fix() -> None:
+    params = [torch.nn.Parameter(torch.ones(2))]
+    adam = torch.optim.Adam(params, lr=0.1)
+    reason = uncapturable_update(adam)
+    assert reason is not None and "Adam param group 0 has capturable=False" in reason
+    assert "capturable=True" in reason
+    with pytest.raises(ValueError, match=r"the optimizer's update cannot be captured: Adam param group 0"):
+        CompiledUpdate(adam, backend=BACKEND)
+    # the trainer captures the rest and says why the update is not
+    model = Chain()
+    loader = StepLoader(list(range(8)), 4, build=lambda items: (None, None), trace=[8])
+    with pytest.warns(UserWarning, match=r"the optimizer's update runs op by op: Adam .*capturable=True"):
+        trainer = TraceTrainer(
+            model,
+            AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.1)),
+            loader,
+            lambda m, outputs, targets: outputs[0].sum(),
+            progress=False,
+            compile="on",
+            compile_backend=BACKEND,
+        )
+    assert trainer.optimizer.update_fn is None
+    # a state dict turning capturable off after the capture: the update runs plainly, with a warning
+    update = CompiledUpdate(torch.optim.Adam(params, lr=0.1, capturable=True), backend=BACKEND)
+    update.optimizer.load_state_dict(adam.state_dict())
+    params[0].grad = torch.ones(2)
+    with pytest.warns(UserWarning, match=r"the optimizer's update now runs uncaptured: Adam param group 0"):
+        update()
+    assert params[0].detach().tolist() == pytest.approx([0.9, 0.9])

@@ -331,6 +331,7 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
         assert replica["captures"] == (
             1 if compile == "on" else 0
         )  # one layout: captured once, then replayed
+        assert replica["update"] == ("CompiledUpdate" if compile == "on" else "NoneType")
         assert not replica["warnings"], replica["warnings"]
         compilations = replica["compilations"]
         assert len(compilations) == len(TRACE[:steps])

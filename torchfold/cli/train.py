@@ -416,7 +416,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         True if device.type in ("cpu", "cuda") else None
     )  # one kernel for all parameters (CPU: 5x less time)
     base: torch.optim.Optimizer = (
-        torch.optim.Adam(params, lr=args.lr, fused=fused)
+        # on XLA, the step count stays on the device, so a captured update replays (--compile)
+        torch.optim.Adam(params, lr=args.lr, fused=fused, capturable=device.type == "xla")
         if args.optimizer == "adam"
         else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, fused=fused)
     )

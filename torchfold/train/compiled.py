@@ -15,9 +15,11 @@ they are: a step with a new number of minibatches creates no new program.
 Backends: XLA uses ``openxla``; CUDA uses ``inductor`` with ``mode="reduce-overhead"`` (CUDA
 graphs); a CPU uses ``inductor`` when asked (``compile="on"``), and stays eager by default.
 
-NOTE: the optimizer's update is not part of the captured graph: on XLA it is traced lazily (a few
-ops per parameter, the same small graph every step, compiled once), on CUDA it runs eagerly.
-Keeping it out keeps checkpoints, resumes and LR rules exactly as they are without capture.
+The optimizer's update is captured separately, by :class:`CompiledUpdate`: on XLA it would
+otherwise be traced op by op at every step too (a few ops per parameter). It runs after the
+all-reduce, once per step, so the minibatch graphs stay the same whatever the number of
+minibatches. On CUDA the update stays eager: a fused optimizer (``Adam(fused=True)``) is already
+a few kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ import torch
 from torchfold._errors import add_note
 from torchfold.engine.static import StaticLayout, StaticPlan
 
-__all__ = ["COMPILE_CHOICES", "CompiledLoss", "check_loss", "compile_backend", "wants_compile"]
+__all__ = [
+    "COMPILE_CHOICES",
+    "CompiledLoss",
+    "CompiledUpdate",
+    "check_loss",
+    "compile_backend",
+    "uncapturable_update",
+    "wants_compile",
+]
 
 COMPILE_CHOICES = ("auto", "off", "on")
 _CAPTURE_LOCK = threading.Lock()
@@ -205,6 +215,112 @@ class CompiledLoss:
 
     def __repr__(self) -> str:
         return f"CompiledLoss(backend={self.backend!r}, mode={self.mode!r}, captures={self.captures})"
+
+
+def uncapturable_update(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer.step()`` cannot be compiled as one replayable graph, or None if it can.
+
+    An optimizer with a ``capturable`` option left off (Adam, AdamW and others by default) keeps
+    its step count on the host and turns the bias corrections into Python numbers: a compiled
+    update would be compiled anew at every step.
+
+    >>> uncapturable_update(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)) is None
+    True
+    """
+    for number, group in enumerate(optimizer.param_groups):
+        if group.get("capturable") is False and not group.get("fused"):
+            return (
+                f"{type(optimizer).__name__} param group {number} has capturable=False, which keeps its step "
+                f"count on the host; create it with capturable=True (e.g. {type(optimizer).__name__}(params, "
+                "..., capturable=True))"
+            )
+    return None
+
+
+class CompiledUpdate:
+    """``optimizer.step()`` compiled with :func:`torch.compile`: one graph per optimizer state, replayed.
+
+    The parameters, gradients and optimizer state are the graph's inputs and are updated in
+    place, as by the plain step; the learning rate and the other numbers of the param groups
+    are inputs too, so a learning-rate rule changing them at every step compiles nothing new.
+    Compiling happens at the first step (and once more when the optimizer creates its state,
+    e.g. momentum buffers, at its first step).
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer whose update can be captured (see
+            :func:`uncapturable_update`).
+        device: where the parameters live (picks the backend, as :class:`CompiledLoss`).
+        backend, mode: as :class:`CompiledLoss`'s.
+
+    Raises:
+        ValueError: the optimizer cannot be captured (the message names the fix).
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> optimizer = torch.optim.SGD([w], lr=0.5)
+        >>> update = CompiledUpdate(optimizer, backend="aot_eager")
+        >>> w.grad = torch.ones(2)
+        >>> update()
+        >>> w.detach()
+        tensor([0.5000, 0.5000])
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+        mode: str | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        reason = uncapturable_update(optimizer)
+        if reason is not None:
+            raise ValueError(f"the optimizer's update cannot be captured: {reason}")
+        if device is None:
+            first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+            device = first.device if first is not None else torch.device("cpu")
+        default_backend, default_mode = compile_backend(torch.device(device))
+        self.optimizer = optimizer
+        self.backend = backend if backend is not None else default_backend
+        self.mode = mode if mode is not None or backend is not None else default_mode
+        if self.backend == "openxla":
+            _check_torch_xla()
+        self._warned = False
+        # Not fullgraph: torch.optim's step breaks the graph on purpose once, before the update.
+        self._step: Callable[[], Any] = torch.compile(optimizer.step, backend=self.backend, mode=self.mode)
+
+    def __call__(self) -> None:
+        """Run the update (a step of the wrapped optimizer); uncompiled, with a warning, if the
+        optimizer can no longer be captured (a loaded state dict turned ``capturable`` off)."""
+        reason = uncapturable_update(self.optimizer)
+        if reason is not None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"the optimizer's update now runs uncaptured: {reason}", stacklevel=2)
+            self.optimizer.step()
+            return
+        # A Python float learning rate would be a constant of the graph (a new graph per value):
+        # each group's goes in as a 0-dim tensor for the step, and is a float again afterwards
+        groups = self.optimizer.param_groups
+        rates = [group["lr"] for group in groups]
+        try:
+            for group, rate in zip(groups, rates, strict=True):
+                if not isinstance(rate, torch.Tensor) and group["params"]:
+                    first = group["params"][0]
+                    group["lr"] = torch.tensor(rate, dtype=first.dtype, device=first.device)
+            with _CAPTURE_LOCK:  # torch.compile is not safe in two threads at once (replicas may be threads)
+                self._step()
+        finally:
+            for group, rate in zip(groups, rates, strict=True):
+                group["lr"] = rate
+
+    def __repr__(self) -> str:
+        return (
+            f"CompiledUpdate({type(self.optimizer).__name__}, backend={self.backend!r}, mode={self.mode!r})"
+        )
 
 
 def _is_graph_break(error: BaseException) -> bool:

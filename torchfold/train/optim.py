@@ -216,6 +216,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._sqr_avg: float | None = None
         self.scale_invariant_steps = 0.0
         self.steps = 0
+        #: runs the wrapped optimizer's update in :meth:`step` (None: its ``step()``); TraceTrainer
+        #: sets a :class:`~torchfold.train.compiled.CompiledUpdate` here when it captures steps on XLA
+        self.update_fn: Callable[[], object] | None = None
         self.last_batch_size = 0
         self.last_num_minibatches = 0
         self.last_lr_factor = 1.0
@@ -545,7 +548,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         try:
             for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
                 group["lr"] = lr * factor
-            self.optimizer.step()
+            if self.update_fn is not None:
+                self.update_fn()
+            else:
+                self.optimizer.step()
         finally:
             for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
                 group["lr"] = lr

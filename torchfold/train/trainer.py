@@ -66,7 +66,13 @@ from torchfold.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold.train.compiled import CompiledLoss, check_loss, wants_compile
+from torchfold.train.compiled import (
+    CompiledLoss,
+    CompiledUpdate,
+    check_loss,
+    uncapturable_update,
+    wants_compile,
+)
 from torchfold.train.distributed import (
     abort_replica_threads,
     all_reduce_sum_,
@@ -188,7 +194,10 @@ class TraceTrainer:
         compile: capture each minibatch's forward, loss and backward once per static-shape
             layout and replay it (:class:`~torchfold.train.compiled.CompiledLoss`): ``"auto"``
             (default) on XLA and CUDA, ``"on"`` on any device, ``"off"`` never. Needs the build
-            to return static-shape plans (``StaticPlan``); other plans run eagerly.
+            to return static-shape plans (``StaticPlan``); other plans run eagerly. Except on
+            CUDA, the optimizer's update is captured too
+            (:class:`~torchfold.train.compiled.CompiledUpdate`), if it can be (``Adam`` and
+            others need ``capturable=True``; a warning names the fix otherwise).
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
 
@@ -300,6 +309,19 @@ class TraceTrainer:
             if wants_compile(compile, self.device)
             else None
         )
+        if self.compiled is not None and self.device.type != "cuda":
+            # The update too, where it would be traced op by op otherwise (CUDA: fused optimizers)
+            reason = uncapturable_update(optimizer.optimizer)
+            if reason is None:
+                optimizer.update_fn = CompiledUpdate(
+                    optimizer.optimizer, device=self.device, backend=compile_backend
+                )
+            else:
+                warnings.warn(
+                    f"compile={compile!r}: the forward, loss and backward are captured, but the optimizer's update "
+                    f"runs op by op: {reason}",
+                    stacklevel=2,
+                )
         self._sigterm_received = False
         self._warned_unpadded = False
         self.next_step: int = loader.next_step

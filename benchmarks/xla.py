@@ -16,8 +16,9 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
   (``torch.compile(optimizer.step, backend="openxla")``, Adam with ``capturable=True``);
-* ``xla captured shallow`` / ``xla captured deep``: the same on batches of the shallowest and of
-  the deepest trees, to show the host time per step does not grow with depth.
+* ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
+  ``... deep``): the same on batches of the shallowest and of the deepest trees, to show how the
+  host time per step grows with depth.
 
 Prints, per variant, new compilations in the warm-up and after it, compile seconds, padding
 waste (padded calls / real calls - 1), steady-state sentences/s (batches after the warm-up) and
@@ -288,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
             "xla captured and update",
             "xla captured shallow",
             "xla captured deep",
+            "xla captured and update shallow",
+            "xla captured and update deep",
         ):
             chosen = batches
             if variant.endswith(("shallow", "deep")):
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                     shapes,
                     args.warmup,
                     variant.startswith("xla captured"),
-                    variant.endswith("and update"),
+                    "and update" in variant,
                 )
             )
         else:

@@ -136,17 +136,9 @@ class CompiledLoss:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss):
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
-        if device is None:
-            first = next(iter(model.parameters()), None)
-            device = first.device if first is not None else torch.device("cpu")
         self.model = model
         self.loss = loss
-        self.device = torch.device(device)
-        default_backend, default_mode = compile_backend(self.device)
-        self.backend = backend if backend is not None else default_backend
-        self.mode = mode if mode is not None or backend is not None else default_mode
-        if self.backend == "openxla":
-            _check_torch_xla()
+        self.device, self.backend, self.mode = _backend_for(list(model.parameters()), device, backend, mode)
         self._compiled: dict[Hashable, Callable[..., torch.Tensor]] = {}
 
     @property
@@ -279,15 +271,9 @@ class CompiledUpdate:
         reason = uncapturable_update(optimizer)
         if reason is not None:
             raise ValueError(f"the optimizer's update cannot be captured: {reason}")
-        if device is None:
-            first = next((p for group in optimizer.param_groups for p in group["params"]), None)
-            device = first.device if first is not None else torch.device("cpu")
-        default_backend, default_mode = compile_backend(torch.device(device))
         self.optimizer = optimizer
-        self.backend = backend if backend is not None else default_backend
-        self.mode = mode if mode is not None or backend is not None else default_mode
-        if self.backend == "openxla":
-            _check_torch_xla()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.device, self.backend, self.mode = _backend_for(params, device, backend, mode)
         self._warned = False
         # Not fullgraph: torch.optim's step breaks the graph on purpose once, before the update.
         self._step: Callable[[], Any] = torch.compile(optimizer.step, backend=self.backend, mode=self.mode)
@@ -321,6 +307,21 @@ class CompiledUpdate:
         return (
             f"CompiledUpdate({type(self.optimizer).__name__}, backend={self.backend!r}, mode={self.mode!r})"
         )
+
+
+def _backend_for(
+    params: list[torch.Tensor], device: torch.device | str | None, backend: str | None, mode: str | None
+) -> tuple[torch.device, str, str | None]:
+    """The device (default: the first parameter's, else the CPU), and the backend and mode to
+    compile with there (default: :func:`compile_backend`'s; a backend given alone has no mode)."""
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
+    device = torch.device(device)
+    default_backend, default_mode = compile_backend(device)
+    chosen = backend if backend is not None else default_backend
+    if chosen == "openxla":
+        _check_torch_xla()
+    return device, chosen, mode if mode is not None or backend is not None else default_mode
 
 
 def _is_graph_break(error: BaseException) -> bool:

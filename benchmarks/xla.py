@@ -15,7 +15,7 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   layout (``torchfold.train.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
-  (``torch.compile(optimizer.step, backend="openxla")``, Adam with ``capturable=True``);
+  (``torchfold.train.compiled.CompiledUpdate``, Adam with ``capturable=True``);
 * ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
   ``... deep``): the same on batches of the shallowest and of the deepest trees, to show how the
   host time per step grows with depth.
@@ -44,7 +44,7 @@ from harness import add_sst_data_argument, machine_lines, markdown_table
 from torchfold import Fold, StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
-from torchfold.train.compiled import CompiledLoss
+from torchfold.train.compiled import CompiledLoss, CompiledUpdate
 
 
 def node_weights(roots: list[int], trees: int) -> list[float]:
@@ -83,8 +83,7 @@ def train(
     model = TreeLSTM(len(vocab), 128, 128).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compiled_update)
     step = CompiledLoss(model, node_loss, device=device) if captured else None
-    # The optimizer's own step has a graph break by design (torch.optim), so not fullgraph
-    update = torch.compile(optimizer.step, backend="openxla") if compiled_update else optimizer.step
+    update = CompiledUpdate(optimizer, device=device) if compiled_update else optimizer.step
     losses = []
     for number, trees in enumerate(batches):
         started = time.perf_counter()

@@ -275,6 +275,7 @@ class CompiledUpdate:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.device, self.backend, self.mode = _backend_for(params, device, backend, mode)
         self._warned = False
+        self._rates: dict[int, tuple[float, torch.Tensor]] = {}  # per group: its last rate, as a tensor
         # Not fullgraph: torch.optim's step breaks the graph on purpose once, before the update.
         self._step: Callable[[], Any] = torch.compile(optimizer.step, backend=self.backend, mode=self.mode)
 
@@ -293,15 +294,29 @@ class CompiledUpdate:
         groups = self.optimizer.param_groups
         rates = [group["lr"] for group in groups]
         try:
-            for group, rate in zip(groups, rates, strict=True):
+            for number, (group, rate) in enumerate(zip(groups, rates, strict=True)):
                 if not isinstance(rate, torch.Tensor) and group["params"]:
-                    first = group["params"][0]
-                    group["lr"] = torch.tensor(rate, dtype=first.dtype, device=first.device)
+                    group["lr"] = self._rate_tensor(number, rate, group["params"][0])
             with _CAPTURE_LOCK:  # torch.compile is not safe in two threads at once (replicas may be threads)
                 self._step()
         finally:
             for group, rate in zip(groups, rates, strict=True):
                 group["lr"] = rate
+
+    def _rate_tensor(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
+        """Group ``number``'s learning rate as a 0-dim tensor beside its parameters: the last one
+        made while the rate is unchanged (a new one is a transfer to the device, every step)."""
+        last = self._rates.get(number)
+        if (
+            last is not None
+            and last[0] == rate
+            and last[1].device == like.device
+            and last[1].dtype == like.dtype
+        ):
+            return last[1]
+        tensor = torch.tensor(rate, dtype=like.dtype, device=like.device)
+        self._rates[number] = (rate, tensor)
+        return tensor
 
     def __repr__(self) -> str:
         return (

@@ -597,6 +597,7 @@ def test_recording_leaves_no_garbage_for_the_cycle_collector() -> None:
 
     gc.collect()
     gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds stays in gc.garbage, to be looked at
     try:
         fold = Fold()
         root = balanced_tree(fold, list(range(8)))
@@ -604,8 +605,14 @@ def test_recording_leaves_no_garbage_for_the_cycle_collector() -> None:
         assert fold.add("pair", root, 1.0).split(2) == (h, c)
         fold.add("merge", h.nobatch(), c, fold.add("leaf", 3).split(3)[2])
         del fold, root, h, c
-        assert gc.collect() == 0
+        gc.collect()
+        # Only torchfold's objects count: a thread left running by an earlier test (a loader's,
+        # a progress bar's) may make garbage of its own while the collector is off.
+        ours = [o for o in gc.garbage if type(o).__module__.startswith("torchfold")]
+        assert ours == [], ours[:5]
     finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         gc.enable()
 
 

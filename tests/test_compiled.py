@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,6 +202,13 @@ def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_di
     eager, captured = _sst_trainer("off", trees, vocab, shapes), _sst_trainer("on", trees, vocab, shapes)
     assert eager.compiled is None and captured.compiled is not None
     assert eager.optimizer.update_fn is None and isinstance(captured.optimizer.update_fn, CompiledUpdate)
+    compiled, layouts = captured.compiled, set()
+
+    def recording(plan: Any, targets: Any) -> torch.Tensor:
+        layouts.add(plan.layout.key)
+        return compiled(plan, targets)
+
+    captured.compiled = recording  # type: ignore[assignment]
     with warnings.catch_warnings():
         warnings.simplefilter("error", StaticShapesWarning)
         expected, got = eager.fit(), captured.fit()
@@ -215,7 +223,8 @@ def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_di
     ):
         for name in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7)
-    assert captured.compiled.captures == 1
+    # one capture per layout (here two depth buckets), none per minibatch
+    assert compiled.captures == len(layouts) == 2
 
 
 def _graphs() -> int:

@@ -148,27 +148,38 @@ def _tree_lstm_step(model: TreeLSTM, plan: Any, labels: list[int]) -> torch.Tens
     return losses
 
 
-def test_two_sst_batches_fitted_to_one_envelope_run_the_same_ops_on_the_same_shapes() -> None:
+@pytest.mark.parametrize("depth_buckets", [False, True])
+def test_two_sst_batches_fitted_to_one_envelope_run_the_same_ops_on_the_same_shapes(
+    depth_buckets: bool,
+) -> None:
+    """One envelope version runs one sequence of ops per depth bucket (with ``depth_buckets=False``:
+    one for every batch); a shallower bucket runs fewer."""
     batches, vocab = _sst_batches(8, 10)
-    shapes = StaticShapes()
+    shapes = StaticShapes(depth_buckets=depth_buckets)
     model = TreeLSTM(len(vocab), 8, 8)
-    plans = []
     for trees in batches:
         fold = Fold(shapes=shapes)
         nodes, labels, _ = encode_trees(fold, trees, vocab)
-        plans.append((fold.plan([nodes]), labels))
+        fold.plan([nodes])
     final = shapes.version
-    logs = []
-    for trees in batches[:2]:  # refit the first two into the final envelope
+    logs: dict[int, list[Any]] = {}  # per depth bucket (levels run), the op logs of its batches
+    for trees in batches:  # refit them into the final envelope
         fold = Fold(shapes=shapes)
         nodes, labels, _ = encode_trees(fold, trees, vocab)
         plan = fold.plan([nodes])
         model.zero_grad(set_to_none=True)
         with _OpLog() as log:
             _tree_lstm_step(model, plan, labels)
-        logs.append(log.ops)
+        logs.setdefault(plan.layout.levels, []).append(log.ops)  # type: ignore[attr-defined]
     assert shapes.version == final  # refitting seen batches never grows it
-    assert logs[0] == logs[1] and len(logs[0]) > 50
+    if depth_buckets:
+        assert len(logs) > 1  # these batches fall in several buckets
+    else:
+        assert list(logs) == [shapes._levels]
+    for levels, runs in logs.items():
+        assert all(ops == runs[0] for ops in runs) and len(runs[0]) > 50, levels
+    lengths = [len(logs[levels][0]) for levels in sorted(logs)]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
     # unpadded plans of the same two batches differ: the check above can fail
     unpadded = []
     for trees in batches[:2]:
@@ -575,7 +586,7 @@ def _tree_plan(shapes: StaticShapes, trees: list[Any]) -> StaticPlan:
 @settings(max_examples=40, deadline=None)
 @given(first=forests(), second=forests())
 def test_plans_of_one_envelope_version_share_a_layout_key_and_input_shapes(first: Any, second: Any) -> None:
-    shapes = StaticShapes(min_rows=2, warmup=10**9)
+    shapes = StaticShapes(min_rows=2, warmup=10**9, depth_buckets=False)
     _tree_plan(shapes, first + second)  # an envelope both batches fit
     version = shapes.version
     a, b = _tree_plan(shapes, first), _tree_plan(shapes, second)
@@ -598,6 +609,34 @@ def test_plans_of_one_envelope_version_share_a_layout_key_and_input_shapes(first
     grown = _tree_plan(shapes, [deep, *first])
     assert shapes.version > version and grown.layout.key != a.layout.key
     assert _tree_plan(shapes, first).layout.key == grown.layout.key
+
+
+def test_a_depth_bucket_runs_the_levels_down_to_its_deepest_node_and_has_a_key_of_its_own() -> None:
+    deep: Any = 1
+    for word in range(9):  # 9 tree levels, two op levels each (pair, combine): the deepest op at 18
+        deep = (deep, word % 11)
+    shallow, alike, middle = [(1, (2, 3))], [(4, (5, 6))], [((((1, 2), 3), 4), 5)]  # ops down to 4, 4, 8
+    shapes = StaticShapes(min_rows=2, level_step=4, warmup=3)
+    plans = [_tree_plan(shapes, trees) for trees in ([deep], shallow, alike)]
+    assert shapes._levels == 28  # ceil(19 * 1.3 / 4) * 4
+    # the levels down to the deepest op, rounded up to level_step
+    assert [plan.layout.levels for plan in plans] == [20, 8, 8]
+    assert plans[0].layout.key != plans[1].layout.key == plans[2].layout.key
+    with pytest.warns(
+        StaticShapesWarning, match=r"runs 12 of the envelope's 28 levels: expect one new compilation"
+    ):
+        plans.append(_tree_plan(shapes, middle))  # a new bucket after the warm-up: one more graph
+    model = Zoo()
+    for plan, trees in zip(plans, ([deep], shallow, alike, middle), strict=True):
+        fold = Fold(shapes=None)
+        states: list[Any] = []
+        roots = [encode(fold, tree, states) for tree in trees]
+        for got, expected in zip(plan.apply(model), fold.plan([roots, states]).apply(model), strict=True):
+            torch.testing.assert_close(got, expected)
+    every_level = StaticShapes(min_rows=2, level_step=4, depth_buckets=False)
+    assert [_tree_plan(every_level, trees).layout.levels for trees in ([deep], shallow)] == [28, 28]
+    with pytest.raises(TypeError, match="depth_buckets must be True or False"):
+        StaticShapes(depth_buckets=1)  # type: ignore[arg-type]
 
 
 def test_layout_keys_differ_between_envelopes_and_request_kinds() -> None:

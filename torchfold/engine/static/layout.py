@@ -2,7 +2,7 @@
 
 A :class:`StaticLayout` is all that stays constant between plans fitted to one version of a
 :class:`~torchfold.engine.static.shapes.StaticShapes` envelope (for one list of request
-kinds): so one compiled graph (XLA, ``torch.compile``, a CUDA graph) per layout runs them all.
+kinds and one depth bucket): so one compiled graph (XLA, ``torch.compile``, a CUDA graph) per layout runs them all.
 It also pads a plan's arrays into its :class:`~torchfold.engine.static.plan.StaticPlan`.
 """
 
@@ -124,19 +124,22 @@ class _Request:
 
 class StaticLayout:
     """What every plan fitted to one version of a :class:`StaticShapes` envelope (for one list of
-    request kinds) runs: its slots (op, depth, capacity) in order, their gathers, the requests'
+    request kinds, and one depth bucket: the levels it runs, ``levels``) runs: its slots (op, depth, capacity) in order, their gathers, the requests'
     gathers and capacities, and where each argument lies in a plan's :class:`StaticInputs`.
 
     Plans of one layout differ only in their inputs' values, so :meth:`run`, a pure function
     of ``nn`` and the inputs, runs the same tensor operations on the same shapes for all: one
     graph per layout (XLA, ``torch.compile``, CUDA graphs). :attr:`key` names that graph:
-    equal for two plans fitted to the same envelope version and request kinds, different
-    otherwise; it is hashable and pickles (plans built in ``DataLoader`` workers carry it).
+    equal for two plans fitted to the same envelope version, request kinds and depth bucket,
+    different otherwise; it is hashable and pickles (plans built in ``DataLoader`` workers carry it).
     """
 
-    def __init__(self, shapes: StaticShapes, signature: tuple[str, ...]) -> None:
+    def __init__(self, shapes: StaticShapes, signature: tuple[str, ...], levels: int | None = None) -> None:
         order = shapes._order
-        keys = sorted(shapes._capacity, key=lambda slot: (slot[0], order[slot[1]]))
+        keys = sorted(
+            (slot for slot in shapes._capacity if levels is None or slot[0] < levels),
+            key=lambda slot: (slot[0], order[slot[1]]),
+        )
         self.slots = [
             Slot(depth, key, shapes._names[key], shapes._capacity[(depth, key)]) for depth, key in keys
         ]
@@ -214,11 +217,13 @@ class StaticLayout:
         # layout; the digest of the layout's content keeps apart copies of one envelope grown
         # apart in different processes (DataLoader workers) to the same version number.
         digest = hashlib.blake2b(repr(self._content()).encode(), digest_size=12).hexdigest()
-        self._key = (shapes._token, shapes.version, signature, digest)
+        self.levels = shapes._levels if levels is None else min(levels, shapes._levels)
+        self._key = (shapes._token, shapes.version, signature, self.levels, digest)
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """Hashable and picklable: equal for plans fitted to one envelope version with the same request kinds."""
+        """Hashable and picklable: equal for plans fitted to one envelope version with the same request
+        kinds and depth bucket."""
         return self._key
 
     @property
@@ -378,7 +383,7 @@ class StaticLayout:
 
     def __repr__(self) -> str:
         return (
-            f"StaticLayout({len(self.slots)} slots of {self.total_calls} calls, {len(self.requests)} requests, "
+            f"StaticLayout({len(self.slots)} slots of {self.total_calls} calls in {self.levels} levels, {len(self.requests)} requests, "
             f"key version {self._key[1]})"
         )
 

@@ -10,9 +10,13 @@ grow-only *envelope* learned over the batches it sees:
 * the number of depth levels is the deepest level seen times ``headroom``, rounded up to a
   multiple of ``level_step``; the levels past the deepest one seen repeat its ops at the
   smallest bucket, so a somewhat deeper batch still fits;
+* a plan runs the levels down to its own deepest node, rounded up to a multiple of
+  ``level_step`` (its *depth bucket*): a shallow batch does not pay for the deepest batch's
+  levels, and each depth bucket is one more graph (``depth_buckets=False``: one graph of all
+  levels);
 * each argument position of an op reads the concatenation of the earlier slots' outputs of the
   op outputs ("streams") it has ever read, so which tensors a gather concatenates depends on the
-  envelope only, never on the batch: of a stream it has only ever read one level back (a chain:
+  envelope (and the plan's depth bucket) only, never on the batch's nodes: of a stream it has only ever read one level back (a chain:
   an RNN step reading the step before), the slots one level back; of the others (a tree's
   children, at any depth), every earlier slot. So a chain of n calls costs O(n), not O(n²),
   and trees keep the envelope they always had (reading every level back grows it no more).
@@ -74,6 +78,10 @@ class StaticShapes:
             (default 1.3): more room against later growth, for more padding.
         warmup: plans fitted before growing the envelope warns (default 20); growth during the
             warm-up is expected and silent.
+        depth_buckets: a plan runs only the levels down to its deepest node, rounded up to a
+            multiple of ``level_step``, instead of every level of the envelope (default True):
+            shallow batches skip the deep levels' padding, for one graph per depth bucket
+            (at most ``levels / level_step`` of them).
 
     Example:
         >>> import torch, torchfold
@@ -101,6 +109,7 @@ class StaticShapes:
         level_step: int = 8,
         headroom: float = 1.3,
         warmup: int = 20,
+        depth_buckets: bool = True,
     ) -> None:
         self.min_rows = check_int("StaticShapes(min_rows)", min_rows, 1)
         if (
@@ -138,6 +147,12 @@ class StaticShapes:
             )
         self.headroom = float(headroom)
         self.warmup = check_int("StaticShapes(warmup)", warmup, 0)
+        if not isinstance(depth_buckets, bool):
+            raise TypeError(
+                f"StaticShapes(depth_buckets={depth_buckets!r}): depth_buckets must be True or False"
+            )
+        self.depth_buckets = depth_buckets
+        self._buckets: set[int] = set()  # the level counts plans have run so far
         self._capacity: dict[tuple[int, OpKey], int] = {}
         self._order: dict[OpKey, int] = {}  # ops in first-seen order: the order of slots at a depth
         self._names: dict[OpKey, str] = {}
@@ -149,7 +164,7 @@ class StaticShapes:
         self._requests: dict[tuple[str, ...], list[tuple[str, int, set[Stream]]]] = {}
         self._deepest = -1
         self._levels = 0
-        self._layouts: dict[tuple[str, ...], StaticLayout] = {}
+        self._layouts: dict[tuple[tuple[str, ...], int], StaticLayout] = {}  # per (signature, levels)
         #: how many times the envelope grew: the number of distinct graphs it has asked for
         self.version = 0
         # who this envelope is, in layout keys: travels with its pickles (to loader workers)
@@ -211,17 +226,38 @@ class StaticShapes:
         if not isinstance(plan, PlanData):
             raise TypeError(f"fit expects a FoldPlan (from Fold.plan), got {type(plan).__name__}")
         batch = decode(plan)
-        if not self._fits(batch):
+        grows = not self._fits(batch)
+        if grows:
             self._grow(batch)
         self.plans += 1
         signature = request_kinds(batch)
-        layout = self._layouts.get(signature)
+        levels = self._levels_for(batch, warn=not grows)  # (growing warned already)
+        layout = self._layouts.get((signature, levels))
         if layout is None:
-            layout = self._layouts[signature] = StaticLayout(self, signature)
+            layout = self._layouts[(signature, levels)] = StaticLayout(self, signature, levels)
         padded = layout.pad(plan, batch)
         self.real_calls += sum(batch.calls)
         self.padded_calls += layout.total_calls
         return padded
+
+    def _levels_for(self, batch: Batch, warn: bool) -> int:
+        """The levels a plan of ``batch`` runs: its depth bucket (with ``depth_buckets``), else all;
+        the first plan of a new bucket after the warm-up warns (``warn``) that it compiles."""
+        if not self.depth_buckets:
+            return self._levels
+        deepest = max((depth for depth, _ in batch.slots), default=0)
+        levels = min(self._levels, -(-(deepest + 1) // self.level_step) * self.level_step)
+        if levels not in self._buckets:
+            if warn and self._buckets and self.plans > self.warmup:
+                warnings.warn(
+                    f"the first fold of depth {deepest} after {self.plans - 1} plans runs {levels} of the "
+                    f"envelope's {self._levels} levels: expect one new compilation for this depth bucket; "
+                    "warm up on deeper folds, or pass depth_buckets=False for one graph of every level",
+                    StaticShapesWarning,
+                    stacklevel=4,
+                )
+            self._buckets.add(levels)
+        return levels
 
     def _streams_of(self, batch: Batch, column: Column) -> set[Stream]:
         assert column.sources is not None

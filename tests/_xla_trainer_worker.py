@@ -7,7 +7,8 @@ a batch-size trace whose steps give the replicas varying numbers of minibatches 
 two may have none). ``COMPILE`` is the trainer's ``compile`` (``on``: steps captured with
 torch.compile's ``openxla`` backend; ``off``: lazy). Past 16 steps it also writes a checkpoint
 at step 16 and trains again from it in a fresh trainer. Each replica saves its final
-parameters, its XLA compilations after every step, its capture count and any warnings; with
+parameters, its XLA compilations after every step, its capture counts (torch.compile's, and the
+whole-step replay's, None without one) and any warnings; with
 ``FAIL_RANK``, that replica's loss raises at its third minibatch and every replica saves the
 error it stopped with. ``train_on_cpu`` is the one-process eager reference. It must start in a
 fresh process (``xmp.spawn`` needs an uninitialized runtime).
@@ -109,7 +110,7 @@ def _replica(
     result: dict[str, Any] = {"world_size": world_size, "rank": rank}
     try:
         trees, vocab = _data(sst)
-        shapes = StaticShapes()
+        shapes = StaticShapes(depth_buckets=False)  # one layout: compilations stop after the warm-up
         for start in range(0, len(trees), MINIBATCH):  # fitted on the host: the same on every replica
             shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
         device = torch_xla.device()
@@ -143,6 +144,8 @@ def _replica(
         result["compilations"] = compilations
         result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
         result["update"] = type(straight.optimizer.update_fn).__name__
+        result["replays"] = straight.replay.captures if straight.replay is not None else None
+        result["refused"] = straight.replay.refused if straight.replay is not None else None
         result["local_minibatches"] = [s.local_minibatches for s in stats]
         if checkpoints is not None:
             resumed = trainer()

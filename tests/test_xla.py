@@ -315,11 +315,15 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
     tmp_path: Path, compile: str, devices: int, steps: int
 ) -> None:
     """TraceTrainer with static-shape plans on 1 or 2 XLA CPU replicas (xm.all_reduce), lazy or with
-    captured steps (openxla), follows a trace whose steps give the replicas 0 to 4 minibatches; the
+    captured steps (openxla; on one device, steps of one minibatch replayed whole), follows a trace whose steps give the replicas 0 to 4 minibatches; the
     parameters equal one CPU process's, the steps that repeat earlier minibatch counts compile
     nothing new, and a resume from the step-16 checkpoint continues the same run.
     Two CPU devices are threads of one process: each captures its own step, and they meet before
     every all-reduce, however long a capture takes."""
+    import torch_xla
+
+    torch_xla.device()  # XLA's devices exist before this process's first backward (autograd counts them then)
+
     sys.path.insert(0, str(HERE))
     from _xla_trainer_worker import TRACE, train_on_cpu
 
@@ -328,11 +332,20 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
     expected = train_on_cpu(str(SST_DIR), steps)
     for rank, replica in enumerate(replicas):
         assert (replica["world_size"], replica["rank"]) == (devices, rank)
-        assert replica["captures"] == (
-            1 if compile == "on" else 0
-        )  # one layout: captured once, then replayed
+        # one layout: captured once, then replayed
+        assert replica["captures"] == (1 if compile == "on" else 0)
         assert replica["update"] == ("CompiledUpdate" if compile == "on" else "NoneType")
-        assert not replica["warnings"], replica["warnings"]
+        # one device: the first step of one minibatch is traced for a whole-step replay, which
+        # SGD refuses (it reads its tensor learning rate back as a number): that step runs lazily,
+        # with one warning, and the next ones through torch.compile (tests for the replay itself:
+        # test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu)
+        replayed = compile == "on" and devices == 1
+        assert replica["replays"] == (0 if replayed else None)
+        if replayed:
+            assert "read a value back to the host" in replica["refused"]
+            assert len(replica["warnings"]) == 1 and "not replayed whole" in replica["warnings"][0]
+        else:
+            assert not replica["warnings"], replica["warnings"]
         compilations = replica["compilations"]
         assert len(compilations) == len(TRACE[:steps])
         # every minibatch count (on every replica) has been seen by the trace's first repeat; the
@@ -362,3 +375,70 @@ def test_a_failing_replica_thread_stops_the_others_at_once(tmp_path: Path) -> No
         "RuntimeError: torchfold: replica 0 of 2 XLA replicas in this process"
     ), replicas[0]["error"]
     assert "one of them failed" in replicas[0]["error"]
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
+    """XlaStepReplay: forward, loss, backward and update of each layout traced once, then replayed
+    with new batches and a learning rate that changes at every step; losses and parameters equal
+    plain eager steps on the CPU. A changed optimizer setting is a new capture, never a stale
+    graph. SGD turns a tensor learning rate into a Python number (a host read inside the step):
+    refused with a warning, and that step still runs right (lazily)."""
+    import warnings
+
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import to_device
+    from torchfold.train.xla_replay import XlaStepReplay
+
+    batches, vocab = _sst_batches(8, 4)
+    shapes = StaticShapes()
+    for trees in batches:
+        shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+    device = torch_xla.device()
+
+    def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 8).to(on)
+        if kind == "sgd":
+            return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01, capturable=on.type == "xla")
+
+    (model, optimizer), (reference, plain) = make(device), make(torch.device("cpu"))
+    replay = XlaStepReplay(model, tree_lstm_loss, optimizer)
+    build, unpadded = TreeLSTMBuild(vocab, shapes=shapes), TreeLSTMBuild(vocab)
+    losses, expected = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for number, trees in enumerate(batches * 2):
+            rate = (0.01 if kind == "adam" else 0.1) * (1 + number % 3) / 2
+            if number == 10 and kind == "adam":
+                for group in optimizer.param_groups + plain.param_groups:
+                    group["betas"] = (0.8, 0.99)  # a setting the graph holds as a constant
+            plan, targets = build(trees)
+            losses.append(float(replay(plan, to_device(targets, device), [rate])))
+            for group in plain.param_groups:
+                group["lr"] = rate
+            plain.zero_grad()
+            plan, targets = unpadded(trees)
+            loss = tree_lstm_loss(reference, plan.apply(reference), to_device(targets, torch.device("cpu")))
+            loss.backward()
+            plain.step()
+            expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-4)
+    # Adam divides by the root of tiny second moments: float32 rounding apart in the 7th digit
+    # moves a few parameters by ~1e-5 after 16 steps (a wrong gradient or rate moves all by ~lr)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
+    messages = [str(w.message) for w in caught]
+    if kind == "sgd":
+        assert replay.refused is not None and "read a value back to the host" in replay.refused
+        assert replay.captures == 0 and len(messages) == 1 and "not replayed whole" in messages[0]
+    else:
+        assert replay.refused is None and not messages, messages
+        layouts = {build(trees)[0].layout.key for trees in batches}  # type: ignore[union-attr]
+        # per layout: the step that made Adam's state (the first), then once per layout, then
+        # once more per layout after the betas changed
+        assert 1 + len(layouts) < replay.captures <= 1 + 2 * len(layouts)

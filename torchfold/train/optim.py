@@ -24,7 +24,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -33,6 +33,7 @@ from torchfold._validate import check_int
 from torchfold.train.distributed import all_reduce_sum_, world, xla_sync
 from torchfold.train.lr import scaled_lr
 
+_T = TypeVar("_T")
 __all__ = ["AccumulatingOptimizer"]
 
 # The trace module's rules (constant, linear, sqrt: scaled_lr) plus AdaScale, which needs gradients.
@@ -432,6 +433,47 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             # One lazy graph per minibatch: compiled once and reused however many minibatches a
             # step has, instead of one new graph per distinct count.
             xla_sync()
+
+    def whole_step(self, num_samples: int, run: Callable[[list[float]], _T]) -> _T:
+        """One step of one minibatch whose gradient and update ``run`` computes itself; its result.
+
+        For a step computed whole elsewhere, e.g. replayed as one graph
+        (:class:`~torchfold.train.xla_replay.XlaStepReplay`): ``run(lrs)`` gets each param
+        group's learning rate after the LR rule for ``num_samples`` samples, and this does the
+        rest of what ``minibatch(num_samples)``, one backward and :meth:`step` do (the step's
+        counts). With one minibatch in one process the weighting cancels: the update's gradient
+        is the minibatch loss's, for either ``reduction``.
+
+        Raises:
+            RuntimeError: several processes (their gradients must be all-reduced: use
+                :meth:`minibatch` and :meth:`step`), ``lr_rule="adascale"`` (it needs the
+                gradients' statistics), or a step already under way.
+        """
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(
+                f"num_samples must be a positive int (the minibatch's sample count), got {num_samples!r}"
+            )
+        if world().size != 1:
+            raise RuntimeError(
+                f"whole_step() in a run of {world().size} processes: their gradients must be all-reduced; use "
+                "optimizer.minibatch(num_samples) and optimizer.step()"
+            )
+        if self.lr_rule == "adascale":
+            raise RuntimeError(
+                "whole_step() with lr_rule='adascale', which needs the gradients' statistics; use step()"
+            )
+        if self._step_in_progress() or self._synced:
+            raise RuntimeError("whole_step() in the middle of a step; call it after step() and zero_grad()")
+        factor = self._rule_factor(num_samples)
+        result = run([group["lr"] * factor for group in self.optimizer.param_groups])
+        self._factor = factor
+        self._needs_zero_grad = False
+        self.last_batch_size = num_samples
+        self.last_num_minibatches = 1
+        self.last_lr_factor = factor
+        self.steps += 1
+        self.scale_invariant_steps += 1.0
+        return result
 
     def backward(self, loss: torch.Tensor, num_samples: int) -> None:
         """``loss.backward()`` inside ``minibatch(num_samples)``: one minibatch in one line."""

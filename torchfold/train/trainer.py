@@ -38,6 +38,8 @@ the step, exits at once with status 143 (128 + SIGTERM) and a message.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import os
 import random
@@ -83,6 +85,7 @@ from torchfold.train.distributed import (
 )
 from torchfold.train.loader import Step, StepLoader, to_device
 from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.xla_replay import XlaStepReplay, replay_unavailable
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
 
@@ -123,6 +126,10 @@ class PlanLoss(Protocol):
     """
 
     def __call__(self, model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor: ...
+
+
+# a step's loss left on the device: the weighted sum of its minibatches' losses, as (tensor, factor)
+_Loss = tuple[torch.Tensor, float]
 
 
 @dataclass(frozen=True)
@@ -322,7 +329,27 @@ class TraceTrainer:
                     f"runs op by op: {reason}",
                     stacklevel=2,
                 )
+        #: on one XLA device: steps of one minibatch replayed whole, as one graph (None: not)
+        self.replay: XlaStepReplay | None = None
+        if (
+            isinstance(optimizer.update_fn, CompiledUpdate)
+            and self.device.type == "xla"
+            and compile_backend is None
+            and world().size == 1
+            and optimizer.lr_rule != "adascale"
+        ):
+            why = replay_unavailable()
+            if why is None:
+                self.replay = XlaStepReplay(model, loss, optimizer.optimizer)
+            else:
+                warnings.warn(
+                    f"steps of one minibatch are captured in three graphs (forward, backward, update), not replayed "
+                    f"whole: {why}",
+                    stacklevel=2,
+                )
         self._sigterm_received = False
+        # one process on an accelerator: fit() reads each step's loss while the next step runs
+        self._defers = world().size == 1 and self.device.type != "cpu"
         self._warned_unpadded = False
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
@@ -386,16 +413,55 @@ class TraceTrainer:
                 self.loader.set_epoch(epoch)
                 steps = iter(self.loader)
                 # next() only while steps remain: the loader's position is then the trainer's
-                while self.next_step < end and (step := next(steps, None)) is not None:
-                    stats = self.train_step(step)
-                    history.append(stats)
-                    self._after_step(stats, end, bar)
-                    if stats.stop_requested:
-                        raise Preempted(self.next_step, self._final_checkpoint())
+                # One process on an accelerator: a step's loss is read back while the next one runs
+                # (the host does not wait for the device at every step); a step that checkpoints,
+                # stops or ends the run is read back at once.
+                pending: tuple[StepStats, _Loss, float] | None = None
+                try:
+                    while self.next_step < end and (step := next(steps, None)) is not None:
+                        started = time.perf_counter()
+                        stats, loss_sum = self._run_step(step, defer=self._defers)
+                        if pending is not None:
+                            self._complete(*pending, history, end, bar, until=started)
+                            pending = None
+                        self.next_step = stats.step + 1  # (for _checkpoint_due)
+                        if loss_sum is not None and not (
+                            stats.stop_requested or self._checkpoint_due() or self.next_step >= end
+                        ):
+                            pending = (stats, loss_sum, started)
+                            continue
+                        self._complete(stats, loss_sum, started, history, end, bar)
+                        if stats.stop_requested:
+                            raise Preempted(self.next_step, self._final_checkpoint())
+                except BaseException:
+                    if pending is not None:  # the step before the failure ran: record it if it can be read
+                        with contextlib.suppress(Exception):
+                            self._complete(*pending, history, end, bar)
+                    raise
+                if pending is not None:
+                    self._complete(*pending, history, end, bar)
                 epoch += 1
             if history:
                 self._final_checkpoint()
         return history
+
+    def _complete(
+        self,
+        stats: StepStats,
+        loss_sum: _Loss | None,
+        started: float,
+        history: list[StepStats],
+        end: int,
+        bar: tqdm,
+        until: float | None = None,
+    ) -> None:
+        """Read a step's deferred loss (its ``seconds`` then run from ``started`` to ``until``, or
+        now), record the step and run what follows it (log, checkpoint)."""
+        if loss_sum is not None:
+            seconds = (time.perf_counter() if until is None else until) - started
+            stats = dataclasses.replace(self._finish(stats, loss_sum), seconds=seconds)
+        history.append(stats)
+        self._after_step(stats, end, bar)
 
     def _final_checkpoint(self) -> Path | None:
         """Write the checkpoint of the current position unless the last step just wrote it."""
@@ -461,22 +527,38 @@ class TraceTrainer:
 
         Every rank must call it for every step, also when it has no minibatch in it.
         """
+        return self._finish(*self._run_step(step, defer=False))
+
+    def _run_step(self, step: Step[Any], defer: bool) -> tuple[StepStats, _Loss | None]:
+        """:meth:`train_step`; with ``defer`` (one process on an accelerator), its loss is left on the
+        device, returned beside the stats for :meth:`_finish` to read later, so that the host goes
+        on to the next step while the device still runs this one."""
         try:
-            return self._train_step(step)
+            return self._train_step(step, defer)
         except BaseException:
             if self.device.type == "xla":  # replicas that are threads of this process: stop them too
                 abort_replica_threads()
             raise
 
-    def _train_step(self, step: Step[Any]) -> StepStats:
+    def _finish(self, stats: StepStats, loss: _Loss | None) -> StepStats:
+        """``stats`` with the loss of a deferred step read back (a wait for that step only)."""
+        if loss is None:
+            return stats
+        total = float(loss[0]) * loss[1]
+        if stats.batch_size and not math.isfinite(total):
+            raise FloatingPointError(self._non_finite_loss(stats.step, total / stats.batch_size))
+        return dataclasses.replace(stats, loss=total / stats.batch_size if stats.batch_size else math.nan)
+
+    def _train_step(self, step: Step[Any], defer: bool) -> tuple[StepStats, _Loss | None]:
         start = time.perf_counter()
         plan = step.split
         self.model.train()
         weight_by_samples = self.optimizer.reduction == "mean"
         # Summed on the device and read once per step (no host sync per minibatch on accelerators).
         dtype = torch.float32 if self.device.type in ("xla", "mps") else torch.float64
-        loss_sum = torch.zeros((), dtype=dtype, device=self.device)
+        losses: list[tuple[torch.Tensor, float]] = []  # per minibatch: its loss, and its weight in the sum
         samples, nodes = 0, 0
+        replayed = False
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
                 self._seed_generators(_derived_seed(self.seed, plan.step, minibatch.position))
@@ -493,44 +575,61 @@ class TraceTrainer:
                     "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
                     stacklevel=2,
                 )
-            with self.optimizer.minibatch(minibatch.num_samples):
-                # padded=True: a static-shape plan's outputs keep their capacity (the build padded
-                # the targets to match), so every minibatch runs the same graph on XLA
-                # compile="on" refuses an unpadded plan (CompiledLoss says how to fix it); "auto" runs it eagerly
-                if self.compiled is not None and (isinstance(fold_plan, StaticPlan) or self.compile == "on"):
-                    loss = self.compiled(fold_plan, targets)  # forward, loss and backward, captured
-                else:
-                    loss = check_loss(
-                        self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
-                    )
-                    loss.backward()
-            # On XLA, leaving optimizer.minibatch() cut the graph: one per minibatch (forward,
-            # backward, accumulation), so a step with a new number of minibatches compiles nothing.
-            # (A second cut here would wait for that graph to finish before tracing on.)
+            if (
+                self.replay is not None
+                and self.replay.refused is None
+                and plan.local_minibatches == 1
+                and isinstance(fold_plan, StaticPlan)
+            ):
+                # the whole step (forward, loss, backward, update) as one graph, replayed
+                loss = self.optimizer.whole_step(
+                    minibatch.num_samples, functools.partial(self.replay, fold_plan, targets)
+                )
+                replayed = True
+            else:
+                with self.optimizer.minibatch(minibatch.num_samples):
+                    # padded=True: a static-shape plan's outputs keep their capacity (the build padded
+                    # the targets to match), so every minibatch runs the same graph on XLA
+                    # compile="on" refuses an unpadded plan (CompiledLoss says how to fix it); "auto" runs it eagerly
+                    if self.compiled is not None and (
+                        isinstance(fold_plan, StaticPlan) or self.compile == "on"
+                    ):
+                        loss = self.compiled(fold_plan, targets)  # forward, loss and backward, captured
+                    else:
+                        loss = check_loss(
+                            self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
+                        )
+                        loss.backward()
+                # On XLA, leaving optimizer.minibatch() cut the graph: one per minibatch (forward,
+                # backward, accumulation), so a step with a new number of minibatches compiles nothing.
+                # (A second cut here would wait for that graph to finish before tracing on.)
             nodes += len(fold_plan)
-            loss_sum += loss.detach().to(device=self.device, dtype=dtype) * (
-                minibatch.num_samples if weight_by_samples else 1
-            )
+            # (a replayed loss is device data already: an op on it would be a graph of its own to read it)
+            value = loss.detach() if loss.requires_grad else loss
+            losses.append((value, minibatch.num_samples if weight_by_samples else 1.0))
             samples += minibatch.num_samples
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        if self.device.type == "xla":
-            # The update as a graph of its own (the same every step): left pending, it would be
-            # cut wherever the next host read falls (a checkpoint's copy: a graph per tensor)
-            xla_sync()
+        if not replayed:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self.device.type == "xla":
+                # The update as a graph of its own (the same every step): left pending, it would be
+                # cut wherever the next host read falls (a checkpoint's copy: a graph per tensor)
+                xla_sync()
+        else:
+            self.optimizer.zero_grad()
+        if len(losses) == 1:  # weighted on the host when read: no operation on the device
+            loss_sum, scale = losses[0]
+        else:
+            loss_sum, scale = torch.zeros((), dtype=dtype, device=self.device), 1.0
+            for value, weight in losses:
+                loss_sum += value.to(device=self.device, dtype=dtype) * weight
         if self.optimizer.last_batch_size != plan.batch_size:
             raise RuntimeError(
                 f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
                 f"loader planned {plan.batch_size}; every rank needs a loader with replication_factor = world size "
                 "and the same trace, dataset, batch size and seed"
             )
-        local = [float(samples), float(self._sigterm_received)]
-        totals = torch.cat([loss_sum.reshape(1), torch.tensor(local, dtype=dtype, device=self.device)])
-        all_reduce_sum_([totals])
-        total_loss, total_samples, stopping_ranks = totals.tolist()
-        if total_samples and not math.isfinite(total_loss):  # the same sum on every rank: all stop
-            raise FloatingPointError(self._non_finite_loss(plan.step, total_loss / total_samples))
-        return StepStats(
+        stats = StepStats(
             step=plan.step,
             epoch=plan.epoch,
             batch_size=plan.batch_size,
@@ -538,11 +637,28 @@ class TraceTrainer:
             local_minibatches=plan.local_minibatches,
             local_nodes=nodes,
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
-            loss=total_loss / total_samples if total_samples else math.nan,
+            loss=math.nan,
             seconds=time.perf_counter() - start,
             world_size=world().size,
+            stop_requested=self._sigterm_received,
+        )
+        if defer:  # one process: its samples and SIGTERM are the step's; the loss is read later
+            return stats, (loss_sum, scale)
+        local = [float(samples), float(self._sigterm_received)]
+        totals = torch.cat(
+            [(loss_sum * scale).reshape(1), torch.tensor(local, dtype=dtype, device=self.device)]
+        )
+        all_reduce_sum_([totals])
+        total_loss, total_samples, stopping_ranks = totals.tolist()
+        if total_samples and not math.isfinite(total_loss):  # the same sum on every rank: all stop
+            raise FloatingPointError(self._non_finite_loss(plan.step, total_loss / total_samples))
+        stats = dataclasses.replace(
+            stats,
+            loss=total_loss / total_samples if total_samples else math.nan,
+            seconds=time.perf_counter() - start,
             stop_requested=stopping_ranks > 0,
         )
+        return stats, None
 
     def _seed_generators(self, seed: int) -> None:
         """Seed every generator this process draws from: torch (CPU and CUDA), Python, NumPy, XLA."""

@@ -1,0 +1,319 @@
+"""Whole training steps on XLA, traced once per layout and replayed from XLA's compilation cache.
+
+:class:`~torchfold.train.compiled.CompiledLoss` and
+:class:`~torchfold.train.compiled.CompiledUpdate` capture a step with :func:`torch.compile`'s
+``openxla`` backend: three programs per step (forward, backward, update), each behind dynamo's
+guards, and torch_xla's bridge writes the parameters back with lazy copies that the next step
+must wait for. A step of one minibatch on one device can be one program instead:
+:class:`XlaStepReplay` traces forward, loss, backward and the optimizer's update once per
+:attr:`StaticLayout.key <torchfold.engine.static.StaticLayout.key>` into one lazy XLA graph,
+compiles it, and from then on runs the compiled graph directly with the batch's tensors, the
+current parameters, optimizer state and learning rates as its inputs; the results become the
+new parameters and state (no copy). The host does a few dictionary lookups per step, whatever
+the depth of the trees.
+
+This module is the only one that uses torch_xla's private graph-cache calls
+(``_get_graph_hash``, ``_get_tensors_xla_device_data_node``, ``_xla_warm_up_cache``,
+``_run_cached_graph``: the calls torch_xla's own dynamo bridge is built on). If they are
+missing (another torch_xla version), :func:`replay_unavailable` says so and the trainer keeps the
+``torch.compile`` path, with a warning.
+
+What a replayed graph depends on is checked at every step, never assumed: the layout, the
+parameters (which tensors, shapes, dtypes, ``requires_grad``), the optimizer's groups (every
+setting but the learning rate, which is an input) and the names of its state, and the
+module's ``training`` flag. A change in any of them is a new capture, never a stale graph. A
+step that draws random numbers (dropout) would replay the draws of its capture: it is refused
+and runs lazily (traced op by op, as without capture), with a warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from torchfold.engine.static import StaticPlan
+from torchfold.train.compiled import check_loss, uncapturable_update
+
+__all__ = ["XlaStepReplay", "replay_unavailable"]
+
+_NEEDED = (
+    "_get_graph_hash",
+    "_get_tensors_xla_device_data_node",
+    "_xla_warm_up_cache",
+    "_run_cached_graph",
+    "_xla_get_tensor_id",
+    "_check_tensor_need_materialization",
+    "_xla_sync_multi",
+    "_get_seed_info_id",
+)
+_LOCK = threading.Lock()  # tracing is not safe in two threads at once (replicas may be threads)
+
+
+def replay_unavailable() -> str | None:
+    """Why this torch_xla cannot replay whole steps (None if it can).
+
+    >>> isinstance(replay_unavailable(), str | None)
+    True
+    """
+    try:
+        import torch_xla
+    except ImportError:
+        return "torch_xla is not installed"
+    missing = [name for name in _NEEDED if not hasattr(torch_xla._XLAC, name)]
+    if missing:
+        return f"torch_xla {getattr(torch_xla, '__version__', '?')} lacks {', '.join(missing)}"
+    return None
+
+
+class _Capture:
+    """One traced step: its graph's hash and where each graph input comes from, or why it cannot
+    be replayed (then its steps run lazily, traced op by op)."""
+
+    __slots__ = ("graph", "refused", "sources")
+
+    def __init__(self, graph: Any, sources: list[tuple[int, Any]], refused: str | None = None) -> None:
+        self.graph = graph
+        # per graph input: (0, position in the step's inputs) or (1, a constant of the trace)
+        self.sources = sources
+        self.refused = refused
+
+
+class XlaStepReplay:
+    """One training step of one minibatch (forward, loss, backward, update) as one replayed XLA graph.
+
+    Calling it with a :class:`~torchfold.engine.static.StaticPlan`, its targets (tensors on the
+    device) and the learning rate of each parameter group runs the step: the parameters and the
+    optimizer's state are replaced by the graph's results, the gradients are left ``None``, and
+    the loss (a scalar tensor on the device, not read back) is returned. The first step of each
+    layout (and of each optimizer state structure: its first step creates the state) traces and
+    compiles the graph; the others replay it. A step that cannot be replayed (it draws random
+    numbers, reads a value back to the host, or its targets hold more than tensors) runs lazily
+    instead, with one warning, and :attr:`refused` says why: run the next steps another way.
+
+    Args:
+        model: the module whose methods are the fold ops, on an XLA device.
+        loss: ``loss(model, outputs, targets) -> scalar``, as for
+            :class:`~torchfold.train.compiled.CompiledLoss`.
+        optimizer: the ``torch.optim`` optimizer to update with; its update must be capturable
+            (e.g. ``Adam(..., capturable=True)``).
+
+    Raises:
+        RuntimeError: this torch_xla lacks the graph-cache calls (see :func:`replay_unavailable`).
+        ValueError: the optimizer's update cannot be captured (the message names the fix).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
+    ) -> None:
+        why = replay_unavailable()
+        if why is not None:
+            raise RuntimeError(f"whole steps cannot be replayed on XLA: {why}; train with compile='off'")
+        reason = uncapturable_update(optimizer)
+        if reason is not None:
+            raise ValueError(f"the optimizer's update cannot be captured: {reason}")
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        self._captures: dict[Hashable, _Capture] = {}
+        self._rates: dict[int, tuple[float, torch.Tensor]] = {}
+        #: why steps cannot be replayed (found at the first capture that failed), or None
+        self.refused: str | None = None
+
+    @property
+    def captures(self) -> int:
+        """How many graphs have been traced and compiled (one per layout and optimizer state structure)."""
+        return sum(capture.refused is None for capture in self._captures.values())
+
+    def __call__(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
+        """Run one step of ``plan`` with learning rate ``lrs[i]`` for param group ``i``; the loss."""
+        import torch_xla
+
+        xla = torch_xla._XLAC
+        if not isinstance(plan, StaticPlan):
+            raise TypeError(
+                f"a replayed step needs a static-shape plan (a StaticPlan), got {type(plan).__name__}"
+            )
+        groups = self.optimizer.param_groups
+        if len(lrs) != len(groups):
+            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
+        params = [p for group in groups for p in group["params"]]
+        state = self.optimizer.state
+        slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+        rates = [
+            self._rate(number, rate, group["params"][0])
+            for number, (group, rate) in enumerate(zip(groups, lrs, strict=True))
+        ]
+        inputs = plan.inputs(params[0].device)
+        batch, why = _tensors(targets)
+        live = [
+            *params,
+            *(state[p][name] for p, name in slots),
+            *rates,
+            inputs.ints,
+            inputs.floats,
+            *inputs.given,
+            *batch,
+        ]
+        key = self._key(plan, params, slots)
+        with _LOCK:
+            # the inputs must be device data, not pending operations (e.g. after load_state_dict)
+            pending = [
+                t for t, need in zip(live, xla._check_tensor_need_materialization(live), strict=True) if need
+            ]
+            if pending:
+                xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
+            capture = self._captures.get(key)
+            if capture is None or capture.refused is not None:
+                loss, capture = self._trace(plan, inputs, targets, params, rates, live, capture, why)
+                self._captures[key] = capture
+                return loss
+            arguments = [live[where] if kind == 0 else where for kind, where in capture.sources]
+            results = xla._run_cached_graph(capture.graph, arguments)
+            self._write_back(params, slots, results)
+        return results[-1]
+
+    def _write_back(
+        self, params: list[torch.Tensor], slots: list[tuple[Any, str]], results: list[torch.Tensor]
+    ) -> None:
+        """The graph's results become the parameters and the optimizer's state (no copy)."""
+        with torch.no_grad():
+            for p, value in zip(params, results, strict=False):
+                p.data = value
+        state = self.optimizer.state
+        for (p, name), value in zip(slots, results[len(params) :], strict=False):
+            state[p][name] = value
+
+    def _rate(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
+        """Group ``number``'s learning rate as a 0-dim device tensor, reused while it is unchanged."""
+        last = self._rates.get(number)
+        if (
+            last is not None
+            and last[0] == rate
+            and last[1].device == like.device
+            and last[1].dtype == like.dtype
+        ):
+            return last[1]
+        tensor = torch.tensor(rate, dtype=like.dtype, device=like.device)
+        self._rates[number] = (rate, tensor)
+        return tensor
+
+    def _key(self, plan: StaticPlan, params: list[torch.Tensor], slots: list[tuple[Any, str]]) -> Hashable:
+        """Everything a traced step depends on besides its inputs' values."""
+        settings = tuple(
+            tuple(
+                sorted((name, repr(value)) for name, value in group.items() if name not in ("params", "lr"))
+            )
+            for group in self.optimizer.param_groups
+        )
+        tensors = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in params)
+        return (
+            plan.layout.key,
+            tensors,
+            tuple((id(p), name) for p, name in slots),
+            settings,
+            self.model.training,
+        )
+
+    def _trace(
+        self,
+        plan: StaticPlan,
+        inputs: Any,
+        targets: Any,
+        params: list[torch.Tensor],
+        rates: list[torch.Tensor],
+        live: list[torch.Tensor],
+        refused: _Capture | None,
+        why: str | None,
+    ) -> tuple[torch.Tensor, _Capture]:
+        """Trace the step lazily; compile it and run it once on this batch (or, refused, run the
+        trace as it is); the loss and the capture."""
+        import torch_xla
+
+        xla = torch_xla._XLAC
+        tensor_id = xla._xla_get_tensor_id
+        position = {tensor_id(t): number for number, t in enumerate(live)}
+        groups = self.optimizer.param_groups
+        lrs = [group["lr"] for group in groups]
+        trainable = [p for p in params if p.requires_grad]
+        executed = _executions()
+        try:
+            for group, rate in zip(groups, rates, strict=True):
+                group["lr"] = rate
+            for p in params:
+                p.grad = None
+            loss = check_loss(
+                self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), targets)
+            )
+            for p, grad in zip(
+                trainable, torch.autograd.grad(loss, trainable, allow_unused=True), strict=True
+            ):
+                p.grad = grad
+            self.optimizer.step()
+        finally:
+            for group, rate in zip(groups, lrs, strict=True):
+                group["lr"] = rate
+            for p in params:
+                p.grad = None
+        state = self.optimizer.state
+        slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+        roots = [*params, *(state[p][name] for p, name in slots), loss.detach()]
+        ids, values = xla._get_tensors_xla_device_data_node(roots)
+        if why is None and _executions() != executed:
+            why = (
+                "something read a value back to the host inside the step (.item(), .tolist(), a Python number "
+                "from a tensor; e.g. torch.optim.SGD turns a tensor learning rate into one), which cuts the graph"
+            )
+        if why is None and xla._get_seed_info_id() in ids:
+            why = "it draws random numbers (dropout?), and a replay would repeat the draws of its capture"
+        if why is not None:  # run the trace as it is: an ordinary lazy step
+            if self.refused is None:
+                self.refused = why
+                warnings.warn(f"steps are not replayed whole: {why}", stacklevel=4)
+            torch_xla.sync()
+            return roots[-1], _Capture(None, [], why)
+        graph = xla._get_graph_hash(roots)
+        xla._xla_warm_up_cache(roots, [])
+        # this step's results: the compiled graph on this step's inputs (the trace is dropped)
+        results = xla._run_cached_graph(graph, list(values))
+        self._write_back(params, slots, results)
+        # a device data knows the tensor that made it: a parameter or state the last replay made,
+        # a batch tensor sent this step; any other is a constant of the trace (e.g. a scalar)
+        sources = [
+            (0, position[number]) if number in position else (1, value)
+            for number, value in zip(ids, values, strict=True)
+        ]
+        return results[-1], _Capture(graph, sources)
+
+    def __repr__(self) -> str:
+        return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"
+
+
+def _executions() -> int:
+    """How many graphs torch_xla has run in this process (a host read runs one)."""
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("ExecuteComputation") or 0)
+
+
+def _tensors(targets: Any) -> tuple[list[torch.Tensor], str | None]:
+    """The tensors of ``targets`` (a tensor, or tuples, lists and dicts of them) in a fixed order,
+    and why they cannot be a replay's inputs (anything else in them would be a constant of the
+    trace), or None."""
+    if isinstance(targets, torch.Tensor):
+        return [targets], None
+    items: list[Any]
+    if isinstance(targets, tuple | list):
+        items = list(targets)
+    elif isinstance(targets, dict):
+        items = [targets[name] for name in sorted(targets)]
+    else:
+        return [], f"its targets hold a {type(targets).__name__}, not only tensors"
+    found: list[torch.Tensor] = []
+    for item in items:
+        tensors, why = _tensors(item)
+        if why is not None:
+            return [], why
+        found += tensors
+    return found, None

@@ -16,6 +16,10 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
   (``torchfold.train.compiled.CompiledUpdate``, Adam with ``capturable=True``);
+* ``xla replayed``: fitted static shapes, and the whole step (forward, loss, backward, Adam's
+  update) traced once per layout into one graph and replayed from XLA's cache
+  (``torchfold.train.xla_replay.XlaStepReplay``, what ``TraceTrainer`` runs on one XLA device);
+  ``xla replayed shallow`` / ``xla replayed deep`` as below;
 * ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
   ``... deep``): the same on batches of the shallowest and of the deepest trees, to show how the
   host time per step grows with depth.
@@ -45,6 +49,7 @@ from torchfold import Fold, StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
 from torchfold.train.compiled import CompiledLoss, CompiledUpdate
+from torchfold.train.xla_replay import XlaStepReplay
 
 
 def node_weights(roots: list[int], trees: int) -> list[float]:
@@ -77,13 +82,15 @@ def train(
     on_step: Callable[[int], None],
     captured: bool = False,
     compiled_update: bool = False,
+    replayed: bool = False,
 ) -> list[float]:
     """One training run; returns the loss of every step (read after the run: no host sync in the loop)."""
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), 128, 128).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compiled_update)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compiled_update or replayed)
     step = CompiledLoss(model, node_loss, device=device) if captured else None
     update = CompiledUpdate(optimizer, device=device) if compiled_update else optimizer.step
+    replay = XlaStepReplay(model, node_loss, optimizer) if replayed else None
     losses = []
     for number, trees in enumerate(batches):
         started = time.perf_counter()
@@ -94,6 +101,15 @@ def train(
         PHASES["record + plan (+ pad)"] += planned - started
         weights = plan.pad(0, node_weights(roots, len(trees))).to(device, torch.float32)
         targets = plan.pad(0, labels).to(device)
+        if replay is not None:
+            assert isinstance(plan, StaticPlan)
+            losses.append(replay(plan, (targets, weights), [0.01]))  # the whole step, replayed
+            traced = time.perf_counter()
+            PHASES["apply + loss + backward + step"] += traced - planned
+            HOST.append(traced - planned)
+            on_step(number)
+            PHASES["sync (launch, wait when timed)"] += time.perf_counter() - traced
+            continue
         optimizer.zero_grad(set_to_none=step is None)  # a captured step's gradients stay where they are
         if step is not None:
             assert isinstance(plan, StaticPlan)
@@ -120,6 +136,7 @@ def run_variant(
     warmup: int,
     captured: bool = False,
     compiled_update: bool = False,
+    replayed: bool = False,
 ) -> dict[str, Any]:
     xla = device.type == "xla"
     stamps: list[float] = []
@@ -153,7 +170,7 @@ def run_variant(
     )
     HOST.clear()
     start = time.perf_counter()
-    losses = train(device, batches, vocab, shapes, on_step, captured, compiled_update)
+    losses = train(device, batches, vocab, shapes, on_step, captured, compiled_update, replayed)
     row: dict[str, Any] = {"variant": name, "batches": len(batches)}
     steady = stamps[-1] - stamps[warmup - 1] if len(stamps) > warmup else float("nan")
     sentences = sum(len(trees) for trees in batches[warmup:])
@@ -290,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
             "xla captured deep",
             "xla captured and update shallow",
             "xla captured and update deep",
+            "xla replayed",
+            "xla replayed shallow",
+            "xla replayed deep",
         ):
             chosen = batches
             if variant.endswith(("shallow", "deep")):
@@ -308,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                     args.warmup,
                     variant.startswith("xla captured"),
                     "and update" in variant,
+                    variant.startswith("xla replayed"),
                 )
             )
         else:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -177,6 +178,8 @@ def run_variant(
     row["wall s"] = round(stamps[-1] - start, 1)
     row["steady sentences/s"] = round(sentences / steady, 1)
     row["host ms/step"] = round(1000 * sum(HOST[warmup:]) / max(1, len(HOST[warmup:])), 1)
+    # (the median leaves out a step that compiles: a layout first seen after the warm-up)
+    row["host ms/step, median"] = round(1000 * statistics.median(HOST[warmup:]), 2) if HOST[warmup:] else "-"
     row["mean depth"] = round(sum(tree_depth(t) for b in batches for t in b) / sum(map(len, batches)), 1)
     if xla:
         row["compilations, warm-up"] = compiles[warmup][0] - compiles[0][0] if len(compiles) > warmup else "-"

@@ -141,6 +141,8 @@ class XlaStepReplay:
         params = [p for group in groups for p in group["params"]]
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+        if not all(group["params"] for group in groups):
+            raise ValueError("a replayed step needs parameters in every param group; remove the empty groups")
         rates = [
             self._rate(number, rate, group["params"][0])
             for number, (group, rate) in enumerate(zip(groups, lrs, strict=True))
@@ -166,7 +168,7 @@ class XlaStepReplay:
                 xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
             capture = self._captures.get(key)
             if capture is None or capture.refused is not None:
-                loss, capture = self._trace(plan, inputs, targets, params, rates, live, capture, why)
+                loss, capture = self._trace(plan, inputs, targets, params, rates, live, why)
                 self._captures[key] = capture
                 return loss
             arguments = [live[where] if kind == 0 else where for kind, where in capture.sources]
@@ -224,7 +226,6 @@ class XlaStepReplay:
         params: list[torch.Tensor],
         rates: list[torch.Tensor],
         live: list[torch.Tensor],
-        refused: _Capture | None,
         why: str | None,
     ) -> tuple[torch.Tensor, _Capture]:
         """Trace the step lazily; compile it and run it once on this batch (or, refused, run the

@@ -1,6 +1,7 @@
 """TraceTrainer on XLA devices (torch_xla's CPU backend) for tests/test_xla.py.
 
-``python tests/_xla_trainer_worker.py SST_DIR OUT COMPILE STEPS [FAIL_RANK]`` trains the SST
+``python tests/_xla_trainer_worker.py SST_DIR OUT COMPILE STEPS [--fail-rank R] [--optimizer adam]
+[--resume DIR]`` trains the SST
 Tree-LSTM with static-shape plans, one replica per XLA CPU device (``CPU_NUM_DEVICES``, through
 ``xmp.spawn``; several CPU devices are threads of one process), for the first ``STEPS`` steps of
 a batch-size trace whose steps give the replicas varying numbers of minibatches (a replica of
@@ -10,12 +11,16 @@ at step 16 and trains again from it in a fresh trainer. Each replica saves its f
 parameters, its XLA compilations after every step, its capture counts (torch.compile's, and the
 whole-step replay's, None without one) and any warnings; with
 ``FAIL_RANK``, that replica's loss raises at its third minibatch and every replica saves the
-error it stopped with. ``train_on_cpu`` is the one-process eager reference. It must start in a
-fresh process (``xmp.spawn`` needs an uninitialized runtime).
+error it stopped with. ``--optimizer adam`` trains with ``Adam(capturable=True)`` instead of SGD
+with momentum (on one device, steps of one minibatch are then replayed whole). ``--resume DIR``
+trains only from the step-16 checkpoint in ``DIR`` (written by a run on any number of devices)
+to ``STEPS``. ``train_on_cpu`` is the one-process eager reference. It must start in a fresh
+process (``xmp.spawn`` needs an uninitialized runtime).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import sys
 import traceback
@@ -54,29 +59,34 @@ def _trainer(
     compile: str,
     steps: int,
     loss: Any = None,
+    optimizer: str = "sgd",
     **kwargs: Any,
 ) -> Any:
     from torchfold.examples.models import tree_lstm_loss
     from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
 
-    optimizer = AccumulatingOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), lr_rule="linear", ref_batch_size=8
+    params = model.parameters()
+    base = (
+        torch.optim.Adam(params, lr=0.01, capturable=next(model.parameters()).device.type == "xla")
+        if optimizer == "adam"
+        else torch.optim.SGD(params, lr=0.1, momentum=0.9)
     )
+    wrapped = AccumulatingOptimizer(base, lr_rule="linear", ref_batch_size=8)
     loader = StepLoader(
         trees, MINIBATCH, build=build, trace=TRACE[:steps], seed=3, replication_factor=world_size, rank=rank
     )
     return TraceTrainer(
-        model, optimizer, loader, loss or tree_lstm_loss, progress=False, compile=compile, **kwargs
+        model, wrapped, loader, loss or tree_lstm_loss, progress=False, compile=compile, **kwargs
     )
 
 
-def train_on_cpu(sst: str, steps: int) -> list[torch.Tensor]:
+def train_on_cpu(sst: str, steps: int, optimizer: str = "sgd") -> list[torch.Tensor]:
     """The reference: one process, eager, unpadded plans."""
     from torchfold.examples.models import TreeLSTMBuild
 
     trees, vocab = _data(sst)
     model = _model(vocab)
-    _trainer(model, trees, TreeLSTMBuild(vocab), 1, 0, "off", steps).fit()
+    _trainer(model, trees, TreeLSTMBuild(vocab), 1, 0, "off", steps, optimizer=optimizer).fit()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -95,9 +105,7 @@ def _failing_loss(fail_rank: int, rank: int) -> Any:
     return loss
 
 
-def _replica(
-    index: int, sst: str, out: str, compile: str, steps: int, fail_rank: int | None, initial: Any
-) -> None:
+def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: Any) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
     import torch_xla.runtime as xr
@@ -106,6 +114,7 @@ def _replica(
     from torchfold.examples.models import TreeLSTMBuild
     from torchfold.train.checkpoint import checkpoint_path
 
+    compile, steps, fail_rank = args.compile, args.steps, args.fail_rank
     world_size, rank = xr.world_size(), xr.global_ordinal()
     result: dict[str, Any] = {"world_size": world_size, "rank": rank}
     try:
@@ -130,7 +139,19 @@ def _replica(
             generator: a model seeded in each could differ), with its own envelope copy."""
             model = copy.deepcopy(initial).to(device)
             build = TreeLSTMBuild(vocab, shapes=copy.deepcopy(shapes))
-            return _trainer(model, trees, build, world_size, rank, compile, steps, loss, **kwargs)
+            return _trainer(
+                model, trees, build, world_size, rank, compile, steps, loss, args.optimizer, **kwargs
+            )
+
+        if args.resume is not None:  # only the second half, from another run's checkpoint
+            resumed = trainer()
+            resumed.load_checkpoint(checkpoint_path(Path(args.resume), CHECKPOINT_STEP))
+            resumed.on_step = count
+            resumed.fit()
+            result["resumed_params"] = [p.detach().cpu() for p in resumed.model.parameters()]
+            result["compilations"] = compilations
+            result["replays"] = resumed.replay.captures if resumed.replay is not None else None
+            return
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -164,7 +185,14 @@ def _replica(
 if __name__ == "__main__":
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    sst_dir, out_path, compile_choice, num_steps = sys.argv[1:5]
-    fail = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    initial_model = _model(_data(sst_dir)[1])
-    xmp.spawn(_replica, args=(sst_dir, out_path, compile_choice, int(num_steps), fail, initial_model))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("sst")
+    parser.add_argument("out")
+    parser.add_argument("compile", choices=("on", "off", "auto"))
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--resume")
+    options = parser.parse_args()
+    initial_model = _model(_data(options.sst)[1])
+    xmp.spawn(_replica, args=(options.sst, options.out, options, initial_model))

@@ -25,6 +25,7 @@ import scaling  # noqa: E402
 import schedules  # noqa: E402
 import slow_transform  # noqa: E402
 import trainer_tree_lstm  # noqa: E402
+import trainer_xla  # noqa: E402
 import tree_lstm  # noqa: E402
 import xla  # noqa: E402
 
@@ -129,6 +130,16 @@ def test_trainer_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     rates = trainer_tree_lstm.main(["--quick", "--data", str(data)])  # checks the first losses agree
     assert set(rates) == {"hand-batched", "TraceTrainer"} and all(r > 0 for r in rates.values())
     assert "| TraceTrainer " in capsys.readouterr().out
+
+
+def test_trainer_xla_script_quick_on_the_cpu(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CPU half of benchmarks/trainer_xla.py (both halves: the XLA lane's test of the same name)."""
+    [run] = trainer_xla.main(["--quick", "--variants", "cpu/off", "--data", str(data_dir)])
+    assert run["variant"] == "cpu/off" and run["sentences/s"] > 0 and run["vs cpu"] == 1.0
+    assert "| 1     | cpu/off" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        trainer_xla.main(["--quick", "--variants", "tpu/on", "--data", str(data_dir)])
+    assert "'tpu/on' is not DEVICE/COMPILE" in capsys.readouterr().err
 
 
 def test_slow_transform_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -398,6 +398,18 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
     assert compilations[-1] == compilations[7], str(compilations)
 
 
+def test_trainer_xla_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/trainer_xla.py at minimal size: the trainer command on the CPU and on XLA, in
+    fresh processes, the same last loss."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import trainer_xla
+
+    cpu, xla = trainer_xla.main(["--quick", "--data", str(DATA_DIR)])
+    assert (cpu["variant"], xla["variant"]) == ("cpu/off", "xla/auto")
+    assert xla["last loss"] == pytest.approx(cpu["last loss"], rel=1e-4)
+    assert "xla/auto / cpu: median" in capsys.readouterr().out
+
+
 def test_a_failing_replica_thread_stops_the_others_at_once(tmp_path: Path) -> None:
     """Replica 1's loss raises: replica 0, waiting for it before an all-reduce, stops with an error
     saying so (instead of waiting out the timeout, or XLA aborting the process)."""

@@ -7,6 +7,7 @@ without it fails instead of passing.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import subprocess
@@ -487,3 +488,89 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
         # per layout: the step that made Adam's state (the first), then once per layout, then
         # once more per layout after the betas changed
         assert 1 + len(layouts) < replay.captures <= 1 + 2 * len(layouts)
+
+
+def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right() -> None:
+    """XlaStepReplay writes back only what a step changed (a frozen parameter stays as it was,
+    every other result lands in its own tensor), reads the module's buffers as inputs (a changed
+    buffer changes the next replay), makes the optimizer's state again after it was reset, and
+    traces a batch of other shapes anew instead of feeding a graph the wrong shapes; losses and
+    parameters equal eager steps on the CPU throughout."""
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import to_device
+    from torchfold.train.xla_replay import XlaStepReplay
+
+    batches, vocab = _sst_batches(2, 4)
+    shapes = StaticShapes()
+    for trees in batches:
+        shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+    device, cpu = torch_xla.device(), torch.device("cpu")
+
+    def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 8).to(on)
+        model.register_buffer("scale", torch.ones((), device=on))
+        list(model.parameters())[1].requires_grad_(False)  # frozen: no gradient, no update
+        return model, torch.optim.Adam(model.parameters(), lr=0.01, capturable=on.type == "xla")
+
+    def scaled_loss(model: torch.nn.Module, outputs: Any, targets: Any) -> torch.Tensor:
+        return tree_lstm_loss(model, outputs, targets) * model.scale
+
+    (model, optimizer), (reference, plain) = make(device), make(cpu)
+    frozen = list(reference.parameters())[1].detach().clone()
+    fresh = [copy.deepcopy(opt.state_dict()) for opt in (optimizer, plain)]
+    replay = XlaStepReplay(model, scaled_loss, optimizer)
+    build, unpadded = TreeLSTMBuild(vocab, shapes=shapes), TreeLSTMBuild(vocab)
+    losses, expected = [], []
+    for number in range(8):
+        trees = batches[number % 2]
+        if number == 4:  # a buffer changed between steps
+            for m in (model, reference):
+                m.scale.fill_(0.5)  # type: ignore[operator]
+        if number == 6:  # the optimizer reset to its state before any step
+            for opt, state in zip((optimizer, plain), fresh, strict=True):
+                opt.load_state_dict(state)
+        plan, targets = build(trees)
+        losses.append(float(replay(plan, to_device(targets, device), [0.01])))
+        plain.zero_grad()
+        plan, targets = unpadded(trees)
+        loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
+        loss.backward()
+        plain.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-4)
+    assert len(optimizer.state) == len(plain.state) == 6  # the reset state made again
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
+    assert torch.equal(list(model.parameters())[1].detach().cpu(), frozen)
+    # weights of another length: traced anew, so the loss itself says what is wrong
+    plan, (labels, weights) = build(batches[0])
+    labels, weights = to_device((labels, weights), device)
+    with pytest.raises(RuntimeError, match=r"[Ss]hape"):
+        replay(plan, (labels, torch.cat([weights, weights])), [0.01])
+    # and the next step of the right shapes runs as before, still equal to the CPU's
+    after = float(replay(plan, (labels, weights), [0.01]))
+    plain.zero_grad()
+    plan, targets = unpadded(batches[0])
+    loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
+    loss.backward()
+    plain.step()
+    assert after == pytest.approx(loss.item(), rel=1e-4)
+    assert replay.refused is None
+    # a state dict that turns capturable off: that step and the next run lazily, with one warning
+    # naming the fix, and still train as the CPU does
+    uncapturable = copy.deepcopy(optimizer.state_dict())
+    uncapturable["param_groups"][0]["capturable"] = False
+    optimizer.load_state_dict(uncapturable)
+    for state in optimizer.state.values():
+        state["step"] = state["step"].cpu()  # where a non-capturable Adam keeps its step count
+    plain.zero_grad()
+    loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
+    loss.backward()
+    plain.step()
+    with pytest.warns(UserWarning, match="capturable=True"):
+        lazy = float(replay(build(batches[0])[0], (labels, weights), [0.01]))
+    assert replay.refused is not None and lazy == pytest.approx(loss.item(), rel=1e-4)

@@ -19,11 +19,15 @@ missing (another torch_xla version), :func:`replay_unavailable` says so and the 
 ``torch.compile`` path, with a warning.
 
 What a replayed graph depends on is checked at every step, never assumed: the layout, the
-parameters (which tensors, shapes, dtypes, ``requires_grad``), the optimizer's groups (every
-setting but the learning rate, which is an input) and the names of its state, and the
-module's ``training`` flag. A change in any of them is a new capture, never a stale graph. A
-step that draws random numbers (dropout) would replay the draws of its capture: it is refused
-and runs lazily (traced op by op, as without capture), with a warning.
+parameters (which tensors, shapes, dtypes, ``requires_grad``), the module's buffers (which
+tensors, shapes, dtypes: their values are inputs, and a buffer the step changes is written
+back), the shapes and dtypes of the batch's tensors, the optimizer's groups (every setting but
+the learning rate, which is an input) and its state (names, shapes, dtypes), and the module's
+``training`` flag. A change in any of them is a new capture, never a stale graph. Only the
+tensors the step changes are written back: a frozen parameter, or one without a gradient, stays
+as it is. A step that draws random numbers (dropout) would replay the draws of its capture: it
+is refused and runs lazily (traced op by op, as without capture), with a warning. Optimizer hooks
+and tensor hooks run when a step is traced, not when it is replayed.
 """
 
 from __future__ import annotations
@@ -70,15 +74,28 @@ def replay_unavailable() -> str | None:
 
 
 class _Capture:
-    """One traced step: its graph's hash and where each graph input comes from, or why it cannot
-    be replayed (then its steps run lazily, traced op by op)."""
+    """One traced step: its graph's hash, where each graph input comes from and where each result
+    goes, or why it cannot be replayed (then its steps run lazily, traced op by op)."""
 
-    __slots__ = ("graph", "refused", "sources")
+    __slots__ = ("graph", "refused", "slots", "sources", "targets")
 
-    def __init__(self, graph: Any, sources: list[tuple[int, Any]], refused: str | None = None) -> None:
+    def __init__(
+        self,
+        graph: Any,
+        sources: list[tuple[int, Any]],
+        targets: list[int] | None = None,
+        slots: list[tuple[int, str]] | None = None,
+        refused: str | None = None,
+    ) -> None:
         self.graph = graph
         # per graph input: (0, position in the step's inputs) or (1, a constant of the trace)
         self.sources = sources
+        # per graph result but the loss (the last): the position it replaces among the step's
+        # parameters, buffers and then optimizer state ``slots`` (a tensor the step leaves
+        # as it was is no result)
+        self.targets = targets or []
+        # the optimizer's state after the step: (parameter number, name); the first step makes it
+        self.slots = slots or []
         self.refused = refused
 
 
@@ -138,7 +155,12 @@ class XlaStepReplay:
         groups = self.optimizer.param_groups
         if len(lrs) != len(groups):
             raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
+        reason = uncapturable_update(self.optimizer)
+        if reason is not None:  # e.g. a loaded state dict turned capturable off
+            self._refuse(f"the optimizer's update cannot be captured: {reason}")
+            return self._lazy_step(plan, targets, lrs)
         params = [p for group in groups for p in group["params"]]
+        buffers = list(self.model.buffers())
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
         if not all(group["params"] for group in groups):
@@ -149,16 +171,9 @@ class XlaStepReplay:
         ]
         inputs = plan.inputs(params[0].device)
         batch, why = _tensors(targets)
-        live = [
-            *params,
-            *(state[p][name] for p, name in slots),
-            *rates,
-            inputs.ints,
-            inputs.floats,
-            *inputs.given,
-            *batch,
-        ]
-        key = self._key(plan, params, slots)
+        data = [inputs.ints, inputs.floats, *inputs.given, *batch]
+        live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data]
+        key = self._key(plan, params, buffers, slots, data)
         with _LOCK:
             # the inputs must be device data, not pending operations (e.g. after load_state_dict)
             pending = [
@@ -168,24 +183,31 @@ class XlaStepReplay:
                 xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
             capture = self._captures.get(key)
             if capture is None or capture.refused is not None:
-                loss, capture = self._trace(plan, inputs, targets, params, rates, live, why)
+                loss, capture = self._trace(plan, inputs, targets, params, buffers, rates, live, why)
                 self._captures[key] = capture
                 return loss
             arguments = [live[where] if kind == 0 else where for kind, where in capture.sources]
             results = xla._run_cached_graph(capture.graph, arguments)
-            self._write_back(params, slots, results)
+            self._write_back(params, buffers, capture, results)
         return results[-1]
 
     def _write_back(
-        self, params: list[torch.Tensor], slots: list[tuple[Any, str]], results: list[torch.Tensor]
+        self,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        capture: _Capture,
+        results: list[torch.Tensor],
     ) -> None:
-        """The graph's results become the parameters and the optimizer's state (no copy)."""
-        with torch.no_grad():
-            for p, value in zip(params, results, strict=False):
-                p.data = value
+        """The graph's results become the parameters, buffers and optimizer state they replace (no copy)."""
+        tensors = [*params, *buffers]
         state = self.optimizer.state
-        for (p, name), value in zip(slots, results[len(params) :], strict=False):
-            state[p][name] = value
+        with torch.no_grad():
+            for where, value in zip(capture.targets, results[:-1], strict=True):
+                if where < len(tensors):
+                    tensors[where].data = value
+                else:
+                    number, name = capture.slots[where - len(tensors)]
+                    state[params[number]][name] = value
 
     def _rate(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
         """Group ``number``'s learning rate as a 0-dim device tensor, reused while it is unchanged."""
@@ -201,7 +223,14 @@ class XlaStepReplay:
         self._rates[number] = (rate, tensor)
         return tensor
 
-    def _key(self, plan: StaticPlan, params: list[torch.Tensor], slots: list[tuple[Any, str]]) -> Hashable:
+    def _key(
+        self,
+        plan: StaticPlan,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        slots: list[tuple[Any, str]],
+        data: list[torch.Tensor],
+    ) -> Hashable:
         """Everything a traced step depends on besides its inputs' values."""
         settings = tuple(
             tuple(
@@ -213,10 +242,16 @@ class XlaStepReplay:
         return (
             plan.layout.key,
             tensors,
-            tuple((id(p), name) for p, name in slots),
+            tuple((id(b), tuple(b.shape), b.dtype) for b in buffers),
+            tuple((tuple(t.shape), t.dtype) for t in data),
+            tuple((id(p), name, tuple(state.shape), state.dtype) for p, name, state in self._states(slots)),
             settings,
             self.model.training,
         )
+
+    def _states(self, slots: list[tuple[Any, str]]) -> list[tuple[Any, str, torch.Tensor]]:
+        state = self.optimizer.state
+        return [(p, name, state[p][name]) for p, name in slots]
 
     def _trace(
         self,
@@ -224,6 +259,7 @@ class XlaStepReplay:
         inputs: Any,
         targets: Any,
         params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
         rates: list[torch.Tensor],
         live: list[torch.Tensor],
         why: str | None,
@@ -258,8 +294,14 @@ class XlaStepReplay:
             for p in params:
                 p.grad = None
         state = self.optimizer.state
-        slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
-        roots = [*params, *(state[p][name] for p, name in slots), loss.detach()]
+        number_of = {id(p): number for number, p in enumerate(params)}
+        slots = [(number_of[id(p)], name) for p in params for name in sorted(state.get(p, {}))]
+        roots = [*params, *buffers, *(state[params[n]][name] for n, name in slots), loss.detach()]
+        # a tensor the step left as it was (a frozen parameter, one without a gradient, an
+        # untouched buffer) is device data, not a result of the graph
+        changed = xla._check_tensor_need_materialization(roots)
+        targets_of = [where for where, need in enumerate(changed[:-1]) if need]
+        roots = [root for root, need in zip(roots, changed, strict=True) if need]
         ids, values = xla._get_tensors_xla_device_data_node(roots)
         if why is None and _executions() != executed:
             why = (
@@ -269,23 +311,51 @@ class XlaStepReplay:
         if why is None and xla._get_seed_info_id() in ids:
             why = "it draws random numbers (dropout?), and a replay would repeat the draws of its capture"
         if why is not None:  # run the trace as it is: an ordinary lazy step
-            if self.refused is None:
-                self.refused = why
-                warnings.warn(f"steps are not replayed whole: {why}", stacklevel=4)
+            self._refuse(why)
             torch_xla.sync()
-            return roots[-1], _Capture(None, [], why)
+            return roots[-1], _Capture(None, [], refused=why)
         graph = xla._get_graph_hash(roots)
         xla._xla_warm_up_cache(roots, [])
+        capture = _Capture(graph, [], targets_of, slots)
         # this step's results: the compiled graph on this step's inputs (the trace is dropped)
         results = xla._run_cached_graph(graph, list(values))
-        self._write_back(params, slots, results)
+        self._write_back(params, buffers, capture, results)
         # a device data knows the tensor that made it: a parameter or state the last replay made,
         # a batch tensor sent this step; any other is a constant of the trace (e.g. a scalar)
-        sources = [
+        capture.sources = [
             (0, position[number]) if number in position else (1, value)
             for number, value in zip(ids, values, strict=True)
         ]
-        return results[-1], _Capture(graph, sources)
+        return results[-1], capture
+
+    def _refuse(self, why: str) -> None:
+        """Steps are not replayed from now on (the caller runs them another way); one warning."""
+        if self.refused is None:
+            self.refused = why
+            warnings.warn(f"steps are not replayed whole: {why}", stacklevel=4)
+
+    def _lazy_step(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
+        """One ordinary step, traced op by op (the optimizer's own update); the loss."""
+        import torch_xla
+
+        groups = self.optimizer.param_groups
+        rates = [group["lr"] for group in groups]
+        params = [p for group in groups for p in group["params"]]
+        try:
+            for group, rate in zip(groups, lrs, strict=True):
+                group["lr"] = rate
+            for p in params:
+                p.grad = None
+            loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
+            loss.backward()
+            self.optimizer.step()
+        finally:
+            for group, rate in zip(groups, rates, strict=True):
+                group["lr"] = rate
+            for p in params:
+                p.grad = None
+        torch_xla.sync()
+        return loss.detach()
 
     def __repr__(self) -> str:
         return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"

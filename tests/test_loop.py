@@ -210,6 +210,45 @@ def test_fit_continues_where_the_last_fit_stopped(trees: list[Tree]) -> None:
     torch.testing.assert_close(params_of(parts.model), params_of(whole.model), rtol=0, atol=0)
 
 
+def test_steps_reported_one_late_are_recorded_once_and_refuse_a_checkpoint_from_on_step(
+    trees: list[Tree], tmp_path: Path
+) -> None:
+    """In one process on an accelerator, fit() reads a step's loss after launching the next step.
+    (Forced here on the CPU, where the loop is the same: the test suite has no accelerator.) The
+    run equals the undeferred one; a failing on_step is recorded once; a save_checkpoint() from
+    on_step, which would pair a step's number with the model of the step after it, is refused."""
+    whole, expected = _loop_run("linear")
+    deferred = make_trainer(trees, seed=100)
+    deferred._defers = True
+    history = deferred.fit()
+    assert [(s.step, s.loss) for s in history] == [(s.step, s.loss) for s in expected]
+    torch.testing.assert_close(params_of(deferred.model), params_of(whole.model), rtol=0, atol=0)
+
+    seen: list[int] = []
+
+    def failing(stats: StepStats) -> None:
+        seen.append(stats.step)
+        if stats.step == 2:
+            raise KeyError("on_step failed")
+
+    trainer = make_trainer(trees, seed=100, on_step=failing)
+    trainer._defers = True
+    with pytest.raises(KeyError, match="on_step failed"):
+        trainer.fit()
+    assert seen == [0, 1, 2]  # step 2 reported once, not again while the run unwinds
+
+    def saving(stats: StepStats) -> None:
+        trainer.save_checkpoint(tmp_path / "late.pt")
+
+    trainer = make_trainer(trees, seed=100, on_step=saving)
+    trainer._defers = True
+    with pytest.raises(
+        RuntimeError, match=r"save_checkpoint\(\) while step 0 is reported, but step 1 has run"
+    ):
+        trainer.fit()
+    assert not (tmp_path / "late.pt").exists()
+
+
 def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     lines: list[str] = []
     vocab = Vocab.build(trees)

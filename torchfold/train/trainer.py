@@ -187,6 +187,9 @@ class TraceTrainer:
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
         on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint.
+            In one process on an accelerator, :meth:`fit` reports a step (its loss read back)
+            after it has launched the next one, so the model may be a step further; a
+            :meth:`save_checkpoint` from ``on_step`` is refused then (use ``checkpoint_every``).
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
@@ -350,6 +353,7 @@ class TraceTrainer:
         self._sigterm_received = False
         # one process on an accelerator: fit() reads each step's loss while the next step runs
         self._defers = world().size == 1 and self.device.type != "cpu"
+        self._ahead: int | None = None  # while a deferred step is reported: the step run after it
         self._warned_unpadded = False
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
@@ -421,9 +425,13 @@ class TraceTrainer:
                     while self.next_step < end and (step := next(steps, None)) is not None:
                         started = time.perf_counter()
                         stats, loss_sum = self._run_step(step, defer=self._defers)
-                        if pending is not None:
-                            self._complete(*pending, history, end, bar, until=started)
-                            pending = None
+                        if pending is not None:  # (cleared first: a failing callback records it once)
+                            late, pending = pending, None
+                            self._ahead = stats.step
+                            try:
+                                self._complete(*late, history, end, bar, until=started)
+                            finally:
+                                self._ahead = None
                         self.next_step = stats.step + 1  # (for _checkpoint_due)
                         if loss_sum is not None and not (
                             stats.stop_requested or self._checkpoint_due() or self.next_step >= end
@@ -780,6 +788,12 @@ class TraceTrainer:
 
         A collective: every rank must call it. Keeps the ``keep_checkpoints`` newest in the directory.
         """
+        if self._ahead is not None:
+            raise RuntimeError(
+                f"save_checkpoint() while step {self.next_step - 1} is reported, but step {self._ahead} has run "
+                "already (in one process on an accelerator a step is reported after the next one is launched): "
+                "the checkpoint would not match its step; use checkpoint_every, or save after fit() returns"
+            )
         if path is None:
             if self.checkpoint_dir is None:
                 raise ValueError("no path given and the trainer has no checkpoint_dir")

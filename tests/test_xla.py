@@ -574,3 +574,49 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     with pytest.warns(UserWarning, match="capturable=True"):
         lazy = float(replay(build(batches[0])[0], (labels, weights), [0.01]))
     assert replay.refused is not None and lazy == pytest.approx(loss.item(), rel=1e-4)
+
+
+def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() -> None:
+    """Adam's betas changed at every step would be a new graph to compile at every step: after a
+    few captures of one layout the replay refuses, naming the setting, and the steps still train
+    as on the CPU. A tensor in a param group would be frozen at its captured value: refused."""
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import to_device
+    from torchfold.train.xla_replay import XlaStepReplay
+
+    [trees], vocab = _sst_batches(1, 4)
+    shapes = StaticShapes()
+    shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+    device, cpu = torch_xla.device(), torch.device("cpu")
+
+    def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 8).to(on)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01, capturable=on.type == "xla")
+
+    (model, optimizer), (reference, plain) = make(device), make(cpu)
+    replay = XlaStepReplay(model, tree_lstm_loss, optimizer)
+    plan, targets = TreeLSTMBuild(vocab, shapes=shapes)(trees)
+    unpadded, unpadded_targets = TreeLSTMBuild(vocab)(trees)
+    losses, expected = [], []
+    with pytest.warns(UserWarning, match=r"settings \(betas\) took 5 values on one layout"):
+        for number in range(7):
+            for opt in (optimizer, plain):
+                opt.param_groups[0]["betas"] = (0.9 - 0.01 * number, 0.999)
+            losses.append(float(replay(plan, to_device(targets, device), [0.01])))
+            plain.zero_grad()
+            loss = tree_lstm_loss(reference, unpadded.apply(reference), to_device(unpadded_targets, cpu))
+            loss.backward()
+            plain.step()
+            expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-4)
+    assert replay.captures <= 5 and replay.refused is not None
+
+    fresh = XlaStepReplay(model, tree_lstm_loss, optimizer)
+    optimizer.param_groups[0]["scale"] = torch.ones((), device=device)  # a setting of the user's
+    with pytest.warns(UserWarning, match="param group 0's 'scale' is a tensor"):
+        fresh(plan, to_device(targets, device), [0.01])
+    assert fresh.captures == 0

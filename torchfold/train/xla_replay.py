@@ -54,6 +54,10 @@ _NEEDED = (
     "_xla_sync_multi",
     "_get_seed_info_id",
 )
+# Distinct optimizer settings (other than learning rates) captured for one layout before a
+# setting that keeps changing is refused: a few changes are a new graph each, a schedule is not.
+_MAX_SETTINGS = 4
+_Settings = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
 _LOCK = threading.Lock()  # tracing is not safe in two threads at once (replicas may be threads)
 
 
@@ -135,6 +139,8 @@ class XlaStepReplay:
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._captures: dict[Hashable, _Capture] = {}
         self._rates: dict[int, tuple[float, torch.Tensor]] = {}
+        # per layout: the optimizer settings captured for it
+        self._seen_settings: dict[Hashable, list[_Settings]] = {}
         #: why steps cannot be replayed (found at the first capture that failed), or None
         self.refused: str | None = None
 
@@ -159,6 +165,10 @@ class XlaStepReplay:
         if reason is not None:  # e.g. a loaded state dict turned capturable off
             self._refuse(f"the optimizer's update cannot be captured: {reason}")
             return self._lazy_step(plan, targets, lrs)
+        settings, reason = self._settings(plan)
+        if reason is not None:
+            self._refuse(reason)
+            return self._lazy_step(plan, targets, lrs)
         params = [p for group in groups for p in group["params"]]
         buffers = list(self.model.buffers())
         state = self.optimizer.state
@@ -173,7 +183,7 @@ class XlaStepReplay:
         batch, why = _tensors(targets)
         data = [inputs.ints, inputs.floats, *inputs.given, *batch]
         live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data]
-        key = self._key(plan, params, buffers, slots, data)
+        key = self._key(plan, params, buffers, slots, data, settings)
         with _LOCK:
             # the inputs must be device data, not pending operations (e.g. after load_state_dict)
             pending = [
@@ -230,14 +240,9 @@ class XlaStepReplay:
         buffers: list[torch.Tensor],
         slots: list[tuple[Any, str]],
         data: list[torch.Tensor],
+        settings: Hashable,
     ) -> Hashable:
         """Everything a traced step depends on besides its inputs' values."""
-        settings = tuple(
-            tuple(
-                sorted((name, repr(value)) for name, value in group.items() if name not in ("params", "lr"))
-            )
-            for group in self.optimizer.param_groups
-        )
         tensors = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in params)
         return (
             plan.layout.key,
@@ -248,6 +253,42 @@ class XlaStepReplay:
             settings,
             self.model.training,
         )
+
+    def _settings(self, plan: StaticPlan) -> tuple[_Settings, str | None]:
+        """The optimizer's settings but the learning rates (constants of a replayed graph), and why
+        they cannot be replayed: a tensor among them (its value would be frozen into the graph), or
+        values that keep changing (e.g. a schedule of Adam's betas: a new graph at every step)."""
+        settings: list[tuple[tuple[str, str], ...]] = []
+        for number, group in enumerate(self.optimizer.param_groups):
+            for name, value in group.items():
+                values = value if isinstance(value, tuple | list) else (value,)
+                if name not in ("params", "lr") and any(isinstance(v, torch.Tensor) for v in values):
+                    return (), (
+                        f"param group {number}'s {name!r} is a tensor, which a replayed step would keep at its "
+                        "captured value; give it as a number"
+                    )
+            settings.append(
+                tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr")))
+            )
+        frozen = tuple(settings)
+        seen = self._seen_settings.setdefault(plan.layout.key, [])
+        if frozen not in seen:
+            if len(seen) >= _MAX_SETTINGS:
+                last = seen[-1]
+                changed = sorted(
+                    {
+                        name
+                        for now, then in zip(frozen, last, strict=False)
+                        for name, _ in set(now) ^ set(then)
+                    }
+                )
+                return frozen, (
+                    f"the optimizer's settings ({', '.join(changed) or 'param groups'}) took "
+                    f"{len(seen) + 1} values on one layout, and each is a new graph to compile; a schedule of them "
+                    "runs with the update compiled on its own instead (the learning rate alone may change freely)"
+                )
+            seen.append(frozen)
+        return frozen, None
 
     def _states(self, slots: list[tuple[Any, str]]) -> list[tuple[Any, str, torch.Tensor]]:
         state = self.optimizer.state

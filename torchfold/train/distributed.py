@@ -353,7 +353,10 @@ def gather_objects(value: Any, *, what: str = "values") -> list[Any]:
         lengths = lengths.to(device)
         all_reduce_sum_([lengths])
         sizes = [int(n) for n in lengths.cpu().tolist()]
-        rows = torch.zeros(current.size, max(sizes), dtype=torch.float32)  # bytes are exact in float32
+        # rows padded to a power of two: pickles whose lengths vary a little (random states) share
+        # one shape, so a later gather compiles no new XLA graph
+        width = 1 << max(10, (max(sizes) - 1).bit_length())
+        rows = torch.zeros(current.size, width, dtype=torch.float32)  # bytes are exact in float32
         rows[current.rank, : payload.numel()] = payload.float()
         rows = rows.to(device)
         all_reduce_sum_([rows])

@@ -620,3 +620,23 @@ def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() 
     with pytest.warns(UserWarning, match="param group 0's 'scale' is a tensor"):
         fresh(plan, to_device(targets, device), [0.01])
     assert fresh.captures == 0
+
+
+def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
+    """An empty param group has no parameter to place its learning rate by: one clear error."""
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import to_device
+    from torchfold.train.xla_replay import XlaStepReplay
+
+    [trees], vocab = _sst_batches(1, 2)
+    device = torch_xla.device()
+    model = TreeLSTM(len(vocab), 4, 4).to(device)
+    optimizer = torch.optim.Adam(
+        [{"params": list(model.parameters())}, {"params": []}], lr=0.01, capturable=True
+    )
+    plan, targets = TreeLSTMBuild(vocab, shapes=StaticShapes())(trees)
+    with pytest.raises(ValueError, match="parameters in every param group; remove the empty groups"):
+        XlaStepReplay(model, tree_lstm_loss, optimizer)(plan, to_device(targets, device), [0.01, 0.01])

@@ -32,9 +32,10 @@ and tensor hooks run when a step is traced, not when it is replayed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -312,15 +313,9 @@ class XlaStepReplay:
         xla = torch_xla._XLAC
         tensor_id = xla._xla_get_tensor_id
         position = {tensor_id(t): number for number, t in enumerate(live)}
-        groups = self.optimizer.param_groups
-        lrs = [group["lr"] for group in groups]
         trainable = [p for p in params if p.requires_grad]
         executed = _executions()
-        try:
-            for group, rate in zip(groups, rates, strict=True):
-                group["lr"] = rate
-            for p in params:
-                p.grad = None
+        with self._stepping(rates):
             loss = check_loss(
                 self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), targets)
             )
@@ -329,11 +324,6 @@ class XlaStepReplay:
             ):
                 p.grad = grad
             self.optimizer.step()
-        finally:
-            for group, rate in zip(groups, lrs, strict=True):
-                group["lr"] = rate
-            for p in params:
-                p.grad = None
         state = self.optimizer.state
         number_of = {id(p): number for number, p in enumerate(params)}
         slots = [(number_of[id(p)], name) for p in params for name in sorted(state.get(p, {}))]
@@ -379,24 +369,31 @@ class XlaStepReplay:
         """One ordinary step, traced op by op (the optimizer's own update); the loss."""
         import torch_xla
 
-        groups = self.optimizer.param_groups
-        rates = [group["lr"] for group in groups]
-        params = [p for group in groups for p in group["params"]]
-        try:
-            for group, rate in zip(groups, lrs, strict=True):
-                group["lr"] = rate
-            for p in params:
-                p.grad = None
+        with self._stepping(lrs):
             loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
             loss.backward()
             self.optimizer.step()
-        finally:
+        torch_xla.sync()
+        return loss.detach()
+
+    @contextlib.contextmanager
+    def _stepping(self, rates: Sequence[Any]) -> Iterator[None]:
+        """Inside, param group ``i`` steps with learning rate ``rates[i]`` (a number or a tensor)
+        from no gradients; afterwards its own learning rates are back and the gradients ``None``."""
+        groups = self.optimizer.param_groups
+        own = [group["lr"] for group in groups]
+        params = [p for group in groups for p in group["params"]]
+        try:
             for group, rate in zip(groups, rates, strict=True):
                 group["lr"] = rate
             for p in params:
                 p.grad = None
-        torch_xla.sync()
-        return loss.detach()
+            yield
+        finally:
+            for group, rate in zip(groups, own, strict=True):
+                group["lr"] = rate
+            for p in params:
+                p.grad = None
 
     def __repr__(self) -> str:
         return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"

@@ -9,7 +9,8 @@ when they train alike). The table gives every run and each XLA run's ratio to th
 
 Variants are ``DEVICE/COMPILE`` pairs of the trainer's ``--device`` and ``--compile``:
 ``cpu/off`` (eager, the reference), ``xla/auto`` (whole steps replayed, or captured by
-``torch.compile``), ``xla/off`` (traced op by op).
+``torch.compile``), ``xla/off`` (traced op by op); ``DEVICE/COMPILE/WORKERS`` sets the
+trainer's ``--workers`` too (default 1: folds built in one worker process; 0: in the trainer's).
 
 Usage::
 
@@ -68,14 +69,14 @@ def trainer_command(args: argparse.Namespace, device: str, compile: str, history
 
 def run_once(args: argparse.Namespace, variant: str, scratch: Path) -> dict[str, Any]:
     """One trainer run of ``variant``: its sentences/s and ms per step over the window, and its last loss."""
-    device, compile = variant.split("/")
+    device, compile, *workers = variant.split("/")
     history = scratch / f"{device}-{compile}.jsonl"
     history.unlink(missing_ok=True)
     env = {**os.environ}
     if device == "xla":
         env.setdefault("PJRT_DEVICE", "CPU")
     done = subprocess.run(
-        trainer_command(args, device, compile, history),
+        trainer_command(args, device, compile, history) + [arg for w in workers for arg in ("--workers", w)],
         env=env,
         cwd=REPO_ROOT,
         capture_output=True,
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         help="steps timed (from 1)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="times each variant runs, taking turns")
-    parser.add_argument("--variants", default="cpu/off,xla/auto", help="DEVICE/COMPILE pairs, in order")
+    parser.add_argument("--variants", default="cpu/off,xla/auto", help="DEVICE/COMPILE[/WORKERS], in order")
     parser.add_argument("--max-train", type=int, default=None, help="train on the first N trees only")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per trainer run")
     parser.add_argument("--quick", action="store_true", help="a minimal run (the smoke test's)")
@@ -130,9 +131,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.trees, args.dims, args.steps, args.window, args.rounds, args.max_train = 4, 8, 4, (2, 4), 1, 48
     variants = args.variants.split(",")
     for variant in variants:
-        if variant.count("/") != 1 or variant.split("/")[0] not in ("cpu", "xla"):
+        parts = variant.split("/")
+        if (
+            len(parts) not in (2, 3)
+            or parts[0] not in ("cpu", "xla")
+            or not all(p.isdigit() for p in parts[2:])
+        ):
             parser.error(
-                f"--variants: {variant!r} is not DEVICE/COMPILE with DEVICE cpu or xla, like xla/auto"
+                f"--variants: {variant!r} is not DEVICE/COMPILE[/WORKERS] with DEVICE cpu or xla, like xla/auto or xla/auto/0"
             )
     print("\n".join(machine_lines([f"command: {' '.join(trainer_command(args, 'D', 'C', Path('H')))}"])))
     rows: list[list[object]] = []

@@ -103,7 +103,8 @@ def step_times(trace_dir: Path) -> dict[str, Any]:
 
 def minibatches(trees: list[Any], size: int, count: int, seed: int) -> list[list[Any]]:
     """``count`` minibatches of ``size`` trees, drawn as a shuffling loader draws them."""
-    rng, order, out = random.Random(seed), list(range(len(trees))), []
+    rng, order = random.Random(seed), list(range(len(trees)))
+    out: list[list[Any]] = []
     while len(out) < count:
         rng.shuffle(order)
         out += [[trees[i] for i in order[s : s + size]] for s in range(0, len(order) - size + 1, size)]
@@ -130,7 +131,9 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     for start in range(0, min(len(trees), XLA_FIT_MINIBATCHES * args.trees), args.trees):
         shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + args.trees])[0])  # type: ignore[arg-type]
     build = TreeLSTMBuild(vocab, shapes)
-    plans = [build(batch) for batch in minibatches(trees, args.trees, args.warmup + 4 * args.steps, 0)]
+    plans: list[tuple[Any, Any]] = [
+        build(batch) for batch in minibatches(trees, args.trees, args.warmup + 4 * args.steps, 0)
+    ]
     device = torch_xla.device()
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), args.dims, args.dims).to(device)

@@ -134,12 +134,17 @@ def test_trainer_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_trainer_xla_script_quick_on_the_cpu(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The CPU half of benchmarks/trainer_xla.py (both halves: the XLA lane's test of the same name)."""
-    [run] = trainer_xla.main(["--quick", "--variants", "cpu/off", "--data", str(data_dir)])
+    run, in_process = trainer_xla.main(
+        ["--quick", "--variants", "cpu/off,cpu/off/0", "--data", str(data_dir)]
+    )
     assert run["variant"] == "cpu/off" and run["sentences/s"] > 0 and run["vs cpu"] == 1.0
     assert "| 1     | cpu/off" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        trainer_xla.main(["--quick", "--variants", "tpu/on", "--data", str(data_dir)])
-    assert "'tpu/on' is not DEVICE/COMPILE" in capsys.readouterr().err
+    # folds built in the trainer's process (--workers 0) instead of a worker: the same training
+    assert in_process["variant"] == "cpu/off/0" and in_process["last loss"] == run["last loss"]
+    for bad in ("tpu/on", "xla/auto/x"):
+        with pytest.raises(SystemExit):
+            trainer_xla.main(["--quick", "--variants", bad, "--data", str(data_dir)])
+        assert f"'{bad}' is not DEVICE/COMPILE" in capsys.readouterr().err
 
 
 def test_slow_transform_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

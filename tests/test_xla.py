@@ -640,3 +640,18 @@ def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
     plan, targets = TreeLSTMBuild(vocab, shapes=StaticShapes())(trees)
     with pytest.raises(ValueError, match="parameters in every param group; remove the empty groups"):
         XlaStepReplay(model, tree_lstm_loss, optimizer)(plan, to_device(targets, device), [0.01, 0.01])
+
+
+def test_xla_profile_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/xla_profile.py at minimal size: a profiler trace of replayed steps, alone and in the
+    trainer, read back as the time of the compiled programs' operations per step."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import xla_profile
+
+    results = xla_profile.main(["--quick", "--data", str(DATA_DIR)])
+    for run in ("alone", "trainer"):
+        result = results[run]
+        assert result["steps"] >= 1
+        assert result["wall"] > 0 and result["operations"] > 0  # (two threads may overlap operations)
+        assert result["kinds"]["dot"] > 0  # the model's matrix products ran in the traced programs
+    assert "its operations, summed" in capsys.readouterr().out

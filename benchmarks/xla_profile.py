@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -72,21 +73,22 @@ def step_times(trace_dir: Path) -> dict[str, Any]:
     with gzip.open(found[-1]) as file:
         events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
     executions = sorted((e for e in events if e["name"] == _EXECUTION), key=lambda e: e["ts"])
+    # every operation once: (start, duration in ms, kind), in time order
     thunks = sorted(
-        (e for e in events if _THUNK.match(e["name"]) and not e["name"].startswith("call.")),
-        key=lambda e: e["ts"],
+        (e["ts"], e["dur"] / 1000, match.group(1))
+        for e in events
+        if (match := _THUNK.match(e["name"])) and not e["name"].startswith("call.")
     )
+    starts = [start for start, _, _ in thunks]
     walls, sums, kinds = [], [], []
     for execution in executions:
         start, end = execution["ts"], execution["ts"] + execution["dur"]
-        inside = [e for e in thunks if start <= e["ts"] <= end]
+        inside = thunks[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]
         if not inside:
             continue
         by_kind: dict[str, float] = defaultdict(float)
-        for e in inside:
-            match = _THUNK.match(e["name"])
-            assert match is not None
-            by_kind[match.group(1)] += e["dur"] / 1000
+        for _, ms, kind in inside:
+            by_kind[kind] += ms
         walls.append(execution["dur"] / 1000)
         sums.append(sum(by_kind.values()))
         kinds.append(by_kind)
@@ -118,8 +120,7 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     import torch_xla
     import torch_xla.debug.profiler as xp
 
-    from torchfold.cli.train import XLA_FIT_MINIBATCHES
-    from torchfold.engine.static import StaticShapes
+    from torchfold.cli.train import _static_shapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.examples.sst import Vocab, load_sst
     from torchfold.train.xla_replay import XlaStepReplay
@@ -127,9 +128,7 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     trees = load_sst(args.data, "train", max_trees=args.max_train)
     vocab = Vocab.build(trees)
-    shapes = StaticShapes()  # fitted as the trainer fits it: the first minibatches of the file
-    for start in range(0, min(len(trees), XLA_FIT_MINIBATCHES * args.trees), args.trees):
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + args.trees])[0])  # type: ignore[arg-type]
+    shapes = _static_shapes(trees, vocab, args.trees)  # the trainer's own fitting, not a copy of it
     build = TreeLSTMBuild(vocab, shapes)
     plans: list[tuple[Any, Any]] = [
         build(batch) for batch in minibatches(trees, args.trees, args.warmup + 4 * args.steps, 0)

@@ -58,6 +58,7 @@ class Batch:
     requests: list[Column]
     streams: list[Stream]  # per source number
     depths: list[int]  # per source number: the depth of the step that makes it
+    owner: list[tuple[int, int | None]]  # per source number: (step, output) that makes it
 
 
 def decode(plan: PlanData) -> Batch:
@@ -76,6 +77,7 @@ def decode(plan: PlanData) -> Batch:
         requests=[_request_column(plan, request, number) for number, request in enumerate(plan.requests)],
         streams=streams,
         depths=depths,
+        owner=list(plan.source_owner),
     )
 
 

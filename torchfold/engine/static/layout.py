@@ -293,7 +293,7 @@ class StaticLayout:
         """``plan``'s index arrays and columns, padded to this layout."""
         slot_of_step = [self.index[slot] for slot in batch.slots]
         # per source number: (slot, output) of the step that produces it
-        owner = [(slot_of_step[number], output) for number, output in plan.source_owner]
+        owner = [(slot_of_step[number], output) for number, output in batch.owner]
         columns_of: dict[int, list[Column]] = {slot_of_step[i]: cols for i, cols in enumerate(batch.columns)}
         calls_of = {slot_of_step[i]: calls for i, calls in enumerate(batch.calls)}
         ints = np.empty(self.num_ints, dtype=np.int64)

@@ -14,6 +14,11 @@ grow-only *envelope* learned over the batches it sees:
   ``level_step`` (its *depth bucket*): a shallow batch does not pay for the deepest batch's
   levels, and each depth bucket is one more graph (``depth_buckets=False``: one graph of all
   levels);
+* with ``pack_levels`` (the default), the ops that read nodes like a tree's (at several depths)
+  get one capacity per level instead of one per depth: a node may run at any level after its
+  children's, so the calls with time to spare move from the crowded levels near the leaves to
+  the nearly empty deep ones (:mod:`torchfold.engine.static.pack`), and a batch that does not
+  fit its own depth bucket runs in a deeper one before the envelope grows;
 * each argument position of an op reads the concatenation of the earlier slots' outputs of the
   op outputs ("streams") it has ever read, so which tensors a gather concatenates depends on the
   envelope (and the plan's depth bucket) only, never on the batch's nodes: of a stream it has only ever read one level back (a chain:
@@ -49,6 +54,7 @@ from torchfold._validate import check_int
 from torchfold.engine.ir import PlanData
 from torchfold.engine.static.columns import Batch, Column, OpKey, Stream, count_items, decode, request_kinds
 from torchfold.engine.static.layout import StaticLayout
+from torchfold.engine.static.pack import Packer
 from torchfold.engine.static.plan import StaticPlan
 
 __all__ = ["StaticShapes", "StaticShapesWarning"]
@@ -82,6 +88,11 @@ class StaticShapes:
             multiple of ``level_step``, instead of every level of the envelope (default True):
             shallow batches skip the deep levels' padding, for one graph per depth bucket
             (at most ``levels / level_step`` of them).
+        pack_levels: run tree nodes later than their depth where the envelope has room (default
+            True): the ops that read nodes at several depths get one capacity per level, the
+            smallest their batches needed, for much less padding. Only the level a call runs at
+            changes, never a value; chains (a position that only ever read one level back)
+            keep their depths.
 
     Example:
         >>> import torch, torchfold
@@ -110,6 +121,7 @@ class StaticShapes:
         headroom: float = 1.3,
         warmup: int = 20,
         depth_buckets: bool = True,
+        pack_levels: bool = True,
     ) -> None:
         self.min_rows = check_int("StaticShapes(min_rows)", min_rows, 1)
         if (
@@ -147,6 +159,8 @@ class StaticShapes:
             )
         self.headroom = float(headroom)
         self.warmup = check_int("StaticShapes(warmup)", warmup, 0)
+        if not isinstance(pack_levels, bool):
+            raise TypeError(f"StaticShapes(pack_levels={pack_levels!r}): pack_levels must be True or False")
         if not isinstance(depth_buckets, bool):
             raise TypeError(
                 f"StaticShapes(depth_buckets={depth_buckets!r}): depth_buckets must be True or False"
@@ -164,6 +178,10 @@ class StaticShapes:
         self._requests: dict[tuple[str, ...], list[tuple[str, int, set[Stream]]]] = {}
         self._deepest = -1
         self._levels = 0
+        self.pack_levels = pack_levels
+        # per movable op (one that reads nodes), its capacity at every level but the first
+        self._per_level: dict[OpKey, int] = {}
+        self._first: dict[OpKey, int] = {}  # per op, the least depth it ran at
         self._layouts: dict[tuple[tuple[str, ...], int], StaticLayout] = {}  # per (signature, levels)
         #: how many times the envelope grew: the number of distinct graphs it has asked for
         self.version = 0
@@ -174,6 +192,8 @@ class StaticShapes:
         #: calls that plans held, and calls run after padding (``padded_calls / real_calls - 1`` is the waste)
         self.real_calls = 0
         self.padded_calls = 0
+        #: calls that plans ran later than their depth (``pack_levels``), over all plans fitted
+        self.moved_calls = 0
 
     def __repr__(self) -> str:
         return (
@@ -226,12 +246,17 @@ class StaticShapes:
         if not isinstance(plan, PlanData):
             raise TypeError(f"fit expects a FoldPlan (from Fold.plan), got {type(plan).__name__}")
         batch = decode(plan)
-        grows = not self._fits(batch)
-        if grows:
-            self._grow(batch)
+        packer = Packer(batch, self._streams) if self.pack_levels else None
+        if packer is not None and packer.packable():
+            batch, levels, grows = self._fit_packed(packer)
+        else:
+            grows = not self._fits(batch)
+            if grows:
+                self._learn(batch)
+                self._grew()
+            levels = self._levels_for(batch, warn=not grows)  # (growing warned already)
         self.plans += 1
         signature = request_kinds(batch)
-        levels = self._levels_for(batch, warn=not grows)  # (growing warned already)
         layout = self._layouts.get((signature, levels))
         if layout is None:
             layout = self._layouts[(signature, levels)] = StaticLayout(self, signature, levels)
@@ -240,24 +265,104 @@ class StaticShapes:
         self.padded_calls += layout.total_calls
         return padded
 
+    def _own_levels(self, batch: Batch) -> int:
+        """A plan's depth bucket: the levels down to its deepest node, rounded up to ``level_step``."""
+        deepest = max((depth for depth, _ in batch.slots), default=0)
+        return -(-(deepest + 1) // self.level_step) * self.level_step
+
     def _levels_for(self, batch: Batch, warn: bool) -> int:
-        """The levels a plan of ``batch`` runs: its depth bucket (with ``depth_buckets``), else all;
-        the first plan of a new bucket after the warm-up warns (``warn``) that it compiles."""
+        """The levels a plan of ``batch`` runs: its depth bucket (with ``depth_buckets``), else all."""
         if not self.depth_buckets:
             return self._levels
-        deepest = max((depth for depth, _ in batch.slots), default=0)
-        levels = min(self._levels, -(-(deepest + 1) // self.level_step) * self.level_step)
-        if levels not in self._buckets:
-            if warn and self._buckets and self.plans > self.warmup:
+        return self._enter_bucket(min(self._levels, self._own_levels(batch)), batch, warn)
+
+    def _enter_bucket(self, levels: int, batch: Batch, warn: bool) -> int:
+        """Note that a plan runs ``levels`` levels; the first plan of a new depth bucket after the
+        warm-up warns (``warn``) that it compiles."""
+        if self.depth_buckets and levels not in self._buckets:
+            if warn and self._buckets and self.plans >= self.warmup:
+                deepest = max((depth for depth, _ in batch.slots), default=0)
                 warnings.warn(
-                    f"the first fold of depth {deepest} after {self.plans - 1} plans runs {levels} of the "
+                    f"the first fold of depth {deepest} after {self.plans} plans runs {levels} of the "
                     f"envelope's {self._levels} levels: expect one new compilation for this depth bucket; "
                     "warm up on deeper folds, or pass depth_buckets=False for one graph of every level",
                     StaticShapesWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             self._buckets.add(levels)
         return levels
+
+    def _fit_packed(self, packer: Packer) -> tuple[Batch, int, bool]:
+        """Fit a plan whose calls may move to later levels: into the smallest depth bucket, from
+        its own up, where a schedule fits the envelope; else grow the envelope for its own bucket.
+        Returns the packed batch, the levels it runs and whether the envelope grew."""
+        batch = packer.batch
+        own = self._own_levels(batch)
+        if self.depth_buckets:
+            tries = [levels for levels in sorted(self._buckets) if own <= levels <= self._levels]
+            if own <= self._levels and own not in tries:
+                # a new depth bucket is a new graph: in the warm-up, the cheapest place to run;
+                # after it, the place of last resort (an existing deeper bucket compiles nothing)
+                tries.insert(0 if self.plans < self.warmup else len(tries), own)
+        else:
+            tries = [self._levels] if own <= self._levels else []
+        for levels in tries:
+            level = packer.schedule(levels, self._capacity)
+            if level is not None:
+                packed = packer.pack(level)
+                if self._fits(packed):
+                    self.moved_calls += int((level != packer.depth).sum())
+                    return packed, self._enter_bucket(levels, batch, warn=True), False
+        movable = packer.movable_keys
+        self._learn(batch, movable)
+        levels = min(own, self._levels) if self.depth_buckets else self._levels
+        for key, need in self._packed_capacity(packer, levels, movable).items():
+            self._per_level[key] = max(self._per_level.get(key, 0), need)
+        self._fill_levels()
+        level = packer.schedule(levels, self._capacity)
+        assert level is not None, "a schedule at the capacities just learned"
+        self.moved_calls += int((level != packer.depth).sum())
+        packed = packer.pack(level)
+        self._learn(packed, movable, depths=False)  # what the packed calls read, levels further back
+        self._grew()
+        return packed, self._enter_bucket(levels, batch, warn=False), True
+
+    def _packed_capacity(self, packer: Packer, levels: int, movable: set[OpKey]) -> dict[OpKey, int]:
+        """Per movable op, the smallest capacity per level (one scale for all ops) at which the
+        plan's calls fit ``levels`` levels: found by bisection between nothing and the plan's widest level."""
+        widest: dict[OpKey, int] = {}
+        for (_depth, key), calls in zip(packer.batch.slots, packer.batch.calls, strict=True):
+            if key in movable:
+                widest[key] = max(widest.get(key, 0), calls)
+
+        def capacities(scale: int) -> dict[OpKey, int]:
+            return {
+                key: max(self._per_level.get(key, 0), -(-calls * scale // 64))
+                for key, calls in widest.items()
+            }
+
+        def fits(scale: int) -> bool:
+            trial = dict(self._capacity)
+            for key, calls in capacities(scale).items():
+                for depth in range(self._first[key], levels):
+                    trial[(depth, key)] = max(trial.get((depth, key), 0), calls)
+            return packer.schedule(levels, trial) is not None
+
+        low, high = 0, 64  # at the widest level's calls everywhere, each call runs at its own depth
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                high = middle
+            else:
+                low = middle
+        return capacities(high)
+
+    def _fill_levels(self) -> None:
+        """Give each movable op its capacity per level at every level from the first it ran at
+        (packing only ever moves calls later, and there its positions find earlier outputs)."""
+        for key, calls in self._per_level.items():
+            for depth in range(self._first[key], self._levels):
+                self._capacity[(depth, key)] = max(self._capacity.get((depth, key), 0), calls)
 
     def _streams_of(self, batch: Batch, column: Column) -> set[Stream]:
         assert column.sources is not None
@@ -295,13 +400,18 @@ class StaticShapes:
                 return False
         return True
 
-    def _grow(self, batch: Batch) -> None:
+    def _learn(
+        self, batch: Batch, movable: set[OpKey] | frozenset[OpKey] = frozenset(), depths: bool = True
+    ) -> None:
+        """Grow the envelope to hold ``batch``: its slots' capacities (but the ``movable`` ops',
+        whose capacity is one per level), what each position reads, its requests and, with
+        ``depths``, the levels its depth needs."""
         for slot, name, calls, columns in zip(
             batch.slots, batch.names, batch.calls, batch.columns, strict=True
         ):
             depth, key = slot
             have = self._capacity.get(slot, 0)
-            if calls > have:
+            if calls > have and key not in movable:
                 self._capacity[slot] = self.bucket(math.ceil(calls * self.headroom))
             self._order.setdefault(key, len(self._order))
             self._names.setdefault(key, name)
@@ -313,12 +423,15 @@ class StaticShapes:
                         if known.get(stream, 0) < back:
                             # One level back (a chain) stays exact; further back means every level:
                             # reads of trees reach back at any depth, and each new reach would
-                            # grow the envelope again (a new graph after the warm-up).
-                            known[stream] = 1 if back == 1 else math.inf
+                            # grow the envelope again (a new graph after the warm-up). A movable
+                            # op's calls may run any number of levels after what they read.
+                            known[stream] = 1 if back == 1 and key not in movable else math.inf
                 elif where not in self._fills:
                     first = column.values[0]
                     self._fills[where] = first.detach().clone() if isinstance(first, _Tensor) else first
-            self._deepest = max(self._deepest, depth)
+            if depths:
+                self._deepest = max(self._deepest, depth)
+                self._first[key] = min(self._first.get(key, depth), depth)
         # Levels past the deepest seen repeat its ops at the smallest bucket: a batch a little
         # deeper than all before it then fits without a new graph.
         wanted = math.ceil((self._deepest + 1) * self.headroom)
@@ -327,11 +440,14 @@ class StaticShapes:
         deepest_ops = [
             key
             for depth, key in self._capacity
-            if depth == self._deepest and any(kind in ("nodes", "shared") for kind in key[3])
+            if depth == self._deepest
+            and key not in self._per_level
+            and any(kind in ("nodes", "shared") for kind in key[3])
         ]
         for depth in range(self._deepest + 1, self._levels):
             for key in deepest_ops:
                 self._capacity.setdefault((depth, key), self.bucket(1))
+        self._fill_levels()
         signature = request_kinds(batch)
         requests = self._requests.get(signature) or [(column.kind, 0, set()) for column in batch.requests]
         self._requests[signature] = [
@@ -344,6 +460,9 @@ class StaticShapes:
             )
             for (kind, room, streams), column in zip(requests, batch.requests, strict=True)
         ]
+
+    def _grew(self) -> None:
+        """The envelope grew: its layouts are new (warned about after the warm-up)."""
         grown = bool(self._layouts)
         self._layouts.clear()
         self.version += 1

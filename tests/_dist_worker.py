@@ -254,6 +254,27 @@ def handshake_rank(rank: int, scenarios: list[dict[str, Any]]) -> list[str]:
     return outcomes
 
 
+def agent_store_rank(rank: int, world_size: int, port: int, restart: int) -> float:
+    """One rank of a group started by torchrun's agent, whose store (at ``port``) outlives the group.
+
+    Joins with :func:`init_distributed` from the environment the agent sets, then all-reduces a 1:
+    returns the sum (the world size when the group formed).
+    """
+    from torchfold.train.distributed import init_distributed
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # rank 0 joins the agent's store instead of hosting one
+        TORCHELASTIC_RESTART_COUNT=str(restart),
+    )
+    init_distributed("gloo", rank=rank, world_size=world_size, timeout=10.0)
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    torch.distributed.destroy_process_group()
+    return float(total)
+
+
 class _SlowReads:
     """A TCPStore client whose every ``get`` takes 0.5 s: a rank still reading the handshake
     when the others (rank 0, the store's host, included) have already decided."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from _dist_worker import (
     LR,
     REF_BATCH,
+    agent_store_rank,
     free_port,
     handshake_rank,
     make_model,
@@ -215,6 +216,65 @@ def test_mismatched_world_sizes_fail_clearly_on_every_rank_every_time(tmp_path: 
         for rank, message in enumerate(messages):
             seconds = float(message.split(" after ")[1].split(" s")[0])
             assert seconds < 2.0, f"launch {launch}, rank {rank} waited for its timeout: {message}"
+
+
+@pytest.mark.slow
+def test_each_group_on_torchruns_agent_store_has_keys_of_its_own(tmp_path: Path) -> None:
+    """Two groups one after the other on one agent's store, with the same restart count.
+
+    torchrun's agent hosts one store for every group it starts, and a node that joins a running
+    job (``--nnodes=MIN:MAX``) makes it start a larger group without counting a restart. The
+    second group must not read the first one's handshake entries or gloo addresses (whose
+    processes are gone): each forms at once with its own world size.
+    """
+    agent_store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for group, world_size in enumerate((2, 3)):
+        folder = tmp_path / f"group{group}"
+        folder.mkdir()
+        results = run_ranks(
+            agent_store_rank, [(world_size, agent_store.port, 0)] * world_size, folder, timeout=60
+        )
+        for rank, result in enumerate(results):
+            assert result == {"ok": float(world_size)}, f"group {group}, rank {rank}: {result}"
+
+
+_GLOO_THREADS_AFTER_DESTROY = """
+import os, sys
+import torch
+import torch.distributed as dist
+from torchfold.train.distributed import init_distributed
+
+init_distributed("gloo", rank=0, world_size=1, master_port=int(sys.argv[1]), timeout=10.0)
+model = torch.nn.Linear(2, 2)
+torch.optim.Adam(model.parameters())  # the first optimizer imports torch.distributed.nn.functional
+dist.all_reduce(torch.ones(1))
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print(sorted(name for name in names if "gloo" in name))
+print("torch.distributed.nn.functional" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_destroy_process_group_stops_the_gloo_threads_after_an_optimizer_was_made() -> None:
+    """No gloo thread outlives ``destroy_process_group()``, so none runs into the interpreter's shutdown.
+
+    ``torch.distributed.nn.functional``, imported by the first optimizer, makes the group its
+    functions' default argument; imported after the group existed, it kept the group, and gloo's
+    worker threads, alive until the interpreter shut down. A worker freeing the tensors of the last
+    collective then aborted the process (SIGABRT) after a successful run, now and then, on a busy
+    machine: a restarted torchrun group with no restarts left failed that way.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _GLOO_THREADS_AFTER_DESTROY, str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout + done.stderr
 
 
 def _train_cli_ranks(per_rank: list[tuple[int, list[str]]]) -> list[subprocess.CompletedProcess[str]]:

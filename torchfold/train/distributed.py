@@ -502,6 +502,37 @@ def _compare(
         )
 
 
+def _import_group_defaults() -> None:
+    """Import, before the process group exists, the torch module that would otherwise keep it alive.
+
+    ``torch.distributed.nn.functional`` gives its functions the default argument
+    ``group=group.WORLD``, evaluated at its first import, which the first optimizer triggers
+    (through ``torch._dynamo``). Imported once a group exists, those defaults hold that group for
+    good: ``destroy_process_group()`` then no longer destroys it, and gloo's worker threads run on
+    into the interpreter's shutdown. A worker that frees the tensors of the last collective then
+    (the main thread was quicker, on a loaded machine) needs the GIL, which a shutting-down
+    interpreter does not give back: the process aborts with SIGABRT ("terminate called without an
+    active exception") after a run that succeeded. Imported first, the defaults hold ``None``.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def _agent_store_prefix(restart: str, world_size: int) -> str:
+    """The keys of this group in the store of torchrun's agent, which outlives its groups.
+
+    The agent keeps one store across the groups it starts, so every group needs keys of its
+    own: reading the last group's handshake entries, or gloo's addresses of its dead processes,
+    fails the new group (a connect to a closed port until the timeout, or a wrong world size).
+    The restart count alone does not tell the groups apart: a node joining a running job
+    (``--nnodes=MIN:MAX``) restarts the group without counting a restart. Such a group has that
+    node's processes as well, so its world size is larger than the last one's.
+
+    >>> _agent_store_prefix("0", 2), _agent_store_prefix("0", 3)
+    ('torchfold/attempt_0/world_2', 'torchfold/attempt_0/world_3')
+    """
+    return f"torchfold/attempt_{restart}/world_{world_size}"
+
+
 def init_distributed(
     backend: str = "gloo",
     *,
@@ -554,10 +585,9 @@ def init_distributed(
         ) from e
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is not None:
-        # torchrun's agent keeps its store across the restarts of a group: each attempt gets keys
-        # of its own (as torch's env:// rendezvous does), or it would read the last group's.
-        store = dist.PrefixStore(f"torchfold/attempt_{restart}", store)
+        store = dist.PrefixStore(_agent_store_prefix(restart, world_size), store)
     _handshake(store, rank, world_size, dict(config or {}), timeout)
+    _import_group_defaults()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
     _group_timeout_s["default"] = timeout
 

@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,16 +29,23 @@ from test_elastic_training import _cli, _env
 from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
 
 # Fast failure detection and a short wait for more nodes: the test's seconds, not production values.
+# A node is dead once its heartbeat is older than interval x max_attempt. The agent renews its
+# heartbeat only when it is at least one interval old, on a timer of one interval (reading a state
+# cached for up to a second), so a live agent's heartbeat is routinely ~2 s old: with 2 attempts
+# the other agent (or the agent itself) would drop it from the rendezvous, and two live nodes
+# could form two jobs under one run id. 5 s leaves room for an agent stalled by a loaded machine.
 RDZV_CONF = (
-    "join_timeout=60,last_call_timeout=5,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    "join_timeout=60,last_call_timeout=5,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 )
 
 
-def _agent(port: int, nproc: int, args: list[str], log: Path) -> subprocess.Popen[str]:
+def _agent(port: int, nproc: int, args: list[str], log: Path, *, host: bool) -> subprocess.Popen[str]:
+    """A node's torchrun agent; the ``host`` node serves the rendezvous store, the other connects to it."""
+    conf = f"{RDZV_CONF},is_host={'true' if host else 'false'}"
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={nproc}"),
         *("--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"),
-        *("--rdzv-id=torchfold-test", f"--rdzv-conf={RDZV_CONF}", "--monitor-interval=0.2"),
+        *("--rdzv-id=torchfold-test", f"--rdzv-conf={conf}", "--monitor-interval=0.2"),
         *("-m", "torchfold", "train", *args),
     ]
     return subprocess.Popen(
@@ -69,17 +75,6 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _wait_for_store(port: int, agent: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert agent.poll() is None, "the first agent ended before hosting the rendezvous store"
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"no rendezvous store on port {port} within {timeout} s")
-
-
 def _logged_steps(text: str) -> list[int]:
     """The steps rank 0 logged as completed (``step N/END | ...`` after step N - 1)."""
     return [int(n) - 1 for n in re.findall(r"^step (\d+)/\d+ \|", text, flags=re.MULTILINE)]
@@ -96,9 +91,11 @@ def test_a_lost_node_restarts_the_group_with_the_nodes_left_and_no_step_is_appli
     )
     port = free_port()
     logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
-    node_a = _agent(port, 2, args, logs[0])
-    _wait_for_store(port, node_a)  # node A hosts the rendezvous store: B must not win the race for it
-    node_b = _agent(port, 1, args, logs[1])
+    # Node A hosts the rendezvous store (B must not: it is killed), and both start at once: started
+    # only once A's store was up, B could join after A's last call on a loaded machine, and A would
+    # begin without it.
+    node_a = _agent(port, 2, args, logs[0], host=True)
+    node_b = _agent(port, 1, args, logs[1], host=False)
     try:
         deadline = time.monotonic() + 120
         while not [s for s, _ in list_checkpoints(ckpt) if s >= 8]:  # two checkpoints by 3 processes

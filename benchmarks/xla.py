@@ -19,7 +19,8 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
 * ``xla replayed``: fitted static shapes, and the whole step (forward, loss, backward, Adam's
   update) traced once per layout into one graph and replayed from XLA's cache
   (``torchfold.train.xla_replay.XlaStepReplay``, what ``TraceTrainer`` runs on one XLA device);
-  ``xla replayed shallow`` / ``xla replayed deep`` as below;
+  ``xla replayed packed``: the same with ``StaticShapes(pack_levels=True)`` (tree nodes run later
+  than their depth where there is room: less padding); ``xla replayed shallow`` / ``xla replayed deep`` as below;
 * ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
   ``... deep``): the same on batches of the shallowest and of the deepest trees, to show how the
   host time per step grows with depth.
@@ -195,9 +196,9 @@ def run_variant(
     return row
 
 
-def fitted_shapes(batches: list[list[Tree]], vocab: Vocab) -> StaticShapes:
+def fitted_shapes(batches: list[list[Tree]], vocab: Vocab, pack_levels: bool = True) -> StaticShapes:
     """An envelope fitted on the host to ``batches``' plans (no tensor op), its waste counter reset."""
-    shapes = StaticShapes()
+    shapes = StaticShapes(pack_levels=pack_levels)
     for batch in batches:
         fold = Fold()
         nodes, _, _ = encode_trees(fold, batch, vocab)
@@ -219,6 +220,7 @@ def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> No
     """
     ladder = StaticShapes()
     envelope = StaticShapes()
+    packed = StaticShapes(pack_levels=True)
     keys: dict[str, list[Any]] = {
         "no padding": [],
         "each group padded to its bucket": [],
@@ -239,15 +241,35 @@ def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> No
         for name, key in zip(keys, (plain, bucketed, (*bucketed, levels)), strict=True):
             keys[name].append(key)
         envelope.fit(plan)
-        versions.append(envelope.version)
+        packed.fit(plan)
+        versions.append((envelope.version, packed.version))
+        if len(versions) == warmup:  # the waste after the warm-up
+            for counted in (envelope, packed):
+                counted.real_calls = counted.padded_calls = 0
     rows = []
     for name, seq in keys.items():
         late = sum(1 for i, key in enumerate(seq) if i >= warmup and key not in seq[:i])
         rows.append([name, len(set(seq)), late])
-    late = sum(1 for i in range(max(warmup, 1), len(versions)) if versions[i] != versions[i - 1])
-    rows.append(["grow-only envelope (StaticShapes)", envelope.version, late])
-    print(f"{len(batches[0])} trees per batch, {len(batches)} batches; envelope waste {envelope.waste:.2f}")
-    print(markdown_table(["scheme", "distinct graphs", f"new after batch {warmup}"], rows))
+    for number, name, counted in (
+        (0, "grow-only envelope (StaticShapes)", envelope),
+        (1, "... with levels packed (pack_levels=True)", packed),
+    ):
+        late = sum(
+            1 for i in range(max(warmup, 1), len(versions)) if versions[i][number] != versions[i - 1][number]
+        )
+        rows.append([name, counted.version, late, f"{counted.waste:.2f}"])
+    print(f"{len(batches[0])} trees per batch, {len(batches)} batches")
+    print(
+        markdown_table(
+            [
+                "scheme",
+                "distinct graphs",
+                f"new after batch {warmup}",
+                f"envelope waste after batch {warmup}",
+            ],
+            [row if len(row) == 4 else [*row, "-"] for row in rows],
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -311,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
             "xla captured and update shallow",
             "xla captured and update deep",
             "xla replayed",
+            "xla replayed packed",
             "xla replayed shallow",
             "xla replayed deep",
         ):
@@ -320,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                 ordered = sorted(trees, key=tree_depth, reverse=variant.endswith("deep"))[: len(trees) // 2]
                 random.Random(0).shuffle(ordered)
                 chosen = [ordered[i * args.trees : (i + 1) * args.trees] for i in range(args.batches // 2)]
-            shapes = fitted_shapes(chosen[: args.warmup], vocab)
+            shapes = fitted_shapes(chosen[: args.warmup], vocab, pack_levels=variant.endswith("packed"))
             rows.append(
                 run_variant(
                     variant,

@@ -14,7 +14,7 @@ grow-only *envelope* learned over the batches it sees:
   ``level_step`` (its *depth bucket*): a shallow batch does not pay for the deepest batch's
   levels, and each depth bucket is one more graph (``depth_buckets=False``: one graph of all
   levels);
-* with ``pack_levels`` (the default), the ops that read nodes like a tree's (at several depths)
+* with ``pack_levels=True``, the ops that read nodes like a tree's (at several depths)
   get one capacity per level instead of one per depth: a node may run at any level after its
   children's, so the calls with time to spare move from the crowded levels near the leaves to
   the nearly empty deep ones (:mod:`torchfold.engine.static.pack`), and a batch that does not
@@ -89,10 +89,12 @@ class StaticShapes:
             shallow batches skip the deep levels' padding, for one graph per depth bucket
             (at most ``levels / level_step`` of them).
         pack_levels: run tree nodes later than their depth where the envelope has room (default
-            True): the ops that read nodes at several depths get one capacity per level, the
-            smallest their batches needed, for much less padding. Only the level a call runs at
-            changes, never a value; chains (a position that only ever read one level back)
-            keep their depths.
+            False): the ops that read nodes at several depths get one capacity per level, the
+            smallest their batches needed, for much less padding (on SST, 0.25 padded calls per
+            real one instead of 0.72), for more host time per fit. Only the level a
+            call runs at changes, never a value; chains (a position that only ever read one
+            level back) keep their depths. On XLA's CPU backend the replayed step was no faster
+            for it (``benchmarks/results/xla.md``).
 
     Example:
         >>> import torch, torchfold
@@ -121,7 +123,7 @@ class StaticShapes:
         headroom: float = 1.3,
         warmup: int = 20,
         depth_buckets: bool = True,
-        pack_levels: bool = True,
+        pack_levels: bool = False,
     ) -> None:
         self.min_rows = check_int("StaticShapes(min_rows)", min_rows, 1)
         if (
@@ -324,7 +326,7 @@ class StaticShapes:
         self.moved_calls += int((level != packer.depth).sum())
         packed = packer.pack(level)
         self._learn(packed, movable, depths=False)  # what the packed calls read, levels further back
-        self._grew()
+        self._grew(stacklevel=5)
         return packed, self._enter_bucket(levels, batch, warn=False), True
 
     def _packed_capacity(self, packer: Packer, levels: int, movable: set[OpKey]) -> dict[OpKey, int]:
@@ -461,7 +463,7 @@ class StaticShapes:
             for (kind, room, streams), column in zip(requests, batch.requests, strict=True)
         ]
 
-    def _grew(self) -> None:
+    def _grew(self, stacklevel: int = 4) -> None:
         """The envelope grew: its layouts are new (warned about after the warm-up)."""
         grown = bool(self._layouts)
         self._layouts.clear()
@@ -472,5 +474,5 @@ class StaticShapes:
                 f"(version {self.version}): expect one new compilation; a larger min_rows, growth or level_step "
                 "leaves more room",
                 StaticShapesWarning,
-                stacklevel=4,
+                stacklevel=stacklevel,
             )

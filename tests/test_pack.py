@@ -248,6 +248,6 @@ def _plan(shapes: StaticShapes, trees: list[Any]) -> StaticPlan:
 
 
 def test_pack_levels_is_checked() -> None:
-    assert not StaticShapes().pack_levels  # opt-in: no faster on XLA's CPU backend, more host time
+    assert not StaticShapes().pack_levels  # opt-in: not clearly faster on XLA's CPU backend
     with pytest.raises(TypeError, match="pack_levels must be True or False"):
         StaticShapes(pack_levels=1)  # type: ignore[arg-type]

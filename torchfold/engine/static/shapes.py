@@ -93,8 +93,8 @@ class StaticShapes:
             smallest their batches needed, for much less padding (on SST, 0.25 padded calls per
             real one instead of 0.72), for more host time per fit. Only the level a
             call runs at changes, never a value; chains (a position that only ever read one
-            level back) keep their depths. On XLA's CPU backend the replayed step was no faster
-            for it (``benchmarks/results/xla.md``).
+            level back) keep their depths. On XLA's CPU backend the replayed step was not
+            clearly faster for it (``benchmarks/results/xla.md``).
 
     Example:
         >>> import torch, torchfold

@@ -17,12 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fold_properties import Zoo, encode, forests
+from test_static import _tree_plan
 
-from torchfold import EagerFold, Fold, FoldPlan, StaticPlan, StaticShapes, StaticShapesWarning
+from torchfold import EagerFold, Fold, FoldPlan, StaticShapes, StaticShapesWarning
 from torchfold.engine.static.columns import decode
 from torchfold.engine.static.pack import Packer
 from torchfold.examples.datasets import Vocab, load_sst
-from torchfold.examples.models import TreeLSTM, encode_trees
+from torchfold.examples.models import encode_trees
 
 HIDDEN = 4
 
@@ -197,54 +198,24 @@ def test_packing_cuts_the_padding_of_sst_batches_and_stops_growing_after_the_war
     assert packed.waste < 0.6 * plain.waste, (packed.waste, plain.waste)
 
 
-def test_packed_tree_lstm_loss_and_gradients_equal_the_unpadded_run_in_float64() -> None:
-    trees = load_sst(split="train", max_trees=3 * 25)
-    vocab = Vocab.build(trees)
-    shapes = StaticShapes(pack_levels=True)
-    for start in range(0, len(trees), 25):
-        grads: list[list[Any]] = []
-        for fold in (Fold(shapes=shapes), Fold(shapes=None)):
-            torch.manual_seed(0)
-            model = TreeLSTM(len(vocab), 8, 8).double()
-            nodes, labels, _ = encode_trees(fold, trees[start : start + 25], vocab)
-            plan = fold.plan([nodes])
-            [states] = plan.apply(model, padded=True)
-            losses = torch.nn.functional.cross_entropy(
-                model.logits(states), plan.pad(0, labels), reduction="none"
-            )
-            loss = (losses * plan.pad(0, torch.ones(len(nodes), dtype=torch.float64))).sum()
-            loss.backward()
-            grads.append([loss.detach()] + [p.grad for p in model.parameters()])
-        for a, b in zip(*grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert shapes.moved_calls > 0
-
-
 def test_after_the_warm_up_a_batch_runs_in_a_deeper_bucket_it_fits_instead_of_compiling_its_own() -> None:
     deep: Any = _SPINE
     for word in range(11):  # a node at depth 14, reading children at several depths
         deep = ((word, 1), deep) if word % 2 else (deep, (word, 2))
     shallow = [(1, (2, 3)), ((4, 5), 6)]  # depth 2
     shapes = StaticShapes(min_rows=2, level_step=4, warmup=1, pack_levels=True)
-    first = _plan(shapes, [deep, *shallow])
+    first = _tree_plan(shapes, [deep, *shallow], _record)
     assert shapes.moved_calls > 0
     assert first.layout.levels == 16
     with warnings.catch_warnings():
         warnings.simplefilter("error", StaticShapesWarning)
-        later = _plan(shapes, shallow)  # its own bucket (4 levels) is new: it runs in the 16 there is
+        later = _tree_plan(
+            shapes, shallow, _record
+        )  # its own bucket (4 levels) is new: it runs in the 16 there is
     assert later.layout.levels == 16 and later.layout.key == first.layout.key
     warming = StaticShapes(min_rows=2, level_step=4, warmup=5, pack_levels=True)
-    _plan(warming, [deep, *shallow])
-    assert _plan(warming, shallow).layout.levels == 4  # in the warm-up, a bucket of its own
-
-
-def _plan(shapes: StaticShapes, trees: list[Any]) -> StaticPlan:
-    fold = Fold(shapes=shapes)
-    nodes: list[Any] = []
-    roots = [_record(fold, tree, nodes) for tree in trees]
-    plan = fold.plan([roots, nodes])
-    assert isinstance(plan, StaticPlan)
-    return plan
+    _tree_plan(warming, [deep, *shallow], _record)
+    assert _tree_plan(warming, shallow, _record).layout.levels == 4  # in the warm-up, a bucket of its own
 
 
 def test_pack_levels_is_checked() -> None:

@@ -191,9 +191,10 @@ def test_two_sst_batches_fitted_to_one_envelope_run_the_same_ops_on_the_same_sha
     assert unpadded[0] != unpadded[1]
 
 
-def test_padded_tree_lstm_loss_and_gradients_equal_the_unpadded_run_in_float64() -> None:
+@pytest.mark.parametrize("pack_levels", [False, True])
+def test_padded_tree_lstm_loss_and_gradients_equal_the_unpadded_run_in_float64(pack_levels: bool) -> None:
     batches, vocab = _sst_batches(3, 6)
-    shapes = StaticShapes(min_rows=16)
+    shapes = StaticShapes(min_rows=16, pack_levels=pack_levels)
     for trees in batches:
         grads = []
         for fold in (Fold(shapes=shapes), Fold(shapes=None)):
@@ -214,6 +215,7 @@ def test_padded_tree_lstm_loss_and_gradients_equal_the_unpadded_run_in_float64()
             assert torch.isfinite(a).all()
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert shapes.waste > 0  # padding did happen
+    assert (shapes.moved_calls > 0) == pack_levels  # and packing moved calls, when on
 
 
 def test_padded_calls_repeat_a_real_call_so_no_nan_reaches_the_gradients() -> None:
@@ -574,10 +576,11 @@ def test_the_padded_runner_compiles_to_one_graph_without_breaks() -> None:
     assert log.ops and not [op for op, _ in log.ops if "_local_scalar_dense" in op or "nonzero" in op]
 
 
-def _tree_plan(shapes: StaticShapes, trees: list[Any]) -> StaticPlan:
+def _tree_plan(shapes: StaticShapes, trees: list[Any], record: Any = encode) -> StaticPlan:
+    """``trees`` recorded by ``record`` (the zoo's ``encode`` by default), roots and every node requested."""
     fold = Fold(shapes=shapes)
     states: list[Any] = []
-    roots = [encode(fold, tree, states) for tree in trees]
+    roots = [record(fold, tree, states) for tree in trees]
     plan = fold.plan([roots, states])
     assert isinstance(plan, StaticPlan)
     return plan

@@ -231,12 +231,10 @@ class Packer:
 
 
 def _take(columns: list[Column], calls: np.ndarray) -> list[Column]:
-    """The columns of one step cut down to ``calls``."""
+    """The columns of one step of a movable op (no ``shared`` position) cut down to ``calls``."""
     taken = []
     for column in columns:
-        if column.kind == "shared":
-            taken.append(column)
-        elif column.kind == "nodes":
+        if column.kind == "nodes":
             assert column.sources is not None and column.calls is not None
             taken.append(Column("nodes", column.sources[calls], column.calls[calls]))
         elif column.kind == "given":

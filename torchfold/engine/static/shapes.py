@@ -345,9 +345,7 @@ class StaticShapes:
 
         def fits(scale: int) -> bool:
             trial = dict(self._capacity)
-            for key, calls in capacities(scale).items():
-                for depth in range(self._first[key], levels):
-                    trial[(depth, key)] = max(trial.get((depth, key), 0), calls)
+            self._fill_levels(trial, capacities(scale))
             return packer.schedule(levels, trial) is not None
 
         low, high = 0, 64  # at the widest level's calls everywhere, each call runs at its own depth
@@ -359,12 +357,16 @@ class StaticShapes:
                 low = middle
         return capacities(high)
 
-    def _fill_levels(self) -> None:
-        """Give each movable op its capacity per level at every level from the first it ran at
-        (packing only ever moves calls later, and there its positions find earlier outputs)."""
-        for key, calls in self._per_level.items():
+    def _fill_levels(
+        self, capacity: dict[tuple[int, OpKey], int] | None = None, per_level: dict[OpKey, int] | None = None
+    ) -> None:
+        """Give each movable op its capacity per level (``per_level``, default the envelope's) at
+        every level from the first it ran at, in ``capacity`` (default the envelope's): packing
+        only ever moves calls later, and there its positions find earlier outputs."""
+        capacity = self._capacity if capacity is None else capacity
+        for key, calls in (self._per_level if per_level is None else per_level).items():
             for depth in range(self._first[key], self._levels):
-                self._capacity[(depth, key)] = max(self._capacity.get((depth, key), 0), calls)
+                capacity[(depth, key)] = max(capacity.get((depth, key), 0), calls)
 
     def _streams_of(self, batch: Batch, column: Column) -> set[Stream]:
         assert column.sources is not None

@@ -10,7 +10,8 @@ when they train alike). The table gives every run and each XLA run's ratio to th
 Variants are ``DEVICE/COMPILE`` pairs of the trainer's ``--device`` and ``--compile``:
 ``cpu/off`` (eager, the reference), ``xla/auto`` (whole steps replayed, or captured by
 ``torch.compile``), ``xla/off`` (traced op by op); ``DEVICE/COMPILE/WORKERS`` sets the
-trainer's ``--workers`` too (default 1: folds built in one worker process; 0: in the trainer's).
+trainer's ``--workers`` too (default 1: folds built in one worker process; 0: in the trainer's),
+and a last ``/packed`` adds ``--pack-levels`` (``xla/auto/packed``, ``xla/auto/0/packed``).
 
 Usage::
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,14 +71,15 @@ def trainer_command(args: argparse.Namespace, device: str, compile: str, history
 
 def run_once(args: argparse.Namespace, variant: str, scratch: Path) -> dict[str, Any]:
     """One trainer run of ``variant``: its sentences/s and ms per step over the window, and its last loss."""
-    device, compile, *workers = variant.split("/")
-    history = scratch / f"{device}-{compile}.jsonl"
+    device, compile, *more = variant.split("/")
+    history = scratch / f"{variant.replace('/', '-')}.jsonl"
     history.unlink(missing_ok=True)
     env = {**os.environ}
     if device == "xla":
         env.setdefault("PJRT_DEVICE", "CPU")
+    extra = [arg for part in more for arg in (["--pack-levels"] if part == "packed" else ["--workers", part])]
     done = subprocess.run(
-        trainer_command(args, device, compile, history) + [arg for w in workers for arg in ("--workers", w)],
+        trainer_command(args, device, compile, history) + extra,
         env=env,
         cwd=REPO_ROOT,
         capture_output=True,
@@ -122,7 +125,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         help="steps timed (from 1)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="times each variant runs, taking turns")
-    parser.add_argument("--variants", default="cpu/off,xla/auto", help="DEVICE/COMPILE[/WORKERS], in order")
+    parser.add_argument(
+        "--variants", default="cpu/off,xla/auto", help="DEVICE/COMPILE[/WORKERS][/packed], in order"
+    )
     parser.add_argument("--max-train", type=int, default=None, help="train on the first N trees only")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per trainer run")
     parser.add_argument("--quick", action="store_true", help="a minimal run (the smoke test's)")
@@ -133,12 +138,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for variant in variants:
         parts = variant.split("/")
         if (
-            len(parts) not in (2, 3)
+            len(parts) < 2
             or parts[0] not in ("cpu", "xla")
-            or not all(p.isdigit() for p in parts[2:])
+            or not re.fullmatch(r"(/\d+)?(/packed)?", "".join(f"/{p}" for p in parts[2:]))
         ):
             parser.error(
-                f"--variants: {variant!r} is not DEVICE/COMPILE[/WORKERS] with DEVICE cpu or xla, like xla/auto or xla/auto/0"
+                f"--variants: {variant!r} is not DEVICE/COMPILE[/WORKERS][/packed] with DEVICE cpu or xla, like "
+                "xla/auto, xla/auto/0 or xla/auto/1/packed"
             )
     print("\n".join(machine_lines([f"command: {' '.join(trainer_command(args, 'D', 'C', Path('H')))}"])))
     rows: list[list[object]] = []

@@ -93,6 +93,16 @@ def test_too_many_threads_are_refused_in_one_line(tmp_path: Path, capsys: pytest
     assert code == 0, err
 
 
+def test_packing_levels_without_static_shapes_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # On the CPU without --compile folds run unpadded: there is no envelope to pack.
+    code, _out, err = run_train(
+        _args(tmp_path, "--max-steps", "1", "--device", "cpu", "--pack-levels"), capsys
+    )
+    _usage_error(code, err, "--pack-levels", "on cpu with --compile auto", "add --compile on")
+
+
 def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "folder"
     folder.mkdir()

@@ -231,11 +231,13 @@ def test_apply_on_xla_pads_by_default_and_returns_exact_outputs() -> None:
     assert StaticShapes.of(model).plans == 1  # the XLA apply went through the module's envelope
 
 
-@pytest.mark.parametrize("device", ["xla", "auto"])
-def test_the_train_cli_runs_on_xla_with_static_shapes(device: str) -> None:
-    """``python -m torchfold train --device xla`` (and ``auto`` with PJRT_DEVICE set) trains on the XLA device."""
+@pytest.mark.parametrize(("device", "packed"), [("xla", False), ("auto", False), ("xla", True)])
+def test_the_train_cli_runs_on_xla_with_static_shapes(device: str, packed: bool) -> None:
+    """``python -m torchfold train --device xla`` (and ``auto`` with PJRT_DEVICE set, and with
+    ``--pack-levels``) trains on the XLA device."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     args = [
+        *(["--pack-levels"] if packed else []),
         "--device",
         device,
         "--trace",

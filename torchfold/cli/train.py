@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         "auto (default) on XLA and CUDA, on: also on the CPU, off: never",
     )
     p.add_argument(
+        "--pack-levels",
+        action="store_true",
+        help="with static shapes (XLA, --compile): run tree nodes later than their depth where the envelope has "
+        "room, for less padding at more host time per fold",
+    )
+    p.add_argument(
         "--workers",
         type=non_negative_int,
         default=1,
@@ -391,8 +397,10 @@ def _device(choice: str) -> torch.device:
 XLA_FIT_MINIBATCHES = 20
 
 
-def _static_shapes(trees: list[Tree], vocab: Vocab, minibatch_size: int) -> StaticShapes:
-    shapes = StaticShapes()
+def _static_shapes(
+    trees: list[Tree], vocab: Vocab, minibatch_size: int, *, pack_levels: bool = False
+) -> StaticShapes:
+    shapes = StaticShapes(pack_levels=pack_levels)
     build = TreeLSTMBuild(vocab)
     for start in range(0, min(len(trees), XLA_FIT_MINIBATCHES * minibatch_size), minibatch_size):
         plan, _ = build(trees[start : start + minibatch_size])
@@ -426,15 +434,19 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         base, lr_rule=args.lr_rule, ref_batch_size=None if args.lr_rule == "constant" else ref
     )
     fold_trees = args.minibatch_size or args.max_device_batch_size
+    static = device.type == "xla" or wants_compile(args.compile, device)
+    if args.pack_levels and not static:
+        raise ValueError(
+            f"--pack-levels packs static shapes, and on {device.type} with --compile {args.compile} folds run "
+            "unpadded; add --compile on (or train on XLA), or drop --pack-levels"
+        )
     loader = StepLoader(
         trees,
         args.minibatch_size,
         build=TreeLSTMBuild(
             vocab,
             # static shapes: what XLA needs to repeat its graphs, and what a captured step replays
-            shapes=_static_shapes(trees, vocab, fold_trees)
-            if device.type == "xla" or wants_compile(args.compile, device)
-            else None,
+            shapes=_static_shapes(trees, vocab, fold_trees, pack_levels=args.pack_levels) if static else None,
         ),
         trace=trace,
         seed=args.seed,

@@ -141,7 +141,7 @@ def test_trainer_xla_script_quick_on_the_cpu(data_dir: Path, capsys: pytest.Capt
     assert "| 1     | cpu/off" in capsys.readouterr().out
     # folds built in the trainer's process (--workers 0) instead of a worker: the same training
     assert in_process["variant"] == "cpu/off/0" and in_process["last loss"] == run["last loss"]
-    for bad in ("tpu/on", "xla/auto/x"):
+    for bad in ("tpu/on", "xla/auto/x", "xla/auto/packed/0"):
         with pytest.raises(SystemExit):
             trainer_xla.main(["--quick", "--variants", bad, "--data", str(data_dir)])
         assert f"'{bad}' is not DEVICE/COMPILE" in capsys.readouterr().err

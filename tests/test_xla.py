@@ -657,3 +657,15 @@ def test_xla_profile_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert result["wall"] > 0 and result["operations"] > 0  # (two threads may overlap operations)
         assert result["kinds"]["dot"] > 0  # the model's matrix products ran in the traced programs
     assert "its operations, summed" in capsys.readouterr().out
+
+
+def test_xla_dots_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/xla_dots.py at minimal size: each kind of product timed from the profiler's dot
+    operations (the script refuses a trace without exactly one dot per product)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import xla_dots
+
+    table = xla_dots.main(["--quick"])
+    assert [row[1] for row in table] == list(xla_dots.KINDS)
+    assert all(row[2] > 0 and row[3] > 0 for row in table)  # XLA's and eager's microseconds
+    assert "| product " in capsys.readouterr().out

@@ -20,7 +20,10 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   update) traced once per layout into one graph and replayed from XLA's cache
   (``torchfold.train.xla_replay.XlaStepReplay``, what ``TraceTrainer`` runs on one XLA device);
   ``xla replayed packed``: the same with ``StaticShapes(pack_levels=True)`` (tree nodes run later
-  than their depth where there is room: less padding); ``xla replayed shallow`` / ``xla replayed deep`` as below;
+  than their depth where there is room: less padding); ``xla replayed plain linear``: the same
+  with ``F.linear`` traced as it is (``XlaStepReplay(transpose_weights=False)``: the forward
+  products read the weights transposed, which XLA's CPU backend runs slower);
+  ``xla replayed shallow`` / ``xla replayed deep`` as below;
 * ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
   ``... deep``): the same on batches of the shallowest and of the deepest trees, to show how the
   host time per step grows with depth.
@@ -85,6 +88,7 @@ def train(
     captured: bool = False,
     compiled_update: bool = False,
     replayed: bool = False,
+    transpose_weights: bool | None = None,
 ) -> list[float]:
     """One training run; returns the loss of every step (read after the run: no host sync in the loop)."""
     torch.manual_seed(0)
@@ -92,7 +96,9 @@ def train(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compiled_update or replayed)
     step = CompiledLoss(model, node_loss, device=device) if captured else None
     update = CompiledUpdate(optimizer, device=device) if compiled_update else optimizer.step
-    replay = XlaStepReplay(model, node_loss, optimizer) if replayed else None
+    replay = (
+        XlaStepReplay(model, node_loss, optimizer, transpose_weights=transpose_weights) if replayed else None
+    )
     losses = []
     for number, trees in enumerate(batches):
         started = time.perf_counter()
@@ -139,6 +145,7 @@ def run_variant(
     captured: bool = False,
     compiled_update: bool = False,
     replayed: bool = False,
+    transpose_weights: bool | None = None,
 ) -> dict[str, Any]:
     xla = device.type == "xla"
     stamps: list[float] = []
@@ -172,7 +179,9 @@ def run_variant(
     )
     HOST.clear()
     start = time.perf_counter()
-    losses = train(device, batches, vocab, shapes, on_step, captured, compiled_update, replayed)
+    losses = train(
+        device, batches, vocab, shapes, on_step, captured, compiled_update, replayed, transpose_weights
+    )
     row: dict[str, Any] = {"variant": name, "batches": len(batches)}
     steady = stamps[-1] - stamps[warmup - 1] if len(stamps) > warmup else float("nan")
     sentences = sum(len(trees) for trees in batches[warmup:])
@@ -334,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
             "xla captured and update deep",
             "xla replayed",
             "xla replayed packed",
+            "xla replayed plain linear",
             "xla replayed shallow",
             "xla replayed deep",
         ):
@@ -355,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
                     variant.startswith("xla captured"),
                     "and update" in variant,
                     variant.startswith("xla replayed"),
+                    False if variant.endswith("plain linear") else None,
                 )
             )
         else:

@@ -456,6 +456,7 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
 
     (model, optimizer), (reference, plain) = make(device), make(torch.device("cpu"))
     replay = XlaStepReplay(model, tree_lstm_loss, optimizer)
+    assert replay.transpose_weights  # the default on XLA's CPU backend: linear layers' products re-laid
     build, unpadded = TreeLSTMBuild(vocab, shapes=shapes), TreeLSTMBuild(vocab)
     losses, expected = [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -669,3 +670,30 @@ def test_xla_dots_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert [row[1] for row in table] == list(xla_dots.KINDS)
     assert all(row[2] > 0 and row[3] > 0 for row in table)  # XLA's and eager's microseconds
     assert "| product " in capsys.readouterr().out
+
+
+def test_linear_layers_trace_against_a_transposed_copy_of_the_weight_on_xla() -> None:
+    """On XLA, ``transposed_weights`` gives ``F.linear``'s values and gradients, and the traced graph
+    holds the optimization barrier that keeps XLA from folding the transpose back into the product
+    (what makes the forward product fast on the CPU backend: ``benchmarks/xla_dots.py``)."""
+    import torch_xla
+
+    from torchfold.train.xla_linear import transposed_weights
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 5)
+    x = torch.randn(7, 6)
+    results = []
+    for on, transposed in ((torch.device("cpu"), False), (device, True)):
+        copy, rows = torch.nn.Linear(6, 5).to(on), x.to(on).detach().requires_grad_()
+        copy.load_state_dict(layer.state_dict())
+        with transposed_weights() as mode:
+            y = copy(rows)
+            if transposed:
+                assert mode.calls == 1
+                assert "opt-barrier" in torch_xla._XLAC._get_xla_tensors_hlo([y])
+        (y * torch.arange(5.0, device=on)).sum().backward()
+        results.append([y, rows.grad, copy.weight.grad, copy.bias.grad])
+    for cpu, xla in zip(*results, strict=True):
+        torch.testing.assert_close(xla.cpu(), cpu.detach(), rtol=1e-5, atol=1e-6)

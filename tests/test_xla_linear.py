@@ -60,6 +60,9 @@ def test_one_copy_per_weight_and_only_the_chosen_device() -> None:
     with transposed_weights("xla") as mode:  # CPU tensors: F.linear as it is
         layer(x)
     assert mode.calls == 0
+    with transposed_weights("cpu") as mode:  # a bias that broadcasts: F.linear as it is
+        y = F.linear(x, layer.weight, layer.bias.detach().reshape(1, 2).requires_grad_())
+    assert mode.calls == 0 and y.shape == (5, 2)
 
 
 def test_gradients_of_gradients_equal_f_linear() -> None:

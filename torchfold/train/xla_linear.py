@@ -78,8 +78,9 @@ class _TransposedWeights(TorchFunctionMode):
             or not isinstance(weight, torch.Tensor)
             or weight.dim() != 2
             or x.dim() < 1
+            or (bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]))
             or not self.accepts(weight)
-        ):
+        ):  # anything else (a bias that broadcasts) as F.linear does it
             return func(*args, **kwargs)
         self.calls += 1
         rows = x.reshape(-1, x.shape[-1])

@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"--variants: {variant!r} is not DEVICE/COMPILE[/WORKERS][/packed] with DEVICE cpu or xla, like "
                 "xla/auto, xla/auto/0 or xla/auto/1/packed"
             )
+        if parts[-1] == "packed" and parts[0] == "cpu" and parts[1] != "on":
+            parser.error(
+                f"--variants: {variant!r} packs static shapes, which the CPU has only with compile on (cpu/on/packed)"
+            )
     print("\n".join(machine_lines([f"command: {' '.join(trainer_command(args, 'D', 'C', Path('H')))}"])))
     rows: list[list[object]] = []
     runs: list[dict[str, Any]] = []

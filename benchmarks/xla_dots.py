@@ -13,6 +13,10 @@ Tree-LSTM's node op (``W`` of 640 x 256), at several row counts:
 * ``eager``: the same program in eager PyTorch on the CPU (``--threads``), its time per product
   (the few copies between the products included).
 
+The fourth kind is the forward product as :mod:`torchfold.train.xla_linear` traces it: against
+a copy of ``Wᵀ`` made once per program, behind an optimization barrier. XLA's CPU backend runs
+its products on its own thread pool (all cores), whatever ``--threads`` says.
+
 Usage::
 
     PJRT_DEVICE=CPU .venv-xla/bin/python benchmarks/xla_dots.py
@@ -35,7 +39,7 @@ from harness import machine_lines, markdown_table
 
 _DOT = re.compile(r"^dot(\.\d+)+$")
 
-KINDS = ("x·Wᵀ (forward)", "g·W (input gradient)", "gᵀ·x (weight gradient)")
+KINDS = ("x·Wᵀ (forward)", "g·W (input gradient)", "gᵀ·x (weight gradient)", "x·T (forward, T a copy of Wᵀ)")
 
 
 def program(kind: str, rows: int, args: argparse.Namespace, device: Any) -> Callable[[], Any]:
@@ -45,13 +49,20 @@ def program(kind: str, rows: int, args: argparse.Namespace, device: Any) -> Call
     out, into, count = args.out_features, args.in_features, args.products
     torch.manual_seed(0)
     weight = (torch.randn(out, into) / into**0.5).to(device)
-    if kind == KINDS[0]:
+    if kind in (KINDS[0], KINDS[3]):
         start = torch.randn(rows, into).to(device)
 
         def forward() -> Any:
+            right = weight.t()
+            if kind == KINDS[3]:  # as torchfold.train.xla_linear makes it: once per program
+                right = right.clone()
+                if right.device.type == "xla":
+                    import torch_xla.core.xla_model as xm
+
+                    xm.optimization_barrier_([right])
             x, total = start, 0
             for _ in range(count):  # the next rows from this product: a chain, as levels are
-                y = x @ weight.t()
+                y = x @ right
                 x, total = y[:, :into], total + y.sum()
             return total
 
@@ -94,8 +105,10 @@ def xla_dot_us(kind: str, rows: int, args: argparse.Namespace) -> float:
         for _ in range(args.repeats):
             run()
         xp.stop_trace()
-        [found] = sorted(Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"))[-1:]
-        with gzip.open(found) as file:
+        found = sorted(Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"))
+        if not found:
+            raise SystemExit(f"{kind}, {rows} rows: torch_xla's profiler wrote no trace under {trace_dir}")
+        with gzip.open(found[-1]) as file:
             events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
     durations = [e["dur"] for e in events if _DOT.match(e["name"])]
     if len(durations) != args.products * args.repeats:
@@ -141,7 +154,9 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     print(
         "\n".join(
             machine_lines(
-                [f"weight {args.out_features} x {args.in_features}, eager on {args.threads} thread(s)"]
+                [
+                    f"weight {args.out_features} x {args.in_features}, eager on {args.threads} thread(s), XLA on its own pool"
+                ]
             )
         )
     )

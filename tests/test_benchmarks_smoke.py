@@ -145,6 +145,9 @@ def test_trainer_xla_script_quick_on_the_cpu(data_dir: Path, capsys: pytest.Capt
         with pytest.raises(SystemExit):
             trainer_xla.main(["--quick", "--variants", bad, "--data", str(data_dir)])
         assert f"'{bad}' is not DEVICE/COMPILE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        trainer_xla.main(["--quick", "--variants", "cpu/off/packed", "--data", str(data_dir)])
+    assert "'cpu/off/packed' packs static shapes" in capsys.readouterr().err
 
 
 def test_slow_transform_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

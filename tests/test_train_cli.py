@@ -9,11 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _train_cli import run_train, small_run, write_sst
 
 from torchfold._validate import max_threads
+from torchfold.engine.static.shapes import StaticShapes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,6 +103,29 @@ def test_packing_levels_without_static_shapes_is_refused_in_one_line(
         _args(tmp_path, "--max-steps", "1", "--device", "cpu", "--pack-levels"), capsys
     )
     _usage_error(code, err, "--pack-levels", "on cpu with --compile auto", "add --compile on")
+
+
+def test_packing_levels_reaches_the_static_shapes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --compile on pads folds into static shapes on the CPU too; stop once the envelope is made
+    # (the compiled steps themselves are the XLA lane's and tests/test_compiled.py's)
+    import torchfold.cli.train as cli
+
+    made: list[StaticShapes] = []
+
+    def static_shapes(*args: Any, **kwargs: Any) -> StaticShapes:
+        made.append(cli_static_shapes(*args, **kwargs))
+        raise ValueError("the envelope is made")
+
+    cli_static_shapes = cli._static_shapes
+    monkeypatch.setattr(cli, "_static_shapes", static_shapes)
+    for extra, packed in ((["--pack-levels"], True), ([], False)):
+        code, _out, err = run_train(
+            _args(tmp_path, "--max-steps", "1", "--device", "cpu", "--compile", "on", *extra), capsys
+        )
+        assert code == 2 and "the envelope is made" in err, err
+        assert made[-1].pack_levels is packed
 
 
 def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -411,6 +411,12 @@ def _static_shapes(
 
 def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], origin: str) -> int:
     device = _device(args.device)
+    static = device.type == "xla" or wants_compile(args.compile, device)  # folds padded into static shapes
+    if args.pack_levels and not static:
+        raise ValueError(
+            f"--pack-levels packs static shapes, and on {device.type} with --compile {args.compile} folds run "
+            "unpadded; add --compile on (or train on XLA), or drop --pack-levels"
+        )
     torch.manual_seed(args.seed)
     vocab = Vocab.build(trees)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
@@ -434,12 +440,6 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         base, lr_rule=args.lr_rule, ref_batch_size=None if args.lr_rule == "constant" else ref
     )
     fold_trees = args.minibatch_size or args.max_device_batch_size
-    static = device.type == "xla" or wants_compile(args.compile, device)
-    if args.pack_levels and not static:
-        raise ValueError(
-            f"--pack-levels packs static shapes, and on {device.type} with --compile {args.compile} folds run "
-            "unpadded; add --compile on (or train on XLA), or drop --pack-levels"
-        )
     loader = StepLoader(
         trees,
         args.minibatch_size,

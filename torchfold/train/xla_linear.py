@@ -1,9 +1,9 @@
 """Linear layers traced for XLA's CPU backend: the forward product reads a transposed copy of the weight.
 
-``nn.Linear`` computes ``x·Wᵀ`` with ``W`` stored ``(out, in)``. XLA's CPU backend runs that
-product, with the weight as stored, 2-8x slower than a product of the same size whose right
-operand is not transposed (``g·W``, the input's gradient), on the few rows a fold's level has
-(``benchmarks/xla_dots.py``); XLA folds an explicit transpose back into the product, so writing
+``nn.Linear`` computes ``x·Wᵀ`` with ``W`` stored ``(out, in)``. On the few rows a fold's level
+has, XLA's CPU backend runs that product, with the weight as stored, several times slower than
+a product of the same work whose right operand is not transposed (``g·W``, the input's
+gradient); ``benchmarks/xla_dots.py`` measures both; XLA folds an explicit transpose back into the product, so writing
 ``x @ W.t()`` changes nothing. Inside :func:`transposed_weights`, ``F.linear`` on an XLA tensor
 instead multiplies by a copy of ``Wᵀ`` made once per weight and per trace, kept from being folded
 back by an optimization barrier; the backward pass multiplies by ``W`` itself. Values and
@@ -63,7 +63,8 @@ class _TransposedWeights(TorchFunctionMode):
     def __init__(self, accepts: Callable[[torch.Tensor], bool]) -> None:
         super().__init__()
         self.accepts = accepts
-        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, copy)
+        # id(weight) -> (weight, its version when copied, the copy)
+        self.copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.calls = 0
 
     def __torch_function__(
@@ -78,9 +79,11 @@ class _TransposedWeights(TorchFunctionMode):
             or not isinstance(weight, torch.Tensor)
             or weight.dim() != 2
             or x.dim() < 1
+            or weight.shape[1] == 0
             or (bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]))
             or not self.accepts(weight)
-        ):  # anything else (a bias that broadcasts) as F.linear does it
+            or torch.is_autocast_enabled(weight.device.type)
+        ):  # anything else (a bias that broadcasts, autocast's dtypes) as F.linear does it
             return func(*args, **kwargs)
         self.calls += 1
         rows = x.reshape(-1, x.shape[-1])
@@ -88,16 +91,16 @@ class _TransposedWeights(TorchFunctionMode):
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def _copy(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight``'s transpose as a tensor of its own, made once per weight."""
+        """``weight``'s transpose as a tensor of its own, made once per weight (again if it changed in place)."""
         known = self.copies.get(id(weight))
-        if known is not None and known[0] is weight:
-            return known[1]
+        if known is not None and known[0] is weight and known[1] == weight._version:
+            return known[2]
         copy = weight.detach().t().clone()
         if copy.device.type == "xla":
             import torch_xla.core.xla_model as xm
 
             xm.optimization_barrier_([copy])  # else XLA folds the transpose back into the product
-        self.copies[id(weight)] = (weight, copy)
+        self.copies[id(weight)] = (weight, weight._version, copy)
         return copy
 
 
@@ -114,7 +117,9 @@ def transposed_weights(device_type: str = "xla") -> Iterator[_TransposedWeights]
     copy of the transposed weight, made once per weight; yields the mode (``calls`` counts them).
 
     Values and gradients (gradients of gradients too) equal ``F.linear``'s, up to the order of
-    floating-point sums.
+    floating-point sums. A weight changed in place (an optimizer step inside) is copied again.
+    Under autocast, ``F.linear`` runs as it is; ``torch.func`` transforms (``vmap``, ``grad``)
+    are not supported inside.
 
     >>> import torch
     >>> layer = torch.nn.Linear(3, 2).double()

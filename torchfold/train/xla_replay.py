@@ -151,7 +151,7 @@ class XlaStepReplay:
         if transpose_weights is None:
             import torch_xla.runtime
 
-            transpose_weights = torch_xla.runtime.device_type() == "CPU"
+            transpose_weights = str(torch_xla.runtime.device_type()).upper() == "CPU"
         #: whether steps are traced with ``F.linear`` against transposed copies of the weights
         self.transpose_weights = transpose_weights
         self._captures: dict[Hashable, _Capture] = {}

@@ -205,7 +205,7 @@ def run_variant(
     return row
 
 
-def fitted_shapes(batches: list[list[Tree]], vocab: Vocab, pack_levels: bool = True) -> StaticShapes:
+def fitted_shapes(batches: list[list[Tree]], vocab: Vocab, pack_levels: bool = False) -> StaticShapes:
     """An envelope fitted on the host to ``batches``' plans (no tensor op), its waste counter reset."""
     shapes = StaticShapes(pack_levels=pack_levels)
     for batch in batches:

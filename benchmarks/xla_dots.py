@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import re
@@ -45,6 +46,9 @@ KINDS = ("x·Wᵀ (forward)", "g·W (input gradient)", "gᵀ·x (weight gradient
 def program(kind: str, rows: int, args: argparse.Namespace, device: Any) -> Callable[[], Any]:
     """``--products`` products of ``kind`` on ``rows`` rows (inputs made on ``device``); their sum."""
     import torch
+    import torch.nn.functional as F
+
+    from torchfold.train.xla_linear import transposed_weights
 
     out, into, count = args.out_features, args.in_features, args.products
     torch.manual_seed(0)
@@ -53,17 +57,13 @@ def program(kind: str, rows: int, args: argparse.Namespace, device: Any) -> Call
         start = torch.randn(rows, into).to(device)
 
         def forward() -> Any:
-            right = weight.t()
-            if kind == KINDS[3]:  # as torchfold.train.xla_linear makes it: once per program
-                right = right.clone()
-                if right.device.type == "xla":
-                    import torch_xla.core.xla_model as xm
-
-                    xm.optimization_barrier_([right])
+            # nn.Linear's product; the fourth kind as replayed steps trace it (one copy per program)
+            linear = transposed_weights(weight.device.type) if kind == KINDS[3] else contextlib.nullcontext()
             x, total = start, 0
-            for _ in range(count):  # the next rows from this product: a chain, as levels are
-                y = x @ right
-                x, total = y[:, :into], total + y.sum()
+            with linear:
+                for _ in range(count):  # the next rows from this product: a chain, as levels are
+                    y = F.linear(x, weight)
+                    x, total = y[:, :into], total + y.sum()
             return total
 
         return forward

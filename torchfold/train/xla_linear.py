@@ -3,9 +3,9 @@
 ``nn.Linear`` computes ``x·Wᵀ`` with ``W`` stored ``(out, in)``. On the few rows a fold's level
 has, XLA's CPU backend runs that product, with the weight as stored, several times slower than
 a product of the same work whose right operand is not transposed (``g·W``, the input's
-gradient); ``benchmarks/xla_dots.py`` measures both; XLA folds an explicit transpose back into the product, so writing
-``x @ W.t()`` changes nothing. Inside :func:`transposed_weights`, ``F.linear`` on an XLA tensor
-instead multiplies by a copy of ``Wᵀ`` made once per weight and per trace, kept from being folded
+gradient; ``benchmarks/xla_dots.py`` measures both). XLA folds an explicit transpose back into
+the product, so writing ``x @ W.t()`` changes nothing. Inside :func:`transposed_weights`,
+``F.linear`` on an XLA tensor instead multiplies by a copy of ``Wᵀ`` made once per weight and per trace, kept from being folded
 back by an optimization barrier; the backward pass multiplies by ``W`` itself. Values and
 gradients are those of ``F.linear``, up to the order of floating-point sums.
 
@@ -16,7 +16,7 @@ backend (on a TPU, XLA lays out the weight itself).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,11 +58,11 @@ class _Linear(torch.autograd.Function):
 
 
 class _TransposedWeights(TorchFunctionMode):
-    """``F.linear`` on a 2-D weight of an accepted device through :class:`_Linear`; one copy per weight."""
+    """``F.linear`` on a 2-D weight of ``device_type`` through :class:`_Linear`; one copy per weight."""
 
-    def __init__(self, accepts: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, device_type: str) -> None:
         super().__init__()
-        self.accepts = accepts
+        self.device_type = device_type
         # id(weight) -> (weight, its version when copied, the copy)
         self.copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.calls = 0
@@ -81,7 +81,7 @@ class _TransposedWeights(TorchFunctionMode):
             or x.dim() < 1
             or weight.shape[1] == 0
             or (bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]))
-            or not self.accepts(weight)
+            or weight.device.type != self.device_type
             or torch.is_autocast_enabled(weight.device.type)
         ):  # anything else (a bias that broadcasts, autocast's dtypes) as F.linear does it
             return func(*args, **kwargs)
@@ -129,6 +129,6 @@ def transposed_weights(device_type: str = "xla") -> Iterator[_TransposedWeights]
     >>> mode.calls, torch.allclose(y, x @ layer.weight.t() + layer.bias)
     (1, True)
     """
-    mode = _TransposedWeights(lambda weight: weight.device.type == device_type)
+    mode = _TransposedWeights(device_type)
     with mode:
         yield mode

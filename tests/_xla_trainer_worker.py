@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -34,6 +35,17 @@ MINIBATCH = 4
 TRACE = [8, 16, 4, 12] * 8  # 32 steps: 2, 4, 1, 3 minibatches in all
 CHECKPOINT_STEP = 16
 DIMS = (8, 8)
+# XLA's compile counter is one per process, and several CPU devices are threads of one process:
+# the replicas read it together, after every replica has finished its step (rank 0's checkpoint
+# included) and before any starts the next, or one replica's count would take in another's
+# compilations a step early or late.
+_COUNTING: dict[int, threading.Barrier] = {}
+_COUNTING_LOCK = threading.Lock()
+
+
+def _counting_barrier(world_size: int) -> threading.Barrier:
+    with _COUNTING_LOCK:
+        return _COUNTING.setdefault(world_size, threading.Barrier(world_size))
 
 
 def _data(sst: str) -> tuple[list[Any], Any]:
@@ -125,9 +137,13 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
         device = torch_xla.device()
         compilations: list[int] = []
 
+        together = _counting_barrier(world_size)
+
         def count(_: Any) -> None:
+            together.wait(timeout=600)
             data = met.metric_data("CompileTime")
             compilations.append(0 if data is None else int(data[0]))
+            together.wait(timeout=600)
 
         # A checkpoint mid-run (rank 0 writes it, with every replica's generator states), and a resume from it
         resume = fail_rank is None and steps > CHECKPOINT_STEP
@@ -174,6 +190,7 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
             resumed.fit()
             result["resumed_params"] = [p.detach().cpu() for p in resumed.model.parameters()]
     except BaseException as error:
+        _counting_barrier(world_size).abort()  # a replica waiting to count would wait out its timeout
         result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc()  # a replica's error would otherwise surface only as the others' timeout
         sys.stderr.flush()

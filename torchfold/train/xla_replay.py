@@ -35,12 +35,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from torchfold.engine.static import StaticPlan
+from torchfold.train._replay import Settings, optimizer_settings, stepping, target_tensors
 from torchfold.train.compiled import check_loss, uncapturable_update
 from torchfold.train.xla_linear import transposed_weights
 
@@ -56,10 +57,6 @@ _NEEDED = (
     "_xla_sync_multi",
     "_get_seed_info_id",
 )
-# Distinct optimizer settings (other than learning rates) captured for one layout before a
-# setting that keeps changing is refused: a few changes are a new graph each, a schedule is not.
-_MAX_SETTINGS = 4
-_Settings = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
 _LOCK = threading.Lock()  # tracing is not safe in two threads at once (replicas may be threads)
 
 
@@ -157,7 +154,7 @@ class XlaStepReplay:
         self._captures: dict[Hashable, _Capture] = {}
         self._rates: dict[int, tuple[float, torch.Tensor]] = {}
         # per layout: the optimizer settings captured for it
-        self._seen_settings: dict[Hashable, list[_Settings]] = {}
+        self._seen_settings: dict[Hashable, list[Settings]] = {}
         #: why steps cannot be replayed (found at the first capture that failed), or None
         self.refused: str | None = None
 
@@ -197,7 +194,7 @@ class XlaStepReplay:
             for number, (group, rate) in enumerate(zip(groups, lrs, strict=True))
         ]
         inputs = plan.inputs(params[0].device)
-        batch, why = _tensors(targets)
+        batch, why = target_tensors(targets)
         data = [inputs.ints, inputs.floats, *inputs.given, *batch]
         live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data]
         key = self._key(plan, params, buffers, slots, data, settings)
@@ -271,41 +268,10 @@ class XlaStepReplay:
             self.model.training,
         )
 
-    def _settings(self, plan: StaticPlan) -> tuple[_Settings, str | None]:
-        """The optimizer's settings but the learning rates (constants of a replayed graph), and why
-        they cannot be replayed: a tensor among them (its value would be frozen into the graph), or
-        values that keep changing (e.g. a schedule of Adam's betas: a new graph at every step)."""
-        settings: list[tuple[tuple[str, str], ...]] = []
-        for number, group in enumerate(self.optimizer.param_groups):
-            for name, value in group.items():
-                values = value if isinstance(value, tuple | list) else (value,)
-                if name not in ("params", "lr") and any(isinstance(v, torch.Tensor) for v in values):
-                    return (), (
-                        f"param group {number}'s {name!r} is a tensor, which a replayed step would keep at its "
-                        "captured value; give it as a number"
-                    )
-            settings.append(
-                tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr")))
-            )
-        frozen = tuple(settings)
-        seen = self._seen_settings.setdefault(plan.layout.key, [])
-        if frozen not in seen:
-            if len(seen) >= _MAX_SETTINGS:
-                last = seen[-1]
-                changed = sorted(
-                    {
-                        name
-                        for now, then in zip(frozen, last, strict=False)
-                        for name, _ in set(now) ^ set(then)
-                    }
-                )
-                return frozen, (
-                    f"the optimizer's settings ({', '.join(changed) or 'param groups'}) took "
-                    f"{len(seen) + 1} values on one layout, and each is a new graph to compile; a schedule of them "
-                    "runs with the update compiled on its own instead (the learning rate alone may change freely)"
-                )
-            seen.append(frozen)
-        return frozen, None
+    def _settings(self, plan: StaticPlan) -> tuple[Settings, str | None]:
+        """The optimizer's settings but the learning rates, and why they cannot be replayed
+        (:func:`~torchfold.train._replay.optimizer_settings`)."""
+        return optimizer_settings(self.optimizer, self._seen_settings, plan.layout.key)
 
     def _states(self, slots: list[tuple[Any, str]]) -> list[tuple[Any, str, torch.Tensor]]:
         state = self.optimizer.state
@@ -332,7 +298,7 @@ class XlaStepReplay:
         trainable = [p for p in params if p.requires_grad]
         executed = _executions()
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
-        with self._stepping(rates), linear:
+        with stepping(self.optimizer, rates), linear:
             loss = check_loss(
                 self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), targets)
             )
@@ -386,31 +352,12 @@ class XlaStepReplay:
         """One ordinary step, traced op by op (the optimizer's own update); the loss."""
         import torch_xla
 
-        with self._stepping(lrs):
+        with stepping(self.optimizer, lrs):
             loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
             loss.backward()
             self.optimizer.step()
         torch_xla.sync()
         return loss.detach()
-
-    @contextlib.contextmanager
-    def _stepping(self, rates: Sequence[Any]) -> Iterator[None]:
-        """Inside, param group ``i`` steps with learning rate ``rates[i]`` (a number or a tensor)
-        from no gradients; afterwards its own learning rates are back and the gradients ``None``."""
-        groups = self.optimizer.param_groups
-        own = [group["lr"] for group in groups]
-        params = [p for group in groups for p in group["params"]]
-        try:
-            for group, rate in zip(groups, rates, strict=True):
-                group["lr"] = rate
-            for p in params:
-                p.grad = None
-            yield
-        finally:
-            for group, rate in zip(groups, own, strict=True):
-                group["lr"] = rate
-            for p in params:
-                p.grad = None
 
     def __repr__(self) -> str:
         return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"
@@ -421,25 +368,3 @@ def _executions() -> int:
     import torch_xla.debug.metrics as met
 
     return int(met.counter_value("ExecuteComputation") or 0)
-
-
-def _tensors(targets: Any) -> tuple[list[torch.Tensor], str | None]:
-    """The tensors of ``targets`` (a tensor, or tuples, lists and dicts of them) in a fixed order,
-    and why they cannot be a replay's inputs (anything else in them would be a constant of the
-    trace), or None."""
-    if isinstance(targets, torch.Tensor):
-        return [targets], None
-    items: list[Any]
-    if isinstance(targets, tuple | list):
-        items = list(targets)
-    elif isinstance(targets, dict):
-        items = [targets[name] for name in sorted(targets)]
-    else:
-        return [], f"its targets hold a {type(targets).__name__}, not only tensors"
-    found: list[torch.Tensor] = []
-    for item in items:
-        tensors, why = _tensors(item)
-        if why is not None:
-            return [], why
-        found += tensors
-    return found, None

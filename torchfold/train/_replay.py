@@ -1,0 +1,103 @@
+"""What the whole-step replays (:mod:`~torchfold.train.xla_replay`, :mod:`~torchfold.train.cuda_replay`) share.
+
+A replayed step keeps the optimizer's settings (all but the learning rates, which are inputs)
+as constants of its graph, reads the batch's targets as tensors in a fixed order, and steps with
+learning rates it sets itself: the rules for each live here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_SETTINGS", "Settings", "optimizer_settings", "stepping", "target_tensors"]
+
+# Distinct optimizer settings (other than learning rates) captured for one layout before a
+# setting that keeps changing is refused: a few changes are a new graph each, a schedule is not.
+MAX_SETTINGS = 4
+Settings = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
+
+
+def optimizer_settings(
+    optimizer: torch.optim.Optimizer, seen: dict[Hashable, list[Settings]], layout: Hashable
+) -> tuple[Settings, str | None]:
+    """The optimizer's settings but the learning rates (constants of a replayed graph), and why
+    they cannot be replayed: a tensor among them (its value would be frozen into the graph), or
+    values that keep changing on ``layout`` (e.g. a schedule of Adam's betas: a new graph at every
+    step). ``seen`` keeps, per layout, the settings already captured (this call adds to it)."""
+    settings: list[tuple[tuple[str, str], ...]] = []
+    for number, group in enumerate(optimizer.param_groups):
+        for name, value in group.items():
+            values = value if isinstance(value, tuple | list) else (value,)
+            if name not in ("params", "lr") and any(isinstance(v, torch.Tensor) for v in values):
+                return (), (
+                    f"param group {number}'s {name!r} is a tensor, which a replayed step would keep at its "
+                    "captured value; give it as a number"
+                )
+        settings.append(tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr"))))
+    frozen = tuple(settings)
+    known = seen.setdefault(layout, [])
+    if frozen not in known:
+        if len(known) >= MAX_SETTINGS:
+            last = known[-1]
+            changed = sorted(
+                {name for now, then in zip(frozen, last, strict=False) for name, _ in set(now) ^ set(then)}
+            )
+            return frozen, (
+                f"the optimizer's settings ({', '.join(changed) or 'param groups'}) took "
+                f"{len(known) + 1} values on one layout, and each is a new graph to compile; a schedule of them "
+                "runs with the update compiled on its own instead (the learning rate alone may change freely)"
+            )
+        known.append(frozen)
+    return frozen, None
+
+
+@contextlib.contextmanager
+def stepping(optimizer: torch.optim.Optimizer, rates: Sequence[Any]) -> Iterator[None]:
+    """Inside, param group ``i`` steps with learning rate ``rates[i]`` (a number or a tensor)
+    from no gradients; afterwards its own learning rates are back and the gradients ``None``."""
+    groups = optimizer.param_groups
+    own = [group["lr"] for group in groups]
+    params = [p for group in groups for p in group["params"]]
+    try:
+        for group, rate in zip(groups, rates, strict=True):
+            group["lr"] = rate
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for group, rate in zip(groups, own, strict=True):
+            group["lr"] = rate
+        for p in params:
+            p.grad = None
+
+
+def target_tensors(targets: Any) -> tuple[list[torch.Tensor], str | None]:
+    """The tensors of ``targets`` (a tensor, or tuples, lists and dicts of them) in a fixed order,
+    and why they cannot be a replay's inputs (anything else in them would be a constant of the
+    graph), or None.
+
+    >>> target_tensors((torch.zeros(2), {"w": torch.ones(2)}))
+    ([tensor([0., 0.]), tensor([1., 1.])], None)
+    >>> target_tensors([torch.zeros(1), 3])[1]
+    'its targets hold a int, not only tensors'
+    """
+    if isinstance(targets, torch.Tensor):
+        return [targets], None
+    items: list[Any]
+    if isinstance(targets, tuple | list):
+        items = list(targets)
+    elif isinstance(targets, dict):
+        items = [targets[name] for name in sorted(targets)]
+    else:
+        return [], f"its targets hold a {type(targets).__name__}, not only tensors"
+    found: list[torch.Tensor] = []
+    for item in items:
+        tensors, why = target_tensors(item)
+        if why is not None:
+            return [], why
+        found += tensors
+    return found, None

@@ -434,6 +434,28 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             # step has, instead of one new graph per distinct count.
             xla_sync()
 
+    @contextlib.contextmanager
+    def released_accumulators(self) -> Iterator[None]:
+        """Inside, this optimizer holds no parameter's gradient accumulator and weighs no gradient.
+
+        Autograd then makes the accumulators anew, on the CUDA stream current at the forward: a
+        CUDA graph capture on its own stream needs that (an accumulator made earlier, on the
+        default stream, breaks the capture). For a step computed whole elsewhere
+        (:meth:`whole_step`), whose gradients come from ``torch.autograd.grad``. Afterwards the
+        accumulators are hooked again.
+        """
+        self._unhook()  # in a function of its own: a loop variable here would keep a node alive
+        try:
+            yield
+        finally:
+            self._hook_params(self._params())
+
+    def _unhook(self) -> None:
+        """Remove the gradient hooks, and let go of the gradient accumulators they sit on."""
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+
     def whole_step(self, num_samples: int, run: Callable[[list[float]], _T]) -> _T:
         """One step of one minibatch whose gradient and update ``run`` computes itself; its result.
 

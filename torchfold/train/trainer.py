@@ -75,6 +75,7 @@ from torchfold.train.compiled import (
     uncapturable_update,
     wants_compile,
 )
+from torchfold.train.cuda_replay import CudaStepReplay, uncapturable_step
 from torchfold.train.distributed import (
     abort_replica_threads,
     all_reduce_sum_,
@@ -207,7 +208,11 @@ class TraceTrainer:
             to return static-shape plans (``StaticPlan``); other plans run eagerly. Except on
             CUDA, the optimizer's update is captured too
             (:class:`~torchfold.train.compiled.CompiledUpdate`), if it can be (``Adam`` and
-            others need ``capturable=True``; a warning names the fix otherwise).
+            others need ``capturable=True``; a warning names the fix otherwise). In one
+            process, steps of one minibatch are replayed whole (forward, loss, backward and
+            update as one graph): on XLA by :class:`~torchfold.train.xla_replay.XlaStepReplay`,
+            on CUDA by :class:`~torchfold.train.cuda_replay.CudaStepReplay` (one CUDA graph; the
+            optimizer needs ``capturable=True`` or ``fused=True``).
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
 
@@ -332,15 +337,15 @@ class TraceTrainer:
                     f"runs op by op: {reason}",
                     stacklevel=2,
                 )
-        #: on one XLA device: steps of one minibatch replayed whole, as one graph (None: not)
-        self.replay: XlaStepReplay | None = None
-        if (
-            isinstance(optimizer.update_fn, CompiledUpdate)
-            and self.device.type == "xla"
+        #: on one XLA device or GPU: steps of one minibatch replayed whole, as one graph (None: not)
+        self.replay: XlaStepReplay | CudaStepReplay | None = None
+        whole = (
+            self.compiled is not None
             and compile_backend is None
             and world().size == 1
             and optimizer.lr_rule != "adascale"
-        ):
+        )
+        if whole and isinstance(optimizer.update_fn, CompiledUpdate) and self.device.type == "xla":
             why = replay_unavailable()
             if why is None:
                 self.replay = XlaStepReplay(model, loss, optimizer.optimizer)
@@ -348,6 +353,18 @@ class TraceTrainer:
                 warnings.warn(
                     f"steps of one minibatch are captured in three graphs (forward, backward, update), not replayed "
                     f"whole: {why}",
+                    stacklevel=2,
+                )
+        elif whole and self.device.type == "cuda":
+            why = uncapturable_step(optimizer.optimizer)
+            if why is None:
+                self.replay = CudaStepReplay(
+                    model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
+                )
+            else:
+                warnings.warn(
+                    f"compile={compile!r}: steps are captured without their update (forward, loss and backward in "
+                    f"CUDA graphs, the update eager), not replayed whole: {why}",
                     stacklevel=2,
                 )
         self._sigterm_received = False

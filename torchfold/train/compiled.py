@@ -12,8 +12,14 @@ graph, and gradients accumulate in ``.grad`` as usual, so
 :class:`~torchfold.train.AccumulatingOptimizer`'s weighting, the all-reduce and the update stay as
 they are: a step with a new number of minibatches creates no new program.
 
-Backends: XLA uses ``openxla``; CUDA uses ``inductor`` with ``mode="reduce-overhead"`` (CUDA
-graphs); a CPU uses ``inductor`` when asked (``compile="on"``), and stays eager by default.
+Backends: XLA uses ``openxla``; CUDA and a CPU (when asked, ``compile="on"``; it stays eager by
+default) use ``inductor``'s default mode. On CUDA, CUDA graphs come from
+:class:`~torchfold.train.cuda_replay.CudaStepReplay`, which replays a whole step of one minibatch;
+inductor's own CUDA graphs (``mode="reduce-overhead"``) are not the default: in the trainer,
+steps of several minibatches failed with them in a backward ("accessing tensor output of
+CUDAGraphs that has been overwritten by a subsequent run"; an H200, torch 2.11, also with
+``torch.compiler.cudagraph_mark_step_begin()`` before every minibatch). Pass ``mode=`` to
+choose them anyway; the losses returned are then copies.
 
 The optimizer's update is captured separately, by :class:`CompiledUpdate`: on XLA it would
 otherwise be traced op by op at every step too (a few ops per parameter). It runs after the
@@ -76,12 +82,10 @@ def compile_backend(device: torch.device) -> tuple[str, str | None]:
     """The :func:`torch.compile` backend and mode that capture a step on ``device``.
 
     >>> compile_backend(torch.device("cuda"))
-    ('inductor', 'reduce-overhead')
+    ('inductor', None)
     """
     if device.type == "xla":
         return "openxla", None
-    if device.type == "cuda":
-        return "inductor", "reduce-overhead"  # CUDA graphs: one launch replays the step's kernels
     return "inductor", None
 
 
@@ -159,12 +163,13 @@ class CompiledLoss:
         if fn is None:
             fn = self._compiled[layout.key] = self._capture(layout)
         inputs = plan.inputs(self.device)
+        cuda_graphs = self.mode == "reduce-overhead"
         # Dynamo compiles the forward at the first call and AOTAutograd the backward at the first
         # backward, and neither is safe in two threads at once (torch_xla's replicas on one host
         # may be threads): one captured step at a time in a process.
         with _CAPTURE_LOCK:
             try:
-                return self._backward(fn(inputs, targets))
+                return self._backward(fn(inputs, targets), copy=cuda_graphs)
             except Exception as error:
                 if first:  # a failed capture: say why, and keep nothing half-captured
                     if _is_graph_break(error):
@@ -179,9 +184,10 @@ class CompiledLoss:
                 raise
 
     @staticmethod
-    def _backward(loss: Any) -> torch.Tensor:
+    def _backward(loss: Any, copy: bool) -> torch.Tensor:
         check_loss(loss).backward()
-        return loss.detach()
+        # a CUDA graph's output lives in its memory pool, which the next replay overwrites
+        return loss.detach().clone() if copy else loss.detach()
 
     def _capture(self, layout: StaticLayout) -> Callable[..., torch.Tensor]:
         model, loss = self.model, self.loss

@@ -14,8 +14,12 @@ and Adam step, synchronised at the end:
 * ``static plans, captured``: the same padded step's forward, loss and backward captured once per
   envelope layout by the library (``torchfold.train.compiled.CompiledLoss``: torch.compile's
   inductor with CUDA graphs) and replayed with each plan's index tensors; fused Adam after;
+* ``static plans, one CUDA graph``: the whole padded step (forward, loss, backward and the fused
+  Adam update) captured once per layout in one CUDA graph by the library
+  (``torchfold.train.cuda_replay.CudaStepReplay``) and replayed with each plan's inputs;
 * ``TraceTrainer, captured``: the library's training loop (``TraceTrainer(compile="auto")``) over
-  a ``StepLoader`` whose worker process builds the static plans, one step per batch.
+  a ``StepLoader`` whose worker processes build the static plans, one step per batch (steps of
+  one minibatch: replayed whole, as the version above).
 
 Before timing, the first batch's loss must agree between every version (the graph's replay
 too; the trainer's loss weighs trees, not nodes, equally, so it is left out of that check).
@@ -48,6 +52,7 @@ from torchfold.engine.static import StaticPlan
 from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, encode_trees, tree_lstm_loss
 from torchfold.train.compiled import CompiledLoss
+from torchfold.train.cuda_replay import CudaStepReplay
 
 
 def hand_plan_to(plan: tree_lstm.Plan, device: torch.device) -> tree_lstm.Plan:
@@ -151,6 +156,29 @@ class Captured(Version):
         self.losses.append(loss.item())  # synchronises
 
 
+class Replayed(Version):
+    """Static plans, the whole step (forward, loss, backward and fused Adam) as one CUDA graph per
+    layout, replayed by the library (``torchfold.train.cuda_replay.CudaStepReplay``)."""
+
+    def __init__(
+        self,
+        model: TreeLSTM,
+        plans: list[StaticPlan],
+        targets: list[tuple[Tensor, Tensor]],
+        device: torch.device,
+    ) -> None:
+        super().__init__(model)
+        self.plans = plans
+        self.targets = [(labels.to(device), weights.to(device)) for labels, weights in targets]
+        self.replay = CudaStepReplay(model, tree_lstm_loss, self.optimizer)
+
+    def step(self, i: int) -> None:
+        loss = self.replay(
+            self.plans[i], self.targets[i], [group["lr"] for group in self.optimizer.param_groups]
+        )
+        self.losses.append(loss.item())  # synchronises
+
+
 class Trainer(Version):
     """``TraceTrainer(compile="auto")`` over a ``StepLoader`` whose worker builds the static plans:
     the library's whole training loop (its own loss weighs each tree equally, so its losses are
@@ -238,6 +266,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     }
     if device.type == "cuda":
         versions["static plans, captured"] = Captured(copy.deepcopy(model), static, static_targets, device)
+        versions["static plans, one CUDA graph"] = Replayed(
+            copy.deepcopy(model), static, static_targets, device
+        )
     compared = dict(versions)  # the versions whose losses and weights must agree
     if device.type == "cuda":
         versions["TraceTrainer, captured"] = Trainer(

@@ -16,9 +16,8 @@ step, never assumed: the layout, the parameters (which tensors, where their data
 dtypes, ``requires_grad``), the module's buffers, the optimizer's state tensors (a loaded state
 dict installs new ones), its settings but the learning rate (an input), the shapes of the batch's
 tensors and the module's ``training`` flag. A change in any of them is a new warm-up and
-capture, never a stale graph. Random draws (dropout) are replayed with fresh numbers: CUDA graphs
-advance the generator at every replay. Optimizer hooks and tensor hooks run when a step is
-captured, not when it is replayed.
+capture, never a stale graph. Optimizer hooks and tensor hooks run when a step is captured, not
+when it is replayed.
 """
 
 from __future__ import annotations

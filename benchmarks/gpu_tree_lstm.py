@@ -11,9 +11,9 @@ and Adam step, synchronised at the end:
 * ``static plans``: the plans padded into one ``StaticShapes`` envelope (fitted to all batches
   first, so that every plan runs the same operations on the same shapes), applied eagerly,
   padded rows weighing 0 in the loss;
-* ``static plans, captured``: the same padded step's forward, loss and backward captured once per
+* ``static plans, captured``: the same padded step's forward, loss and backward compiled once per
   envelope layout by the library (``torchfold.train.compiled.CompiledLoss``: torch.compile's
-  inductor with CUDA graphs) and replayed with each plan's index tensors; fused Adam after;
+  inductor, default mode: no CUDA graphs) and run with each plan's index tensors; fused Adam after;
 * ``static plans, one CUDA graph``: the whole padded step (forward, loss, backward and the fused
   Adam update) captured once per layout in one CUDA graph by the library
   (``torchfold.train.cuda_replay.CudaStepReplay``) and replayed with each plan's inputs;
@@ -134,8 +134,8 @@ class Planned(Version):
 
 
 class Captured(Version):
-    """Static plans, forward + loss + backward captured once per layout by the library
-    (``torchfold.train.compiled.CompiledLoss``: inductor with CUDA graphs on a GPU), fused Adam after."""
+    """Static plans, forward + loss + backward compiled once per layout by the library
+    (``torchfold.train.compiled.CompiledLoss``: inductor's default mode), fused Adam after."""
 
     def __init__(
         self,

@@ -44,6 +44,9 @@ def test_an_optimizer_whose_update_cannot_be_captured_is_refused_naming_the_fix(
     ):
         assert uncapturable_step(optimizer) is None
         CudaStepReplay(model, tree_lstm_loss, optimizer)
+    assert "LBFGS has neither a capturable nor a fused option" in str(
+        uncapturable_step(torch.optim.LBFGS(model.parameters()))
+    )
     second = torch.optim.Adam([{"params": [model.embedding.weight]}], fused=True)
     second.add_param_group({"params": [model.classifier.weight], "fused": False})
     assert "param group 1 has neither" in str(uncapturable_step(second))
@@ -71,10 +74,8 @@ def test_the_trainer_replays_whole_steps_on_gpus_only(data_dir: Path) -> None:
     model = _model(vocab)
     optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), fused=True))
     loader = StepLoader(trees, 4, build=TreeLSTMBuild(vocab, shapes=StaticShapes()), trace=[4])
-    trainer = TraceTrainer(
-        model, optimizer, loader, tree_lstm_loss, progress=False, compile="on", compile_backend="aot_eager"
-    )
-    assert trainer.replay is None
+    trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="on")
+    assert trainer.compiled is not None and trainer.replay is None  # nothing is compiled until a step
 
 
 def _batches(data_dir: Path, count: int, size: int) -> tuple[Vocab, list[tuple[Any, Any]]]:
@@ -171,6 +172,7 @@ def test_new_optimizer_state_or_moved_parameters_capture_anew_never_replay_a_sta
     eager.param_groups[0]["betas"] = (0.8, 0.99)
     steps(3)
     assert replay.captures == captures + 3 * layouts
+    assert len(replay._graphs) == 2 * layouts  # on earlier memory: dropped; of the earlier betas: kept
     _same(model, reference, optimizer, eager, "after the changes")
 
 

@@ -49,7 +49,7 @@ def optimizer_settings(
             return frozen, (
                 f"the optimizer's settings ({', '.join(changed) or 'param groups'}) took "
                 f"{len(known) + 1} values on one layout, and each is a new graph to compile; a schedule of them "
-                "runs with the update compiled on its own instead (the learning rate alone may change freely)"
+                "runs the usual way instead, not replayed whole (the learning rate alone may change freely)"
             )
         known.append(frozen)
     return frozen, None
@@ -83,7 +83,7 @@ def target_tensors(targets: Any) -> tuple[list[torch.Tensor], str | None]:
     >>> target_tensors((torch.zeros(2), {"w": torch.ones(2)}))
     ([tensor([0., 0.]), tensor([1., 1.])], None)
     >>> target_tensors([torch.zeros(1), 3])[1]
-    'its targets hold a int, not only tensors'
+    'its targets hold a value of type int, not only tensors'
     """
     if isinstance(targets, torch.Tensor):
         return [targets], None
@@ -93,7 +93,7 @@ def target_tensors(targets: Any) -> tuple[list[torch.Tensor], str | None]:
     elif isinstance(targets, dict):
         items = [targets[name] for name in sorted(targets)]
     else:
-        return [], f"its targets hold a {type(targets).__name__}, not only tensors"
+        return [], f"its targets hold a value of type {type(targets).__name__}, not only tensors"
     found: list[torch.Tensor] = []
     for item in items:
         tensors, why = target_tensors(item)

@@ -163,7 +163,8 @@ class CompiledLoss:
         if fn is None:
             fn = self._compiled[layout.key] = self._capture(layout)
         inputs = plan.inputs(self.device)
-        cuda_graphs = self.mode == "reduce-overhead"
+        # a mode of inductor's own (reduce-overhead, max-autotune) may run CUDA graphs on a GPU
+        cuda_graphs = self.device.type == "cuda" and self.mode is not None
         # Dynamo compiles the forward at the first call and AOTAutograd the backward at the first
         # backward, and neither is safe in two threads at once (torch_xla's replicas on one host
         # may be threads): one captured step at a time in a process.

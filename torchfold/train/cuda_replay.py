@@ -1,9 +1,9 @@
 """Whole training steps on a CUDA GPU, captured once per layout in a CUDA graph and replayed.
 
-:class:`~torchfold.train.compiled.CompiledLoss` captures a step's forward, loss and backward
-with :func:`torch.compile` (inductor's CUDA graphs); the update then runs eagerly, and every
-call still passes dynamo's guards and the CUDA-graph trees' bookkeeping on the host. A step of
-one minibatch in one process can be one CUDA graph instead: :class:`CudaStepReplay` runs the
+:class:`~torchfold.train.compiled.CompiledLoss` compiles a step's forward, loss and backward
+with :func:`torch.compile`; the update then runs eagerly, every call passes dynamo's guards,
+and every kernel is a launch from the host. A step of one minibatch in one process can be one
+CUDA graph instead: :class:`CudaStepReplay` runs the
 first step of each :attr:`StaticLayout.key <torchfold.engine.static.StaticLayout.key>` eagerly
 (the warm-up CUDA graphs need: it creates the optimizer's state and the library's workspaces),
 captures forward, loss, backward and the optimizer's update in one ``torch.cuda.CUDAGraph``
@@ -12,12 +12,15 @@ into the graph's input buffers and replays it: a few copies and one launch per s
 the depth of the trees.
 
 A CUDA graph reads and writes fixed addresses, so what a graph depends on is checked at every
-step, never assumed: the layout, the parameters (which tensors, where their data lives, shapes,
-dtypes, ``requires_grad``), the module's buffers, the optimizer's state tensors (a loaded state
-dict installs new ones), its settings but the learning rate (an input), the shapes of the batch's
-tensors and the module's ``training`` flag. A change in any of them is a new warm-up and
-capture, never a stale graph. Optimizer hooks and tensor hooks run when a step is captured, not
-when it is replayed.
+step: the layout, the module's parameters and the optimizer's (which tensors, where their data
+lives, shapes, dtypes, ``requires_grad``), the module's buffers, the optimizer's state tensors (a
+loaded state dict installs new ones), its settings but the learning rate (an input), the shapes
+of the batch's tensors and the module's ``training`` flag. A change in any of them is a new
+warm-up and capture, never a stale graph; graphs made for memory that is no longer the
+parameters' or the state's are dropped then. Not checked, and frozen into a graph as captured:
+tensors the ops or the loss read from elsewhere (a plain tensor attribute of the module, a
+closure) and Python numbers they compute. Optimizer hooks and tensor hooks run when a step is
+captured, not when it is replayed.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def uncapturable_step(optimizer: torch.optim.Optimizer) -> str | None:
     for number, group in enumerate(optimizer.param_groups):
         if not group.get("capturable") and not group.get("fused"):
             name = type(optimizer).__name__
+            if "capturable" not in group and "fused" not in group:
+                return (
+                    f"{name} has neither a capturable nor a fused option; use an optimizer with one (e.g. "
+                    "torch.optim.Adam(params, ..., fused=True))"
+                )
             option = "capturable=True" if "capturable" in group else "fused=True"
             return (
                 f"{name} param group {number} has neither capturable=True nor fused=True; create it with one of "
@@ -138,15 +146,17 @@ class CudaStepReplay:
             raise ValueError(f"the optimizer's update cannot be captured in a CUDA graph: {reason}")
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._capture_context = capture_context or nullcontext
-        self._graphs: dict[Hashable, _Graph] = {}
+        self._graphs: dict[tuple[Any, ...], _Graph] = {}
+        self._captured = 0
         self._seen_settings: dict[Hashable, list[Settings]] = {}
         #: why steps cannot be replayed (found at the first capture that failed), or None
         self.refused: str | None = None
 
     @property
     def captures(self) -> int:
-        """How many CUDA graphs have been captured (one per layout and parameter, state or settings change)."""
-        return len(self._graphs)
+        """How many CUDA graphs have been captured (one per layout and parameter, state or settings
+        change), the ones since dropped included."""
+        return self._captured
 
     def __call__(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
         """Run one step of ``plan`` with learning rate ``lrs[i]`` for param group ``i``; the loss."""
@@ -198,12 +208,15 @@ class CudaStepReplay:
 
     def _key(
         self, plan: StaticPlan, params: list[torch.Tensor], batch: list[torch.Tensor], settings: Settings
-    ) -> Hashable:
+    ) -> tuple[Any, ...]:
         """Everything a captured graph depends on besides its inputs' values (addresses included)."""
         state = self.optimizer.state
         return (
             plan.layout.key,
-            tuple((id(p), p.data_ptr(), tuple(p.shape), p.dtype, p.requires_grad) for p in params),
+            tuple(
+                (id(p), p.data_ptr(), tuple(p.shape), p.dtype, p.requires_grad)
+                for p in (*params, *self.model.parameters())
+            ),
             tuple((id(b), b.data_ptr(), tuple(b.shape), b.dtype) for b in self.model.buffers()),
             tuple(
                 (id(p), name, value.data_ptr(), tuple(value.shape), value.dtype)
@@ -230,7 +243,10 @@ class CudaStepReplay:
         """This step eagerly, on the graph's own input buffers and on a side stream (CUDA graphs
         want their kernels' lazy set-up done before capture); then the capture; the step's loss."""
         device = params[0].device
-        inputs = plan.inputs(device)  # fresh tensors: the graph's buffers from now on
+        inputs = plan.inputs(device)
+        # the graph's buffers from now on: tensors of their own (a given tensor already on the
+        # GPU comes back as it is from inputs(), and the next batches are copied into the buffers)
+        inputs = StaticInputs(inputs.ints, inputs.floats, tuple(tensor.clone() for tensor in inputs.given))
         buffers = [tensor.clone() for tensor in batch]
         static_targets = _rebuilt(targets, iter(buffers))
         rates = [torch.tensor(lr, dtype=params[0].dtype, device=device) for lr in lrs]
@@ -278,7 +294,7 @@ class CudaStepReplay:
                 self._capture_context(),
                 stepping(self.optimizer, rates),
                 _capture_flags(self.optimizer),
-                torch.cuda.graph(graph, capture_error_mode="thread_local"),
+                _capturing(graph, current),
             ):
                 captured = check_loss(
                     self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), static_targets)
@@ -287,12 +303,16 @@ class CudaStepReplay:
                 self.optimizer.step()
                 captured = captured.detach()
         except Exception as error:  # the step ran (eagerly, above); the next ones go another way
-            torch.cuda.set_stream(current)  # a failed capture can leave its own stream current
             torch.cuda.synchronize(device)
             cause = _original(error)
             self._refuse(f"its capture in a CUDA graph failed: {_first_line(cause)}{_user_frame(cause)}")
             return loss
+        # graphs captured on other memory (an earlier state dict, a parameter since moved) can
+        # never match again: dropped, with their memory
+        memory = key[1:4]
+        self._graphs = {k: g for k, g in self._graphs.items() if k[1:4] == memory}
         self._graphs[key] = _Graph(graph, inputs, buffers, rates, list(lrs), captured)
+        self._captured += 1
         return loss
 
     def _refuse(self, why: str) -> None:
@@ -311,6 +331,17 @@ class CudaStepReplay:
 
     def __repr__(self) -> str:
         return f"CudaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"
+
+
+@contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.graph(graph)``, with ``stream`` current again afterwards, also when the capture
+    fails (``torch.cuda.graph`` leaves its own capture stream current when ending it raises)."""
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            yield
+    finally:
+        torch.cuda.set_stream(stream)
 
 
 @contextmanager

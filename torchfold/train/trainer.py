@@ -212,7 +212,8 @@ class TraceTrainer:
             process, steps of one minibatch are replayed whole (forward, loss, backward and
             update as one graph): on XLA by :class:`~torchfold.train.xla_replay.XlaStepReplay`,
             on CUDA by :class:`~torchfold.train.cuda_replay.CudaStepReplay` (one CUDA graph; the
-            optimizer needs ``capturable=True`` or ``fused=True``).
+            optimizer needs ``capturable=True`` or ``fused=True``). Optimizer and tensor hooks
+            then run when a step is captured, not at every replay.
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
 
@@ -363,8 +364,8 @@ class TraceTrainer:
                 )
             else:
                 warnings.warn(
-                    f"compile={compile!r}: steps are captured without their update (forward, loss and backward in "
-                    f"CUDA graphs, the update eager), not replayed whole: {why}",
+                    f"compile={compile!r}: steps are not replayed whole as CUDA graphs (their forward, loss and "
+                    f"backward are compiled by torch.compile, the update runs eagerly): {why}",
                     stacklevel=2,
                 )
         self._sigterm_received = False

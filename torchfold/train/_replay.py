@@ -8,12 +8,60 @@ learning rates it sets itself: the rules for each live here, once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_SETTINGS", "Settings", "optimizer_settings", "stepping", "target_tensors"]
+from torchfold.engine.static import StaticPlan
+from torchfold.train.compiled import check_loss
+
+__all__ = [
+    "MAX_SETTINGS",
+    "Settings",
+    "StepReplay",
+    "gradients_into",
+    "optimizer_settings",
+    "stepping",
+    "target_tensors",
+]
+
+
+class StepReplay:
+    """What both whole-step replays are: a module, a loss and an optimizer, the reason steps are
+    no longer replayed (:attr:`refused`), and the ordinary step they run instead."""
+
+    def __init__(
+        self, model: torch.nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        #: why steps cannot be replayed (found at the first capture that failed), or None
+        self.refused: str | None = None
+
+    def _refuse(self, why: str) -> None:
+        """Steps are not replayed from now on (the caller runs them another way); one warning."""
+        if self.refused is None:
+            self.refused = why
+            warnings.warn(f"steps are not replayed whole: {why}", stacklevel=4)
+
+    def _eager_step(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
+        """One ordinary step (the optimizer's own update); the loss."""
+        with stepping(self.optimizer, lrs):
+            loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
+            loss.backward()
+            self.optimizer.step()
+        return loss.detach()
+
+
+def gradients_into(loss: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """The gradients of ``loss`` into ``p.grad`` (None before) of the ``params`` that require grad,
+    by ``torch.autograd.grad``: no gradient accumulator runs, nor its hooks (a whole step of one
+    minibatch needs no minibatch weighting)."""
+    trainable = [p for p in params if p.requires_grad]
+    for p, grad in zip(trainable, torch.autograd.grad(loss, trainable, allow_unused=True), strict=True):
+        p.grad = grad
+
 
 # Distinct optimizer settings (other than learning rates) captured for one layout before a
 # setting that keeps changing is refused: a few changes are a new graph each, a schedule is not.

@@ -35,7 +35,14 @@ from typing import Any
 import torch
 
 from torchfold.engine.static import StaticInputs, StaticPlan
-from torchfold.train._replay import Settings, optimizer_settings, stepping, target_tensors
+from torchfold.train._replay import (
+    Settings,
+    StepReplay,
+    gradients_into,
+    optimizer_settings,
+    stepping,
+    target_tensors,
+)
 from torchfold.train.compiled import check_loss
 
 __all__ = ["CudaStepReplay", "uncapturable_step"]
@@ -95,7 +102,7 @@ class _Graph:
         )
 
 
-class CudaStepReplay:
+class CudaStepReplay(StepReplay):
     """One training step of one minibatch (forward, loss, backward, update) as one replayed CUDA graph.
 
     Calling it with a :class:`~torchfold.engine.static.StaticPlan`, its targets (tensors on the
@@ -144,13 +151,11 @@ class CudaStepReplay:
         reason = uncapturable_step(optimizer)
         if reason is not None:
             raise ValueError(f"the optimizer's update cannot be captured in a CUDA graph: {reason}")
-        self.model, self.loss, self.optimizer = model, loss, optimizer
+        super().__init__(model, loss, optimizer)
         self._capture_context = capture_context or nullcontext
         self._graphs: dict[tuple[Any, ...], _Graph] = {}
         self._captured = 0
         self._seen_settings: dict[Hashable, list[Settings]] = {}
-        #: why steps cannot be replayed (found at the first capture that failed), or None
-        self.refused: str | None = None
 
     @property
     def captures(self) -> int:
@@ -275,7 +280,7 @@ class CudaStepReplay:
                     raise
                 synced = _user_frame(error)
             else:
-                _backward(loss, params)
+                gradients_into(loss, params)
                 self.optimizer.step()
                 # no autograd graph outlives the warm-up: its gradient accumulators were made on
                 # the side stream, and the capture must make its own
@@ -299,7 +304,7 @@ class CudaStepReplay:
                 captured = check_loss(
                     self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), static_targets)
                 )
-                _backward(captured, params)
+                gradients_into(captured, params)
                 self.optimizer.step()
                 captured = captured.detach()
         except Exception as error:  # the step ran (eagerly, above); the next ones go another way
@@ -314,20 +319,6 @@ class CudaStepReplay:
         self._graphs[key] = _Graph(graph, inputs, buffers, rates, list(lrs), captured)
         self._captured += 1
         return loss
-
-    def _refuse(self, why: str) -> None:
-        """Steps are not replayed from now on (the caller runs them another way); one warning."""
-        if self.refused is None:
-            self.refused = why
-            warnings.warn(f"steps are not replayed whole: {why}", stacklevel=4)
-
-    def _eager_step(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
-        """One ordinary step (the optimizer's own update); the loss."""
-        with stepping(self.optimizer, lrs):
-            loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
-            loss.backward()
-            self.optimizer.step()
-        return loss.detach()
 
     def __repr__(self) -> str:
         return f"CudaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"
@@ -357,14 +348,6 @@ def _capture_flags(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group in flipped:
             group["capturable"] = False
-
-
-def _backward(loss: torch.Tensor, params: list[torch.Tensor]) -> None:
-    """The gradients of ``loss`` into ``p.grad`` (None before): by ``torch.autograd.grad``, which
-    runs no gradient accumulator (nor its hooks: a whole step needs no minibatch weighting)."""
-    trainable = [p for p in params if p.requires_grad]
-    for p, grad in zip(trainable, torch.autograd.grad(loss, trainable, allow_unused=True), strict=True):
-        p.grad = grad
 
 
 @contextmanager

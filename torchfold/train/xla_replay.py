@@ -34,14 +34,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train._replay import Settings, optimizer_settings, stepping, target_tensors
+from torchfold.train._replay import (
+    Settings,
+    StepReplay,
+    gradients_into,
+    optimizer_settings,
+    stepping,
+    target_tensors,
+)
 from torchfold.train.compiled import check_loss, uncapturable_update
 from torchfold.train.xla_linear import transposed_weights
 
@@ -102,7 +108,7 @@ class _Capture:
         self.refused = refused
 
 
-class XlaStepReplay:
+class XlaStepReplay(StepReplay):
     """One training step of one minibatch (forward, loss, backward, update) as one replayed XLA graph.
 
     Calling it with a :class:`~torchfold.engine.static.StaticPlan`, its targets (tensors on the
@@ -144,7 +150,7 @@ class XlaStepReplay:
         reason = uncapturable_update(optimizer)
         if reason is not None:
             raise ValueError(f"the optimizer's update cannot be captured: {reason}")
-        self.model, self.loss, self.optimizer = model, loss, optimizer
+        super().__init__(model, loss, optimizer)
         if transpose_weights is None:
             import torch_xla.runtime
 
@@ -155,8 +161,6 @@ class XlaStepReplay:
         self._rates: dict[int, tuple[float, torch.Tensor]] = {}
         # per layout: the optimizer settings captured for it
         self._seen_settings: dict[Hashable, list[Settings]] = {}
-        #: why steps cannot be replayed (found at the first capture that failed), or None
-        self.refused: str | None = None
 
     @property
     def captures(self) -> int:
@@ -295,17 +299,13 @@ class XlaStepReplay:
         xla = torch_xla._XLAC
         tensor_id = xla._xla_get_tensor_id
         position = {tensor_id(t): number for number, t in enumerate(live)}
-        trainable = [p for p in params if p.requires_grad]
         executed = _executions()
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         with stepping(self.optimizer, rates), linear:
             loss = check_loss(
                 self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), targets)
             )
-            for p, grad in zip(
-                trainable, torch.autograd.grad(loss, trainable, allow_unused=True), strict=True
-            ):
-                p.grad = grad
+            gradients_into(loss, params)
             self.optimizer.step()
         state = self.optimizer.state
         number_of = {id(p): number for number, p in enumerate(params)}
@@ -342,22 +342,13 @@ class XlaStepReplay:
         ]
         return results[-1], capture
 
-    def _refuse(self, why: str) -> None:
-        """Steps are not replayed from now on (the caller runs them another way); one warning."""
-        if self.refused is None:
-            self.refused = why
-            warnings.warn(f"steps are not replayed whole: {why}", stacklevel=4)
-
     def _lazy_step(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
-        """One ordinary step, traced op by op (the optimizer's own update); the loss."""
+        """One ordinary step, traced op by op (the optimizer's own update) and run; the loss."""
         import torch_xla
 
-        with stepping(self.optimizer, lrs):
-            loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
-            loss.backward()
-            self.optimizer.step()
+        loss = self._eager_step(plan, targets, lrs)
         torch_xla.sync()
-        return loss.detach()
+        return loss
 
     def __repr__(self) -> str:
         return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"

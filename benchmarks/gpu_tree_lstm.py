@@ -133,7 +133,22 @@ class Planned(Version):
         return tree_lstm_loss(self.model, plan.apply(self.model, padded=True), self.targets[i])
 
 
-class Captured(Version):
+class OnDevice(Version):
+    """Static plans and their padded targets, the targets moved to the device once."""
+
+    def __init__(
+        self,
+        model: TreeLSTM,
+        plans: list[StaticPlan],
+        targets: list[tuple[Tensor, Tensor]],
+        device: torch.device,
+    ) -> None:
+        super().__init__(model)
+        self.plans = plans
+        self.targets = [(labels.to(device), weights.to(device)) for labels, weights in targets]
+
+
+class Captured(OnDevice):
     """Static plans, forward + loss + backward compiled once per layout by the library
     (``torchfold.train.compiled.CompiledLoss``: inductor's default mode), fused Adam after."""
 
@@ -144,9 +159,7 @@ class Captured(Version):
         targets: list[tuple[Tensor, Tensor]],
         device: torch.device,
     ) -> None:
-        super().__init__(model)
-        self.plans = plans
-        self.targets = [(labels.to(device), weights.to(device)) for labels, weights in targets]
+        super().__init__(model, plans, targets, device)
         self.captured = CompiledLoss(model, tree_lstm_loss, device=device)
 
     def step(self, i: int) -> None:
@@ -156,7 +169,7 @@ class Captured(Version):
         self.losses.append(loss.item())  # synchronises
 
 
-class Replayed(Version):
+class Replayed(OnDevice):
     """Static plans, the whole step (forward, loss, backward and fused Adam) as one CUDA graph per
     layout, replayed by the library (``torchfold.train.cuda_replay.CudaStepReplay``)."""
 
@@ -167,9 +180,7 @@ class Replayed(Version):
         targets: list[tuple[Tensor, Tensor]],
         device: torch.device,
     ) -> None:
-        super().__init__(model)
-        self.plans = plans
-        self.targets = [(labels.to(device), weights.to(device)) for labels, weights in targets]
+        super().__init__(model, plans, targets, device)
         self.replay = CudaStepReplay(model, tree_lstm_loss, self.optimizer)
 
     def step(self, i: int) -> None:

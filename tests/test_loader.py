@@ -391,8 +391,22 @@ def test_keyboard_interrupt_leaves_no_orphan_process(tmp_path: Path) -> None:
     workers = [int(pid) for pid in proc.stdout.readline().split()]
     assert len(workers) == 2
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    # One interrupt can be lost: CI once saw this process go on to the end of its loop and exit
+    # with status 0 (not reproduced in 50 runs on a 2-core machine; CPython, for one, drops a
+    # KeyboardInterrupt raised inside a finalizer, "Exception ignored in ..."). A user then presses
+    # Ctrl-C again, and so does this test. The process ends about 0.5 s after an interrupt it
+    # gets; its loop runs for about 20 s, so a process still running after 8 s lost its interrupt.
+    for _ in range(3):
+        try:
+            _, err = proc.communicate(timeout=8)
+            break
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+    else:
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, (
+        f"exit status {proc.returncode}, stderr:\n{err[-2000:]}"
+    )
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -38,6 +38,23 @@ class StepReplay:
         self.model, self.loss, self.optimizer = model, loss, optimizer
         #: why steps cannot be replayed (found at the first capture that failed), or None
         self.refused: str | None = None
+        # per layout: the optimizer settings captured for it
+        self._seen_settings: dict[Hashable, list[Settings]] = {}
+
+    def _check_call(self, plan: Any, lrs: list[float]) -> None:
+        """A step's arguments: a static-shape plan, and one learning rate per param group."""
+        if not isinstance(plan, StaticPlan):
+            raise TypeError(
+                f"a replayed step needs a static-shape plan (a StaticPlan), got {type(plan).__name__}"
+            )
+        groups = self.optimizer.param_groups
+        if len(lrs) != len(groups):
+            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
+
+    def _settings(self, plan: StaticPlan) -> tuple[Settings, str | None]:
+        """The optimizer's settings but the learning rates, and why they cannot be replayed
+        (:func:`optimizer_settings`, over the settings seen on ``plan``'s layout)."""
+        return optimizer_settings(self.optimizer, self._seen_settings, plan.layout.key)
 
     def _refuse(self, why: str) -> None:
         """Steps are not replayed from now on (the caller runs them another way); one warning."""

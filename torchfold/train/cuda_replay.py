@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import traceback
 import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ from torchfold.train._replay import (
     Settings,
     StepReplay,
     gradients_into,
-    optimizer_settings,
     stepping,
     target_tensors,
 )
@@ -155,7 +154,6 @@ class CudaStepReplay(StepReplay):
         self._capture_context = capture_context or nullcontext
         self._graphs: dict[tuple[Any, ...], _Graph] = {}
         self._captured = 0
-        self._seen_settings: dict[Hashable, list[Settings]] = {}
 
     @property
     def captures(self) -> int:
@@ -165,20 +163,15 @@ class CudaStepReplay(StepReplay):
 
     def __call__(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
         """Run one step of ``plan`` with learning rate ``lrs[i]`` for param group ``i``; the loss."""
-        if not isinstance(plan, StaticPlan):
-            raise TypeError(
-                f"a replayed step needs a static-shape plan (a StaticPlan), got {type(plan).__name__}"
-            )
+        self._check_call(plan, lrs)
         groups = self.optimizer.param_groups
-        if len(lrs) != len(groups):
-            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
         if not all(group["params"] for group in groups):
             raise ValueError("a replayed step needs parameters in every param group; remove the empty groups")
         reason = uncapturable_step(self.optimizer)  # e.g. a loaded state dict turned capturable off
         if reason is not None:
             self._refuse(f"the optimizer's update cannot be captured in a CUDA graph: {reason}")
             return self._eager_step(plan, targets, lrs)
-        settings, reason = optimizer_settings(self.optimizer, self._seen_settings, plan.layout.key)
+        settings, reason = self._settings(plan)
         if reason is not None:
             self._refuse(reason)
             return self._eager_step(plan, targets, lrs)

@@ -41,10 +41,8 @@ import torch
 
 from torchfold.engine.static import StaticPlan
 from torchfold.train._replay import (
-    Settings,
     StepReplay,
     gradients_into,
-    optimizer_settings,
     stepping,
     target_tensors,
 )
@@ -159,8 +157,6 @@ class XlaStepReplay(StepReplay):
         self.transpose_weights = transpose_weights
         self._captures: dict[Hashable, _Capture] = {}
         self._rates: dict[int, tuple[float, torch.Tensor]] = {}
-        # per layout: the optimizer settings captured for it
-        self._seen_settings: dict[Hashable, list[Settings]] = {}
 
     @property
     def captures(self) -> int:
@@ -172,13 +168,8 @@ class XlaStepReplay(StepReplay):
         import torch_xla
 
         xla = torch_xla._XLAC
-        if not isinstance(plan, StaticPlan):
-            raise TypeError(
-                f"a replayed step needs a static-shape plan (a StaticPlan), got {type(plan).__name__}"
-            )
+        self._check_call(plan, lrs)
         groups = self.optimizer.param_groups
-        if len(lrs) != len(groups):
-            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
         reason = uncapturable_update(self.optimizer)
         if reason is not None:  # e.g. a loaded state dict turned capturable off
             self._refuse(f"the optimizer's update cannot be captured: {reason}")
@@ -271,11 +262,6 @@ class XlaStepReplay(StepReplay):
             settings,
             self.model.training,
         )
-
-    def _settings(self, plan: StaticPlan) -> tuple[Settings, str | None]:
-        """The optimizer's settings but the learning rates, and why they cannot be replayed
-        (:func:`~torchfold.train._replay.optimizer_settings`)."""
-        return optimizer_settings(self.optimizer, self._seen_settings, plan.layout.key)
 
     def _states(self, slots: list[tuple[Any, str]]) -> list[tuple[Any, str, torch.Tensor]]:
         state = self.optimizer.state

@@ -208,7 +208,7 @@ def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_di
         layouts.add(plan.layout.key)
         return compiled(plan, targets)
 
-    captured.compiled = recording  # type: ignore[assignment]
+    captured.runner.compiled = recording  # type: ignore[attr-defined]
     with warnings.catch_warnings():
         warnings.simplefilter("error", StaticShapesWarning)
         expected, got = eager.fit(), captured.fit()

@@ -12,6 +12,7 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 import warnings
 from typing import Any
 
+from torchfold.train.capture import CapturedStep, captured_step
 from torchfold.train.distributed import (
     World,
     all_reduce_sum_,
@@ -42,6 +43,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "AccumulatingOptimizer",
     "BatchSizeTrace",
+    "CapturedStep",
     "ElasticConfig",
     "EpochSteps",
     "Minibatch",
@@ -58,6 +60,7 @@ __all__ = [
     "all_reduce_sum_",
     "as_trace",
     "broadcast_parameters",
+    "captured_step",
     "check_same_on_all_ranks",
     "default_device",
     "fingerprint",

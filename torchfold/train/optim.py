@@ -457,45 +457,56 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._hooked.clear()
 
     def whole_step(self, num_samples: int, run: Callable[[list[float]], _T]) -> _T:
-        """One step of one minibatch whose gradient and update ``run`` computes itself; its result.
+        """:meth:`external_step` of one minibatch (kept for compatibility)."""
+        return self.external_step(num_samples, 1, run)
 
-        For a step computed whole elsewhere, e.g. replayed as one graph
-        (:class:`~torchfold.train.xla_replay.XlaStepReplay`): ``run(lrs)`` gets each param
-        group's learning rate after the LR rule for ``num_samples`` samples, and this does the
-        rest of what ``minibatch(num_samples)``, one backward and :meth:`step` do (the step's
-        counts). With one minibatch in one process the weighting cancels: the update's gradient
-        is the minibatch loss's, for either ``reduction``.
+    def external_step(self, num_samples: int, num_minibatches: int, run: Callable[[list[float]], _T]) -> _T:
+        """One step whose gradients and update ``run`` computes itself (e.g. replayed programs); its result.
+
+        ``run(lrs)`` gets each param group's learning rate after the LR rule for ``num_samples``
+        samples and must do what the step's minibatches (weighted by sample count),
+        :meth:`synchronize` and the wrapped optimizer's update would do; this records the step as
+        :meth:`step` would (its counts, the rule's factor). In one process only.
 
         Raises:
             RuntimeError: several processes (their gradients must be all-reduced: use
                 :meth:`minibatch` and :meth:`step`), ``lr_rule="adascale"`` (it needs the
                 gradients' statistics), or a step already under way.
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(
-                f"num_samples must be a positive int (the minibatch's sample count), got {num_samples!r}"
-            )
+        check_int("num_samples", num_samples)
+        check_int("num_minibatches", num_minibatches)
         if world().size != 1:
             raise RuntimeError(
-                f"whole_step() in a run of {world().size} processes: their gradients must be all-reduced; use "
+                f"external_step() in a run of {world().size} processes: their gradients must be all-reduced; use "
                 "optimizer.minibatch(num_samples) and optimizer.step()"
             )
         if self.lr_rule == "adascale":
             raise RuntimeError(
-                "whole_step() with lr_rule='adascale', which needs the gradients' statistics; use step()"
+                "external_step() with lr_rule='adascale', which needs the gradients' statistics; use step()"
             )
         if self._step_in_progress() or self._synced:
-            raise RuntimeError("whole_step() in the middle of a step; call it after step() and zero_grad()")
+            raise RuntimeError(
+                "external_step() in the middle of a step; call it after step() and zero_grad()"
+            )
         factor = self._rule_factor(num_samples)
         result = run([group["lr"] * factor for group in self.optimizer.param_groups])
         self._factor = factor
         self._needs_zero_grad = False
         self.last_batch_size = num_samples
-        self.last_num_minibatches = 1
+        self.last_num_minibatches = num_minibatches
         self.last_lr_factor = factor
         self.steps += 1
         self.scale_invariant_steps += 1.0
         return result
+
+    def minibatch_unit(self) -> float:
+        """What a minibatch's sample count is measured in when gradients are weighted (``minibatch_size``, or 1)."""
+        return self._unit()
+
+    def params_device(self) -> torch.device:
+        """The device of the first parameter (the CPU when there is none)."""
+        params = self._params()
+        return params[0].device if params else torch.device("cpu")
 
     def backward(self, loss: torch.Tensor, num_samples: int) -> None:
         """``loss.backward()`` inside ``minibatch(num_samples)``: one minibatch in one line."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import random
@@ -58,6 +57,7 @@ import torch
 from tqdm import tqdm
 
 from torchfold.engine.static.shapes import StaticPlan
+from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
 from torchfold.train.checkpoint import (
     check_trainer_state,
     checkpoint_path,
@@ -68,25 +68,18 @@ from torchfold.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold.train.compiled import (
-    CompiledLoss,
-    CompiledUpdate,
-    check_loss,
-    uncapturable_update,
-    wants_compile,
-)
-from torchfold.train.cuda_replay import CudaStepReplay, uncapturable_step
+from torchfold.train.compiled import CompiledLoss
+from torchfold.train.cuda_replay import CudaStepReplay
 from torchfold.train.distributed import (
     abort_replica_threads,
     all_reduce_sum_,
     broadcast_parameters,
     gather_objects,
     world,
-    xla_sync,
 )
 from torchfold.train.loader import Step, StepLoader, to_device
 from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.xla_replay import XlaStepReplay, replay_unavailable
+from torchfold.train.xla_replay import XlaStepReplay
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
 
@@ -318,56 +311,11 @@ class TraceTrainer:
         self.handle_sigterm = handle_sigterm
         self.preemption_timeout = float(preemption_timeout)
         self.settings = dict(settings or {})
-        #: the captured steps, or None when steps run eagerly (see ``compile``)
         self.compile = compile
-        self.compiled: CompiledLoss | None = (
-            CompiledLoss(model, loss, device=self.device, backend=compile_backend)
-            if wants_compile(compile, self.device)
-            else None
+        #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
+        self.runner: StepRunner = step_runner(
+            model, loss, optimizer, device=self.device, compile=compile, backend=compile_backend
         )
-        if self.compiled is not None and self.device.type != "cuda":
-            # The update too, where it would be traced op by op otherwise (CUDA: fused optimizers)
-            reason = uncapturable_update(optimizer.optimizer)
-            if reason is None:
-                optimizer.update_fn = CompiledUpdate(
-                    optimizer.optimizer, device=self.device, backend=compile_backend
-                )
-            else:
-                warnings.warn(
-                    f"compile={compile!r}: the forward, loss and backward are captured, but the optimizer's update "
-                    f"runs op by op: {reason}",
-                    stacklevel=2,
-                )
-        #: on one XLA device or GPU: steps of one minibatch replayed whole, as one graph (None: not)
-        self.replay: XlaStepReplay | CudaStepReplay | None = None
-        whole = (
-            self.compiled is not None
-            and compile_backend is None
-            and world().size == 1
-            and optimizer.lr_rule != "adascale"
-        )
-        if whole and isinstance(optimizer.update_fn, CompiledUpdate) and self.device.type == "xla":
-            why = replay_unavailable()
-            if why is None:
-                self.replay = XlaStepReplay(model, loss, optimizer.optimizer)
-            else:
-                warnings.warn(
-                    f"steps of one minibatch are captured in three graphs (forward, backward, update), not replayed "
-                    f"whole: {why}",
-                    stacklevel=2,
-                )
-        elif whole and self.device.type == "cuda":
-            why = uncapturable_step(optimizer.optimizer)
-            if why is None:
-                self.replay = CudaStepReplay(
-                    model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
-                )
-            else:
-                warnings.warn(
-                    f"compile={compile!r}: steps are not replayed whole as CUDA graphs (their forward, loss and "
-                    f"backward are compiled by torch.compile, the update runs eagerly): {why}",
-                    stacklevel=2,
-                )
         self._sigterm_received = False
         # one process on an accelerator: fit() reads each step's loss while the next step runs
         self._defers = world().size == 1 and self.device.type != "cpu"
@@ -377,6 +325,16 @@ class TraceTrainer:
         broadcast_parameters(model)  # rank 0's initial values win
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
+
+    @property
+    def compiled(self) -> CompiledLoss | None:
+        """The :func:`torch.compile` capture of minibatches, when the runner uses one (else None)."""
+        return self.runner.compiled if isinstance(self.runner, EagerRunner) else None
+
+    @property
+    def replay(self) -> XlaStepReplay | CudaStepReplay | None:
+        """The whole-step replay of one-minibatch steps, when the runner has one (else None)."""
+        return self.runner.whole if isinstance(self.runner, XlaRunner | CudaRunner) else None
 
     # -- running -------------------------------------------------------------------------------
 
@@ -579,12 +537,9 @@ class TraceTrainer:
         start = time.perf_counter()
         plan = step.split
         self.model.train()
-        weight_by_samples = self.optimizer.reduction == "mean"
-        # Summed on the device and read once per step (no host sync per minibatch on accelerators).
         dtype = torch.float32 if self.device.type in ("xla", "mps") else torch.float64
-        losses: list[tuple[torch.Tensor, float]] = []  # per minibatch: its loss, and its weight in the sum
         samples, nodes = 0, 0
-        replayed = False
+        alone = plan.local_minibatches == 1 and world().size == 1
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
                 self._seed_generators(_derived_seed(self.seed, plan.step, minibatch.position))
@@ -601,54 +556,11 @@ class TraceTrainer:
                     "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
                     stacklevel=2,
                 )
-            if (
-                self.replay is not None
-                and self.replay.refused is None
-                and plan.local_minibatches == 1
-                and isinstance(fold_plan, StaticPlan)
-            ):
-                # the whole step (forward, loss, backward, update) as one graph, replayed
-                loss = self.optimizer.whole_step(
-                    minibatch.num_samples, functools.partial(self.replay, fold_plan, targets)
-                )
-                replayed = True
-            else:
-                with self.optimizer.minibatch(minibatch.num_samples):
-                    # padded=True: a static-shape plan's outputs keep their capacity (the build padded
-                    # the targets to match), so every minibatch runs the same graph on XLA
-                    # compile="on" refuses an unpadded plan (CompiledLoss says how to fix it); "auto" runs it eagerly
-                    if self.compiled is not None and (
-                        isinstance(fold_plan, StaticPlan) or self.compile == "on"
-                    ):
-                        loss = self.compiled(fold_plan, targets)  # forward, loss and backward, captured
-                    else:
-                        loss = check_loss(
-                            self.loss(self.model, fold_plan.apply(self.model, padded=True), targets)
-                        )
-                        loss.backward()
-                # On XLA, leaving optimizer.minibatch() cut the graph: one per minibatch (forward,
-                # backward, accumulation), so a step with a new number of minibatches compiles nothing.
-                # (A second cut here would wait for that graph to finish before tracing on.)
+            self.runner.minibatch(fold_plan, targets, minibatch.num_samples, alone=alone)
             nodes += len(fold_plan)
-            # (a replayed loss is device data already: an op on it would be a graph of its own to read it)
-            value = loss.detach() if loss.requires_grad else loss
-            losses.append((value, minibatch.num_samples if weight_by_samples else 1.0))
             samples += minibatch.num_samples
-        if not replayed:
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            if self.device.type == "xla":
-                # The update as a graph of its own (the same every step): left pending, it would be
-                # cut wherever the next host read falls (a checkpoint's copy: a graph per tensor)
-                xla_sync()
-        else:
-            self.optimizer.zero_grad()
-        if len(losses) == 1:  # weighted on the host when read: no operation on the device
-            loss_sum, scale = losses[0]
-        else:
-            loss_sum, scale = torch.zeros((), dtype=dtype, device=self.device), 1.0
-            for value, weight in losses:
-                loss_sum += value.to(device=self.device, dtype=dtype) * weight
+        summed, scale = self.runner.update()
+        loss_sum = summed if summed is not None else torch.zeros((), dtype=dtype, device=self.device)
         if self.optimizer.last_batch_size != plan.batch_size:
             raise RuntimeError(
                 f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "

@@ -1,0 +1,200 @@
+"""The capture seam on real torch_xla (CPU backend): every step replayed, whatever its minibatch count.
+
+Steps of 1-5 minibatches on one XLA device (:class:`torchfold.train.capture.XlaRunner`: the
+whole-step program for steps of one minibatch, the minibatch and update programs for the others)
+equal eager steps on the CPU (``AccumulatingOptimizer``'s ``minibatch()`` and ``step()``), and
+the number of XLA compilations stays flat after the warm-up while new minibatch counts appear.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.xla
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def _compilations() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def _sst(count: int) -> tuple[list[Any], Any]:
+    from torchfold.examples.datasets import Vocab, load_sst
+
+    trees = load_sst(split="train", max_trees=count)
+    return trees, Vocab.build(trees)
+
+
+def _trainer(
+    device: torch.device, trees: list[Any], vocab: Any, shapes: Any, kind: str, trace: list[int]
+) -> Any:
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
+
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 8, 8).to(device)
+    xla = device.type == "xla"
+    base: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=0.01, capturable=xla)
+        if kind == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    optimizer = AccumulatingOptimizer(base, lr_rule="linear", ref_batch_size=8)
+    loader = StepLoader(
+        trees, 4, build=TreeLSTMBuild(vocab, shapes=shapes if xla else None), trace=trace, seed=0
+    )
+    return TraceTrainer(
+        model, optimizer, loader, tree_lstm_loss, progress=False, compile="auto" if xla else "off"
+    )
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_steps_of_any_minibatch_count_replay_and_equal_eager_steps_on_the_cpu(kind: str) -> None:
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTMBuild
+    from torchfold.train.capture import XlaRunner
+
+    # steps of 1, 2, 3 minibatches of 4 trees first (the warm-up), then of 4 and 5, new counts
+    warmup = [4, 8, 12, 4, 8, 12, 8, 4]
+    later = [16, 20, 4, 20, 12, 16, 8, 20]
+    trees, vocab = _sst(4 * sum(warmup + later))
+    shapes = StaticShapes(depth_buckets=False)  # one layout: the envelope fitted on every minibatch first
+    for start in range(0, len(trees), 4):
+        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+    device = torch_xla.device()
+    trace = warmup + later
+    xla = _trainer(device, trees, vocab, shapes, kind, trace)
+    cpu = _trainer(torch.device("cpu"), trees, vocab, shapes, kind, trace)
+    assert isinstance(xla.runner, XlaRunner)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = xla.fit(max_steps=len(warmup))
+        compiled = _compilations()
+        second = xla.fit(max_steps=len(trace))
+    got = first + second
+    expected = cpu.fit(max_steps=len(trace))
+    assert [s.num_minibatches for s in got] == [b // 4 for b in trace]
+    assert [s.lr for s in got] == pytest.approx([s.lr for s in expected])
+    assert [s.loss for s in got] == pytest.approx([s.loss for s in expected], rel=1e-4)
+    for p, q in zip(xla.model.parameters(), cpu.model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
+    messages = [str(w.message) for w in caught if "not replayed" in str(w.message)]
+    if kind == "adam":
+        assert not messages, messages
+        assert xla.runner.programs.refused is None and xla.runner.whole.refused is None
+        # steps of 4 and 5 minibatches, never seen in the warm-up, compiled nothing
+        assert _compilations() == compiled
+        # one layout: the whole step (made Adam's state, then steady), one minibatch program, and the update
+        # (made the state, then steady)
+        assert xla.runner.captures <= 4, xla.runner.captures
+    else:  # SGD reads a tensor learning rate back to the host: refused once, then op by op, still right
+        assert messages and "read a value back to the host" in messages[0]
+
+
+def test_a_python_number_the_loss_reads_is_followed_or_refused() -> None:
+    """A loss that multiplies by a Python number changing between steps: the second trace of the
+    program sees another constant, so replays are refused (with a warning) rather than keep the
+    first value; every step equals eager on the CPU."""
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import to_device
+    from torchfold.train.capture import XlaPrograms
+
+    trees, vocab = _sst(16)
+    shapes = StaticShapes(depth_buckets=False)
+    for start in range(0, 16, 4):
+        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+    device = torch_xla.device()
+    scale = {"value": 1.0}
+
+    def loss(model: Any, outputs: Any, targets: Any) -> torch.Tensor:
+        return tree_lstm_loss(model, outputs, targets) * scale["value"]
+
+    def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 8).to(on)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01, capturable=on.type == "xla")
+
+    (model, optimizer), (reference, plain) = make(device), make(torch.device("cpu"))
+    programs = XlaPrograms(model, loss, optimizer)
+    build = TreeLSTMBuild(vocab, shapes=shapes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for number in range(6):
+            scale["value"] = 0.5 + number * 0.37
+            batches = [trees[4 * (number % 4) : 4 * (number % 4) + 4], trees[4 * ((number + 1) % 4) :][:4]]
+            for part in batches:
+                plan, targets = build(part)
+                programs.minibatch(plan, to_device(targets, device), 4)
+            programs.update([0.01], 8)
+            plain.zero_grad()
+            for part in batches:
+                plan, targets = TreeLSTMBuild(vocab)(part)
+                (
+                    loss(reference, plan.apply(reference), to_device(targets, torch.device("cpu"))) * 0.5
+                ).backward()
+            plain.step()
+    assert programs.refused is not None and "changed between steps" in programs.refused
+    assert any("changed between steps" in str(w.message) for w in caught)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
+
+
+def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved() -> None:
+    """A module parameter the optimizer does not hold, changed between steps, is read anew by
+    every replay (an input, not a constant of the trace); targets given on the CPU are moved."""
+    import torch_xla
+
+    from torchfold import StaticShapes
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train.capture import XlaPrograms
+
+    trees, vocab = _sst(8)
+    shapes = StaticShapes(depth_buckets=False)
+    for start in range(0, 8, 4):
+        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+    device = torch_xla.device()
+
+    def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 8).to(on)
+        model.temperature = torch.nn.Parameter(torch.ones((), device=on), requires_grad=False)
+        params = [p for name, p in model.named_parameters() if name != "temperature"]
+        return model, torch.optim.Adam(params, lr=0.01, capturable=on.type == "xla")
+
+    def loss(model: Any, outputs: Any, targets: Any) -> torch.Tensor:
+        return tree_lstm_loss(model, outputs, targets) * model.temperature
+
+    (model, optimizer), (reference, plain) = make(device), make(torch.device("cpu"))
+    programs = XlaPrograms(model, loss, optimizer)
+    build = TreeLSTMBuild(vocab, shapes=shapes)
+    for number in range(5):
+        with torch.no_grad():
+            model.temperature.fill_(1.0 + number)
+            reference.temperature.fill_(1.0 + number)
+        for part in (trees[:4], trees[4:8]):
+            plan, targets = build(part)  # numpy targets: the runner moves them
+            programs.minibatch(plan, tuple(torch.as_tensor(t) for t in targets), 4)
+        programs.update([0.01], 8)
+        plain.zero_grad()
+        for part in (trees[:4], trees[4:8]):
+            plan, targets = TreeLSTMBuild(vocab)(part)
+            (
+                loss(reference, plan.apply(reference), tuple(torch.as_tensor(t) for t in targets)) * 0.5
+            ).backward()
+        plain.step()
+    assert programs.refused is None
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)

@@ -1,0 +1,272 @@
+"""The one seam between the training loop and the ways a step can run: :class:`StepRunner`.
+
+A step is any number of minibatches of this rank (each: a plan, its targets and its sample
+count), then one update. The trainer calls :meth:`StepRunner.minibatch` for each and
+:meth:`StepRunner.update` once, and nothing else; :func:`step_runner` chooses the mechanism once,
+from the device, the number of processes, the optimizer and ``compile=``:
+
+* :class:`EagerRunner`: the ordinary PyTorch step (``loss.backward()`` inside
+  ``optimizer.minibatch(n)``, then ``optimizer.step()``), each minibatch's forward, loss and
+  backward optionally compiled by :func:`torch.compile` (:class:`~torchfold.train.compiled.CompiledLoss`);
+  the CPU's default, and every device's with ``compile="off"``;
+* :class:`XlaRunner`: on one XLA device, a step of one minibatch replayed whole
+  (:class:`~torchfold.train.xla_replay.XlaStepReplay`), a step of several as replays of one
+  minibatch program and one update program
+  (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`), whatever their number;
+* :class:`CudaRunner`: on one GPU, a step of one minibatch replayed whole from one CUDA graph
+  (:class:`~torchfold.train.cuda_replay.CudaStepReplay`); a step of several runs eagerly (no
+  inductor compile on the default path: its compiles took seconds per new minibatch count).
+
+Adding a backend means one more runner here.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchfold.engine.static import StaticPlan
+from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
+from torchfold.train.compiled import (
+    CompiledLoss,
+    CompiledUpdate,
+    check_loss,
+    uncapturable_update,
+    wants_compile,
+)
+from torchfold.train.cuda_replay import CudaStepReplay, uncapturable_step
+from torchfold.train.distributed import world, xla_sync
+from torchfold.train.loader import to_device
+from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.xla_replay import XlaStepReplay
+
+__all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
+
+LossFn = Callable[[torch.nn.Module, list[torch.Tensor], Any], torch.Tensor]
+
+
+class StepRunner:
+    """Runs a step's minibatches, then its update; the trainer's only way to run a step.
+
+    Per step: :meth:`minibatch` for each of this rank's minibatches (``alone=True`` when it is the
+    step's only one, in one process: a runner may then run the whole step at once), then
+    :meth:`update` on every rank (also one without minibatches), which returns the step's loss
+    sum (losses times sample counts with ``reduction="mean"``) as ``(tensor, scale)``: the sum is
+    ``float(tensor) * scale``, read back whenever the caller likes.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: AccumulatingOptimizer) -> None:
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+        raise NotImplementedError
+
+    def update(self) -> tuple[torch.Tensor | None, float]:
+        raise NotImplementedError
+
+    @property
+    def captures(self) -> int:
+        """How many programs (graphs) this runner has captured so far."""
+        return 0
+
+    def _loss_weight(self, num_samples: int) -> float:
+        return float(num_samples) if self.optimizer.reduction == "mean" else 1.0
+
+
+class EagerRunner(StepRunner):
+    """The ordinary step: ``optimizer.minibatch(n)`` around each backward, ``optimizer.step()``.
+
+    With ``compiled``, a static plan's forward, loss and backward replay a
+    :class:`~torchfold.train.compiled.CompiledLoss` graph instead (``strict``: an unpadded plan is
+    refused rather than run eagerly).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: LossFn,
+        optimizer: AccumulatingOptimizer,
+        *,
+        compiled: CompiledLoss | None = None,
+        strict: bool = False,
+    ) -> None:
+        super().__init__(model, loss, optimizer)
+        self.compiled = compiled
+        self.strict = strict
+        self._losses: list[tuple[torch.Tensor, float]] = []
+
+    @property
+    def captures(self) -> int:
+        return self.compiled.captures if self.compiled is not None else 0
+
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+        with self.optimizer.minibatch(num_samples):
+            if self.compiled is not None and (isinstance(plan, StaticPlan) or self.strict):
+                loss = self.compiled(plan, targets)  # forward, loss and backward, captured
+            else:
+                # padded=True: a static plan's outputs keep their capacity (the build padded the targets)
+                loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
+                loss.backward()
+        # (on XLA, leaving optimizer.minibatch() cut the graph: one per minibatch)
+        self._losses.append((loss.detach(), self._loss_weight(num_samples)))
+
+    def update(self) -> tuple[torch.Tensor | None, float]:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        losses, self._losses = self._losses, []
+        if self.optimizer.params_device().type == "xla":
+            # the update as a graph of its own (the same every step), not cut at the next host read
+            xla_sync()
+        if not losses:
+            return None, 0.0
+        if len(losses) == 1:  # weighted on the host when read: no operation on the device
+            return losses[0]
+        dtype = torch.float32 if losses[0][0].device.type in ("xla", "mps") else torch.float64
+        total = torch.zeros((), dtype=dtype, device=losses[0][0].device)
+        for value, weight in losses:
+            total += value.to(dtype) * weight
+        return total, 1.0
+
+
+class XlaRunner(StepRunner):
+    """One XLA device: every step replayed, however many minibatches it has (see the module)."""
+
+    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: AccumulatingOptimizer) -> None:
+        super().__init__(model, loss, optimizer)
+        self.whole = XlaStepReplay(model, loss, optimizer.optimizer)
+        self.programs = XlaPrograms(
+            model,
+            loss,
+            optimizer.optimizer,
+            minibatch_unit=optimizer.minibatch_unit(),
+            reduction=optimizer.reduction,
+        )
+        self._whole_loss: tuple[torch.Tensor, float] | None = None
+        self._samples = self._count = 0
+
+    @property
+    def captures(self) -> int:
+        return self.whole.captures + self.programs.captures
+
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+        if (
+            alone
+            and isinstance(plan, StaticPlan)
+            and self.whole.refused is None
+            and self.programs.refused is None
+        ):
+            loss = self.optimizer.external_step(
+                num_samples, 1, functools.partial(self.whole, plan, _to(targets, plan, self.model))
+            )
+            self._whole_loss = (loss, self._loss_weight(num_samples))
+            return
+        self.programs.minibatch(plan, targets, num_samples)
+        self._samples += num_samples
+        self._count += 1
+
+    def update(self) -> tuple[torch.Tensor | None, float]:
+        if self._whole_loss is not None:
+            loss, self._whole_loss = self._whole_loss, None
+            return loss
+        samples, count = self._samples, self._count
+        self._samples = self._count = 0
+        if not count:
+            return None, 0.0
+        loss_sum = self.optimizer.external_step(
+            samples, count, functools.partial(_update, self.programs, samples)
+        )
+        return loss_sum, 1.0
+
+
+def _update(programs: XlaPrograms, samples: int, lrs: list[float]) -> torch.Tensor:
+    return programs.update(lrs, samples)
+
+
+def _to(targets: Any, plan: Any, model: torch.nn.Module) -> Any:
+    """Targets on the model's device (a replayed step reads device tensors only)."""
+    first = next(iter(model.parameters()), None)
+    return targets if first is None else to_device(targets, first.device)
+
+
+class CudaRunner(EagerRunner):
+    """One GPU: a step of one minibatch replayed whole from one CUDA graph; others eagerly."""
+
+    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: AccumulatingOptimizer) -> None:
+        super().__init__(model, loss, optimizer)
+        self.whole = CudaStepReplay(
+            model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
+        )
+        self._whole_loss: tuple[torch.Tensor, float] | None = None
+
+    @property
+    def captures(self) -> int:
+        return int(getattr(self.whole, "captures", 0))
+
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+        if alone and isinstance(plan, StaticPlan) and self.whole.refused is None:
+            loss = self.optimizer.external_step(num_samples, 1, functools.partial(self.whole, plan, targets))
+            self._whole_loss = (loss, self._loss_weight(num_samples))
+            return
+        super().minibatch(plan, targets, num_samples, alone=alone)
+
+    def update(self) -> tuple[torch.Tensor | None, float]:
+        if self._whole_loss is not None:
+            loss, self._whole_loss = self._whole_loss, None
+            self.optimizer.zero_grad()
+            return loss
+        return super().update()
+
+
+def step_runner(
+    model: torch.nn.Module,
+    loss: LossFn,
+    optimizer: AccumulatingOptimizer,
+    *,
+    device: torch.device,
+    compile: str = "auto",
+    backend: str | None = None,
+) -> StepRunner:
+    """The runner for ``compile=`` on ``device`` (``"auto"``: replayed steps on XLA and CUDA,
+    eager on the CPU; ``"on"``: :func:`torch.compile` anywhere; ``"off"``: eager), chosen once.
+
+    A runner that cannot be had here says why in a warning and the next best one is used.
+
+    >>> import torch, torchfold
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torchfold.train.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> type(step_runner(model, lambda m, o, t: o[0].sum(), opt, device=torch.device("cpu"))).__name__
+    'EagerRunner'
+    """
+    if not wants_compile(compile, device):
+        return EagerRunner(model, loss, optimizer)
+    single = world().size == 1 and optimizer.lr_rule != "adascale" and backend is None
+    if single and device.type == "xla":
+        why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
+        if why is None:
+            return XlaRunner(model, loss, optimizer)
+        warnings.warn(f"compile={compile!r}: steps are not replayed on XLA: {why}", stacklevel=3)
+    if single and device.type == "cuda":
+        why = uncapturable_step(optimizer.optimizer)
+        if why is None:
+            return CudaRunner(model, loss, optimizer)
+        warnings.warn(
+            f"compile={compile!r}: steps are not replayed as CUDA graphs (they run eagerly): {why}",
+            stacklevel=3,
+        )
+        return EagerRunner(model, loss, optimizer)
+    compiled = CompiledLoss(model, loss, device=device, backend=backend)
+    if device.type != "cuda":
+        reason = uncapturable_update(optimizer.optimizer)
+        if reason is None:
+            optimizer.update_fn = CompiledUpdate(optimizer.optimizer, device=device, backend=backend)
+        else:
+            warnings.warn(
+                f"compile={compile!r}: the forward, loss and backward are captured, but the optimizer's update "
+                f"runs op by op: {reason}",
+                stacklevel=3,
+            )
+    return EagerRunner(model, loss, optimizer, compiled=compiled, strict=compile == "on")

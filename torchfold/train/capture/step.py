@@ -1,0 +1,109 @@
+"""``torchfold.train.captured_step``: the trainer's captured steps, as one call in a loop of your own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from torchfold.train.capture.runner import LossFn, StepRunner, step_runner
+from torchfold.train.optim import AccumulatingOptimizer
+
+__all__ = ["CapturedStep", "captured_step"]
+
+
+class CapturedStep:
+    """One optimizer step per call, over any number of minibatches, run the way :func:`captured_step` chose.
+
+    Call it with the step's minibatches, each ``(plan, targets, num_samples)``; it runs their
+    forward, loss and backward, then the update, and returns the step's mean loss over its samples
+    as a 0-dim tensor on the device (not read back: ``float()`` it when you want the number).
+    """
+
+    def __init__(self, runner: StepRunner, device: torch.device) -> None:
+        self.runner = runner
+        self.device = device
+
+    @property
+    def optimizer(self) -> AccumulatingOptimizer:
+        """The wrapper that weighs the minibatches and scales the learning rate."""
+        return self.runner.optimizer
+
+    @property
+    def captures(self) -> int:
+        """How many programs were captured so far (0 for eager steps)."""
+        return self.runner.captures
+
+    def __call__(self, minibatches: Iterable[tuple[Any, Any, int]]) -> torch.Tensor:
+        batch = list(minibatches)
+        if not batch:
+            raise ValueError("a step needs at least one minibatch (plan, targets, num_samples); got none")
+        for number, item in enumerate(batch):
+            if not (isinstance(item, tuple) and len(item) == 3):
+                raise TypeError(
+                    f"minibatch {number} must be a tuple (plan, targets, num_samples), got {type(item).__name__}"
+                )
+        self.runner.model.train()
+        total = 0
+        for plan, targets, num_samples in batch:
+            self.runner.minibatch(plan, targets, num_samples, alone=len(batch) == 1)
+            total += num_samples
+        summed, scale = self.runner.update()
+        assert summed is not None
+        weight = scale / total if self.optimizer.reduction == "mean" else scale
+        return summed * weight
+
+
+def captured_step(
+    model: torch.nn.Module,
+    loss: LossFn,
+    optimizer: torch.optim.Optimizer,
+    *,
+    compile: str = "auto",
+    device: torch.device | str | None = None,
+    lr_rule: str = "constant",
+    ref_batch_size: int | None = None,
+) -> CapturedStep:
+    """A training step to call once per optimizer step, captured and replayed where that pays.
+
+    ``loss(model, outputs, targets) -> scalar`` gets ``plan.apply(model, padded=True)``'s outputs,
+    as in :class:`~torchfold.train.TraceTrainer`. On an XLA device (``compile="auto"``) every
+    step is replayed from programs captured once per static-shape layout (plans from
+    ``Fold(shapes=StaticShapes(...))``), however many minibatches it has; on a GPU a step of one
+    minibatch replays one CUDA graph; on the CPU steps run eagerly (``compile="on"``:
+    :func:`torch.compile`).
+
+    Args:
+        model: the module whose methods are the fold ops.
+        loss: the minibatch's scalar loss, averaged over its samples.
+        optimizer: a ``torch.optim`` optimizer (on XLA created with ``capturable=True`` where it
+            has the option), or an :class:`~torchfold.train.AccumulatingOptimizer`.
+        compile: ``"auto"`` (default), ``"on"`` or ``"off"``.
+        device: where the model runs (default: its first parameter's device).
+        lr_rule, ref_batch_size: the learning-rate rule when ``optimizer`` is a plain optimizer.
+
+    Example:
+        >>> import torch, torchfold
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.ones(1))
+        ...     def leaf(self, x):
+        ...         return (x.float() * self.w).unsqueeze(1)
+        >>> model = Model()
+        >>> step = torchfold.train.captured_step(model, lambda m, outputs, t: ((outputs[0] - t) ** 2).mean(),
+        ...                                torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> f = torchfold.Fold()  # on XLA: Fold(shapes=torchfold.StaticShapes()), targets padded by plan.pad
+        >>> plan = f.plan([[f.add("leaf", 1), f.add("leaf", 2)]])
+        >>> loss = step([(plan, torch.tensor([[2.0], [4.0]]), 2)])   # one minibatch of 2 samples
+        >>> round(float(loss), 4), round(model.w.item(), 4)
+        (2.5, 1.5)
+    """
+    if not isinstance(optimizer, AccumulatingOptimizer):
+        optimizer = AccumulatingOptimizer(optimizer, lr_rule=lr_rule, ref_batch_size=ref_batch_size)  # type: ignore[arg-type]
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    return CapturedStep(step_runner(model, loss, optimizer, device=device, compile=compile), device)

@@ -1,0 +1,540 @@
+"""A step of any number of minibatches on XLA as two replayed programs: a minibatch's and the update's.
+
+:class:`~torchfold.train.xla_replay.XlaStepReplay` replays a step of exactly one minibatch as
+one graph. A step of ``k`` minibatches used to go through :func:`torch.compile` and the
+optimizer wrapper's Python weighting, and a new ``k`` could mean a new program. Here every step
+is made of two kinds of programs, each traced once and replayed from XLA's compilation cache:
+
+* the **minibatch program**, one per envelope layout (and model state structure): forward, loss,
+  backward, and the weighted accumulation of the gradients into persistent buffers
+  (``acc + weight * grad``), plus the step's loss sum (``loss_sum + loss_weight * loss``); every
+  per-minibatch value (the plan's packed indices and columns, the targets, the sample weight) is
+  a fixed-shape device tensor input, so a step of ``k`` minibatches replays it ``k`` times and
+  ``k`` never enters a program;
+* the **update program**, one per optimizer configuration: the division of the accumulated
+  gradients by the step's sample count (a tensor input), the optimizer's update with the
+  learning rates as tensor inputs, and the zeroing of the buffers.
+
+What a program depends on is part of its key (the layout, every module parameter and buffer: which
+tensor, shape, dtype, ``requires_grad``; the batch's tensor shapes; the optimizer's settings but
+the learning rate, and its state's structure; ``model.training``), and what a traced program
+reads is checked: every module parameter and buffer is an input (a parameter left out of the
+optimizer that changes between steps is followed); a value that is neither an input nor the same
+at the second trace of a key (a Python number that the loss reads and that changes between
+steps) refuses replays with a warning; a step that draws random numbers, or reads a value back to
+the host, is refused too. A refused runner runs the steps lazily (op by op), as without capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from torchfold.engine.static import StaticPlan
+from torchfold.train._replay import optimizer_settings, stepping, target_tensors
+from torchfold.train.compiled import check_loss, uncapturable_update
+from torchfold.train.xla_linear import transposed_weights
+
+__all__ = ["XlaPrograms", "xla_programs_unavailable"]
+
+_NEEDED = (
+    "_get_graph_hash",
+    "_get_tensors_xla_device_data_node",
+    "_xla_warm_up_cache",
+    "_run_cached_graph",
+    "_xla_get_tensor_id",
+    "_check_tensor_need_materialization",
+    "_xla_sync_multi",
+    "_get_seed_info_id",
+)
+_LOCK = threading.Lock()  # tracing is not safe in two threads at once (replicas may be threads)
+
+
+def xla_programs_unavailable() -> str | None:
+    """Why this torch_xla cannot replay traced programs (None if it can).
+
+    >>> isinstance(xla_programs_unavailable(), str | None)
+    True
+    """
+    try:
+        import torch_xla
+    except ImportError:
+        return "torch_xla is not installed"
+    missing = [name for name in _NEEDED if not hasattr(torch_xla._XLAC, name)]
+    if missing:
+        return f"torch_xla {getattr(torch_xla, '__version__', '?')} lacks {', '.join(missing)}"
+    return None
+
+
+def _xla() -> Any:
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def _executions() -> int:
+    """How many graphs torch_xla has run in this process (a host read inside a trace runs one)."""
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("ExecuteComputation") or 0)
+
+
+class _Program:
+    """One traced graph: its hash, where each graph input comes from, which roots it returns."""
+
+    __slots__ = ("constants", "graph", "outputs", "sources", "verified")
+
+    def __init__(self, graph: Any, sources: list[tuple[int, Any]], outputs: list[int]) -> None:
+        self.graph = graph
+        # per graph input: (0, position among the live tensors) or (1, a constant of the trace)
+        self.sources = sources
+        # the positions (among the roots of the trace) of the results the graph returns
+        self.outputs = outputs
+        # the trace's constants as host values, compared with the second trace's (then verified)
+        self.constants: list[torch.Tensor] = [value.cpu() for kind, value in sources if kind == 1]
+        self.verified = False
+
+    def run(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
+        arguments = [live[where] if kind == 0 else where for kind, where in self.sources]
+        return list(_xla()._run_cached_graph(self.graph, arguments))
+
+
+class _Refused(Exception):
+    """A trace that cannot be replayed; its message says why."""
+
+
+def _materialize(live: list[torch.Tensor]) -> None:
+    """The inputs must be device data, not pending operations (e.g. after ``load_state_dict``)."""
+    xla = _xla()
+    pending = [t for t, need in zip(live, xla._check_tensor_need_materialization(live), strict=True) if need]
+    if pending:
+        xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
+
+
+def _compile(
+    roots: list[torch.Tensor], live: list[torch.Tensor], executed: int
+) -> tuple[_Program, list[Any]]:
+    """Compile the lazy trace ending in ``roots`` (those that changed: the others are returned
+    as ``None``), run it once on its own inputs; the program and each root's value."""
+    xla = _xla()
+    changed = xla._check_tensor_need_materialization(roots)
+    outputs = [where for where, need in enumerate(changed) if need]
+    kept = [roots[where] for where in outputs]
+    ids, values = xla._get_tensors_xla_device_data_node(kept)
+    if _executions() != executed:
+        raise _Refused(
+            "something read a value back to the host inside the step (.item(), .tolist(), a Python number "
+            "from a tensor), which cuts the graph"
+        )
+    if xla._get_seed_info_id() in ids:
+        raise _Refused(
+            "it draws random numbers (dropout?), and a replay would repeat the draws of its capture"
+        )
+    position = {xla._xla_get_tensor_id(t): number for number, t in enumerate(live)}
+    graph = xla._get_graph_hash(kept)
+    xla._xla_warm_up_cache(kept, [])
+    sources = [
+        (0, position[number]) if number in position else (1, value)
+        for number, value in zip(ids, values, strict=True)
+    ]
+    program = _Program(graph, sources, outputs)
+    results = list(xla._run_cached_graph(graph, list(values)))
+    found: list[Any] = [None] * len(roots)
+    for where, value in zip(outputs, results, strict=True):
+        found[where] = value
+    return program, found
+
+
+def _same_constants(program: _Program, other: _Program) -> bool:
+    if program.graph != other.graph or len(program.constants) != len(other.constants):
+        return False
+    return all(
+        a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        for a, b in zip(program.constants, other.constants, strict=True)
+    )
+
+
+class XlaPrograms:
+    """Steps of any number of minibatches on one XLA device, as replayed minibatch and update programs.
+
+    Per step: :meth:`minibatch` once per minibatch (it accumulates the minibatch's gradient,
+    weighted by its sample count, into persistent buffers, and its loss into the step's loss
+    sum), then :meth:`update` once (the optimizer's update on the step's mean gradient; the
+    buffers are zeroed). The results equal ``AccumulatingOptimizer``'s ``minibatch()`` /
+    ``step()`` in one process.
+
+    Args:
+        model: the module whose methods are the fold ops, on an XLA device.
+        loss: ``loss(model, outputs, targets) -> scalar``.
+        optimizer: the ``torch.optim`` optimizer (capturable: e.g. ``Adam(..., capturable=True)``).
+        minibatch_unit: what a sample count is measured in (``AccumulatingOptimizer``'s
+            ``minibatch_size``, or 1).
+        reduction: ``"mean"`` (losses averaged over a minibatch's samples) or ``"sum"``.
+        transpose_weights: trace ``F.linear`` against transposed weight copies (XLA's CPU backend).
+
+    Raises:
+        RuntimeError: this torch_xla cannot replay programs (see :func:`xla_programs_unavailable`).
+        ValueError: the optimizer's update cannot be captured (the message names the fix).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: Callable[..., Any],
+        optimizer: torch.optim.Optimizer,
+        *,
+        minibatch_unit: float = 1.0,
+        reduction: str = "mean",
+        transpose_weights: bool | None = None,
+    ) -> None:
+        why = xla_programs_unavailable()
+        if why is not None:
+            raise RuntimeError(f"steps cannot be replayed on XLA: {why}; train with compile='off'")
+        reason = uncapturable_update(optimizer) or _host_state(optimizer)
+        if reason is not None:
+            raise ValueError(f"the optimizer's update cannot be captured: {reason}")
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        self.unit = float(minibatch_unit)
+        self.reduction = reduction
+        if transpose_weights is None:
+            import torch_xla.runtime
+
+            transpose_weights = str(torch_xla.runtime.device_type()).upper() == "CPU"
+        self.transpose_weights = transpose_weights
+        #: why steps are no longer replayed (then they run lazily, op by op), or None
+        self.refused: str | None = None
+        self._minibatch: dict[Hashable, _Program] = {}
+        self._update: dict[Hashable, _Program] = {}
+        self._seen_settings: dict[Hashable, list[Any]] = {}
+        self._scalars: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+        self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
+        self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
+        self._loss_sum: torch.Tensor | None = None
+        self._samples = 0
+        self._minibatches = 0
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def captures(self) -> int:
+        """How many programs have been traced and compiled (minibatch and update programs)."""
+        return len(self._minibatch) + len(self._update)
+
+    def minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
+        """Accumulate one minibatch of ``num_samples`` samples (forward, loss, backward) into the step."""
+        params = self._params()
+        device = params[0].device
+        targets = _to(targets, device)
+        if self.refused is not None or not isinstance(plan, StaticPlan):  # an unpadded plan: traced op by op
+            self._lazy_minibatch(plan, targets, num_samples)
+            return
+        trainable = [p for p in params if p.requires_grad]
+        accs = [self._acc_of(p) for p in trainable]
+        buffers = list(self.model.buffers())
+        others = [p for p in self.model.parameters() if id(p) not in {id(q) for q in params}]
+        inputs = plan.inputs(device)
+        batch, why = target_tensors(targets)
+        if why is not None:
+            self._refuse(why)
+            self._lazy_minibatch(plan, targets, num_samples)
+            return
+        weight = self._scalar(num_samples / self.unit if self.reduction == "mean" else 1.0, params[0])
+        loss_weight = self._scalar(float(num_samples) if self.reduction == "mean" else 1.0, None, device)
+        loss_sum = self._loss_sum if self._loss_sum is not None else self._scalar(0.0, None, device)
+        data = [inputs.ints, inputs.floats, *inputs.given, *batch]
+        live = [*params, *others, *buffers, *accs, weight, loss_weight, loss_sum, *data]
+        key = (
+            plan.layout.key,
+            _describe(params),
+            _describe(others),
+            tuple((id(b), tuple(b.shape), b.dtype) for b in buffers),
+            tuple((tuple(t.shape), t.dtype) for t in data),
+            self.model.training,
+        )
+        with _LOCK:
+            _materialize(live)
+            program = self._minibatch.get(key)
+            if program is not None and program.verified:
+                results = program.run(live)
+            else:
+                try:
+                    traced, found = self._trace_minibatch(
+                        plan, inputs, targets, trainable, buffers, accs, weight, loss_weight, loss_sum, live
+                    )
+                except _Refused as refusal:
+                    self._refuse(str(refusal))
+                    return
+                if program is not None and not _same_constants(program, traced):
+                    self._refuse(
+                        "a value the step reads is neither a parameter, a buffer nor a batch tensor and changed "
+                        "between steps (a Python number in the loss or the ops?); replaying would keep its first value"
+                    )
+                elif program is not None:
+                    program.verified = True
+                else:
+                    self._minibatch[key] = traced
+                self._store_minibatch(found, trainable, buffers, len(found))
+                return
+        # a replay: its results are the roots that changed, in the traced order
+        full: list[Any] = [None] * (len(trainable) + len(buffers) + 1)
+        for where, value in zip(program.outputs, results, strict=True):
+            full[where] = value
+        self._store_minibatch(full, trainable, buffers, len(full))
+
+    def update(self, lrs: list[float], batch_size: int) -> torch.Tensor:
+        """The step's update with learning rate ``lrs[i]`` for param group ``i``, on the mean gradient
+        over ``batch_size`` samples; returns the step's loss sum (losses times sample counts with
+        ``reduction="mean"``) and starts a new step."""
+        groups = self.optimizer.param_groups
+        if len(lrs) != len(groups):
+            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
+        if not self._minibatches:
+            raise RuntimeError("update() with no minibatch in the step")
+        params = self._params()
+        loss_sum = self._loss_sum
+        assert loss_sum is not None
+        divisor = batch_size / self.unit if self.reduction == "mean" else 1.0
+        try:
+            if self.refused is not None:
+                self._lazy_update(lrs, divisor)
+                return loss_sum
+            settings, why = optimizer_settings(self.optimizer, self._seen_settings, "update")
+            why = why or uncapturable_update(self.optimizer) or _host_state(self.optimizer)
+            if why is not None:
+                self._refuse(why)
+                self._lazy_update(lrs, divisor)
+                return loss_sum
+            graded = [p for p in params if id(p) in self._has_grad]
+            accs = [self._acc_of(p) for p in graded]
+            state = self.optimizer.state
+            slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+            rates = [
+                self._scalar(float(rate), group["params"][0]) for group, rate in zip(groups, lrs, strict=True)
+            ]
+            divisors = [self._scalar(divisor, p) for p in graded]
+            states = [state[p][name] for p, name in slots]
+            live = [*params, *accs, *states, *rates, *divisors]
+            key = (
+                _describe(params),
+                tuple(id(p) for p in graded),
+                tuple(
+                    (id(p), name, tuple(t.shape), t.dtype) for (p, name), t in zip(slots, states, strict=True)
+                ),
+                settings,
+            )
+            with _LOCK:
+                _materialize(live)
+                program = self._update.get(key)
+                if program is None:
+                    try:
+                        program, found, new_slots = self._trace_update(
+                            params, graded, accs, rates, divisors, live
+                        )
+                    except _Refused as refusal:
+                        self._refuse(str(refusal))
+                        return loss_sum
+                    if new_slots == slots:  # a program that creates the state is not one to replay
+                        self._update[key] = program
+                    self._store_update(found, params, graded, new_slots)
+                    return loss_sum
+                results = program.run(live)
+            full: list[Any] = [None] * (len(params) + len(slots) + len(graded))
+            for where, value in zip(program.outputs, results, strict=True):
+                full[where] = value
+            self._store_update(full, params, graded, slots)
+            return loss_sum
+        finally:
+            self._loss_sum = None
+            self._has_grad.clear()
+            self._samples = self._minibatches = 0
+
+    # -- tracing -------------------------------------------------------------------------------
+
+    def _trace_minibatch(
+        self,
+        plan: StaticPlan,
+        inputs: Any,
+        targets: Any,
+        trainable: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        accs: list[torch.Tensor],
+        weight: torch.Tensor,
+        loss_weight: torch.Tensor,
+        loss_sum: torch.Tensor,
+        live: list[torch.Tensor],
+    ) -> tuple[_Program, list[Any]]:
+        executed = _executions()
+        linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
+        with torch.enable_grad(), linear:
+            loss = check_loss(
+                self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), targets)
+            )
+            grads = torch.autograd.grad(loss, trainable, allow_unused=True) if trainable else ()
+        with torch.no_grad():
+            new_accs = [
+                acc if grad is None else acc + grad * weight.to(grad.dtype)
+                for acc, grad in zip(accs, grads, strict=True)
+            ]
+            total = loss_sum + loss.detach().to(loss_sum.dtype) * loss_weight
+        return _compile([*new_accs, *buffers, total], live, executed)
+
+    def _store_minibatch(
+        self, found: list[Any], trainable: list[torch.Tensor], buffers: list[torch.Tensor], count: int
+    ) -> None:
+        for p, value in zip(trainable, found[: len(trainable)], strict=True):
+            if value is not None:
+                self._acc[id(p)] = value
+                self._has_grad.add(id(p))
+        with torch.no_grad():
+            for b, value in zip(buffers, found[len(trainable) : count - 1], strict=True):
+                if value is not None:
+                    b.data = value
+        self._loss_sum = found[count - 1]
+        self._minibatches += 1
+
+    def _trace_update(
+        self,
+        params: list[torch.Tensor],
+        graded: list[torch.Tensor],
+        accs: list[torch.Tensor],
+        rates: list[torch.Tensor],
+        divisors: list[torch.Tensor],
+        live: list[torch.Tensor],
+    ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
+        executed = _executions()
+        with stepping(self.optimizer, rates):
+            for p, acc, divisor in zip(graded, accs, divisors, strict=True):
+                p.grad = acc / divisor
+            self.optimizer.step()
+        state = self.optimizer.state
+        slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+        zeros = [torch.zeros_like(acc) for acc in accs]
+        program, found = _compile([*params, *(state[p][name] for p, name in slots), *zeros], live, executed)
+        return program, found, slots
+
+    def _store_update(
+        self,
+        found: list[Any],
+        params: list[torch.Tensor],
+        graded: list[torch.Tensor],
+        slots: list[tuple[torch.Tensor, str]],
+    ) -> None:
+        state = self.optimizer.state
+        with torch.no_grad():
+            for p, value in zip(params, found[: len(params)], strict=True):
+                if value is not None:
+                    p.data = value
+            for (p, name), value in zip(slots, found[len(params) : len(params) + len(slots)], strict=True):
+                if value is not None:
+                    state[p][name] = value
+        for p, value in zip(graded, found[len(params) + len(slots) :], strict=True):
+            if value is not None:
+                self._acc[id(p)] = value
+
+    # -- the lazy way (refused) ----------------------------------------------------------------
+
+    def _lazy_minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
+        """The same minibatch traced op by op (no replay): into the buffers, as a replay would."""
+        import torch_xla
+
+        params = [p for p in self._params() if p.requires_grad]
+        device = self._params()[0].device
+        loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+        weight = num_samples / self.unit if self.reduction == "mean" else 1.0
+        with torch.no_grad():
+            for p, grad in zip(params, grads, strict=True):
+                if grad is not None:
+                    self._acc[id(p)] = self._acc_of(p) + grad * weight
+                    self._has_grad.add(id(p))
+            loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=device)
+            self._loss_sum = loss_sum + loss.detach().float() * (
+                num_samples if self.reduction == "mean" else 1
+            )
+        self._minibatches += 1
+        torch_xla.sync()
+
+    def _lazy_update(self, lrs: list[float], divisor: float) -> None:
+        import torch_xla
+
+        params = self._params()
+        with stepping(self.optimizer, lrs):
+            for p in params:
+                if id(p) in self._has_grad:
+                    p.grad = self._acc[id(p)] / divisor
+            self.optimizer.step()
+        for p in params:
+            if id(p) in self._acc:
+                self._acc[id(p)] = torch.zeros_like(p)
+        torch_xla.sync()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not params:
+            raise ValueError("the optimizer has no parameters")
+        return params
+
+    def _acc_of(self, p: torch.Tensor) -> torch.Tensor:
+        acc = self._acc.get(id(p))
+        if acc is None or acc.shape != p.shape or acc.dtype != p.dtype or acc.device != p.device:
+            acc = self._acc[id(p)] = torch.zeros_like(p)
+        return acc
+
+    def _scalar(
+        self, value: float, like: torch.Tensor | None, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """``value`` as a 0-dim device tensor (in ``like``'s dtype, else float32), made once per value."""
+        dtype = like.dtype if like is not None else torch.float32
+        where = like.device if like is not None else device
+        assert where is not None
+        key = (value, dtype, where)
+        tensor = self._scalars.get(key)
+        if tensor is None:
+            if len(self._scalars) > 4096:
+                self._scalars.clear()
+            tensor = self._scalars[key] = torch.tensor(value, dtype=dtype, device=where)
+        return tensor
+
+    def _refuse(self, why: str) -> None:
+        if self.refused is None:
+            self.refused = why
+            warnings.warn(f"steps are not replayed (they run op by op): {why}", stacklevel=4)
+
+    def __repr__(self) -> str:
+        return f"XlaPrograms({type(self.optimizer).__name__}, captures={self.captures})"
+
+
+def _describe(params: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
+    return tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in params)
+
+
+def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the optimizer's state cannot be an XLA program's input (a tensor of it on the host)."""
+    for p, state in optimizer.state.items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != p.device:
+                return (
+                    f"{type(optimizer).__name__} keeps its state {name!r} on {value.device}, not beside the "
+                    f"parameters on {p.device}"
+                )
+    return None
+
+
+def _to(targets: Any, device: torch.device) -> Any:
+    """Targets on ``device`` (a replayed program reads device tensors only)."""
+    if isinstance(targets, torch.Tensor):
+        return targets if targets.device == device else targets.to(device)
+    if isinstance(targets, tuple) and not hasattr(targets, "_fields"):
+        return tuple(_to(t, device) for t in targets)
+    if isinstance(targets, list):
+        return [_to(t, device) for t in targets]
+    if isinstance(targets, dict):
+        return {key: _to(value, device) for key, value in targets.items()}
+    return targets

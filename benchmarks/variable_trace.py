@@ -79,6 +79,10 @@ def run(args: argparse.Namespace, device_name: str, trees: list[Any], vocab: Voc
         seed=0,
     )
     rows: list[dict[str, Any]] = []
+    if xla and args.no_whole_steps:
+        from torchfold.train.capture import XlaRunner
+
+        trainer.runner = XlaRunner(model, tree_lstm_loss, optimizer, whole_steps=False)
     runner = trainer.runner
     update = runner.update
     clock = {"start": time.perf_counter(), "compiles": _compilations()}
@@ -133,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps counted as warm-up")
     parser.add_argument("--devices", default="cpu,xla", help="comma-separated: cpu, xla")
     parser.add_argument("--compile", default="auto", help="the XLA run's compile= (auto, off, on)")
+    parser.add_argument(
+        "--no-whole-steps",
+        action="store_true",
+        help="XLA: replay steps of one minibatch as minibatch + update programs too, not as one program",
+    )
     parser.add_argument("--json", default=None, help="write every row here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -74,6 +74,15 @@ def test_training_snippets_run_the_trace() -> None:
     assert [s.lr for s in stats] == [0.005, 0.01, 0.015, 0.01, 0.005]  # type: ignore[attr-defined]
 
 
+def test_captured_step_snippet_runs_the_trace_in_a_loop_of_ones_own() -> None:
+    scope: dict[str, object] = {}
+    exec(compile(next(b for b in python_blocks() if "optimizer.minibatch" in b), str(README), "exec"), scope)
+    exec(compile(next(b for b in python_blocks() if "captured_step" in b), str(README), "exec"), scope)
+    losses = scope["losses"]
+    assert len(losses) == 5 and all(isinstance(x, float) and x > 0 for x in losses)  # type: ignore[arg-type, attr-defined]
+    assert scope["optimizer"].steps == 10 and scope["optimizer"].last_batch_size == 32  # type: ignore[attr-defined]
+
+
 def test_dataloader_snippet_trains_on_plans_built_in_a_worker() -> None:
     snippet = next(b for b in python_blocks() if "fold.plan" in b)
     scope: dict[str, object] = {}

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -191,8 +191,11 @@ class XlaStepReplay(StepReplay):
         inputs = plan.inputs(params[0].device)
         batch, why = target_tensors(targets)
         data = [inputs.ints, inputs.floats, *inputs.given, *batch]
-        live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data]
-        key = self._key(plan, params, buffers, slots, data, settings)
+        # a module parameter the optimizer does not hold is an input too, never a constant of the trace
+        held = {id(p) for p in params}
+        others = [p for p in self.model.parameters() if id(p) not in held]
+        live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data, *others]
+        key = (self._key(plan, params, buffers, slots, data, settings), _describe(others))
         with _LOCK:
             # the inputs must be device data, not pending operations (e.g. after load_state_dict)
             pending = [
@@ -338,6 +341,10 @@ class XlaStepReplay(StepReplay):
 
     def __repr__(self) -> str:
         return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"
+
+
+def _describe(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
+    return tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
 
 
 def _executions() -> int:

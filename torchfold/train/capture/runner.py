@@ -135,8 +135,17 @@ class EagerRunner(StepRunner):
 class XlaRunner(StepRunner):
     """One XLA device: every step replayed, however many minibatches it has (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: AccumulatingOptimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: LossFn,
+        optimizer: AccumulatingOptimizer,
+        *,
+        whole_steps: bool = True,
+    ) -> None:
         super().__init__(model, loss, optimizer)
+        #: whether a step of one minibatch is replayed as one program (else: minibatch + update programs)
+        self.whole_steps = whole_steps
         self.whole = XlaStepReplay(model, loss, optimizer.optimizer)
         self.programs = XlaPrograms(
             model,
@@ -155,6 +164,7 @@ class XlaRunner(StepRunner):
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
         if (
             alone
+            and self.whole_steps
             and isinstance(plan, StaticPlan)
             and self.whole.refused is None
             and self.programs.refused is None

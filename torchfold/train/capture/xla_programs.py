@@ -116,8 +116,15 @@ def _materialize(live: list[torch.Tensor]) -> None:
         xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
 
 
+def _positions(live: list[torch.Tensor]) -> dict[int, int]:
+    """Each live tensor's position, by torch_xla's tensor id: taken before a trace (an in-place
+    operation of the trace gives a tensor new data, no longer the graph's input)."""
+    tensor_id = _xla()._xla_get_tensor_id
+    return {tensor_id(t): number for number, t in enumerate(live)}
+
+
 def _compile(
-    roots: list[torch.Tensor], live: list[torch.Tensor], executed: int
+    roots: list[torch.Tensor], position: dict[int, int], executed: int
 ) -> tuple[_Program, list[Any]]:
     """Compile the lazy trace ending in ``roots`` (those that changed: the others are returned
     as ``None``), run it once on its own inputs; the program and each root's value."""
@@ -135,7 +142,6 @@ def _compile(
         raise _Refused(
             "it draws random numbers (dropout?), and a replay would repeat the draws of its capture"
         )
-    position = {xla._xla_get_tensor_id(t): number for number, t in enumerate(live)}
     graph = xla._get_graph_hash(kept)
     xla._xla_warm_up_cache(kept, [])
     sources = [
@@ -269,13 +275,8 @@ class XlaPrograms:
                 except _Refused as refusal:
                     self._refuse(str(refusal))
                     return
-                if program is not None and not _same_constants(program, traced):
-                    self._refuse(
-                        "a value the step reads is neither a parameter, a buffer nor a batch tensor and changed "
-                        "between steps (a Python number in the loss or the ops?); replaying would keep its first value"
-                    )
-                elif program is not None:
-                    program.verified = True
+                if program is not None:  # the second trace: the same graph, the same constants?
+                    self._verify(program, traced)
                 else:
                     self._minibatch[key] = traced
                 self._store_minibatch(found, trainable, buffers, len(found))
@@ -330,16 +331,18 @@ class XlaPrograms:
             with _LOCK:
                 _materialize(live)
                 program = self._update.get(key)
-                if program is None:
+                if program is None or not program.verified:
                     try:
-                        program, found, new_slots = self._trace_update(
+                        traced, found, new_slots = self._trace_update(
                             params, graded, accs, rates, divisors, live
                         )
                     except _Refused as refusal:
                         self._refuse(str(refusal))
                         return loss_sum
-                    if new_slots == slots:  # a program that creates the state is not one to replay
-                        self._update[key] = program
+                    if program is not None:  # the second trace: the same graph, the same constants?
+                        self._verify(program, traced)
+                    elif new_slots == slots:  # a program that creates the state is not one to replay
+                        self._update[key] = traced
                     self._store_update(found, params, graded, new_slots)
                     return loss_sum
                 results = program.run(live)
@@ -368,7 +371,7 @@ class XlaPrograms:
         loss_sum: torch.Tensor,
         live: list[torch.Tensor],
     ) -> tuple[_Program, list[Any]]:
-        executed = _executions()
+        executed, position = _executions(), _positions(live)
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         with torch.enable_grad(), linear:
             loss = check_loss(
@@ -381,7 +384,7 @@ class XlaPrograms:
                 for acc, grad in zip(accs, grads, strict=True)
             ]
             total = loss_sum + loss.detach().to(loss_sum.dtype) * loss_weight
-        return _compile([*new_accs, *buffers, total], live, executed)
+        return _compile([*new_accs, *buffers, total], position, executed)
 
     def _store_minibatch(
         self, found: list[Any], trainable: list[torch.Tensor], buffers: list[torch.Tensor], count: int
@@ -406,7 +409,7 @@ class XlaPrograms:
         divisors: list[torch.Tensor],
         live: list[torch.Tensor],
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
-        executed = _executions()
+        executed, position = _executions(), _positions(live)
         with stepping(self.optimizer, rates):
             for p, acc, divisor in zip(graded, accs, divisors, strict=True):
                 p.grad = acc / divisor
@@ -414,7 +417,9 @@ class XlaPrograms:
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
         zeros = [torch.zeros_like(acc) for acc in accs]
-        program, found = _compile([*params, *(state[p][name] for p, name in slots), *zeros], live, executed)
+        program, found = _compile(
+            [*params, *(state[p][name] for p, name in slots), *zeros], position, executed
+        )
         return program, found, slots
 
     def _store_update(
@@ -501,6 +506,17 @@ class XlaPrograms:
                 self._scalars.clear()
             tensor = self._scalars[key] = torch.tensor(value, dtype=dtype, device=where)
         return tensor
+
+    def _verify(self, program: _Program, traced: _Program) -> None:
+        """``program`` may be replayed if a second trace of it is the same graph on the same
+        constants; otherwise a value it reads is not among its inputs: refused."""
+        if _same_constants(program, traced):
+            program.verified = True
+        else:
+            self._refuse(
+                "a value the step reads is neither a parameter, a buffer, optimizer state nor a batch tensor, and "
+                "changed between steps (a Python number in the loss or the ops?); replaying would keep its first value"
+            )
 
     def _refuse(self, why: str) -> None:
         if self.refused is None:

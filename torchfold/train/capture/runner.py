@@ -181,6 +181,7 @@ class XlaRunner(StepRunner):
     def update(self) -> tuple[torch.Tensor | None, float]:
         if self._whole_loss is not None:
             loss, self._whole_loss = self._whole_loss, None
+            self.optimizer.zero_grad()  # (a refused whole step ran an ordinary backward)
             return loss
         samples, count = self._samples, self._count
         self._samples = self._count = 0

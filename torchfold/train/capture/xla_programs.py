@@ -87,9 +87,11 @@ def _executions() -> int:
 class _Program:
     """One traced graph: its hash, where each graph input comes from, which roots it returns."""
 
-    __slots__ = ("constants", "graph", "outputs", "sources", "verified")
+    __slots__ = ("constants", "graph", "outputs", "sources", "step", "verified")
 
     def __init__(self, graph: Any, sources: list[tuple[int, Any]], outputs: list[int]) -> None:
+        #: the step it was traced in (the runner's count): a second trace in a later step verifies it
+        self.step = -1
         self.graph = graph
         # per graph input: (0, position among the live tensors) or (1, a constant of the trace)
         self.sources = sources
@@ -105,7 +107,18 @@ class _Program:
 
 
 class _Refused(Exception):
-    """A trace that cannot be replayed; its message says why."""
+    """A trace that cannot be replayed; its message says why, ``roots`` are the trace's results
+    (pending: a sync runs them op by op, as without capture)."""
+
+    def __init__(self, why: str, roots: list[torch.Tensor]) -> None:
+        super().__init__(why)
+        self.roots = roots
+
+
+def _sync() -> None:
+    import torch_xla
+
+    torch_xla.sync()
 
 
 def _materialize(live: list[torch.Tensor]) -> None:
@@ -136,11 +149,13 @@ def _compile(
     if _executions() != executed:
         raise _Refused(
             "something read a value back to the host inside the step (.item(), .tolist(), a Python number "
-            "from a tensor), which cuts the graph"
+            "from a tensor; e.g. torch.optim.SGD turns a tensor learning rate into one), which cuts the graph",
+            list(roots),
         )
     if xla._get_seed_info_id() in ids:
         raise _Refused(
-            "it draws random numbers (dropout?), and a replay would repeat the draws of its capture"
+            "it draws random numbers (dropout?), and a replay would repeat the draws of its capture",
+            list(roots),
         )
     graph = xla._get_graph_hash(kept)
     xla._xla_warm_up_cache(kept, [])
@@ -223,6 +238,7 @@ class XlaPrograms:
         self._loss_sum: torch.Tensor | None = None
         self._samples = 0
         self._minibatches = 0
+        self._steps = 0  # updates so far
 
     # -- public --------------------------------------------------------------------------------
 
@@ -265,19 +281,23 @@ class XlaPrograms:
         with _LOCK:
             _materialize(live)
             program = self._minibatch.get(key)
-            if program is not None and program.verified:
+            # replayed once verified, and in the step it was traced in (a schedule changes between steps)
+            if program is not None and (program.verified or program.step == self._steps):
                 results = program.run(live)
             else:
                 try:
                     traced, found = self._trace_minibatch(
                         plan, inputs, targets, trainable, buffers, accs, weight, loss_weight, loss_sum, live
                     )
-                except _Refused as refusal:
+                except _Refused as refusal:  # this minibatch's trace still counts: run as it is
                     self._refuse(str(refusal))
+                    self._store_minibatch(refusal.roots, trainable, buffers, len(refusal.roots))
+                    _sync()
                     return
                 if program is not None:  # the second trace: the same graph, the same constants?
                     self._verify(program, traced)
                 else:
+                    traced.step = self._steps
                     self._minibatch[key] = traced
                 self._store_minibatch(found, trainable, buffers, len(found))
                 return
@@ -336,12 +356,17 @@ class XlaPrograms:
                         traced, found, new_slots = self._trace_update(
                             params, graded, accs, rates, divisors, live
                         )
-                    except _Refused as refusal:
+                    except _Refused as refusal:  # this update's trace still counts: run as it is
                         self._refuse(str(refusal))
+                        state = self.optimizer.state
+                        made = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+                        self._store_update(refusal.roots, params, graded, made)
+                        _sync()
                         return loss_sum
                     if program is not None:  # the second trace: the same graph, the same constants?
                         self._verify(program, traced)
                     elif new_slots == slots:  # a program that creates the state is not one to replay
+                        traced.step = self._steps
                         self._update[key] = traced
                     self._store_update(found, params, graded, new_slots)
                     return loss_sum
@@ -352,6 +377,7 @@ class XlaPrograms:
             self._store_update(full, params, graded, slots)
             return loss_sum
         finally:
+            self._steps += 1
             self._loss_sum = None
             self._has_grad.clear()
             self._samples = self._minibatches = 0

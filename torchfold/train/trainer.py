@@ -763,6 +763,15 @@ class TraceTrainer:
         found = world()
         world_size, rank = found.size, found.rank
         check_trainer_state(state, source)
+        loader_step = (
+            state["loader"].get("sampler", {}).get("next_step") if isinstance(state["loader"], dict) else None
+        )
+        if isinstance(loader_step, int) and loader_step != state["step"]:
+            raise ValueError(
+                f"{source}: its step {state['step']} is not where its loader stands (next_step {loader_step}): the "
+                "file was damaged or edited; use another checkpoint, or start without resuming"
+            )
+        _check_optimizer_state(state["optimizer"], self.optimizer.optimizer, source)
         saved_settings = state.get("settings", {})
         for name, value in self.settings.items():
             if name in saved_settings and saved_settings[name] != value:
@@ -772,7 +781,11 @@ class TraceTrainer:
                 )
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
-            ("optimizer", self.optimizer.load_state_dict),
+            # with this run's device settings: a checkpoint moves between devices (e.g. XLA and the CPU)
+            (
+                "optimizer",
+                lambda saved: self.optimizer.load_state_dict(_on_this_device(saved, self.optimizer)),
+            ),
             ("loader", self.loader.load_state_dict),
         ]
         for name, load in parts:
@@ -826,9 +839,9 @@ class TraceTrainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Resume from a checkpoint file (every rank reads it)."""
-        # Read on the host (torch.load cannot place a storage on an XLA device); loading copies the
-        # values into the model's and the optimizer's tensors on their devices.
-        self.load_state_dict(load_checkpoint(path, map_location="cpu"), source=f"checkpoint {path}")
+        # Read on the host (load_checkpoint's rule); loading copies the values into the model's and
+        # the optimizer's tensors on their devices.
+        self.load_state_dict(load_checkpoint(path), source=f"checkpoint {path}")
 
     def resume(self) -> Path | None:
         """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none."""
@@ -838,6 +851,63 @@ class TraceTrainer:
         if path is not None:
             self.load_checkpoint(path)
         return path
+
+
+# Param group settings that say how an update runs on the device, not what it computes: a
+# checkpoint's are those of the device it was written on, this run's stand.
+_DEVICE_SETTINGS = ("capturable", "fused", "foreach")
+
+
+def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``saved`` (an optimizer state dict) with the device settings of ``optimizer``'s param groups.
+
+    ``Optimizer.load_state_dict`` takes every group setting from the file, ``capturable`` and
+    ``fused`` too, and places the step counts by them: a state written on XLA (``capturable``)
+    would make the CPU's Adam refuse its parameters, a CPU's (``fused``) XLA's.
+    """
+    if not isinstance(saved, dict):
+        return saved
+    if "param_groups" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
+        return {**saved, "optimizer": _on_this_device(saved["optimizer"], optimizer)}
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return saved  # load_state_dict says what does not fit
+    return {
+        **saved,
+        "param_groups": [
+            {**group, **{key: current[key] for key in _DEVICE_SETTINGS if key in current}}
+            if isinstance(group, dict)
+            else group
+            for group, current in zip(groups, optimizer.param_groups, strict=True)
+        ],
+    }
+
+
+def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """An Adam's (or AdamW's) saved per-parameter state must hold what its update reads.
+
+    A state missing ``exp_avg`` loads without complaint and fails mid-training with a bare
+    ``KeyError``; refuse it here, naming the file, the parameter and the entry.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
+        return
+    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
+        saved = saved["optimizer"]
+    per_param, groups = saved.get("state"), saved.get("param_groups")
+    if not isinstance(per_param, dict) or not isinstance(groups, list):
+        return  # load_state_dict says what does not fit
+    amsgrad = {i: bool(g.get("amsgrad")) for g in groups if isinstance(g, dict) for i in g.get("params", [])}
+    for index, entries in per_param.items():
+        if not isinstance(entries, dict) or not entries:
+            continue  # no step yet: the update starts it afresh
+        needed = ["step", "exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad.get(index) else [])]
+        missing = [key for key in needed if key not in entries]
+        if missing:
+            raise ValueError(
+                f"{source}: its optimizer state of parameter {index} lacks {missing} ({type(optimizer).__name__} "
+                f"needs {needed}, it holds {sorted(entries)}); the file was damaged or edited: use another "
+                "checkpoint, or start without resuming"
+            )
 
 
 def _derived_seed(seed: int, step: int, position: int) -> int:

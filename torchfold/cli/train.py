@@ -516,7 +516,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         keep_checkpoints=args.keep_checkpoints,
         log_every=args.log_every,
         progress=False if args.no_progress else None,
-        on_step=record,
+        on_step=record if args.history else None,  # (without: the host runs a step ahead on an accelerator)
         seed=args.seed,  # each fold's random draws: the same on any number of processes
         settings=_checkpoint_settings(args, trace, len(trees)),
         compile=args.compile,

@@ -187,10 +187,12 @@ class TraceTrainer:
         log_every: log a line every this many steps on the main rank (0: never).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
-        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint.
-            In one process on an accelerator, :meth:`fit` reports a step (its loss read back)
-            after it has launched the next one, so the model may be a step further; a
-            :meth:`save_checkpoint` from ``on_step`` is refused then (use ``checkpoint_every``).
+        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint,
+            and before the next step is launched, on every device: a change it makes (e.g. a
+            learning-rate scheduler's ``step()``) applies from the next step. In one process on
+            an accelerator, :meth:`fit` without ``on_step`` reads a step's loss back after it has
+            launched the next one (the host runs ahead of the device); with ``on_step``, only the
+            next step's data is fetched before the loss is read.
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
@@ -442,6 +444,11 @@ class TraceTrainer:
                 try:
                     while self.next_step < end and (step := next(steps, None)) is not None:
                         started = time.perf_counter()
+                        if pending is not None and self.on_step is not None:
+                            # on_step may change the next step (a learning-rate schedule): it runs
+                            # before that step is launched, as on the CPU (only the fetch overlaps)
+                            late, pending = pending, None
+                            self._complete(*late, history, end, bar, until=started)
                         stats, loss_sum = self._run_step(step, defer=self._defers)
                         if pending is not None:  # (cleared first: a failing callback records it once)
                             late, pending = pending, None

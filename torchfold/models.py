@@ -1,13 +1,13 @@
 """Deprecated since torchfold 0.2: ``torchfold.models`` is :mod:`torchfold.examples.models`.
 
 0.1's module path still imports (``from torchfold.models import ...``), with a ``FutureWarning``;
-the module is the new one itself, so its names are the same objects.
+every name resolves to the new module's object.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
+from typing import Any
 
 from torchfold.examples import models as _new
 
@@ -16,4 +16,12 @@ warnings.warn(
     FutureWarning,
     stacklevel=2,
 )
-sys.modules[__name__] = _new  # the import statement binds the new module
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: every name of the new module, as the same object
+    return getattr(_new, name)
+
+
+def __dir__() -> list[str]:
+    return dir(_new)

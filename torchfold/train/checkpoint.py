@@ -255,7 +255,7 @@ def _fix(path: Path) -> str:
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint`, with ``torch.load(weights_only=True)``.
 
-    The rule for resuming (:meth:`TraceTrainer.load_checkpoint <torchfold.train.TraceTrainer.load_checkpoint>`
+    The rule for resuming (:meth:`torchfold.train.TraceTrainer.load_checkpoint`
     and ``python -m torchfold train`` follow it): read on the CPU, the default, then let
     ``load_state_dict`` copy the values into the model's and the optimizer's tensors on their
     devices. ``torch.load`` cannot place a storage on an XLA device, and a CPU read works on a

@@ -40,6 +40,7 @@ from trainer_xla import trainer_command
 
 # A compiled program's operation in the trace: a name and numbers (``dot.248``, ``copy.3.clone``).
 _THUNK = re.compile(r"^([a-z_\-]+)(\.\d+)+(\.clone)?$")
+_EXECUTE = "ThunkExecutor::Execute"
 _EXECUTION = "ThunkExecutor::Execute (wait for completion)"
 
 # Run in the trainer's process: trace from replayed step FIRST (counted from 1) until step LAST's loss
@@ -66,13 +67,23 @@ runpy.run_module("torchfold", run_name="__main__", alter_sys=True)
 
 
 def step_times(trace_dir: Path) -> dict[str, Any]:
-    """Per executed program in the trace: its wall time and the time of its operations, by kind."""
+    """Per executed program in the trace: its wall time and the time of its operations, by kind.
+
+    An execution runs on one thread from its first ``ThunkExecutor::Execute`` to the end of its
+    wait for completion, which every execution records once. Its operations run in that window
+    (on that thread and the pool's). The wait alone is not the window: when the thunks ran
+    inline (e.g. on a loaded machine) they ran before it, and the wait took no time.
+    """
     found = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
     if not found:
         raise SystemExit(f"no profiler trace under {trace_dir}: torch_xla wrote none")
     with gzip.open(found[-1]) as file:
         events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
     executions = sorted((e for e in events if e["name"] == _EXECUTION), key=lambda e: e["ts"])
+    launches: dict[Any, list[float]] = defaultdict(list)  # per thread: when its executions started
+    for e in sorted((e for e in events if e["name"] == _EXECUTE), key=lambda e: e["ts"]):
+        launches[e["tid"]].append(e["ts"])
+    previous: dict[Any, float] = defaultdict(lambda: float("-inf"))  # per thread: the last execution's end
     # every operation once: (start, duration in ms, kind), in time order
     thunks = sorted(
         (e["ts"], e["dur"] / 1000, match.group(1))
@@ -82,14 +93,18 @@ def step_times(trace_dir: Path) -> dict[str, Any]:
     starts = [start for start, _, _ in thunks]
     walls, sums, kinds = [], [], []
     for execution in executions:
-        start, end = execution["ts"], execution["ts"] + execution["dur"]
+        end, thread = execution["ts"] + execution["dur"], execution["tid"]
+        started = launches[thread]
+        first = bisect.bisect_left(started, previous[thread])
+        start = started[first] if first < len(started) and started[first] <= end else execution["ts"]
+        previous[thread] = end
         inside = thunks[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]
         if not inside:
             continue
         by_kind: dict[str, float] = defaultdict(float)
         for _, ms, kind in inside:
             by_kind[kind] += ms
-        walls.append(execution["dur"] / 1000)
+        walls.append((end - start) / 1000)
         sums.append(sum(by_kind.values()))
         kinds.append(by_kind)
     if not walls:

@@ -28,6 +28,7 @@ import trainer_tree_lstm  # noqa: E402
 import trainer_xla  # noqa: E402
 import tree_lstm  # noqa: E402
 import xla  # noqa: E402
+import xla_profile  # noqa: E402
 
 import torchfold  # noqa: E402
 from torchfold.examples.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
@@ -278,3 +279,40 @@ def test_markdown_table_aligns_columns() -> None:
     assert lines[1] == "| --- | ----- |"
     assert lines[3] == "| yyy | 1,234 |"
     assert len({len(line) for line in lines}) == 1
+
+
+def _write_trace(directory: Path, events: list[dict[str, Any]]) -> None:
+    import gzip
+    import json
+
+    where = directory / "plugins" / "profile" / "run"
+    where.mkdir(parents=True)
+    with gzip.open(where / "host.trace.json.gz", "wt") as file:
+        json.dump({"traceEvents": [{"ph": "X", "pid": 1, **event} for event in events]}, file)
+
+
+def test_xla_profile_counts_executions_whose_operations_ran_before_the_wait(tmp_path: Path) -> None:
+    """benchmarks/xla_profile.py's reading of a profiler trace, in the two layouts torch_xla's CPU
+    backend writes: operations inside the wait for completion (they ran on the pool), and before
+    it, the wait taking no time (they ran inline, as on a loaded machine). Only the first was
+    counted, so a trace of inline executions "held no executed program" (the flaky smoke test)."""
+    ex, wait = "ThunkExecutor::Execute", "ThunkExecutor::Execute (wait for completion)"
+    _write_trace(
+        tmp_path,
+        [
+            # on the pool: a short launch, then the operations while the caller waits
+            {"name": ex, "tid": 7, "ts": 100, "dur": 5},
+            {"name": wait, "tid": 7, "ts": 105, "dur": 1000},
+            {"name": "dot.1", "tid": 8, "ts": 200, "dur": 400},
+            {"name": "add_fusion.2", "tid": 8, "ts": 700, "dur": 100},
+            # inline: the operations inside the launch, the wait empty at its end
+            {"name": ex, "tid": 7, "ts": 5000, "dur": 1000},
+            {"name": "dot.1", "tid": 7, "ts": 5100, "dur": 600},
+            {"name": "add_fusion.2", "tid": 7, "ts": 5800, "dur": 100},
+            {"name": wait, "tid": 7, "ts": 6000, "dur": 0},
+        ],
+    )
+    times = xla_profile.step_times(tmp_path)
+    assert times["steps"] == 2
+    assert times["kinds"] == {"dot": 0.5, "add_fusion": 0.1}  # the medians of 0.4 and 0.6, of 0.1 and 0.1
+    assert times["wall"] == pytest.approx((1.005 + 1.0) / 2)

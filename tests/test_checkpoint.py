@@ -125,6 +125,41 @@ def test_bad_files_get_an_error_naming_the_file_and_the_fix(tmp_path: Path, dama
     )
 
 
+def test_an_intact_file_is_never_called_corrupt(tmp_path: Path) -> None:
+    # Read straight onto an XLA device, a checkpoint failed in torch.load, and the message said
+    # to delete the (intact) file as truncated or corrupt.
+    path = save_checkpoint({"step": 3, "w": torch.ones(2)}, checkpoint_path(tmp_path, 3))
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(path, map_location="xla:0")  # without torch_xla: the same failure as with it
+    message = str(info.value)
+    assert message.startswith(
+        f"checkpoint {path} is intact, but its tensors cannot be loaded with map_location"
+    )
+    assert "corrupt" not in message and "delete" not in message
+    assert "load it on the CPU (the default)" in message
+    assert torch.equal(load_checkpoint(path)["w"], torch.ones(2))
+
+
+def test_the_device_settings_of_a_checkpoint_follow_this_run(saved: Path) -> None:
+    # Optimizer.load_state_dict took `capturable` and `fused` from the file: an XLA checkpoint
+    # (capturable) resumed on the CPU failed, a CPU one (fused) on XLA too.
+    state = load_checkpoint(saved)
+    for group in state["optimizer"]["param_groups"]:
+        group.update(capturable=True, fused=True, foreach=True)  # as written on another device
+    trainer = make_trainer(sst_trees())
+    here = [
+        {key: group[key] for key in ("capturable", "fused", "foreach")}
+        for group in trainer.optimizer.param_groups
+    ]
+    trainer.load_state_dict(state, source="checkpoint edited")
+    assert [
+        {key: group[key] for key in ("capturable", "fused", "foreach")}
+        for group in trainer.optimizer.param_groups
+    ] == here
+    assert trainer.optimizer.param_groups[0]["capturable"] is False
+    assert [s.step for s in trainer.fit(max_steps=3)] == [2]  # and the update runs
+
+
 def test_a_lone_bad_file_says_to_start_afresh(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     _garbage(path)
@@ -216,6 +251,21 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
             lambda s: s["optimizer"].update(state="x"),
             "its optimizer state does not fit this run: 'str' object has no attribute",
         ),
+        # Hand edits that loaded and then failed mid-training, or trained nothing, or advised
+        # "--lr nan": refused before anything is restored, naming the entry.
+        (
+            lambda s: s["optimizer"]["state"][1].pop("exp_avg"),
+            r"its optimizer state of parameter 1 lacks \['exp_avg'\] \(Adam needs \['step', 'exp_avg', "
+            "'exp_avg_sq'\\]",
+        ),
+        (
+            lambda s: s.update(step=10**12),
+            r"its step 1000000000000 is not where its loader stands \(next_step 2\): the file was damaged or edited",
+        ),
+        (
+            lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")),
+            r"the lr of its optimizer's param group 0 should be a finite number >= 0, got nan; the file was damaged",
+        ),
     ],
 )
 def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
@@ -227,7 +277,9 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_file(
     with pytest.raises(ValueError, match=match) as info:
         trainer.load_checkpoint(path)
     assert f"checkpoint {path}" in str(info.value)
-    if "rng" in match or "step" in match:  # checked before anything is restored
+    if any(
+        word in match for word in ("rng", "step", "lr of", "lacks")
+    ):  # checked before anything is restored
         assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from torchfold.train.distributed import world
 from torchfold.train.elastic import ElasticConfig
+from torchfold.train.loader import StepLoader
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,15 @@ def test_launcher_variables_alone_do_not_make_a_world(monkeypatch: pytest.Monkey
     # would make this process train on a quarter of every step.
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
-    c = ElasticConfig(256, 64)
+    # ... and it says so, naming the fix, where a default is taken (it once planned silently)
+    unconnected = (
+        r"WORLD_SIZE=4 is set .* no process group yet, so this setting plans for 1 process; call "
+        + (r"torchfold.train.init_distributed\(\) first")
+    )
+    with pytest.warns(UserWarning, match=unconnected):
+        c = ElasticConfig(256, 64)
+    with pytest.warns(UserWarning, match=unconnected):
+        assert StepLoader(list(range(8)), 2).replication_factor == 1
     assert (c.num_devices, c.rank, c.is_main, c.accumulation_steps, c.source) == (
         1,
         0,

@@ -229,6 +229,14 @@ def test_every_iteration_is_a_full_pass_without_set_epoch() -> None:
     assert passes[1] == [mb.indices for step in expected for mb in step]
 
 
+def test_set_epoch_docs_say_what_iteration_does() -> None:
+    # They once warned that without set_epoch "every epoch yields the same order", which the
+    # roll-over (the test above) made untrue.
+    doc = StepLoader.set_epoch.__doc__ or ""
+    assert "same order" not in doc
+    assert "the next ``iter()`` starts the next epoch with its own permutation" in " ".join(doc.split())
+
+
 def test_a_state_saved_at_an_epoch_end_resumes_with_the_next_epoch() -> None:
     loader = StepLoader(list(range(12)), 2, seed=5)
     list(loader)

@@ -631,3 +631,31 @@ def test_a_group_added_mid_step_with_unweighted_gradients_is_refused() -> None:
     inner.add_param_group({"params": [model.offset]})
     with pytest.raises(RuntimeError, match=r"shapes \[\(10,\)\] got gradients in this step before they were"):
         opt.backward(F.cross_entropy(model(xc), yc), num_samples=7)
+
+
+@pytest.mark.parametrize("on", ["wrapper", "wrapped optimizer"])
+def test_a_group_added_between_steps_starts_from_that_steps_gradient(on: str) -> None:
+    # A head outside the optimizer collects gradients that zero_grad() does not clear; unfrozen
+    # with add_param_group after step 1 (as the mid-step error advises), its first update used
+    # that stale, unweighted sum. It must equal a head that was in the optimizer with lr 0.
+    batches = _batches([[5, 7], [3, 6]])
+
+    def train(head_from_start: bool) -> torch.Tensor:
+        model = _FineTuned()
+        inner = torch.optim.SGD(model.body.parameters(), lr=LR)
+        opt = AccumulatingOptimizer(inner)
+        if head_from_start:
+            opt.add_param_group({"params": [model.offset], "lr": 0.0})
+        for number, step in enumerate(batches):
+            if number == 1:
+                if head_from_start:
+                    opt.param_groups[-1]["lr"] = LR
+                else:
+                    (opt if on == "wrapper" else inner).add_param_group({"params": [model.offset], "lr": LR})
+            for xb, yb in step:
+                opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+            opt.step()
+            opt.zero_grad()
+        return model.offset.detach()
+
+    torch.testing.assert_close(train(head_from_start=False), train(head_from_start=True))

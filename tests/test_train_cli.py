@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from _train_cli import run_train, small_run, write_sst
 
 from torchfold._validate import max_threads
 from torchfold.engine.static.shapes import StaticShapes
+from torchfold.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,3 +227,90 @@ def test_no_data_is_a_usage_error_saying_how_to_get_it(
     monkeypatch.chdir(tmp_path)
     code, _, err = run_train(["--trace", "12", "--max-steps", "1", "--minibatch-size", "6"], capsys)
     _usage_error(code, err, "--data DIR", "TORCHFOLD_DATA", "--generate N")
+
+
+def test_no_resume_sets_the_earlier_checkpoints_aside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A fresh run into a directory holding a later step's checkpoint lost its own to the pruning
+    # (the highest steps were kept: the old run's), and a plain resume continued the old run.
+    ck = tmp_path / "ck"
+    common = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    assert run_train(_args(tmp_path, "--max-steps", "6", *common), capsys)[0] == 0
+    code, out, err = run_train(
+        _args(tmp_path, "--max-steps", "3", *common, "--no-resume", "--keep-checkpoints", "1"), capsys
+    )
+    assert code == 0, err
+    assert f"--no-resume: moved the 2 earlier checkpoint(s) in {ck} to {ck / 'earlier-1'}" in out
+    assert [p.name for _, p in list_checkpoints(ck)] == ["step-00000003.pt"]  # the fresh run's
+    assert [p.name for _, p in list_checkpoints(ck / "earlier-1")] == ["step-00000005.pt", "step-00000006.pt"]
+    code, out, err = run_train(_args(tmp_path, "--max-steps", "4", *common), capsys)
+    assert code == 0 and f"resumed from {ck / 'step-00000003.pt'} at step 3" in out, err
+
+
+def test_the_accumulation_refusal_names_the_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _out, err = run_train(
+        [
+            *("--trace", "12", "--data", str(write_sst(tmp_path, 24)), "--max-steps", "1", "--workers", "0"),
+            *("--max-device-batch-size", "2", "--max-accumulation", "1"),
+        ],
+        capsys,
+    )
+    _usage_error(
+        code,
+        err,
+        "more than --max-accumulation 1 (they hold 2)",
+        "raise --max-device-batch-size or --max-accumulation",
+    )
+    assert "max_accumulation_steps" not in err
+
+
+def test_a_nan_lr_in_a_checkpoint_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = tmp_path / "ck"
+    assert run_train(_args(tmp_path, "--max-steps", "1", "--checkpoint-dir", str(ck)), capsys)[0] == 0
+    path = ck / "step-00000001.pt"
+    state = load_checkpoint(path)
+    state["optimizer"]["param_groups"][0]["lr"] = float("nan")
+    save_checkpoint(state, path)
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--checkpoint-dir", str(ck)), capsys)
+    _usage_error(code, err, f"checkpoint {path}", "the lr of its optimizer's param group 0", "got nan")
+    assert "--lr nan" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_and_exit_status_130(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    args = _args(tmp_path, "--max-steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "torchfold", "train", *args, "--workers", "1"],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # a background job (CI) ignores SIGINT, and Python then installs no handler for it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ck.glob("step-*.pt")):  # training, with its worker, once a checkpoint exists
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the run wrote no checkpoint"
+            time.sleep(0.1)
+        os.killpg(child.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+        _out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    assert err.splitlines() == [
+        "torchfold train: interrupted (Ctrl-C); the checkpoints written before it are kept: run the same command "
+        "again to resume from the newest"
+    ]
+    assert load_checkpoint(latest_checkpoint(ck) or ck)["step"] >= 1

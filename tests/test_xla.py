@@ -645,9 +645,11 @@ def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
         XlaStepReplay(model, tree_lstm_loss, optimizer)(plan, to_device(targets, device), [0.01, 0.01])
 
 
+@pytest.mark.timeout(900)  # two XLA runs that compile: minutes on a loaded 2-core machine
 def test_xla_profile_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/xla_profile.py at minimal size: a profiler trace of replayed steps, alone and in the
-    trainer, read back as the time of the compiled programs' operations per step."""
+    trainer, read back as the time of the compiled programs' operations per step (counted however
+    the executions ran: on the pool, or inline on a loaded machine)."""
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     import xla_profile
 

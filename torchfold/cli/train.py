@@ -15,6 +15,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -44,7 +45,7 @@ from torchfold.examples.datasets import (
     load_sst,
 )
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, load_checkpoint
+from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, list_checkpoints, load_checkpoint
 from torchfold.train.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.distributed import default_device, init_distributed
 from torchfold.train.loader import StepLoader
@@ -136,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between checkpoints (0: at the end)",
     )
     p.add_argument("--keep-checkpoints", type=positive_int, default=2, help="newest ones to keep (default 2)")
-    p.add_argument("--no-resume", action="store_true", help="start afresh even if checkpoints exist")
+    p.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start afresh even if checkpoints exist (they are moved to a subdirectory of --checkpoint-dir, "
+        "earlier-N/, so that this run's are the ones a later resume continues)",
+    )
     p.add_argument(
         "--override-lr",
         action="store_true",
@@ -311,8 +317,28 @@ def _init_distributed(args: argparse.Namespace, config: dict[str, object]) -> bo
     return True
 
 
+# What a shell reports for a process stopped by Ctrl-C (128 + SIGINT).
+INTERRUPTED_EXIT_CODE = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``python -m torchfold train`` with arguments ``argv``; returns the exit status."""
+    """Run ``python -m torchfold train`` with arguments ``argv``; returns the exit status.
+
+    Ctrl-C (``KeyboardInterrupt``) ends it with one line and :data:`INTERRUPTED_EXIT_CODE`; the
+    worker processes are stopped and the checkpoints written before it are kept.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(
+            "torchfold train: interrupted (Ctrl-C); the checkpoints written before it are kept: run the same "
+            "command again to resume from the newest",
+            file=sys.stderr,
+        )
+        return INTERRUPTED_EXIT_CODE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -359,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         joined = _init_distributed(args, config)
         return _train(args, trace, trees, origin)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"torchfold train: error: {e}", file=sys.stderr)
+        print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
         return 2
     except Preempted as e:
         print(f"torchfold train: {e}", file=sys.stderr)
@@ -370,6 +396,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if joined and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _option_names(message: str) -> str:
+    """``message`` with the library's argument names the command line sets replaced by its options."""
+    for argument, option in (
+        ("the per-device maximum or max_accumulation_steps", "--max-device-batch-size or --max-accumulation"),
+        ("max_accumulation_steps=", "--max-accumulation "),
+    ):
+        message = message.replace(argument, option)
+    return message
 
 
 def _device(choice: str) -> torch.device:
@@ -480,7 +516,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         keep_checkpoints=args.keep_checkpoints,
         log_every=args.log_every,
         progress=False if args.no_progress else None,
-        on_step=record,
+        on_step=record if args.history else None,  # (without: the host runs a step ahead on an accelerator)
         seed=args.seed,  # each fold's random draws: the same on any number of processes
         settings=_checkpoint_settings(args, trace, len(trees)),
         compile=args.compile,
@@ -514,6 +550,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
 def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO]) -> int:
     """Resume (unless --no-resume), open --history, train; the caller closes what this opens."""
     main_rank = trainer.is_main
+    if args.no_resume and main_rank:
+        _set_aside(args)
     resumed, overridden = (None, []) if args.no_resume else _resume(args, trainer)
     if resumed is not None and main_rank:
         print(f"resumed from {resumed} at step {trainer.next_step}")
@@ -544,6 +582,35 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO])
     return 0
 
 
+def _set_aside(args: argparse.Namespace) -> None:
+    """--no-resume: move the checkpoints in --checkpoint-dir to a new subdirectory ``earlier-N``.
+
+    Left beside the fresh run's, they would be mixed with them: pruning keeps the highest steps
+    (maybe the earlier run's) and a resume takes the highest. Moved, nothing is lost, and the
+    fresh run's checkpoints are the ones kept and resumed from.
+    """
+    if args.checkpoint_dir is None:
+        return
+    found = [path for _, path in list_checkpoints(args.checkpoint_dir)]
+    if not found:
+        return
+    directory = Path(args.checkpoint_dir)
+    number = 1
+    while (directory / f"earlier-{number}").exists():
+        number += 1
+    aside = directory / f"earlier-{number}"
+    try:
+        aside.mkdir()
+        for path in found:
+            path.rename(aside / path.name)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"--no-resume: cannot move the earlier checkpoints in {directory} to {aside} ({e.strerror or e})",
+        ) from e
+    print(f"--no-resume: moved the {len(found)} earlier checkpoint(s) in {directory} to {aside}")
+
+
 def _checkpoint_settings(
     args: argparse.Namespace, trace: BatchSizeTrace, num_trees: int
 ) -> dict[str, object]:
@@ -569,7 +636,7 @@ def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | Non
     path = latest_checkpoint(trainer.checkpoint_dir)
     if path is None:
         return None, []
-    state = load_checkpoint(path, map_location=trainer.device)
+    state = load_checkpoint(path)  # on the host, as TraceTrainer.load_checkpoint reads it
     try:
         saved_optimizer = state["optimizer"]
         if "param_groups" not in saved_optimizer:  # written by torchfold 0.1.0: the inner state nested
@@ -590,7 +657,8 @@ def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | Non
         settings.append(("momentum", args.momentum, args.override_momentum))
     for name, value, override in settings:
         saved = group.get(name)
-        if isinstance(saved, (int, float)) and saved != value:
+        # (a value no run writes, e.g. a NaN, is refused by the trainer's check of the file, naming it)
+        if isinstance(saved, (int, float)) and math.isfinite(saved) and saved >= 0 and saved != value:
             if not override:
                 raise ValueError(
                     f"checkpoint {path} was written with --{name} {saved}, this run has --{name} {value}; "

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
+import pickle
 import random
 import re
 import socket
 import sys
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -232,6 +235,15 @@ def _on_host(value: Any) -> Any:
     return value
 
 
+def _intact(path: Path) -> bool:
+    """Whether ``path`` is a whole, undamaged archive of ``torch.save``'s (every member's CRC checks out)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError):
+        return False
+
+
 def _fix(path: Path) -> str:
     """What to do about an unusable checkpoint: fall back to the previous one, or start afresh."""
     earlier = [p for _, p in list_checkpoints(path.parent) if p != path]
@@ -243,6 +255,12 @@ def _fix(path: Path) -> str:
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint`, with ``torch.load(weights_only=True)``.
 
+    The rule for resuming (:meth:`torchfold.train.TraceTrainer.load_checkpoint`
+    and ``python -m torchfold train`` follow it): read on the CPU, the default, then let
+    ``load_state_dict`` copy the values into the model's and the optimizer's tensors on their
+    devices. ``torch.load`` cannot place a storage on an XLA device, and a CPU read works on a
+    machine of any kind.
+
     Args:
         path: the checkpoint file.
         map_location: where to put its tensors (default the CPU).
@@ -250,7 +268,8 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is truncated, corrupt, not a torchfold checkpoint, or of a newer
-            format version; the message names the file and the fix.
+            format version, or its tensors cannot go to ``map_location``; the message names the
+            file and the fix (and calls a file corrupt only when its archive is).
     """
     path = Path(path)
     if not path.is_file():
@@ -259,9 +278,19 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = f"({type(e).__name__}: {reason})"
+        if not _intact(path):
+            raise ValueError(
+                f"checkpoint {path} cannot be read: it is truncated or corrupt {cause}; {_fix(path)}"
+            ) from e
+        if isinstance(e, pickle.UnpicklingError):
+            raise ValueError(
+                f"checkpoint {path} cannot be read: it holds objects other than tensors and plain containers "
+                f"{cause}; {_fix(path)}"
+            ) from e
         raise ValueError(
-            f"checkpoint {path} cannot be read: it is truncated or corrupt, or holds objects other than "
-            f"tensors and plain containers ({type(e).__name__}: {reason}); {_fix(path)}"
+            f"checkpoint {path} is intact, but its tensors cannot be loaded with map_location={map_location!r} "
+            f"{cause}; load it on the CPU (the default) and let load_state_dict copy the values to the device"
         ) from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         what = (
@@ -394,7 +423,7 @@ def _rng_problem(state: object) -> str | None:
 
 
 def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
-    """Check the step, world size and generator states of a trainer checkpoint before any is used.
+    """Check the step, world size, generator states and learning rates of a trainer checkpoint before any is used.
 
     A file can load and still hold values that no run writes; each is a ``ValueError`` naming
     ``source`` (the file), the entry and its value, raised before anything has been restored.
@@ -424,4 +453,19 @@ def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
         if problem is not None:
             raise ValueError(
                 f"{source}: the generator states of rank {rank} are unusable: {problem}; {_DAMAGED}"
+            )
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, dict) and "param_groups" not in optimizer:  # torchfold 0.1.0: nested
+        optimizer = optimizer.get("optimizer")
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    for index, group in enumerate(groups if isinstance(groups, list) else []):
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        if lr is not None and (
+            isinstance(lr, bool) or not isinstance(lr, int | float) or not lr >= 0 or lr == math.inf
+        ):
+            raise ValueError(
+                f"{source}: the lr of its optimizer's param group {index} should be a finite number >= 0, got "
+                f"{_brief(lr)}; {_DAMAGED}"
             )

@@ -233,6 +233,21 @@ def uncapturable_update(optimizer: torch.optim.Optimizer) -> str | None:
                 f"count on the host; create it with capturable=True (e.g. {type(optimizer).__name__}(params, "
                 "..., capturable=True))"
             )
+    # Without a capturable option (Adagrad): a state kept on the host beside a parameter on the
+    # device cannot be an input of the device's graph.
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.device != param.device
+                    and value.device.type == "cpu"
+                ):
+                    return (
+                        f"{type(optimizer).__name__} keeps its state {key!r} on the host (cpu) while the parameters "
+                        f"are on {param.device}, and has no capturable option to keep it there; use an optimizer "
+                        "with capturable=True (e.g. Adam), or compile='off'"
+                    )
     return None
 
 

@@ -92,14 +92,16 @@ class World(NamedTuple):
     source: str
 
 
-def world() -> World:
+def world(*, warn_unconnected: bool = False) -> World:
     """The one rule for "how many processes, which one am I", used by every part of torchfold.
 
     In order: an initialized ``torch.distributed`` process group (e.g. under ``torchrun``, after
     :func:`init_distributed`); a torch_xla replica (``xmp.spawn`` / ``torch_xla.launch``: XLA's
     world size and global ordinal); else a single process. Launcher environment variables alone
     (``WORLD_SIZE``) do not count: the processes are not connected until the group exists, so
-    create loaders and samplers after it.
+    create loaders and samplers after it. With ``warn_unconnected`` (where a default is taken:
+    loaders, samplers, :class:`~torchfold.train.ElasticConfig`), a launcher's ``WORLD_SIZE`` > 1
+    without a process group warns that the answer is one process, naming :func:`init_distributed`.
 
     >>> world()
     World(size=1, rank=0, source='single process')
@@ -109,6 +111,14 @@ def world() -> World:
     xr = _xla_runtime()
     if xr is not None:
         return World(int(xr.world_size()), int(xr.global_ordinal()), "torch_xla")
+    launched = os.environ.get("WORLD_SIZE", "").strip()
+    if warn_unconnected and launched.isdecimal() and int(launched) > 1:
+        warnings.warn(
+            f"WORLD_SIZE={launched} is set (a launcher started {launched} processes), but this one has no process "
+            "group yet, so this setting plans for 1 process; call torchfold.train.init_distributed() first and "
+            "create loaders, samplers and ElasticConfigs after it",
+            stacklevel=3,
+        )
     return World(1, 0, "single process")
 
 
@@ -119,7 +129,7 @@ def world_or(size: int | None, rank: int | None) -> tuple[int, int]:
     ((1, 0), (4, 2))
     """
     if size is None or rank is None:
-        found = world()
+        found = world(warn_unconnected=True)
         size = found.size if size is None else size
         rank = found.rank if rank is None else rank
     return size, rank

@@ -57,7 +57,7 @@ class ElasticConfig:
         self.global_batch_size = check_int("global_batch_size", global_batch_size)
         self.max_device_batch_size = check_int("max_device_batch_size", max_device_batch_size)
         if world_size is None or rank is None:
-            found = world()
+            found = world(warn_unconnected=True)
             self.source = found.source if world_size is None else "argument"
             world_size = found.size if world_size is None else world_size
             rank = found.rank if rank is None else rank

@@ -530,10 +530,12 @@ class StepLoader(Generic[T, R]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: its permutation (``seed + epoch``) and its steps.
 
-        .. warning::
-            Call it at the start of every epoch, before ``iter()``, with the same value on every
-            rank; otherwise every epoch yields the same order. After :meth:`load_state_dict`,
-            calling it with the resumed epoch keeps the mid-epoch position.
+        Optional in a loop that runs every epoch to its end: once an epoch has been handed out
+        completely, the next ``iter()`` starts the next epoch with its own permutation (as
+        ``set_epoch(epoch + 1)`` would). Call it to choose the epoch yourself (to skip or repeat
+        one), with the same value on every rank. Setting the current epoch again changes nothing,
+        so after :meth:`load_state_dict`, calling it with the resumed epoch keeps the mid-epoch
+        position; setting another epoch starts that epoch from its first step.
         """
         if epoch != self.sampler.epoch:
             self.sampler.set_epoch(epoch)

@@ -251,11 +251,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the wrapped optimizer (only between steps)."""
+        """Add a parameter group to the wrapped optimizer (only between steps).
+
+        Its parameters' ``.grad`` is cleared: gradients they collected outside the optimizer
+        (which :meth:`zero_grad` does not reach) belong to earlier steps and were never weighted,
+        so the group's first update uses only that step's gradient.
+        """
         if self._step_in_progress():
             raise RuntimeError("add_param_group() in the middle of a step; call it after step()")
         self.optimizer.add_param_group(param_group)
-        self._hook_params(self._params())
+        self._check_unweighted(self._hook_params(self._params()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' ``.grad`` and start a new step (a step skipped by a ``GradScaler`` included)."""
@@ -314,7 +319,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._post_hooked.add(id(p))
 
     def _check_unweighted(self, new: list[torch.Tensor]) -> None:
-        """Newly hooked parameters must not hold gradients of this step's earlier, weighted minibatches."""
+        """Newly hooked parameters must not hold gradients of this step's earlier, weighted minibatches.
+
+        Between steps, what they hold was collected outside the optimizer in earlier steps (which
+        ``zero_grad()`` did not reach) and never weighted: it is cleared, so that their first
+        update uses only the step's own gradient.
+        """
         if self._local_minibatches and any(p.grad is not None for p in new):
             shapes = [tuple(p.shape) for p in new if p.grad is not None]
             raise RuntimeError(
@@ -322,6 +332,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "required grad, so those were not weighted by sample count; unfreeze parameters and add groups "
                 "between steps (after zero_grad()), then run the step again"
             )
+        for p in new:
+            p.grad = None
 
     def _check_weighed(self, p: torch.Tensor) -> None:
         """A gradient reached ``p.grad`` without the weighting hook: its accumulator node was replaced."""

@@ -180,10 +180,12 @@ class TraceTrainer:
         log_every: log a line every this many steps on the main rank (0: never).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
-        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint.
-            In one process on an accelerator, :meth:`fit` reports a step (its loss read back)
-            after it has launched the next one, so the model may be a step further; a
-            :meth:`save_checkpoint` from ``on_step`` is refused then (use ``checkpoint_every``).
+        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint,
+            and before the next step is launched, on every device: a change it makes (e.g. a
+            learning-rate scheduler's ``step()``) applies from the next step. In one process on
+            an accelerator, :meth:`fit` without ``on_step`` reads a step's loss back after it has
+            launched the next one (the host runs ahead of the device); with ``on_step``, only the
+            next step's data is fetched before the loss is read.
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
@@ -400,6 +402,11 @@ class TraceTrainer:
                 try:
                     while self.next_step < end and (step := next(steps, None)) is not None:
                         started = time.perf_counter()
+                        if pending is not None and self.on_step is not None:
+                            # on_step may change the next step (a learning-rate schedule): it runs
+                            # before that step is launched, as on the CPU (only the fetch overlaps)
+                            late, pending = pending, None
+                            self._complete(*late, history, end, bar, until=started)
                         stats, loss_sum = self._run_step(step, defer=self._defers)
                         if pending is not None:  # (cleared first: a failing callback records it once)
                             late, pending = pending, None
@@ -675,6 +682,15 @@ class TraceTrainer:
         found = world()
         world_size, rank = found.size, found.rank
         check_trainer_state(state, source)
+        loader_step = (
+            state["loader"].get("sampler", {}).get("next_step") if isinstance(state["loader"], dict) else None
+        )
+        if isinstance(loader_step, int) and loader_step != state["step"]:
+            raise ValueError(
+                f"{source}: its step {state['step']} is not where its loader stands (next_step {loader_step}): the "
+                "file was damaged or edited; use another checkpoint, or start without resuming"
+            )
+        _check_optimizer_state(state["optimizer"], self.optimizer.optimizer, source)
         saved_settings = state.get("settings", {})
         for name, value in self.settings.items():
             if name in saved_settings and saved_settings[name] != value:
@@ -684,7 +700,11 @@ class TraceTrainer:
                 )
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
-            ("optimizer", self.optimizer.load_state_dict),
+            # with this run's device settings: a checkpoint moves between devices (e.g. XLA and the CPU)
+            (
+                "optimizer",
+                lambda saved: self.optimizer.load_state_dict(_on_this_device(saved, self.optimizer)),
+            ),
             ("loader", self.loader.load_state_dict),
         ]
         for name, load in parts:
@@ -738,9 +758,9 @@ class TraceTrainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Resume from a checkpoint file (every rank reads it)."""
-        # Read on the host (torch.load cannot place a storage on an XLA device); loading copies the
-        # values into the model's and the optimizer's tensors on their devices.
-        self.load_state_dict(load_checkpoint(path, map_location="cpu"), source=f"checkpoint {path}")
+        # Read on the host (load_checkpoint's rule); loading copies the values into the model's and
+        # the optimizer's tensors on their devices.
+        self.load_state_dict(load_checkpoint(path), source=f"checkpoint {path}")
 
     def resume(self) -> Path | None:
         """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none."""
@@ -750,6 +770,63 @@ class TraceTrainer:
         if path is not None:
             self.load_checkpoint(path)
         return path
+
+
+# Param group settings that say how an update runs on the device, not what it computes: a
+# checkpoint's are those of the device it was written on, this run's stand.
+_DEVICE_SETTINGS = ("capturable", "fused", "foreach")
+
+
+def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``saved`` (an optimizer state dict) with the device settings of ``optimizer``'s param groups.
+
+    ``Optimizer.load_state_dict`` takes every group setting from the file, ``capturable`` and
+    ``fused`` too, and places the step counts by them: a state written on XLA (``capturable``)
+    would make the CPU's Adam refuse its parameters, a CPU's (``fused``) XLA's.
+    """
+    if not isinstance(saved, dict):
+        return saved
+    if "param_groups" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
+        return {**saved, "optimizer": _on_this_device(saved["optimizer"], optimizer)}
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return saved  # load_state_dict says what does not fit
+    return {
+        **saved,
+        "param_groups": [
+            {**group, **{key: current[key] for key in _DEVICE_SETTINGS if key in current}}
+            if isinstance(group, dict)
+            else group
+            for group, current in zip(groups, optimizer.param_groups, strict=True)
+        ],
+    }
+
+
+def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """An Adam's (or AdamW's) saved per-parameter state must hold what its update reads.
+
+    A state missing ``exp_avg`` loads without complaint and fails mid-training with a bare
+    ``KeyError``; refuse it here, naming the file, the parameter and the entry.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
+        return
+    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
+        saved = saved["optimizer"]
+    per_param, groups = saved.get("state"), saved.get("param_groups")
+    if not isinstance(per_param, dict) or not isinstance(groups, list):
+        return  # load_state_dict says what does not fit
+    amsgrad = {i: bool(g.get("amsgrad")) for g in groups if isinstance(g, dict) for i in g.get("params", [])}
+    for index, entries in per_param.items():
+        if not isinstance(entries, dict) or not entries:
+            continue  # no step yet: the update starts it afresh
+        needed = ["step", "exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad.get(index) else [])]
+        missing = [key for key in needed if key not in entries]
+        if missing:
+            raise ValueError(
+                f"{source}: its optimizer state of parameter {index} lacks {missing} ({type(optimizer).__name__} "
+                f"needs {needed}, it holds {sorted(entries)}); the file was damaged or edited: use another "
+                "checkpoint, or start without resuming"
+            )
 
 
 def _derived_seed(seed: int, step: int, position: int) -> int:

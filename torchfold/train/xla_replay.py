@@ -47,6 +47,7 @@ from torchfold.train._replay import (
     target_tensors,
 )
 from torchfold.train.compiled import check_loss, uncapturable_update
+from torchfold.train.loader import to_device
 from torchfold.train.xla_linear import transposed_weights
 
 __all__ = ["XlaStepReplay", "replay_unavailable"]
@@ -110,7 +111,7 @@ class XlaStepReplay(StepReplay):
     """One training step of one minibatch (forward, loss, backward, update) as one replayed XLA graph.
 
     Calling it with a :class:`~torchfold.engine.static.StaticPlan`, its targets (tensors on the
-    device) and the learning rate of each parameter group runs the step: the parameters and the
+    device, or on the host: they are moved) and the learning rate of each parameter group runs the step: the parameters and the
     optimizer's state are replaced by the graph's results, the gradients are left ``None``, and
     the loss (a scalar tensor on the device, not read back) is returned. The first step of each
     layout (and of each optimizer state structure: its first step creates the state) traces and
@@ -170,6 +171,10 @@ class XlaStepReplay(StepReplay):
         xla = torch_xla._XLAC
         self._check_call(plan, lrs)
         groups = self.optimizer.param_groups
+        # targets on the host (a loader's numpy arrays or CPU tensors) go to the parameters' device
+        device = next((p.device for group in groups for p in group["params"]), None)
+        if device is not None:
+            targets = to_device(targets, device)
         reason = uncapturable_update(self.optimizer)
         if reason is not None:  # e.g. a loaded state dict turned capturable off
             self._refuse(f"the optimizer's update cannot be captured: {reason}")

@@ -1,0 +1,213 @@
+"""Regressions of the trainer on XLA's CPU backend (captured and replayed steps, the schedule of
+``on_step``, checkpoints that move between XLA and the CPU), and the CPU half of each.
+
+The XLA tests (``-m xla``) run in the XLA environment (``make test-xla``); torch_xla is imported
+inside them, so the CPU lane collects this file too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchfold.engine.static.shapes import StaticShapes
+from torchfold.examples.datasets import Vocab, load_sst
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.train.loader import StepLoader
+from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.trainer import StepStats, TraceTrainer
+
+NUM_TREES = 16
+MINIBATCH = 4
+
+
+def _trainer(
+    device: torch.device,
+    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    trace: list[int],
+    *,
+    on_step: Callable[[StepStats], None] | None = None,
+    compile: str = "auto",
+) -> TraceTrainer:
+    """A Tree-LSTM trainer on the first SST trees, with static-shape plans fitted to them."""
+    trees = load_sst(split="train", max_trees=NUM_TREES)
+    vocab = Vocab.build(trees)
+    shapes = StaticShapes()
+    for start in range(0, len(trees), MINIBATCH):
+        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = TreeLSTM(len(vocab), 8, 8).to(device)
+    optimizer = AccumulatingOptimizer(make_optimizer(list(model.parameters())), lr_rule="constant")
+    loader = StepLoader(
+        trees, MINIBATCH, build=TreeLSTMBuild(vocab, shapes=shapes), trace=trace, num_workers=0
+    )
+    return TraceTrainer(
+        model,
+        optimizer,
+        loader,
+        tree_lstm_loss,
+        device=device,
+        progress=False,
+        on_step=on_step,
+        compile=compile,
+    )
+
+
+def _step_lr_schedule(device: torch.device, trace: list[int], *, defers: bool | None = None) -> list[float]:
+    """The learning rate of each step when ``on_step`` steps a ``StepLR(gamma=0.5)`` (``defers``:
+    force the accelerator's reading of a step's loss after the next is launched, or not)."""
+    rates: list[float] = []
+    holder: list[torch.optim.lr_scheduler.StepLR] = []
+
+    def on_step(stats: StepStats) -> None:
+        rates.append(stats.lr)
+        holder[0].step()
+
+    trainer = _trainer(
+        device,
+        lambda params: torch.optim.Adam(params, lr=0.01, capturable=device.type == "xla"),
+        trace,
+        on_step=on_step,
+    )
+    if defers is not None:
+        trainer._defers = defers
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # StepLR's "step() before optimizer.step()" (replayed steps)
+        holder.append(torch.optim.lr_scheduler.StepLR(trainer.optimizer.optimizer, step_size=1, gamma=0.5))
+        trainer.fit(max_steps=len(trace))
+    return rates
+
+
+SCHEDULE = [0.01, 0.005, 0.0025, 0.00125]
+
+
+def test_on_step_changes_apply_from_the_next_step_on_the_cpu() -> None:
+    # The CPU, made to read each loss late as on an accelerator (the loop is the same there)
+    for defers in (False, True):
+        assert _step_lr_schedule(torch.device("cpu"), [MINIBATCH] * 4, defers=defers) == pytest.approx(
+            SCHEDULE
+        )
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("minibatches", [1, 2], ids=["replayed whole", "captured minibatches"])
+def test_on_step_changes_apply_from_the_next_step_on_xla(minibatches: int) -> None:
+    # In one process on an accelerator the trainer reported step N after launching step N+1: a
+    # StepLR stepped from on_step gave 0.01, 0.01, 0.005, 0.0025 on XLA.
+    import torch_xla
+
+    assert _step_lr_schedule(torch_xla.device(), [MINIBATCH * minibatches] * 4) == pytest.approx(SCHEDULE)
+
+
+def _losses_and_params(trainer: TraceTrainer, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+    losses = [s.loss for s in trainer.fit(max_steps=steps)]
+    return losses, [p.detach().cpu() for p in trainer.model.parameters()]
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(600)  # compiles on a shared CPU
+def test_adagrad_on_xla_with_compile_auto_trains_as_with_compile_off() -> None:
+    # Adagrad keeps its step count in a CPU tensor and has no capturable option: its captured
+    # update failed with "Expected XLA tensor. Got: torch.FloatTensor".
+    import torch_xla
+
+    device = torch_xla.device()
+
+    def adagrad(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(params, lr=0.05)
+
+    with pytest.warns(UserWarning, match="the optimizer's update runs op by op: .*Adagrad"):
+        captured = _trainer(device, adagrad, [MINIBATCH] * 2)
+    losses, params = _losses_and_params(captured, 2)
+    cpu = _trainer(torch.device("cpu"), adagrad, [MINIBATCH] * 2, compile="off")  # eager steps
+    expected_losses, expected = _losses_and_params(cpu, 2)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for p, q in zip(params, expected, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def _first_batch() -> tuple[Any, Any, Vocab]:
+    trees = load_sst(split="train", max_trees=MINIBATCH)
+    vocab = Vocab.build(trees)
+    plan, targets = TreeLSTMBuild(vocab, shapes=StaticShapes())(trees)
+    return plan, targets, vocab
+
+
+@pytest.mark.xla
+def test_xla_step_replay_takes_targets_on_the_cpu() -> None:
+    # CPU targets failed in torch_xla with "Expected XLA tensor. Got: torch.LongTensor".
+    import torch_xla
+
+    from torchfold.train.loader import to_device
+    from torchfold.train.xla_replay import XlaStepReplay
+
+    device = torch_xla.device()
+    plan, targets, vocab = _first_batch()
+    results = []
+    for on in ("cpu", "xla"):
+        torch.manual_seed(0)
+        model = TreeLSTM(len(vocab), 8, 8).to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+        replay = XlaStepReplay(model, tree_lstm_loss, optimizer)
+        batch = to_device(targets, torch.device("cpu")) if on == "cpu" else to_device(targets, device)
+        losses = [float(replay(plan, batch, [0.01])) for _ in range(2)]
+        results.append((losses, [p.detach().cpu() for p in model.parameters()]))
+    (cpu_losses, cpu_params), (xla_losses, xla_params) = results
+    assert cpu_losses == xla_losses
+    for p, q in zip(cpu_params, xla_params, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _train_cli(device: str, max_steps: int, checkpoints: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m torchfold train`` on ``device``: 8 SST trees, steps of 4, resuming from ``checkpoints``."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    args = [
+        *("--device", device, "--trace", "4", "--minibatch-size", "4", "--max-train", "8"),
+        *("--max-steps", str(max_steps), "--checkpoint-dir", str(checkpoints), "--workers", "0"),
+        *("--embedding-dim", "8", "--hidden-dim", "8", "--no-progress", "--log-every", "0"),
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "torchfold", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(600)  # compiles on a shared CPU
+def test_the_train_cli_on_xla_resumes_from_its_own_checkpoint(tmp_path: Path) -> None:
+    # The command read its checkpoint onto the XLA device, which torch.load cannot do, and
+    # called the file "truncated or corrupt" telling the user to delete it.
+    for steps in (1, 2):
+        done = _train_cli("xla", steps, tmp_path / "ck")
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'ck' / 'step-00000001.pt'} at step 1" in done.stdout, done.stdout
+    assert "done: 1 steps (4 samples" in done.stdout
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(600)  # compiles on a shared CPU
+def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back(tmp_path: Path) -> None:
+    # The optimizer's param groups carried the device's settings: a CPU checkpoint (fused Adam)
+    # failed on XLA in the fused kernel, an XLA one (capturable) on the CPU in Adam's checks.
+    for steps, device in enumerate(("cpu", "xla", "cpu"), start=1):
+        done = _train_cli(device, steps, tmp_path / "ck")
+        assert done.returncode == 0, done.stderr[-3000:]
+        if steps > 1:
+            assert f"step-{steps - 1:08d}.pt at step {steps - 1}" in done.stdout, done.stdout

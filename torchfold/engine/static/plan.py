@@ -8,6 +8,7 @@ steps can trace it once per layout. :meth:`StaticPlan.apply` runs it on the plan
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -230,8 +231,16 @@ def _note_exact(nn: object, sizes: list[int]) -> None:
             ".plan([nodes]); outputs = plan.apply(model, padded=True); weight the padded rows 0 with "
             "plan.pad(0, weights), or plan.pad(0, labels, fill=-100) for cross_entropy's ignore_index",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_outside_torchfold(),
         )
+
+
+def _outside_torchfold() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside torchfold."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("torchfold."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:

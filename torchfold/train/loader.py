@@ -300,7 +300,12 @@ class StepLoader(Generic[T, R]):
             unless ``max_device_batch_size`` is given).
         build: ``build(items) -> (FoldPlan, targets)``, run for each minibatch in the workers
             (record the items on a ``Fold`` and return ``fold.plan(...)`` and the targets, numpy
-            preferred). ``None`` (default): a minibatch is the list of its items.
+            preferred). ``None`` (default): a minibatch is the list of its items. A minibatch
+            whose plan does not fit a frozen :class:`~torchfold.StaticShapes` envelope (the
+            build raises :class:`~torchfold.StaticShapesOverflow`; see
+            :func:`~torchfold.train.fit_static_shapes`) is built again as halves, until each
+            fits: the step then holds more minibatches (:attr:`Step.split` counts them), and
+            the same samples, so the optimizer's step is the same.
         trace: the global batch size of every step (a :class:`~torchfold.train.BatchSizeTrace`, a
             ``step,batchsize`` CSV path, a list or an int); every size a multiple of
             ``batch_size``. ``None`` (default): PopTorch's constant

@@ -89,8 +89,8 @@ def test_split_positions_are_the_same_on_any_number_of_ranks(sst: tuple[list[Tre
     shapes = fit_static_shapes(trees[:40], TreeLSTMBuild(vocab), 2)
     trace = [16, 32, 24]
 
-    def positions(replicas: int, rank: int) -> list[set[tuple[int, tuple[int, ...]]]]:
-        loader = StepLoader(
+    def positions(replicas: int, rank: int, workers: int = 0) -> list[set[tuple[int, tuple[int, ...]]]]:
+        with StepLoader(
             trees,
             8,
             build=TreeLSTMBuild(vocab, shapes=shapes),
@@ -98,12 +98,15 @@ def test_split_positions_are_the_same_on_any_number_of_ranks(sst: tuple[list[Tre
             seed=5,
             replication_factor=replicas,
             rank=rank,
-        )
-        return [{(m.position, tuple(m.indices)) for m in step} for step in loader]
+            num_workers=workers,
+            multiprocessing_context="fork",
+        ) as loader:
+            return [{(m.position, tuple(m.indices)) for m in step} for step in loader]
 
     one = positions(1, 0)
     two = [a | b for a, b in zip(positions(2, 0), positions(2, 1), strict=True)]
     assert one == two
+    assert positions(1, 0, workers=2) == one  # split in worker processes, the parts sent back
     assert sum(len(step) for step in one) > sum(size // 8 for size in trace)  # there were splits
 
 

@@ -59,7 +59,7 @@ unit: env env-dynet
 	$(BIN)/python -m pytest -m "not xla"
 
 test-xla: env-xla
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py
 
 test: lint typecheck docs unit test-xla
 

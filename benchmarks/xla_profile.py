@@ -135,15 +135,15 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     import torch_xla
     import torch_xla.debug.profiler as xp
 
-    from torchfold.cli.train import _static_shapes
-    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+    from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
     from torchfold.examples.sst import Vocab, load_sst
     from torchfold.train.xla_replay import XlaStepReplay
 
     torch.set_num_threads(1)
     trees = load_sst(args.data, "train", max_trees=args.max_train)
     vocab = Vocab.build(trees)
-    shapes = _static_shapes(trees, vocab, args.trees)  # the trainer's own fitting, not a copy of it
+    # the trainer's own fitting, not a copy of it; unfrozen: these minibatches are not a loader's, nothing splits them
+    shapes = tree_lstm_shapes(trees, vocab, args.trees).freeze(False)
     build = TreeLSTMBuild(vocab, shapes)
     plans: list[tuple[Any, Any]] = [
         build(batch) for batch in minibatches(trees, args.trees, args.warmup + 4 * args.steps, 0)

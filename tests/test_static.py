@@ -400,7 +400,12 @@ def test_given_tensors_of_another_layout_are_never_padded_into_a_wrong_result() 
         else:
             with pytest.raises(FoldError, match=r"op 'inp' \(1 rows .* op 'inp' \(3 rows"):
                 folds[0].apply(_Rows(), [outs[0]])
-    assert len({key for _, key in shapes._capacity if key[0] == "inp"}) == 2  # a slot per layout
+    # (the failed fold grew a slot for its layout, and left the envelope as it was: one slot)
+    assert len({key for _, key in shapes._capacity if key[0] == "inp"}) == 1
+    fold = Fold(shapes=shapes)
+    torch.testing.assert_close(
+        fold.apply(_Rows(), [[fold.add("inp", torch.full((1, 1), 5.0), 1)]])[0], torch.full((1, 1), 5.0)
+    )
 
 
 def test_switching_between_request_lists_grows_the_envelope_once_per_list() -> None:
@@ -779,3 +784,34 @@ def test_sst_batches_stop_growing_the_envelope_after_the_warm_up() -> None:
         fold.plan([nodes])
         versions.append(shapes.version)
     assert versions[19] == versions[-1] <= 3, versions
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_fold_that_fails_leaves_the_envelope_as_it_was(packed: bool) -> None:
+    """A typo'd op grew the envelope with slots of its own: every later fold ran them and failed
+    naming nodes it did not hold. A failed fold now puts the envelope back."""
+
+    class Sum(torch.nn.Module):
+        def leaf(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float().unsqueeze(1)
+
+        def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + b
+
+    def apply(shapes: StaticShapes, op: str) -> list[torch.Tensor]:
+        fold = Fold(shapes=shapes)
+        a, b, c = fold.add(op, 1), fold.add("leaf", 2), fold.add("leaf", 3)
+        return fold.apply(Sum(), [[fold.add("add", fold.add("add", a, b), c)]])
+
+    model = Sum()
+    shapes = StaticShapes(min_rows=4, pack_levels=packed)
+    fold = Fold(shapes=shapes)
+    fold.apply(model, [[fold.add("add", fold.add("leaf", 4), fold.add("leaf", 5))]])  # a layout that works
+    before = pickle.dumps((shapes._snapshot()["_capacity"], shapes._snapshot()["_names"], shapes.version))
+    with pytest.raises(FoldError, match="unknown op 'lef'"):
+        apply(shapes, "lef")
+    assert (
+        pickle.dumps((shapes._snapshot()["_capacity"], shapes._snapshot()["_names"], shapes.version))
+        == before
+    )
+    assert apply(shapes, "leaf") == [torch.tensor([[6.0]])]  # the corrected fold runs

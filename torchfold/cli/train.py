@@ -34,7 +34,6 @@ from torchfold._validate import (
     seed_int,
     thread_count,
 )
-from torchfold.engine.static.shapes import StaticShapes
 from torchfold.examples.datasets import (
     ENV_VAR,
     Tree,
@@ -44,7 +43,7 @@ from torchfold.examples.datasets import (
     generate_sst,
     load_sst,
 )
-from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
+from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
 from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, list_checkpoints, load_checkpoint
 from torchfold.train.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.distributed import default_device, init_distributed
@@ -428,23 +427,6 @@ def _device(choice: str) -> torch.device:
     return default_device() if choice == "cuda" else torch.device("cpu")
 
 
-# Minibatches whose plans the static shapes are fitted to before training on XLA (on the host,
-# no tensor op): the warm-up then compiles once instead of once per growth.
-XLA_FIT_MINIBATCHES = 20
-
-
-def _static_shapes(
-    trees: list[Tree], vocab: Vocab, minibatch_size: int, *, pack_levels: bool = False
-) -> StaticShapes:
-    shapes = StaticShapes(pack_levels=pack_levels)
-    build = TreeLSTMBuild(vocab)
-    for start in range(0, min(len(trees), XLA_FIT_MINIBATCHES * minibatch_size), minibatch_size):
-        plan, _ = build(trees[start : start + minibatch_size])
-        shapes.fit(plan)  # type: ignore[arg-type]
-    shapes.real_calls = shapes.padded_calls = 0  # the waste reported is the training run's
-    return shapes
-
-
 def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], origin: str) -> int:
     device = _device(args.device)
     static = device.type == "xla" or wants_compile(args.compile, device)  # folds padded into static shapes
@@ -482,7 +464,10 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
         build=TreeLSTMBuild(
             vocab,
             # static shapes: what XLA needs to repeat its graphs, and what a captured step replays
-            shapes=_static_shapes(trees, vocab, fold_trees, pack_levels=args.pack_levels) if static else None,
+            # fitted to a pass over the data and frozen: the loader splits what does not fit, so none grows
+            shapes=tree_lstm_shapes(trees, vocab, fold_trees, pack_levels=args.pack_levels, seed=args.seed)
+            if static
+            else None,
         ),
         trace=trace,
         seed=args.seed,

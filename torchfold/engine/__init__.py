@@ -17,7 +17,7 @@ from torchfold.engine.eager import EagerFold, EagerNode
 from torchfold.engine.fold import Fold
 from torchfold.engine.node import Node
 from torchfold.engine.plan import FoldPlan
-from torchfold.engine.static import StaticPlan, StaticShapes, StaticShapesWarning
+from torchfold.engine.static import StaticPlan, StaticShapes, StaticShapesOverflow, StaticShapesWarning
 
 __all__ = [
     "EagerFold",
@@ -28,5 +28,6 @@ __all__ = [
     "Node",
     "StaticPlan",
     "StaticShapes",
+    "StaticShapesOverflow",
     "StaticShapesWarning",
 ]

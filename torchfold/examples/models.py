@@ -23,6 +23,7 @@ from torchfold.engine.fold import Fold
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab
+from torchfold.train.envelope import fit_static_shapes
 
 __all__ = [
     "MLP",
@@ -32,6 +33,7 @@ __all__ = [
     "encode_trees",
     "forward_tree",
     "tree_lstm_loss",
+    "tree_lstm_shapes",
 ]
 
 
@@ -256,9 +258,10 @@ class TreeLSTMBuild:
 
     With ``shapes``, plans are padded into that :class:`~torchfold.StaticShapes` envelope (for
     XLA: the graphs repeat) and so are the targets, padded rows weighing 0. Each loader worker
-    pads into its own copy of the envelope: fit it to a sample of minibatches first (as
-    ``python -m torchfold train --device xla`` does), so that the copies rarely need to grow;
-    a copy that does grow warns, and its graphs are its own.
+    pads into its own copy of the envelope: fit it to the dataset first and freeze it
+    (:func:`tree_lstm_shapes`, as ``python -m torchfold train --device xla`` does); the loader
+    then splits a minibatch that does not fit into smaller ones that do, and the copies grow
+    (with a warning, and graphs of their own) only for a tree that does not fit alone.
 
     Args:
         vocab: maps the trees' words to the model's embedding ids.
@@ -282,6 +285,36 @@ class TreeLSTMBuild:
         weights = np.repeat(1 / (sizes * len(sizes)), sizes)
         plan = fold.plan([nodes])
         return plan, (plan.pad(0, np.asarray(labels, dtype=np.int64)).numpy(), plan.pad(0, weights).numpy())
+
+
+def tree_lstm_shapes(
+    trees: Sequence[Tree],
+    vocab: Vocab,
+    minibatch_size: int,
+    *,
+    pack_levels: bool = False,
+    max_minibatches: int | None = None,
+    seed: int = 0,
+) -> StaticShapes:
+    """An envelope for :class:`TreeLSTMBuild`, fitted to a pass of minibatches over ``trees`` and frozen.
+
+    :func:`~torchfold.train.fit_static_shapes` with this model's build (see there); pass the
+    result as ``TreeLSTMBuild(vocab, shapes=...)``.
+
+    >>> from torchfold.examples.datasets import generate_sst
+    >>> trees = generate_sst(30, seed=0)
+    >>> shapes = tree_lstm_shapes(trees, Vocab.build(trees), 10)
+    >>> shapes.frozen, shapes.plans
+    (True, 3)
+    """
+    return fit_static_shapes(
+        trees,
+        TreeLSTMBuild(vocab),
+        minibatch_size,
+        shapes=StaticShapes(pack_levels=pack_levels),
+        max_minibatches=max_minibatches,
+        seed=seed,
+    )
 
 
 def tree_lstm_loss(

@@ -31,6 +31,7 @@ from torchfold.train.distributed import (
     get_world_size as get_world_size,  # deprecated: world().size
 )
 from torchfold.train.elastic import ElasticConfig
+from torchfold.train.envelope import fit_static_shapes
 from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
 from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
@@ -64,6 +65,7 @@ __all__ = [
     "check_same_on_all_ranks",
     "default_device",
     "fingerprint",
+    "fit_static_shapes",
     "init_distributed",
     "is_main_process",
     "scaled_lr",

@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import pickle
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch.utils.data
 from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
-from torchfold.engine.static.shapes import StaticPlan
+from torchfold.engine.static.shapes import StaticPlan, StaticShapesOverflow, StaticShapesWarning
 from torchfold.train.distributed import world_or
 from torchfold.train.sampler import StepSplit, TraceBatchSampler, _warn_renamed
 from torchfold.train.trace import TraceLike
@@ -60,7 +61,10 @@ class Minibatch(Generic[R]):
         indices: the dataset indices of its items.
         position: its number among the step's minibatches over all ranks (minibatch ``j`` is on
             rank ``j % replication_factor``); with a fixed ``batch_size`` it names the same
-            samples on any number of ranks, so it can seed the minibatch's random draws.
+            samples on any number of ranks, so it can seed the minibatch's random draws. A
+            minibatch split in parts (its plan did not fit a frozen envelope) keeps its position
+            for the first part; part ``k`` gets ``position + k * num_minibatches`` (the step's
+            planned count over all ranks), so positions stay unique and the same on any number of ranks.
     """
 
     data: R
@@ -187,7 +191,7 @@ class _BuildFailure:
         raise self.error
 
 
-class _Builder(torch.utils.data.Dataset["Minibatch[Any] | _BuildFailure"]):
+class _Builder(torch.utils.data.Dataset["Minibatch[Any] | tuple[Minibatch[Any], ...] | _BuildFailure"]):
     """What the workers run: ``dataset[i]`` for a minibatch's indices, then ``build`` on the items."""
 
     def __init__(self, dataset: Sequence[Any], build: Callable[[list[Any]], Any] | None) -> None:
@@ -197,7 +201,7 @@ class _Builder(torch.utils.data.Dataset["Minibatch[Any] | _BuildFailure"]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, indices: list[int]) -> Minibatch[Any] | _BuildFailure:
+    def __getitem__(self, indices: list[int]) -> Minibatch[Any] | tuple[Minibatch[Any], ...] | _BuildFailure:
         where = f"dataset indices {indices}" if len(indices) <= 64 else f"{len(indices)} dataset indices"
         try:
             return self._build(indices)
@@ -205,12 +209,45 @@ class _Builder(torch.utils.data.Dataset["Minibatch[Any] | _BuildFailure"]):
             add_note(e, f"torchfold.train.StepLoader: while building the minibatch of {where}")
             return _BuildFailure(e, where)
 
-    def _build(self, indices: list[int]) -> Minibatch[Any]:
+    def _build(self, indices: list[int]) -> Minibatch[Any] | tuple[Minibatch[Any], ...]:
         items = [self.dataset[i] for i in indices]
-        data = items if self.build is None else self.build(items)
-        if self.build is not None and not (
-            isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)
-        ):
+        if self.build is None:
+            return Minibatch(items, len(indices), list(indices))
+        parts = self._fitted(indices, items)
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    def _fitted(self, indices: list[int], items: list[Any]) -> list[Minibatch[Any]]:
+        """``build(items)`` as one minibatch, or, when its plan does not fit a frozen envelope
+        (:class:`~torchfold.StaticShapesOverflow`), as halves built the same way: the optimizer
+        weighs each part by its samples, so the step is exactly the same, and no new graph is
+        compiled. Only a sample that does not fit alone grows the envelope (one warning naming it)."""
+        assert self.build is not None
+        try:
+            data = self.build(items)
+        except StaticShapesOverflow as overflow:
+            if len(items) > 1:
+                half = (len(items) + 1) // 2
+                return self._fitted(indices[:half], items[:half]) + self._fitted(indices[half:], items[half:])
+            shapes = overflow.shapes
+            warnings.warn(
+                f"sample {indices[0]} of the dataset does not fit the frozen static shapes (version {shapes.version}) "
+                "even alone, so they grow for it: expect one new compilation; fit the envelope on data that holds "
+                "samples like it (torchfold.train.fit_static_shapes)",
+                StaticShapesWarning,
+                stacklevel=2,
+            )
+            frozen, shapes.frozen = shapes.frozen, False
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", StaticShapesWarning)  # said above, naming the sample
+                    data = self.build(items)
+            finally:
+                shapes.frozen = frozen
+        self._check(data, indices)
+        return [Minibatch(data, len(indices), list(indices))]
+
+    def _check(self, data: Any, indices: list[int]) -> None:
+        if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)):
             got = type(data).__name__
             if isinstance(data, tuple):
                 got = f"a tuple of {len(data)} ({', '.join(type(part).__name__ for part in data)})"
@@ -219,7 +256,6 @@ class _Builder(torch.utils.data.Dataset["Minibatch[Any] | _BuildFailure"]):
                 f"{'...' if len(indices) > 8 else ''}; it must return (FoldPlan or StaticPlan, targets), e.g. "
                 "(fold.plan([nodes]), labels)"
             )
-        return Minibatch(data, len(indices), list(indices))
 
 
 # Loaders that may own worker processes. A process forked from their owner (another loader's
@@ -264,7 +300,12 @@ class StepLoader(Generic[T, R]):
             unless ``max_device_batch_size`` is given).
         build: ``build(items) -> (FoldPlan, targets)``, run for each minibatch in the workers
             (record the items on a ``Fold`` and return ``fold.plan(...)`` and the targets, numpy
-            preferred). ``None`` (default): a minibatch is the list of its items.
+            preferred). ``None`` (default): a minibatch is the list of its items. A minibatch
+            whose plan does not fit a frozen :class:`~torchfold.StaticShapes` envelope (the
+            build raises :class:`~torchfold.StaticShapesOverflow`; see
+            :func:`~torchfold.train.fit_static_shapes`) is built again as halves, until each
+            fits: the step then holds more minibatches (:attr:`Step.split` counts them), and
+            the same samples, so the optimizer's step is the same.
         trace: the global batch size of every step (a :class:`~torchfold.train.BatchSizeTrace`, a
             ``step,batchsize`` CSV path, a list or an int); every size a multiple of
             ``batch_size``. ``None`` (default): PopTorch's constant
@@ -629,14 +670,26 @@ class StepLoader(Generic[T, R]):
                 )
             minibatches = []
             for i in range(split.local_minibatches):
-                got: Minibatch[Any] | _BuildFailure = next(batches)
+                got: Minibatch[Any] | tuple[Minibatch[Any], ...] | _BuildFailure = next(batches)
                 if isinstance(got, _BuildFailure):
                     got.raise_it()
-                minibatch = got
-                minibatch = dataclasses.replace(minibatch, position=i * self.replication_factor + self.rank)
-                if self.device is not None:
-                    minibatch = dataclasses.replace(minibatch, data=to_device(minibatch.data, self.device))
-                minibatches.append(minibatch)
+                position = i * self.replication_factor + self.rank
+                for part, minibatch in enumerate(got if isinstance(got, tuple) else (got,)):
+                    # the parts of a split minibatch: positions past the step's planned ones
+                    minibatch = dataclasses.replace(
+                        minibatch, position=position + part * split.num_minibatches
+                    )
+                    if self.device is not None:
+                        minibatch = dataclasses.replace(
+                            minibatch, data=to_device(minibatch.data, self.device)
+                        )
+                    minibatches.append(minibatch)
+            if len(minibatches) != split.local_minibatches:
+                # Split minibatches: count the ones that run. (A rank knows its own splits only: the
+                # other ranks' counts stay as planned.)
+                counts = list(split.minibatches)
+                counts[split.rank] = len(minibatches)
+                split = dataclasses.replace(split, minibatches=tuple(counts))
             self._next_step = split.step + 1
             yield Step(split, tuple(minibatches))
 

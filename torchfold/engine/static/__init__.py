@@ -11,6 +11,13 @@ why an envelope.
 
 from torchfold.engine.static.layout import StaticLayout
 from torchfold.engine.static.plan import StaticInputs, StaticPlan
-from torchfold.engine.static.shapes import StaticShapes, StaticShapesWarning
+from torchfold.engine.static.shapes import StaticShapes, StaticShapesOverflow, StaticShapesWarning
 
-__all__ = ["StaticInputs", "StaticLayout", "StaticPlan", "StaticShapes", "StaticShapesWarning"]
+__all__ = [
+    "StaticInputs",
+    "StaticLayout",
+    "StaticPlan",
+    "StaticShapes",
+    "StaticShapesOverflow",
+    "StaticShapesWarning",
+]

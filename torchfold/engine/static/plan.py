@@ -8,6 +8,9 @@ steps can trace it once per layout. :meth:`StaticPlan.apply` runs it on the plan
 
 from __future__ import annotations
 
+import sys
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -22,11 +25,18 @@ from torchfold.engine.resolve import module_device
 
 if TYPE_CHECKING:
     from torchfold.engine.static.layout import Slot, StaticGather, StaticLayout
+    from torchfold.engine.static.shapes import StaticShapes
 
 __all__ = ["StaticInputs", "StaticPlan", "run"]
 
 _Tensor = torch.Tensor
 _NUMPY_DEFAULT = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+# Exact (unpadded) outputs on XLA: per module, the distinct output sizes returned so far. Each is a
+# new shape for whatever the caller computes on them (a loss, its backward): a new program.
+_EXACT_SIZES: weakref.WeakKeyDictionary[Any, set[tuple[int, ...]]] = weakref.WeakKeyDictionary()
+#: distinct exact output sizes on XLA after which ``apply`` warns (once per module) that the loss recompiles
+EXACT_SIZES_WARN = 4
 
 
 class StaticInputs(NamedTuple):
@@ -82,6 +92,8 @@ class StaticPlan:
         self.num_nodes = num_nodes
         self.device = device
         self.volatile = volatile
+        # (the envelope, its state before the fit that made this plan grew it): put back if this plan fails
+        self._undo: tuple[weakref.ref[StaticShapes], tuple[int, int, dict[str, Any]]] | None = None
 
     @property
     def slots(self) -> list[Slot]:
@@ -157,12 +169,26 @@ class StaticPlan:
             FoldError: unknown op, or an op returning something other than rows per call.
         """
         device = self.device if self.device is not None else module_device(nn)
-        if self.volatile:
-            with torch.no_grad():
+        try:
+            if self.volatile:
+                with torch.no_grad():
+                    outputs = self.layout.run(nn, self.inputs(device))
+            else:
                 outputs = self.layout.run(nn, self.inputs(device))
-        else:
-            outputs = self.layout.run(nn, self.inputs(device))
-        return outputs if padded else self.unpad(outputs)
+        except BaseException:
+            # A fold that fails (an unknown op, say) leaves the envelope as it was: had its fit's
+            # growth stayed, every later plan would run its slots too, and fail the same way.
+            shapes = self._undo[0]() if self._undo is not None else None
+            if shapes is not None and self._undo is not None:
+                shapes._failed(self._undo[1])
+            self._undo = None
+            raise
+        self._undo = None  # it ran: what it grew is the envelope's for good
+        if padded:
+            return outputs
+        if device.type == "xla":
+            _note_exact(nn, self.sizes)
+        return self.unpad(outputs)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles: refused, like a :class:`~torchfold.FoldPlan`'s, where a copy would cut gradients off.
@@ -176,7 +202,7 @@ class StaticPlan:
             portable_tensors(tensor, where)
             for tensor, where in zip(self.given, self.layout.given, strict=True)
         )
-        return {**self.__dict__, "given": given}
+        return {**self.__dict__, "given": given, "_undo": None}  # (the undo is the fitting process's)
 
     def __len__(self) -> int:
         return self.num_nodes
@@ -186,6 +212,35 @@ class StaticPlan:
             f"StaticPlan({len(self.slots)} slots, {self.num_nodes} nodes in {self.real_calls} calls padded to "
             f"{self.padded_calls}, requests {self.sizes} of {self.capacities})"
         )
+
+
+def _note_exact(nn: object, sizes: list[int]) -> None:
+    """Note exact outputs of ``sizes`` returned on XLA for ``nn``; warn once when they keep changing."""
+    try:
+        seen = _EXACT_SIZES.setdefault(nn, set())
+    except TypeError:  # not weakly referenceable: nothing to count on
+        return
+    if len(seen) >= EXACT_SIZES_WARN:
+        return
+    seen.add(tuple(sizes))
+    if len(seen) == EXACT_SIZES_WARN:
+        warnings.warn(
+            f"apply on an XLA device returned exact outputs of {EXACT_SIZES_WARN} different sizes for "
+            f"{type(nn).__name__}: the fold runs padded, but a loss (and its backward) on exact rows compiles a new "
+            "program for every new size; use padded outputs and targets: plan = Fold(shapes=StaticShapes.of(model))"
+            ".plan([nodes]); outputs = plan.apply(model, padded=True); weight the padded rows 0 with "
+            "plan.pad(0, weights), or plan.pad(0, labels, fill=-100) for cross_entropy's ignore_index",
+            UserWarning,
+            stacklevel=_outside_torchfold(),
+        )
+
+
+def _outside_torchfold() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside torchfold."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("torchfold."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:

@@ -57,7 +57,7 @@ from torchfold.engine.static.layout import StaticLayout
 from torchfold.engine.static.pack import Packer
 from torchfold.engine.static.plan import StaticPlan
 
-__all__ = ["StaticShapes", "StaticShapesWarning"]
+__all__ = ["StaticShapes", "StaticShapesOverflow", "StaticShapesWarning"]
 
 _Tensor = torch.Tensor
 _BY_MODULE: weakref.WeakKeyDictionary[Any, StaticShapes] = weakref.WeakKeyDictionary()
@@ -65,6 +65,21 @@ _BY_MODULE: weakref.WeakKeyDictionary[Any, StaticShapes] = weakref.WeakKeyDictio
 
 class StaticShapesWarning(UserWarning):
     """A plan did not fit a warmed-up envelope: it grows, and the next run compiles a new graph."""
+
+
+class StaticShapesOverflow(ValueError):
+    """A plan does not fit a frozen envelope (:meth:`StaticShapes.freeze`), or one fitted with ``grow=False``.
+
+    :class:`~torchfold.train.StepLoader` catches it in its build and splits the minibatch into
+    smaller ones that fit (the step stays exactly the same); :attr:`shapes` is the envelope.
+    """
+
+    def __init__(self, message: str, shapes: StaticShapes) -> None:
+        super().__init__(message)
+        self.shapes = shapes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.shapes))
 
 
 class StaticShapes:
@@ -196,6 +211,8 @@ class StaticShapes:
         self.padded_calls = 0
         #: calls that plans ran later than their depth (``pack_levels``), over all plans fitted
         self.moved_calls = 0
+        #: a frozen envelope never grows: :meth:`fit` raises :class:`StaticShapesOverflow` instead
+        self.frozen = False
 
     def __repr__(self) -> str:
         return (
@@ -239,24 +256,99 @@ class StaticShapes:
             size = max(size + 1, math.ceil(size * self.growth))
         return size
 
-    # -- fitting ----------------------------------------------------------------------------
+    # -- warming up, freezing -----------------------------------------------------------------
 
-    def fit(self, plan: PlanData) -> StaticPlan:
-        """Pad ``plan`` into the envelope (growing it first if the plan does not fit)."""
-        if isinstance(plan, StaticPlan):
-            raise TypeError("fit expects an unpadded FoldPlan; this plan is already padded")
-        if not isinstance(plan, PlanData):
-            raise TypeError(f"fit expects a FoldPlan (from Fold.plan), got {type(plan).__name__}")
+    def freeze(self, frozen: bool = True) -> StaticShapes:
+        """Stop growing: from now on a plan that does not fit raises :class:`StaticShapesOverflow`
+        (no new layout, so no new compilation); ``freeze(False)`` grows again. Returns the envelope.
+
+        Freeze after fitting the envelope to the data (e.g.
+        :func:`torchfold.train.fit_static_shapes`); a :class:`~torchfold.train.StepLoader` then
+        splits a minibatch that does not fit into smaller ones that do, and grows the envelope
+        only for a sample that does not fit alone (with a :class:`StaticShapesWarning`).
+
+        >>> shapes = StaticShapes().freeze()
+        >>> shapes.frozen
+        True
+        """
+        if not isinstance(frozen, bool):
+            raise TypeError(f"freeze({frozen!r}): pass True (stop growing) or False (grow again)")
+        self.frozen = frozen
+        return self
+
+    def reset_counters(self) -> None:
+        """Zero the waste counters (:attr:`real_calls`, :attr:`padded_calls`, :attr:`moved_calls`),
+        e.g. after fitting the envelope, so that :attr:`waste` is the training run's own.
+        """
+        self.real_calls = self.padded_calls = self.moved_calls = 0
+
+    def fits(self, plan: PlanData) -> bool:
+        """Whether ``plan`` fits the envelope as it is: no growth and no new layout, so no new graph
+        (what ``fit(plan, grow=False)`` pads; nothing is changed).
+
+        >>> import torch, torchfold
+        >>> shapes = StaticShapes(min_rows=4)
+        >>> f = torchfold.Fold()
+        >>> plan = f.plan([[f.add(torch.neg, 1)]])
+        >>> shapes.fits(plan), shapes.fit(plan).capacities, shapes.fits(plan)
+        (False, [4], True)
+        """
+        plan = _unpadded(plan, "fits")
         batch = decode(plan)
         packer = Packer(batch, self._streams) if self.pack_levels else None
         if packer is not None and packer.packable():
-            batch, levels, grows = self._fit_packed(packer)
+            return self._packed_place(packer) is not None
+        return self._fits(batch) and self._existing_levels(batch) is not None
+
+    # -- fitting ----------------------------------------------------------------------------
+
+    def fit(self, plan: PlanData, *, grow: bool | None = None) -> StaticPlan:
+        """Pad ``plan`` into the envelope (growing it first if the plan does not fit).
+
+        Args:
+            plan: an unpadded :class:`~torchfold.FoldPlan`.
+            grow: ``False``: raise :class:`StaticShapesOverflow` instead of growing, or of making
+                a layout the envelope has not made since it last grew (either is one more graph to
+                compile); ``True``: grow even a frozen envelope; default: grow unless
+                :meth:`freeze` was called.
+        """
+        plan = _unpadded(plan, "fit")
+        if grow is not None and not isinstance(grow, bool):
+            raise TypeError(f"fit(grow={grow!r}): grow must be True, False or None (grow unless frozen)")
+        if grow is None:
+            grow = not self.frozen
+        batch = decode(plan)
+        packer = Packer(batch, self._streams) if self.pack_levels else None
+        packable = packer is not None and packer.packable()
+        undo = None
+        if not grow:
+            if packer is not None and packable:
+                place = self._packed_place(packer)
+                if place is None:
+                    raise self._overflow(batch, "more room")
+                batch, levels, moved = place
+                self.moved_calls += moved
+            else:
+                if not self._fits(batch):
+                    raise self._overflow(batch, "more room")
+                found = self._existing_levels(batch)
+                if found is None:
+                    raise self._overflow(
+                        batch, "a layout of its own (a depth bucket not run since the envelope last grew)"
+                    )
+                levels = found
         else:
-            grows = not self._fits(batch)
-            if grows:
-                self._learn(batch)
-                self._grew()
-            levels = self._levels_for(batch, warn=not grows)  # (growing warned already)
+            undo = self._snapshot()  # put back if the fold fails to run (StaticPlan.apply)
+            if packer is not None and packable:
+                batch, levels, grows = self._fit_packed(packer)
+            else:
+                grows = not self._fits(batch)
+                if grows:
+                    self._learn(batch)
+                    self._grew()
+                levels = self._levels_for(batch, warn=not grows)  # (growing warned already)
+            if not grows and self._buckets == undo["_buckets"]:
+                undo = None  # nothing changed
         self.plans += 1
         signature = request_kinds(batch)
         layout = self._layouts.get((signature, levels))
@@ -265,7 +357,87 @@ class StaticShapes:
         padded = layout.pad(plan, batch)
         self.real_calls += sum(batch.calls)
         self.padded_calls += layout.total_calls
+        if undo is not None:
+            padded._undo = (weakref.ref(self), (self.version, len(self._buckets), undo))
         return padded
+
+    def _overflow(self, batch: Batch, needs: str) -> StaticShapesOverflow:
+        deepest = max((depth for depth, _ in batch.slots), default=0)
+        return StaticShapesOverflow(
+            f"a fold of {sum(batch.calls)} calls, {deepest + 1} levels deep, does not fit the "
+            f"{'frozen ' if self.frozen else ''}static shapes (version {self.version}, {self._levels} levels): it "
+            f"needs {needs}; fit it in smaller folds (StepLoader splits its minibatches so), or call "
+            "fit(plan, grow=True) to grow the envelope (one more compilation)",
+            self,
+        )
+
+    def _existing_levels(self, batch: Batch) -> int | None:
+        """The levels a plan that fits the envelope runs without a new layout (so without a new
+        graph): the fewest, from its own depth bucket up, whose layout exists; ``None`` if none does."""
+        signature = request_kinds(batch)
+        if not self.depth_buckets:
+            return self._levels if (signature, self._levels) in self._layouts else None
+        own = min(self._levels, self._own_levels(batch))
+        for levels in sorted(self._buckets):
+            if own <= levels and (signature, levels) in self._layouts:
+                return levels
+        return None
+
+    def _packed_place(self, packer: Packer) -> tuple[Batch, int, int] | None:
+        """Where a packable plan fits without growing and without a new layout: the packed batch,
+        its levels and the calls moved later, or ``None`` (nothing in the envelope changes)."""
+        signature = request_kinds(packer.batch)
+        own = self._own_levels(packer.batch)
+        if self.depth_buckets:
+            tries = [levels for levels in sorted(self._buckets) if own <= levels <= self._levels]
+        else:
+            tries = [self._levels] if own <= self._levels else []
+        for levels in tries:
+            if (signature, levels) not in self._layouts:
+                continue
+            level = packer.schedule(levels, self._capacity)
+            if level is not None:
+                packed = packer.pack(level)
+                if self._fits(packed):
+                    return packed, levels, int((level != packer.depth).sum())
+        return None
+
+    # -- undoing a fit whose fold failed ------------------------------------------------------
+
+    _STATE = (
+        "_buckets", "_capacity", "_order", "_names", "_streams", "_fills", "_requests", "_deepest",
+        "_levels", "_per_level", "_first", "_layouts", "version",
+    )  # fmt: skip
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The envelope's shape state, copied deep enough that growing leaves the copy as it was."""
+        return {
+            "_buckets": set(self._buckets),
+            "_capacity": dict(self._capacity),
+            "_order": dict(self._order),
+            "_names": dict(self._names),
+            "_streams": {where: dict(reach) for where, reach in self._streams.items()},
+            "_fills": dict(self._fills),
+            "_requests": {
+                sig: [(k, room, set(st)) for k, room, st in reqs] for sig, reqs in self._requests.items()
+            },
+            "_deepest": self._deepest,
+            "_levels": self._levels,
+            "_per_level": dict(self._per_level),
+            "_first": dict(self._first),
+            "_layouts": dict(self._layouts),
+            "version": self.version,
+        }
+
+    def _failed(self, undo: tuple[int, int, dict[str, Any] | None]) -> bool:
+        """A plan whose fit grew the envelope failed to run (an unknown op, say): put the envelope
+        back as it was before that fit, if nothing grew it since. Returns whether it did."""
+        version, buckets, state = undo
+        if state is None or self.version != version or len(self._buckets) != buckets:
+            return False
+        for name in self._STATE:
+            setattr(self, name, state[name])
+        return True
 
     def _own_levels(self, batch: Batch) -> int:
         """A plan's depth bucket: the levels down to its deepest node, rounded up to ``level_step``."""
@@ -478,3 +650,11 @@ class StaticShapes:
                 StaticShapesWarning,
                 stacklevel=stacklevel,
             )
+
+
+def _unpadded(plan: PlanData, method: str) -> PlanData:
+    if isinstance(plan, StaticPlan):
+        raise TypeError(f"{method} expects an unpadded FoldPlan; this plan is already padded")
+    if not isinstance(plan, PlanData):
+        raise TypeError(f"{method} expects a FoldPlan (from Fold.plan), got {type(plan).__name__}")
+    return plan

@@ -1,0 +1,104 @@
+"""Fitting a static-shape envelope to a dataset before training, so that it never grows during it.
+
+:func:`fit_static_shapes` fits a :class:`~torchfold.StaticShapes` envelope to the plans of a
+seeded pass of minibatches over the dataset (what training will see: random minibatches of the
+same size), then resets its counters and freezes it. Give it to the loader's ``build``: a
+:class:`~torchfold.train.StepLoader` splits a minibatch whose plan still does not fit into
+smaller minibatches that do, and the optimizer weighs each by its samples, so the step is
+exactly the same and the set of compiled programs stays the one of the warm-up. Only a sample
+that does not fit alone grows the envelope, with one :class:`~torchfold.StaticShapesWarning`
+naming it (see ``docs/design/envelope.md``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from torchfold._validate import check_int
+from torchfold.engine.ir import PlanData
+from torchfold.engine.static.shapes import StaticPlan, StaticShapes, StaticShapesWarning
+
+__all__ = ["fit_static_shapes"]
+
+T = TypeVar("T")
+
+
+def fit_static_shapes(
+    dataset: Sequence[T],
+    build: Callable[[list[T]], Any],
+    minibatch_size: int,
+    *,
+    shapes: StaticShapes | None = None,
+    max_minibatches: int | None = None,
+    seed: int = 0,
+    freeze: bool = True,
+) -> StaticShapes:
+    """Fit an envelope to the plans of a pass of minibatches over ``dataset``, then freeze it.
+
+    The pass is a seeded permutation of the dataset cut into minibatches of ``minibatch_size``
+    samples (the last one short), as training draws them; fitting runs on the host (no tensor
+    operation), a few milliseconds per minibatch.
+
+    Args:
+        dataset: the samples (indexable, with ``len()``), e.g. a list of trees.
+        build: ``build(items)`` returning an unpadded :class:`~torchfold.FoldPlan` (or a tuple
+            whose first element is one), e.g. the loader's build made without ``shapes``.
+        minibatch_size: samples per minibatch: the loader's ``batch_size`` (or its
+            ``max_device_batch_size``, the largest minibatch it makes).
+        shapes: the envelope to fit (default: a new ``StaticShapes()``).
+        max_minibatches: fit at most this many minibatches of the pass (default: all of them).
+        seed: the permutation's seed.
+        freeze: freeze the envelope after fitting (default ``True``): it then never grows by
+            itself; :class:`~torchfold.train.StepLoader` splits what does not fit.
+
+    Returns:
+        ``shapes``, fitted, with its counters reset (its :attr:`~torchfold.StaticShapes.waste`
+        is then the training run's).
+
+    Example:
+        >>> import torchfold
+        >>> from torchfold.examples.datasets import Vocab, generate_sst
+        >>> from torchfold.examples.models import TreeLSTMBuild
+        >>> trees = generate_sst(40, seed=0)
+        >>> vocab = Vocab.build(trees)
+        >>> shapes = fit_static_shapes(trees, TreeLSTMBuild(vocab), 8)
+        >>> shapes.frozen, shapes.plans, shapes.real_calls
+        (True, 5, 0)
+        >>> loader_build = TreeLSTMBuild(vocab, shapes=shapes)  # plans padded into it, never growing
+    """
+    if len(dataset) == 0:
+        raise ValueError("fit_static_shapes: the dataset is empty; give it the samples training will see")
+    check_int("fit_static_shapes(minibatch_size)", minibatch_size)
+    if max_minibatches is not None:
+        check_int("fit_static_shapes(max_minibatches)", max_minibatches)
+    if shapes is None:
+        shapes = StaticShapes()
+    elif not isinstance(shapes, StaticShapes):
+        raise TypeError(
+            f"fit_static_shapes(shapes=...) must be a torchfold.StaticShapes, got {type(shapes).__name__}"
+        )
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    starts = range(0, len(dataset), minibatch_size)
+    if max_minibatches is not None:
+        starts = starts[:max_minibatches]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaticShapesWarning)  # all of this is the warm-up: growing is its job
+        for start in starts:
+            indices = order[start : start + minibatch_size].tolist()
+            built = build([dataset[i] for i in indices])
+            plan = built[0] if isinstance(built, tuple) and built else built
+            if isinstance(plan, StaticPlan) or not isinstance(plan, PlanData):
+                raise TypeError(
+                    f"fit_static_shapes: build returned {type(plan).__name__} for dataset indices {indices[:8]}; it "
+                    "must return an unpadded FoldPlan (or a tuple starting with one): make it without shapes, e.g. "
+                    "TreeLSTMBuild(vocab), not TreeLSTMBuild(vocab, shapes=...)"
+                )
+            shapes.fit(plan, grow=True)
+    shapes.reset_counters()
+    if freeze:
+        shapes.freeze()
+    return shapes

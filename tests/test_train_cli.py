@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _train_cli import run_train, small_run, write_sst
 
 from torchfold._validate import max_threads
@@ -225,3 +226,24 @@ def test_no_data_is_a_usage_error_saying_how_to_get_it(
     monkeypatch.chdir(tmp_path)
     code, _, err = run_train(["--trace", "12", "--max-steps", "1", "--minibatch-size", "6"], capsys)
     _usage_error(code, err, "--data DIR", "TORCHFOLD_DATA", "--generate N")
+
+
+def test_a_torch_xla_that_fails_to_import_is_named_with_both_versions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A torch_xla built for another torch is installed but its import fails (an undefined symbol):
+    # the error says so, with both versions, instead of "not installed".
+    site = tmp_path / "site"
+    (site / "torch_xla").mkdir(parents=True)
+    (site / "torch_xla" / "__init__.py").write_text(
+        "raise ImportError('_XLAC.so: undefined symbol: _ZN5torch8autograd10deleteNodeEPNS0_4NodeE')\n"
+    )
+    (site / "torch_xla-2.9.0.dist-info").mkdir()
+    (site / "torch_xla-2.9.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch_xla\nVersion: 2.9.0\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    code, _, err = run_train([*_args(tmp_path), "--max-steps", "1", "--device", "xla"], capsys)
+    _usage_error(code, err, "torch_xla 2.9.0 is installed but fails to import", f"torch {torch.__version__}")
+    assert "undefined symbol" in err and "pip install 'pytorch-fold[xla]'" in err
+    assert "needs torch_xla" not in err

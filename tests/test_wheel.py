@@ -169,6 +169,6 @@ def test_clean_install_runs_the_quickstart_outside_the_repository(work: Path, wh
     failed = subprocess.run(
         [python, "-c", draw], cwd=outside, env=clean_env(), capture_output=True, text=True
     )
-    assert failed.returncode != 0 and "pip install 'torchfold[plot]'" in failed.stderr, failed.stderr
+    assert failed.returncode != 0 and "pip install 'pytorch-fold[plot]'" in failed.stderr, failed.stderr
     usage = run([venv / "bin" / "torchfold", "--help"], outside).stdout
     assert usage.startswith("usage: python -m torchfold")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -372,6 +373,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def _installed_version(distribution: str) -> str:
+    """The installed version of ``distribution``, or ``"(version unknown)"``."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def _device(choice: str) -> torch.device:
     """The device ``--device`` names; torch_xla is imported only for XLA."""
     if choice == "auto":
@@ -383,8 +392,15 @@ def _device(choice: str) -> torch.device:
         try:
             import torch_xla
         except ImportError as e:
+            if importlib.util.find_spec("torch_xla") is None:
+                raise ValueError(
+                    "--device xla needs torch_xla: pip install 'pytorch-fold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
+                ) from e
+            # Installed but broken: most often a torch_xla built for another torch (an undefined symbol).
             raise ValueError(
-                "--device xla needs torch_xla: pip install 'torchfold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
+                f"--device xla: torch_xla {_installed_version('torch_xla')} is installed but fails to import "
+                f"beside torch {torch.__version__} ({e}); install a matching pair: "
+                "pip install 'pytorch-fold[xla]' (torch 2.9.0 with torch_xla 2.9.0)"
             ) from e
         return torch.device(torch_xla.device())
     if choice == "cuda" and not torch.cuda.is_available():

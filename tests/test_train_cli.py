@@ -247,3 +247,40 @@ def test_a_torch_xla_that_fails_to_import_is_named_with_both_versions(
     _usage_error(code, err, "torch_xla 2.9.0 is installed but fails to import", f"torch {torch.__version__}")
     assert "undefined symbol" in err and "pip install 'pytorch-fold[xla]'" in err
     assert "needs torch_xla" not in err
+
+
+def test_without_minibatch_size_train_picks_one_that_divides_every_batch_of_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFOLD_DATA")  # --generate, not the test data
+    # batches of a converted availability trace: multiples of 2 trees x 8 cores, which 25 divides not
+    trace = tmp_path / "tpu.csv"
+    trace.write_text("step,batchsize\n0,48\n1,32\n2,80\n")
+    args = ["--trace", str(trace), "--generate", "80", "--max-steps", "1", "--workers", "0"]
+    code, out, err = run_train([*args, "--hidden-dim", "4", "--embedding-dim", "4", "--no-progress"], capsys)
+    assert code == 0, err
+    assert "minibatch 16," in out and "done: 1 steps (48 samples" in out
+    # a size given on the command line is still checked, never replaced
+    code, _, err = run_train([*args, "--minibatch-size", "25"], capsys)
+    _usage_error(code, err, "batch size 48 is not a multiple of --minibatch-size 25")
+
+
+def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFOLD_DATA")  # --generate, not the test data
+    trace = tmp_path / "t.csv"
+    trace.write_text("step,batchsize\n" + "".join(f"{step},8\n" for step in range(5)))
+    args = ["--trace", str(trace), "--generate", "12", "--workers", "0", "--hidden-dim", "4", "--embedding-dim", "4"]
+    code, out, err = run_train([*args, "--no-progress"], capsys)
+    assert code == 0, err
+    assert "12 GENERATED trees" in out and "(5 steps)" in out
+    assert (
+        "run: stops before step 4 of the trace's 5: they hold 2 complete epoch(s) of 12 trees, and the last "
+        "1 step(s) would start one the trace cannot finish (--epochs 3 trains them too)"
+    ) in out
+    assert "done: 4 steps" in out
+    code, out, err = run_train([*args, "--no-progress", "--epochs", "3"], capsys)
+    assert code == 0 and "run: " not in out and "done: 5 steps" in out, out + err
+    code, out, err = run_train([*args, "--no-progress", "--max-steps", "2"], capsys)
+    assert code == 0 and "run: stops before step 2 of the trace's 5 (--max-steps 2)" in out, out + err

@@ -34,7 +34,9 @@ def sst_counts() -> dict[str, int]:
 def data_dir() -> Path:
     """The data folder (sst/, traces/); fails (never skips) when it is missing."""
     if not (DATA_DIR / "sst" / "train.txt").is_file():
-        pytest.fail(f"test data not found at {DATA_DIR} (sst/train.txt): unset TORCHFOLD_DATA to use tests/data")
+        pytest.fail(
+            f"test data not found at {DATA_DIR} (sst/train.txt): unset TORCHFOLD_DATA to use tests/data"
+        )
     return DATA_DIR
 
 

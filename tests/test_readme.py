@@ -125,7 +125,10 @@ def cli_argv(command: str, data: Path, python: str) -> list[str]:
 def test_the_command_line_section_runs_as_written(tmp_path: Path, data_dir: Path) -> None:
     commands = cli_commands()
     assert [c.split()[3] for c in commands] == ["demo", "trace", "trace", "trace", "train", "elastic"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     for command in commands:  # in order: train reads the trace that convert wrote
         done = subprocess.run(
             cli_argv(command, data_dir, sys.executable),

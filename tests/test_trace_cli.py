@@ -267,7 +267,9 @@ def test_plot_without_matplotlib_prints_one_line_naming_the_extra(traces_dir: Pa
         f"'-o', {str(tmp_path / 'x.png')!r}]))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 1, done.stderr
     [line] = done.stderr.splitlines()  # the message alone, no traceback
     assert line.startswith("torchfold trace plot: error: plotting a trace needs matplotlib"), line

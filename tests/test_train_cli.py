@@ -271,7 +271,8 @@ def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
     monkeypatch.delenv("TORCHFOLD_DATA")  # --generate, not the test data
     trace = tmp_path / "t.csv"
     trace.write_text("step,batchsize\n" + "".join(f"{step},8\n" for step in range(5)))
-    args = ["--trace", str(trace), "--generate", "12", "--workers", "0", "--hidden-dim", "4", "--embedding-dim", "4"]
+    args = ["--trace", str(trace), "--generate", "12", "--workers", "0"]
+    args += ["--hidden-dim", "4", "--embedding-dim", "4"]
     code, out, err = run_train([*args, "--no-progress"], capsys)
     assert code == 0, err
     assert "12 GENERATED trees" in out and "(5 steps)" in out

@@ -323,11 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    if args.max_device_batch_size is None:
-        if args.max_accumulation is not None:
-            parser.print_usage(sys.stderr)
-            print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
-            return 2
+    if args.max_device_batch_size is None and args.max_accumulation is not None:
+        parser.print_usage(sys.stderr)
+        print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
+        return 2
     try:
         trace = _trace(args.trace)
         if args.minibatch_size is None and args.max_device_batch_size is None:
@@ -398,8 +397,10 @@ def _stop_line(args: argparse.Namespace, trace: BatchSizeTrace, loader: StepLoad
     if trace.num_steps is None:
         return None  # an unbounded trace: the run ends at --max-steps or --epochs, as asked
     total, trees = trace.num_steps, sampler.dataset_size
-    epochs = args.epochs if args.epochs is not None else sampler.num_epochs
-    end = total if not epochs else trace.epoch(epochs - 1, trees, drop_last=sampler.drop_last).end_step
+    epochs: int | None = args.epochs if args.epochs is not None else sampler.num_epochs
+    if not epochs:
+        return None
+    end = trace.epoch(epochs - 1, trees, drop_last=sampler.drop_last).end_step
     if args.max_steps is not None and args.max_steps < end:
         return f"stops before step {args.max_steps} of the trace's {total} (--max-steps {args.max_steps})"
     if end >= total:

@@ -288,6 +288,13 @@ def test_off_a_terminal_the_default_is_log_lines_every_50_steps_and_at_the_end(t
     assert barred.log_every == 0
     barred.fit(max_steps=2)
     assert lines == []
+    quiet, lines = trainer(progress=False)  # asked for no progress: no lines either
+    assert quiet.log_every == 0
+    quiet.fit(max_steps=2)
+    assert lines == []
+    logged, lines = trainer(progress=False, log_every=2)
+    logged.fit(max_steps=3)
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/3", "step 3/3"]
 
 
 def test_on_a_terminal_the_default_is_a_bar_without_log_lines() -> None:

@@ -15,7 +15,7 @@ Tree-LSTMs the two halves are :class:`torchfold.examples.models.TreeLSTMBuild` (
 
 Around the steps, on the main rank only, as tqdm and Lightning do it: a progress bar when stderr
 is a terminal, and otherwise (a log file, a notebook, CI) a log line every ``log_every`` steps
-(default :data:`DEFAULT_LOG_EVERY`) and at the last one (step, global batch, learning rate,
+(default :data:`DEFAULT_LOG_EVERY`) and at the last one; ``progress=False`` alone is quiet (step, global batch, learning rate,
 loss, samples/s); a checkpoint every
 ``checkpoint_every`` steps (model, optimizer, loader position, the generators of every rank)
 that :meth:`TraceTrainer.resume` continues from exactly. Under ``torchrun`` each process runs
@@ -190,8 +190,8 @@ class TraceTrainer:
         checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
         keep_checkpoints: how many of the newest checkpoints to keep (default 2).
         log_every: log a line every this many steps, and at the last one, on the main rank (0:
-            never); ``None`` (default): none beside a progress bar, else every
-            :data:`DEFAULT_LOG_EVERY` steps.
+            never); ``None`` (default): every :data:`DEFAULT_LOG_EVERY` steps where ``progress=None``
+            finds no terminal, else none (a bar, or ``progress=False``: a quiet run).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
         on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint.
@@ -318,8 +318,10 @@ class TraceTrainer:
         self.progress = (
             (self.is_main and sys.stderr.isatty()) if progress is None else progress and self.is_main
         )
-        # A bar on a terminal; where there is none (off a terminal, or not asked for), log lines.
-        self.log_every = (0 if self.progress else DEFAULT_LOG_EVERY) if log_every is None else log_every
+        # Left to choose (progress=None): a bar on a terminal, log lines elsewhere. progress=False
+        # alone asks for a quiet run, as it did before log lines were the default.
+        auto_lines = progress is None and not self.progress
+        self.log_every = (DEFAULT_LOG_EVERY if auto_lines else 0) if log_every is None else log_every
         self.log = log if log is not None else tqdm.write
         self.on_step = on_step
         self.seed = seed

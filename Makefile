@@ -2,6 +2,8 @@
 #   make demo   - create .venv and run the main job: a short Tree-LSTM training demo
 #   make test   - create .venv (and .venv-xla: torch_xla on its CPU backend) and run lint, type
 #                 checks, the docs build and the whole test suite, the XLA tests included
+# and, while working:
+#   make check  - the quick lane: lint, type checks and the unit tests but the slow and XLA ones
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,7 +16,7 @@ DYNET_VENV ?= .venv-dynet
 DYNET_STAMP := $(DYNET_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck docs unit test-xla env env-xla env-dynet clean
+.PHONY: demo test check lint typecheck docs unit quick test-xla env env-xla env-dynet clean
 
 env: $(STAMP)
 
@@ -58,10 +60,16 @@ docs: env
 unit: env env-dynet
 	$(BIN)/python -m pytest -m "not xla"
 
+# the unit tests without the slow (processes, notebooks, clean venvs) and the XLA ones
+quick: env
+	$(BIN)/python -m pytest -q -m "not slow and not xla"
+
 test-xla: env-xla
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py
 
 test: lint typecheck docs unit test-xla
+
+check: lint typecheck quick
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(DYNET_VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -21,7 +21,7 @@ SAMPLE_DIR = Path(__file__).resolve().parent / "data"
 DATA_DIR = Path(os.environ.get("TORCHFOLD_DATA") or SAMPLE_DIR)
 os.environ["TORCHFOLD_DATA"] = str(DATA_DIR)
 # Trees per SST split in the sample (the first lines of each file) and in the full treebank.
-SAMPLE_SST_COUNTS = {"train": 600, "dev": 250, "test": 200}
+SAMPLE_SST_COUNTS = {"train": 700, "dev": 250, "test": 200}
 FULL_SST_COUNTS = {"train": 8544, "dev": 1101, "test": 2210}
 
 

@@ -32,7 +32,7 @@ $(XLA_STAMP): setup.py pyproject.toml
 	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 mlxtend
-	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev,xla]'
 	touch $@
 
 env-dynet: $(DYNET_STAMP)

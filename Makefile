@@ -2,6 +2,8 @@
 #   make demo   - create .venv and run the main job: a short Tree-LSTM training demo
 #   make test   - create .venv (and .venv-xla: torch_xla on its CPU backend) and run lint, type
 #                 checks, the docs build and the whole test suite, the XLA tests included
+# and, while working:
+#   make check  - the quick lane: lint, type checks and the unit tests but the slow and XLA ones
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,7 +16,7 @@ DYNET_VENV ?= .venv-dynet
 DYNET_STAMP := $(DYNET_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck docs unit test-xla env env-xla env-dynet clean
+.PHONY: demo test check lint typecheck docs unit quick test-xla env env-xla env-dynet clean
 
 env: $(STAMP)
 
@@ -30,7 +32,7 @@ $(XLA_STAMP): setup.py pyproject.toml
 	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 mlxtend
-	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev,xla]'
 	touch $@
 
 env-dynet: $(DYNET_STAMP)
@@ -58,10 +60,16 @@ docs: env
 unit: env env-dynet
 	$(BIN)/python -m pytest -m "not xla"
 
+# the unit tests without the slow (processes, notebooks, clean venvs) and the XLA ones
+quick: env
+	$(BIN)/python -m pytest -q -m "not slow and not xla"
+
 test-xla: env-xla
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py
 
 test: lint typecheck docs unit test-xla
+
+check: lint typecheck quick
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(DYNET_VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

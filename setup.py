@@ -8,15 +8,18 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "torchfold" / "_version.py").read_text()).group(1)  # type: ignore[union-attr]
 
+# The distribution's name: `torchfold` on the index is another project (NEAR AI's 2018 TorchFold),
+# so this one installs as `pytorch-fold` and is still imported as `torchfold`.
 setup(
-    name="torchfold",
+    name="pytorch-fold",
     version=VERSION,
     description="Dynamic batching for PyTorch models over trees, graphs and other variable structures, "
     "and training with a batch size that changes step by step.",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     author="The torchfold developers",
-    license="Apache-2.0",
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["torchfold", "torchfold.*"]),
     package_data={"torchfold": ["py.typed"]},
@@ -24,8 +27,9 @@ setup(
     extras_require={
         # Fold.draw, trace and replay plots
         "plot": ["matplotlib>=3.6"],
-        # TPUs (and XLA's CPU backend): torch_xla pins its own torch
-        "xla": ["torch_xla>=2.1"],
+        # TPUs (and XLA's CPU backend): a torch_xla only imports beside the torch it was built
+        # against, so the extra pins a matching pair (the one the XLA tests run on)
+        "xla": ["torch==2.9.0", "torch_xla==2.9.0"],
         "notebooks": [
             "matplotlib>=3.6",
             "torchvision>=0.16",
@@ -42,15 +46,24 @@ setup(
             "hypothesis>=6.80",
             "ruff>=0.5",
             "mypy>=1.8",
-            "setuptools>=64",
+            "setuptools>=77",
         ],
     },
     entry_points={"console_scripts": ["torchfold=torchfold.cli:main"]},
+    keywords=["pytorch", "dynamic batching", "tree-lstm", "torch_xla", "elastic training"],
     classifiers=[
         "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
         "Intended Audience :: Science/Research",
-        "License :: OSI Approved :: Apache Software License",
+        "Operating System :: OS Independent",
         "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: Software Development :: Libraries :: Python Modules",
+        "Typing :: Typed",
     ],
 )

@@ -55,6 +55,10 @@ def sst_trees(n: int = NUM_TREES) -> list[Tree]:
         root = data_root()
         if root is not None and (Path(root) / "sst" / "train.txt").is_file():
             _TREES[n] = _short_sst_trees(Path(root) / "sst" / "train.txt", n)
+            if len(_TREES[n]) < n:  # a sample too small would shrink every test's batches unseen
+                raise ValueError(
+                    f"{root}/sst/train.txt holds {len(_TREES[n])} trees of at most {MAX_WORDS} words, not {n}"
+                )
         else:
             _TREES[n] = generate_sst(n, seed=0, max_words=MAX_WORDS)
     return _TREES[n]

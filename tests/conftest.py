@@ -1,9 +1,12 @@
 """Fixtures shared by several test modules, and where the tests' data lives.
 
-The package assumes no data directory: the tests name theirs (:data:`DATA_DIR`):
-``$TORCHFOLD_DATA`` if set, else ``../shared/data`` relative to the repository. It is also set as
-``$TORCHFOLD_DATA`` for the test session (and the processes it starts), for the tests that read
-SST through the variable.
+The package assumes no data directory: the tests name theirs (:data:`DATA_DIR`). By default it
+is :data:`SAMPLE_DIR`, ``tests/data``: the first few hundred trees of each SST split and the
+three traces, committed with the tests, so a clone runs the suite with nothing beside it.
+``$TORCHFOLD_DATA`` points the suite (the slow tests and the benchmarks' smoke tests included) at
+a full copy instead (``sst/{train,dev,test}.txt``, ``traces/``). :data:`DATA_DIR` is also set as
+``$TORCHFOLD_DATA`` for the test session (and the processes it starts, notebooks included), for
+the tests that read SST through the variable.
 """
 
 from __future__ import annotations
@@ -13,24 +16,33 @@ from pathlib import Path
 
 import pytest
 
-# $TORCHFOLD_DATA when set (a worktree elsewhere), else ../shared/data next to the repository.
-DATA_DIR = Path(
-    os.environ.get("TORCHFOLD_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
-)
+# The committed sample (see tests/data/README.md for what it holds and where it comes from).
+SAMPLE_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(os.environ.get("TORCHFOLD_DATA") or SAMPLE_DIR)
 os.environ["TORCHFOLD_DATA"] = str(DATA_DIR)
+# Trees per SST split in the sample (the first lines of each file) and in the full treebank.
+SAMPLE_SST_COUNTS = {"train": 700, "dev": 250, "test": 200}
+FULL_SST_COUNTS = {"train": 8544, "dev": 1101, "test": 2210}
+
+
+def sst_counts() -> dict[str, int]:
+    """Trees per split that :data:`DATA_DIR` holds: the sample's by default, the full treebank's otherwise."""
+    return SAMPLE_SST_COUNTS if DATA_DIR.resolve() == SAMPLE_DIR else FULL_SST_COUNTS
 
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The shared data folder (sst/, traces/); fails (never skips) when it is missing."""
+    """The data folder (sst/, traces/); fails (never skips) when it is missing."""
     if not (DATA_DIR / "sst" / "train.txt").is_file():
-        pytest.fail(f"shared data not found at {DATA_DIR} (sst/train.txt); put the data there")
+        pytest.fail(
+            f"test data not found at {DATA_DIR} (sst/train.txt): unset TORCHFOLD_DATA to use tests/data"
+        )
     return DATA_DIR
 
 
 @pytest.fixture(scope="module")
 def traces_dir() -> Path:
-    """The shared traces folder; fails (never skips) when it is missing."""
+    """The traces folder; fails (never skips) when it is missing."""
     if not (DATA_DIR / "traces" / "step_batchsize_example.csv").is_file():
-        pytest.fail(f"shared data not found at {DATA_DIR}: put the folder holding traces/ there")
+        pytest.fail(f"traces not found at {DATA_DIR}/traces: unset TORCHFOLD_DATA to use tests/data")
     return DATA_DIR / "traces"

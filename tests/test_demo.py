@@ -108,3 +108,13 @@ def test_python_dash_m_torchfold_demo_runs_end_to_end(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "data: GENERATED trees" in result.stdout and "epoch 1: loss" in result.stdout
+
+
+def test_redirected_output_gets_epoch_lines_and_no_progress_frames(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TORCHFOLD_DATA", raising=False)
+    assert main([arg for arg in TINY if arg != "--no-progress"]) == 0  # stderr is captured: no terminal
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "epoch 1:" not in err, err
+    assert re.search(r"^epoch 1: loss [0-9.]+, ", out, flags=re.M)

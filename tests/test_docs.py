@@ -8,6 +8,7 @@ import importlib.util
 import io
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,9 +44,29 @@ def test_python_examples_run(page: Path) -> None:
     assert out.getvalue().startswith(PRINTS[name]), (name, out.getvalue())
 
 
+def _hook(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, DOCS / "_hooks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_every_page_is_in_the_nav() -> None:
+    # docs/ pages, and the benchmark results the repo_files hook serves from the repository
     nav = set(re.findall(r":\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M))
-    assert nav == {p.relative_to(DOCS).as_posix() for p in PAGES}
+    served = {path for path in _hook("repo_files").repository_files() if path.endswith(".md")}
+    assert "benchmarks/results/tree_lstm.md" in served
+    assert nav == {p.relative_to(DOCS).as_posix() for p in PAGES} | served
+
+
+def test_the_site_links_the_notebooks_and_the_benchmark_results() -> None:
+    served = set(_hook("repo_files").repository_files())
+    notebooks = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert len(notebooks) == 5 and notebooks <= served
+    listed = set(re.findall(r"\]\((notebooks/[^)]+\.ipynb)\)", (DOCS / "notebooks.md").read_text()))
+    assert listed == notebooks
+    assert "](benchmarks/results/" in (DOCS / "contributing.md").read_text()
 
 
 def test_every_public_module_has_an_api_page() -> None:

@@ -44,4 +44,4 @@ def test_draw_without_matplotlib_names_the_plot_extra() -> None:
     kind, message = result.stdout.splitlines()[:2]
     assert kind == "ModuleNotFoundError"  # the import error's own type, not a new one
     assert message.startswith("Fold.draw needs matplotlib")
-    assert "pip install 'torchfold[plot]'" in message
+    assert "pip install 'pytorch-fold[plot]'" in message

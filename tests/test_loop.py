@@ -6,11 +6,15 @@ a rank killed with SIGKILL and the run resumed from its checkpoint, and a run un
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import math
 import os
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,7 @@ from torchfold.train.loader import StepLoader
 from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.sampler import minibatches_per_rank
-from torchfold.train.trainer import StepStats, TraceTrainer
+from torchfold.train.trainer import DEFAULT_LOG_EVERY, StepStats, TraceTrainer
 
 # The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to
 # the trees left (drop_last=False), and epoch 1 starts at the trace step after epoch 0's last.
@@ -268,6 +272,66 @@ def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     assert lines[0].startswith("step 2/4 | epoch 0 | batch 12 (2 minibatches) | lr 0.2 | loss ")
     loss = (history[0].loss + history[1].loss) / 2
     assert f"| loss {loss:.4f} | " in lines[0] and lines[0].endswith(" samples/s")
+
+
+def test_off_a_terminal_the_default_is_log_lines_every_50_steps_and_at_the_end(trees: list[Tree]) -> None:
+    vocab = Vocab.build(trees)
+
+    def trainer(**options: Any) -> tuple[TraceTrainer, list[str]]:
+        lines: list[str] = []
+        model = make_model(vocab)
+        opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=6)
+        return TraceTrainer(model, opt, loader, tree_lstm_loss, log=lines.append, **options), lines
+
+    quiet, lines = trainer()  # stderr is not a terminal under pytest: no bar, so log lines
+    assert quiet.progress is False and quiet.log_every == DEFAULT_LOG_EVERY == 50
+    quiet.fit(max_steps=53)
+    assert [line.split(" | ")[0] for line in lines] == ["step 50/53", "step 53/53"]
+    barred, lines = trainer(progress=True)  # a bar: its postfix shows the loss, no lines beside it
+    assert barred.log_every == 0
+    barred.fit(max_steps=2)
+    assert lines == []
+    quiet, lines = trainer(progress=False)  # asked for no progress: no lines either
+    assert quiet.log_every == 0
+    quiet.fit(max_steps=2)
+    assert lines == []
+    logged, lines = trainer(progress=False, log_every=2)
+    logged.fit(max_steps=3)
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/3", "step 3/3"]
+
+
+def test_on_a_terminal_the_default_is_a_bar_without_log_lines() -> None:
+    script = (
+        "import torch\n"
+        "from torchfold.examples.datasets import Vocab, generate_sst\n"
+        "from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss\n"
+        "from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer\n"
+        "trees = generate_sst(8, seed=0); vocab = Vocab.build(trees); model = TreeLSTM(len(vocab), 4, 4)\n"
+        "opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "t = TraceTrainer(model, opt, StepLoader(trees, 4, build=TreeLSTMBuild(vocab), trace=4), tree_lstm_loss)\n"
+        "print('settings', t.progress, t.log_every, flush=True)\n"
+        "t.fit(max_steps=2)\n"
+    )
+    main, child = os.openpty()  # stderr is a terminal, stdout a pipe
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns wide
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=child, text=True, timeout=120
+        )
+        os.close(child)
+        child = -1
+        shown = b""
+        with contextlib.suppress(OSError):  # EIO once the terminal's last writer is gone
+            while chunk := os.read(main, 4096):
+                shown += chunk
+    finally:
+        os.close(main)
+        if child >= 0:
+            os.close(child)
+    assert done.returncode == 0, shown.decode(errors="replace")[-2000:]
+    assert done.stdout.splitlines() == ["settings True 0"]  # a bar, no log lines
+    assert b"2/2" in shown and b"step" in shown  # tqdm's bar, drawn on the terminal
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

@@ -188,7 +188,8 @@ def _sst_envelope(pack: bool, trees: list[Any], vocab: Vocab) -> tuple[StaticSha
 
 
 def test_packing_cuts_the_padding_of_sst_batches_and_stops_growing_after_the_warm_up() -> None:
-    trees = load_sst(split="train", max_trees=60 * 25)
+    trees = load_sst(split="train", max_trees=60 * 25)  # 60 batches of the full set, 24 of tests/data
+    assert len(trees) >= 24 * 25, f"{len(trees)} trees: too few for a warm-up of 20 batches and 4 after it"
     vocab = Vocab.build(trees)
     packed, versions = _sst_envelope(True, trees, vocab)
     plain, _ = _sst_envelope(False, trees, vocab)

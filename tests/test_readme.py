@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -90,3 +95,59 @@ def test_dataloader_snippet_trains_on_plans_built_in_a_worker() -> None:
     loss = scope["loss"]
     assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
     assert scope["optimizer"].state  # type: ignore[attr-defined]  # Adam stepped
+
+
+# The README's command-line section names its inputs by placeholder; the test data stands for them.
+CLI_INPUTS = {
+    "path/to/sst": "sst",
+    "trace.csv": "traces/step_batchsize_example.csv",
+    "tpu_availability.csv": "traces/gcp_tpuv2-8_cores.csv",
+    "gpu_availability.csv": "traces/gcp_a100_gpus.csv",
+}
+# Appended to the long-running commands so that a test runs them in seconds: smaller models,
+# fewer trees and steps. Options given later win; none of them changes what is checked up front.
+CLI_QUICK = {
+    "demo": ["--max-train", "60", "--max-dev", "20", "--embedding-dim", "8", "--hidden-dim", "8"],
+    "train": ["--max-steps", "2", "--embedding-dim", "8", "--hidden-dim", "8"],
+    "elastic": ["--max-steps", "4", "--max-train", "48"],
+}
+
+
+def cli_commands() -> list[str]:
+    """The ``python -m torchfold ...`` lines of the README's "Command line" section, comments cut."""
+    section = re.search(r"^## Command line\n(.*?)^## ", README.read_text(), flags=re.S | re.M)
+    assert section is not None, "README.md has no '## Command line' section"
+    blocks = re.findall(r"^```bash\n(.*?)^```$", section.group(1), flags=re.S | re.M)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith("python -m torchfold ")]
+
+
+def cli_argv(command: str, data: Path, python: str) -> list[str]:
+    """``command`` as an argument list: ``python`` for python, the test data for the placeholders,
+    and the quick options of :data:`CLI_QUICK` appended."""
+    argv = [str(data / CLI_INPUTS[word]) if word in CLI_INPUTS else word for word in shlex.split(command)]
+    assert argv[:3] == ["python", "-m", "torchfold"], command
+    return [python, *argv[1:], *CLI_QUICK.get(argv[3], [])]
+
+
+@pytest.mark.slow
+def test_the_command_line_section_runs_as_written(tmp_path: Path, data_dir: Path) -> None:
+    commands = cli_commands()
+    assert [c.split()[3] for c in commands] == ["demo", "trace", "trace", "trace", "train", "elastic"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    for command in commands:  # in order: train reads the trace that convert wrote
+        done = subprocess.run(
+            cli_argv(command, data_dir, sys.executable),
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert (tmp_path / "tpu.csv").is_file() and (tmp_path / "tpu.png").is_file()
+    assert list((tmp_path / "runs" / "tpu").glob("*")), "train wrote no checkpoint"
+    assert (tmp_path / "runs" / "replay" / "replay.csv").is_file()

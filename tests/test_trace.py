@@ -553,5 +553,6 @@ def test_plotting_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
-        "plotting a trace needs matplotlib" in done.stdout and "pip install 'torchfold[plot]'" in done.stdout
+        "plotting a trace needs matplotlib" in done.stdout
+        and "pip install 'pytorch-fold[plot]'" in done.stdout
     )

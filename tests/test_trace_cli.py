@@ -255,3 +255,22 @@ def test_check_bad_values_one_short_line(
     assert (code, out) == (1, "")
     assert err.startswith(f"torchfold trace check: error: {path}, {message}"), err[:300]
     assert err.count("\n") == 1 and len(err) < len(str(path)) + 200
+
+
+def test_plot_without_matplotlib_prints_one_line_naming_the_extra(traces_dir: Path, tmp_path: Path) -> None:
+    # matplotlib made unimportable in a real child process (as when the plot extra is not installed)
+    script = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None\n"
+        "from torchfold.cli import main\n"
+        f"sys.exit(main(['trace', 'plot', {str(traces_dir / 'step_batchsize_example.csv')!r}, "
+        f"'-o', {str(tmp_path / 'x.png')!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.splitlines()  # the message alone, no traceback
+    assert line.startswith("torchfold trace plot: error: plotting a trace needs matplotlib"), line
+    assert "pip install 'pytorch-fold[plot]'" in line and not (tmp_path / "x.png").exists()

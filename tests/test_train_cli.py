@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _train_cli import run_train, small_run, write_sst
 
 from torchfold._validate import max_threads
@@ -314,3 +315,62 @@ def test_ctrl_c_is_one_line_and_exit_status_130(tmp_path: Path) -> None:
         "again to resume from the newest"
     ]
     assert load_checkpoint(latest_checkpoint(ck) or ck)["step"] >= 1
+
+
+def test_a_torch_xla_that_fails_to_import_is_named_with_both_versions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A torch_xla built for another torch is installed but its import fails (an undefined symbol):
+    # the error says so, with both versions, instead of "not installed".
+    site = tmp_path / "site"
+    (site / "torch_xla").mkdir(parents=True)
+    (site / "torch_xla" / "__init__.py").write_text(
+        "raise ImportError('_XLAC.so: undefined symbol: _ZN5torch8autograd10deleteNodeEPNS0_4NodeE')\n"
+    )
+    (site / "torch_xla-2.9.0.dist-info").mkdir()
+    (site / "torch_xla-2.9.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch_xla\nVersion: 2.9.0\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    code, _, err = run_train([*_args(tmp_path), "--max-steps", "1", "--device", "xla"], capsys)
+    _usage_error(code, err, "torch_xla 2.9.0 is installed but fails to import", f"torch {torch.__version__}")
+    assert "undefined symbol" in err and "pip install 'pytorch-fold[xla]'" in err
+    assert "needs torch_xla" not in err
+
+
+def test_without_minibatch_size_train_picks_one_that_divides_every_batch_of_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFOLD_DATA")  # --generate, not the test data
+    # batches of a converted availability trace: multiples of 2 trees x 8 cores, which 25 divides not
+    trace = tmp_path / "tpu.csv"
+    trace.write_text("step,batchsize\n0,48\n1,32\n2,80\n")
+    args = ["--trace", str(trace), "--generate", "80", "--max-steps", "1", "--workers", "0"]
+    code, out, err = run_train([*args, "--hidden-dim", "4", "--embedding-dim", "4", "--no-progress"], capsys)
+    assert code == 0, err
+    assert "minibatch 16," in out and "done: 1 steps (48 samples" in out
+    # a size given on the command line is still checked, never replaced
+    code, _, err = run_train([*args, "--minibatch-size", "25"], capsys)
+    _usage_error(code, err, "batch size 48 is not a multiple of --minibatch-size 25")
+
+
+def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFOLD_DATA")  # --generate, not the test data
+    trace = tmp_path / "t.csv"
+    trace.write_text("step,batchsize\n" + "".join(f"{step},8\n" for step in range(5)))
+    args = ["--trace", str(trace), "--generate", "12", "--workers", "0"]
+    args += ["--hidden-dim", "4", "--embedding-dim", "4"]
+    code, out, err = run_train([*args, "--no-progress"], capsys)
+    assert code == 0, err
+    assert "12 GENERATED trees" in out and "(5 steps)" in out
+    assert (
+        "run: stops before step 4 of the trace's 5: they hold 2 complete epoch(s) of 12 trees, and the last "
+        "1 step(s) would start one the trace cannot finish (--epochs 3 trains them too)"
+    ) in out
+    assert "done: 4 steps" in out
+    code, out, err = run_train([*args, "--no-progress", "--epochs", "3"], capsys)
+    assert code == 0 and "run: " not in out and "done: 5 steps" in out, out + err
+    code, out, err = run_train([*args, "--no-progress", "--max-steps", "2"], capsys)
+    assert code == 0 and "run: stops before step 2 of the trace's 5 (--max-steps 2)" in out, out + err

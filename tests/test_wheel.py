@@ -1,4 +1,8 @@
-"""Release check: the wheel installs into a clean virtual environment and runs the README's quickstart.
+"""Release check: the wheel installs into a clean virtual environment and runs the README there.
+
+The wheel and the sdist carry the LICENSE. In the clean environment the wheel runs the README's
+quickstart, then (with the ``plot`` extra added) every python block of the README, in order in
+one script, and every command of its command-line section on the committed test data.
 
 The environment is made with ``python -m venv``, without system or user site-packages, outside
 the repository, with no ``PYTHONPATH``. Installing torch there from the index would unpack
@@ -19,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -28,7 +33,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from test_readme import quickstart
+from test_readme import cli_argv, cli_commands, python_blocks, quickstart
 
 import torchfold
 
@@ -39,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def clean_env() -> dict[str, str]:
     """This process's environment without anything that would let the venv see another torchfold."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    hidden = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "TORCHFOLD_DATA")  # a user's shell has none of them
+    env = {k: v for k, v in os.environ.items() if k not in hidden}
     env["PYTHONNOUSERSITE"] = "1"  # no ~/.local site-packages either
     return env
 
@@ -94,37 +100,65 @@ def wheel(work: Path) -> Path:
     """The wheel, built from a copy of the sources (so no stale build/ folder can leak into it)."""
     source = work / "source"
     source.mkdir()
-    for name in ("setup.py", "pyproject.toml", "README.md"):
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, source / name)
     shutil.copytree(ROOT / "torchfold", source / "torchfold", ignore=shutil.ignore_patterns("__pycache__"))
     dist = work / "dist"
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, source], work)
-    (built,) = dist.glob("torchfold-*.whl")
+    (built,) = dist.glob(
+        "pytorch_fold-*.whl"
+    )  # the distribution's name: `torchfold` on PyPI is another project
     return built
 
 
+def test_the_sdist_carries_the_license(work: Path, wheel: Path) -> None:
+    sdist = run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))",
+            work / "sdist",
+        ],
+        work / "source",
+    ).stdout.split()[-1]
+    with tarfile.open(work / "sdist" / sdist) as archive:
+        names = archive.getnames()
+        top = names[0].split("/")[0]
+        assert top == f"pytorch_fold-{torchfold.__version__}", names[:3]
+        license_file = archive.extractfile(f"{top}/LICENSE")
+        assert license_file is not None and license_file.read() == (ROOT / "LICENSE").read_bytes()
+
+
 def test_wheel_holds_the_package_and_requires_no_extra(wheel: Path) -> None:
-    assert wheel.name.startswith(f"torchfold-{torchfold.__version__}-")
+    assert wheel.name.startswith(f"pytorch_fold-{torchfold.__version__}-")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
         requires = [
-            line.removeprefix("Requires-Dist: ")
-            for line in archive.read(metadata).decode().splitlines()
-            if line.startswith("Requires-Dist: ")
+            line.removeprefix("Requires-Dist: ") for line in lines if line.startswith("Requires-Dist: ")
         ]
+        license_text = archive.read(metadata.replace("METADATA", "licenses/LICENSE"))
+    assert license_text == (ROOT / "LICENSE").read_bytes() and b"Apache License" in license_text
+    assert {"Name: pytorch-fold", "License-Expression: Apache-2.0", "License-File: LICENSE"} <= set(lines)
+    assert "Classifier: Typing :: Typed" in lines
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "torchfold").rglob("*.py")}
     assert modules <= names, f"missing from the wheel: {sorted(modules - names)}"
     assert "torchfold/py.typed" in names
     assert {n.split("/")[0] for n in names} == {"torchfold", metadata.split("/")[0]}
     plain = sorted(re.split(r"[<>=! ;\[]", r)[0] for r in requires if "extra ==" not in r)
     assert plain == ["numpy", "torch", "tqdm"]
+    # torch_xla imports only beside the torch it was built for: the extra pins the pair
+    assert sorted(r.split(";")[0].strip() for r in requires if 'extra == "xla"' in r) == [
+        "torch==2.9.0",
+        "torch_xla==2.9.0",
+    ]
     extras = {m.group(1) for r in requires if (m := re.search(r"extra == \"(\w+)\"", r))}
     assert extras == {"dev", "docs", "notebooks", "plot", "xla"}
 
 
-@pytest.mark.timeout(600)
-def test_clean_install_runs_the_quickstart_outside_the_repository(work: Path, wheel: Path) -> None:
+@pytest.mark.timeout(1500)
+def test_clean_install_runs_the_readme_outside_the_repository(work: Path, wheel: Path) -> None:
     venv = work / "venv"
     run([sys.executable, "-m", "venv", venv], work)
     python = venv / "bin" / "python"
@@ -169,6 +203,18 @@ def test_clean_install_runs_the_quickstart_outside_the_repository(work: Path, wh
     failed = subprocess.run(
         [python, "-c", draw], cwd=outside, env=clean_env(), capture_output=True, text=True
     )
-    assert failed.returncode != 0 and "pip install 'torchfold[plot]'" in failed.stderr, failed.stderr
+    assert failed.returncode != 0 and "pip install 'pytorch-fold[plot]'" in failed.stderr, failed.stderr
     usage = run([venv / "bin" / "torchfold", "--help"], outside).stdout
     assert usage.startswith("usage: python -m torchfold")
+
+    # With the plot extra (trace plot draws a PNG): every python block of the README, in order in
+    # one script as a reader would paste them, then its command-line section on the test data.
+    run([python, "-m", "pip", "install", "--quiet", f"{wheel}[plot]"], outside)
+    (outside / "readme_blocks.py").write_text("\n".join(python_blocks()))
+    run([python, "readme_blocks.py"], outside)
+    data = work / "data"
+    shutil.copytree(ROOT / "tests" / "data", data)
+    commands = cli_commands()
+    for command in commands:  # in order: train reads the trace that convert wrote
+        run(cli_argv(command, data, str(python)), outside)
+    assert (outside / "tpu.png").is_file() and (outside / "runs" / "replay" / "replay.csv").is_file()

@@ -247,8 +247,14 @@ def _train(
     )
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
+        # A bar on a terminal only: redirected to a file, its carriage-return frames would fill the
+        # log, which gets the epoch lines instead (tqdm's and Lightning's convention).
         with tqdm(
-            total=len(train), unit="tree", desc=f"epoch {epoch}", leave=False, disable=args.no_progress
+            total=len(train),
+            unit="tree",
+            desc=f"epoch {epoch}",
+            leave=False,
+            disable=args.no_progress or not sys.stderr.isatty(),
         ) as progress:
             loss = _train_epoch(model, device, optimizer, train, vocab, args.batch_size, rng, progress)
         elapsed = time.perf_counter() - start

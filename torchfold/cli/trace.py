@@ -153,6 +153,6 @@ def main(argv: Sequence[str]) -> int:
         return _plot(args, parser)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: `plot` without the plot extra
         print(f"torchfold trace {args.command}: error: {e}", file=sys.stderr)
         return 1

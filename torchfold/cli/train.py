@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -92,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument(
-        "--minibatch-size", type=positive_int, help=f"trees per fold (default {DEFAULT_MINIBATCH_SIZE})"
+        "--minibatch-size",
+        type=positive_int,
+        help=f"trees per fold (default: the largest size up to {DEFAULT_MINIBATCH_SIZE} that divides every "
+        "batch size of the trace)",
     )
     size.add_argument(
         "--max-device-batch-size",
@@ -343,16 +347,15 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    if args.max_device_batch_size is None:
-        if args.max_accumulation is not None:
-            parser.print_usage(sys.stderr)
-            print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
-            return 2
-        if args.minibatch_size is None:
-            args.minibatch_size = DEFAULT_MINIBATCH_SIZE
+    if args.max_device_batch_size is None and args.max_accumulation is not None:
+        parser.print_usage(sys.stderr)
+        print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
+        return 2
     try:
         trace = _trace(args.trace)
-        if args.minibatch_size is not None:
+        if args.minibatch_size is None and args.max_device_batch_size is None:
+            args.minibatch_size = default_minibatch_size(trace)
+        elif args.minibatch_size is not None:
             try:
                 trace.check_minibatch_size(args.minibatch_size)
             except ValueError as e:
@@ -407,6 +410,52 @@ def _option_names(message: str) -> str:
     return message
 
 
+def default_minibatch_size(trace: BatchSizeTrace, largest: int = DEFAULT_MINIBATCH_SIZE) -> int:
+    """The largest minibatch size up to ``largest`` that divides every batch size of ``trace``.
+
+    A trace converted from an availability trace holds multiples of its per-device batch (176,
+    224, 240, ... trees), which a fixed default (25) would not divide.
+
+    >>> default_minibatch_size(BatchSizeTrace([176, 224, 240]))
+    16
+    >>> default_minibatch_size(BatchSizeTrace([100, 50]))
+    25
+    """
+    common = math.gcd(*trace.batch_sizes)
+    return max(size for size in range(1, min(largest, common) + 1) if common % size == 0)
+
+
+def _stop_line(args: argparse.Namespace, trace: BatchSizeTrace, loader: StepLoader) -> str | None:
+    """Why the run ends before the trace's last step, if it does (``None`` otherwise)."""
+    sampler = loader.sampler
+    if trace.num_steps is None:
+        return None  # an unbounded trace: the run ends at --max-steps or --epochs, as asked
+    total, trees = trace.num_steps, sampler.dataset_size
+    epochs: int | None = args.epochs if args.epochs is not None else sampler.num_epochs
+    if not epochs:
+        return None
+    end = trace.epoch(epochs - 1, trees, drop_last=sampler.drop_last).end_step
+    if args.max_steps is not None and args.max_steps < end:
+        return f"stops before step {args.max_steps} of the trace's {total} (--max-steps {args.max_steps})"
+    if end >= total:
+        return None
+    if args.epochs is not None:
+        return f"stops before step {end} of the trace's {total}: there epoch {epochs} ends (--epochs {args.epochs})"
+    return (
+        f"stops before step {end} of the trace's {total}: they hold {epochs} complete epoch(s) of {trees} "
+        f"trees, and the last {total - end} step(s) would start one the trace cannot finish "
+        f"(--epochs {epochs + 1} trains them too)"
+    )
+
+
+def _installed_version(distribution: str) -> str:
+    """The installed version of ``distribution``, or ``"(version unknown)"``."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def _device(choice: str) -> torch.device:
     """The device ``--device`` names; torch_xla is imported only for XLA."""
     if choice == "auto":
@@ -418,8 +467,15 @@ def _device(choice: str) -> torch.device:
         try:
             import torch_xla
         except ImportError as e:
+            if importlib.util.find_spec("torch_xla") is None:
+                raise ValueError(
+                    "--device xla needs torch_xla: pip install 'pytorch-fold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
+                ) from e
+            # Installed but broken: most often a torch_xla built for another torch (an undefined symbol).
             raise ValueError(
-                "--device xla needs torch_xla: pip install 'torchfold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
+                f"--device xla: torch_xla {_installed_version('torch_xla')} is installed but fails to import "
+                f"beside torch {torch.__version__} ({e}); install a matching pair: "
+                "pip install 'pytorch-fold[xla]' (torch 2.9.0 with torch_xla 2.9.0)"
             ) from e
         return torch.device(torch_xla.device())
     if choice == "cuda" and not torch.cuda.is_available():
@@ -519,6 +575,9 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], o
             )
             + f"{args.workers} fold-building worker(s) each, device {device}"
         )
+        stop = _stop_line(args, trace, loader)
+        if stop is not None:
+            print(f"run: {stop}")
     lock: CheckpointDirLock | None = None
     try:
         lock = _lock_checkpoint_dir(args, main_rank)  # held until the run ends: one run per directory

@@ -1,6 +1,6 @@
 """Pictures of a fold: nodes laid out by depth, each batched group drawn as one box.
 
-Uses matplotlib only (no graphviz), from the ``plot`` extra: ``pip install 'torchfold[plot]'``.
+Uses matplotlib only (no graphviz), from the ``plot`` extra: ``pip install 'pytorch-fold[plot]'``.
 Small folds show every node and edge; folds with more than ``max_nodes`` nodes are drawn one
 box per group, with edges between groups.
 """
@@ -127,7 +127,7 @@ def _require_matplotlib() -> None:
     except ImportError as error:
         raise type(error)(
             f"Fold.draw needs matplotlib, which could not be imported ({error}): "
-            "pip install 'torchfold[plot]'",
+            "pip install 'pytorch-fold[plot]'",
             name=error.name,
             path=error.path,
         ) from error

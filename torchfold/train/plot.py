@@ -25,7 +25,7 @@ def _figure_class() -> Any:
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError(
-            f"plotting a trace needs matplotlib, which is not installed ({e}); pip install 'torchfold[plot]'"
+            f"plotting a trace needs matplotlib, which is not installed ({e}); pip install 'pytorch-fold[plot]'"
         ) from e
     return Figure
 
@@ -50,7 +50,7 @@ def plot_trace(
         num_steps: how many steps to plot (required for an unbounded trace).
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install 'torchfold[plot]'``).
+        ImportError: matplotlib is not installed (``pip install 'pytorch-fold[plot]'``).
     """
     Figure = _figure_class()
     if num_steps is None:

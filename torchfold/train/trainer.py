@@ -13,8 +13,10 @@ The loop is generic over the structure type: it never looks inside items or targ
 Tree-LSTMs the two halves are :class:`torchfold.examples.models.TreeLSTMBuild` (for the loader) and
 :func:`torchfold.examples.models.tree_lstm_loss` (for the trainer).
 
-Around the steps: a tqdm progress bar and a log line every ``log_every`` steps (step, global
-batch, learning rate, loss, samples/s), both on the main rank only; a checkpoint every
+Around the steps, on the main rank only, as tqdm and Lightning do it: a progress bar when stderr
+is a terminal, and otherwise (a log file, a notebook, CI) a log line every ``log_every`` steps
+(default :data:`DEFAULT_LOG_EVERY`) and at the last one; ``progress=False`` alone is quiet (step, global batch, learning rate,
+loss, samples/s); a checkpoint every
 ``checkpoint_every`` steps (model, optimizer, loader position, the generators of every rank)
 that :meth:`TraceTrainer.resume` continues from exactly. Under ``torchrun`` each process runs
 the same code; create the process group first (:func:`torchfold.train.distributed.init_distributed`).
@@ -81,9 +83,12 @@ from torchfold.train.loader import Step, StepLoader, to_device
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.xla_replay import XlaStepReplay
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
+__all__ = ["DEFAULT_LOG_EVERY", "PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
 
 PREEMPTED_EXIT_CODE = 75
+
+#: Steps between log lines where no progress bar is shown (Lightning's ``log_every_n_steps``).
+DEFAULT_LOG_EVERY = 50
 """Exit status of a run stopped by SIGTERM after writing its checkpoint (``EX_TEMPFAIL``: run it again)."""
 _FORCED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process killed by SIGTERM
 
@@ -177,7 +182,9 @@ class TraceTrainer:
         checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written).
         checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
         keep_checkpoints: how many of the newest checkpoints to keep (default 2).
-        log_every: log a line every this many steps on the main rank (0: never).
+        log_every: log a line every this many steps, and at the last one, on the main rank (0:
+            never); ``None`` (default): every :data:`DEFAULT_LOG_EVERY` steps where ``progress=None``
+            finds no terminal, else none (a bar, or ``progress=False``: a quiet run).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
         on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint,
@@ -239,7 +246,7 @@ class TraceTrainer:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
-        log_every: int = 0,
+        log_every: int | None = None,
         progress: bool | None = None,
         log: Callable[[str], None] | None = None,
         on_step: Callable[[StepStats], None] | None = None,
@@ -269,7 +276,7 @@ class TraceTrainer:
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
         for name, value, minimum in (
             ("checkpoint_every", checkpoint_every, 0),
-            ("log_every", log_every, 0),
+            ("log_every", 0 if log_every is None else log_every, 0),
             ("keep_checkpoints", keep_checkpoints, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -302,11 +309,14 @@ class TraceTrainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
-        self.log_every = log_every
         self.is_main = rank == 0
         self.progress = (
             (self.is_main and sys.stderr.isatty()) if progress is None else progress and self.is_main
         )
+        # Left to choose (progress=None): a bar on a terminal, log lines elsewhere. progress=False
+        # alone asks for a quiet run, as it did before log lines were the default.
+        auto_lines = progress is None and not self.progress
+        self.log_every = (DEFAULT_LOG_EVERY if auto_lines else 0) if log_every is None else log_every
         self.log = log if log is not None else tqdm.write
         self.on_step = on_step
         self.seed = seed
@@ -632,7 +642,7 @@ class TraceTrainer:
             self.save_checkpoint()
         bar.update(1)
         bar.set_postfix(batch=stats.batch_size, loss=f"{stats.loss:.3f}", refresh=False)
-        if self.log_every and self.next_step % self.log_every == 0:
+        if self.log_every and (self.next_step % self.log_every == 0 or self.next_step == end):
             now = time.perf_counter()
             if self.is_main:
                 loss = self._log_loss / self._log_samples if self._log_samples else math.nan

@@ -588,7 +588,7 @@ class TraceTrainer:
             step=plan.step,
             epoch=plan.epoch,
             batch_size=plan.batch_size,
-            num_minibatches=plan.num_minibatches,
+            num_minibatches=self.optimizer.last_num_minibatches,  # a split minibatch counts as its parts
             local_minibatches=plan.local_minibatches,
             local_nodes=nodes,
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,

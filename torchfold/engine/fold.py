@@ -21,7 +21,7 @@ from torchfold.engine.node import (
     Group,
     Node,
     Op,
-    Owner,
+    Tape,
     new_node,
     op_name,
     outside_int64,
@@ -38,6 +38,14 @@ if TYPE_CHECKING:
 __all__ = ["Fold"]
 
 _Tensor = torch.Tensor
+_LITERALS = (int, float)
+
+
+def _tag(literal: int | float) -> tuple[str, int | float]:
+    """An int or float as stored above depth 0, where a bare int is a node's handle (see ``Group``)."""
+    return ("int" if literal.__class__ is int else "float", literal)
+
+
 RequestItem = Node | torch.Tensor | int | float  # what the lists given to apply may hold
 
 
@@ -106,7 +114,7 @@ class Fold:
             )
         self.shapes = shapes
         self._groups: dict[tuple[int, Op, int], Group] = {}
-        self._token = Owner()  # what this Fold's nodes point to (see Node.owner)
+        self._tape = Tape()  # what this Fold's nodes are numbers into (see Node)
 
     # -- recording --------------------------------------------------------------------------
 
@@ -123,61 +131,82 @@ class Fold:
             FoldError: an argument is a node of another fold, an int outside int64, or of an
                 unsupported type.
         """
-        token = self._token
+        tape = self._tape
+        depths = tape.depth
         depth = 0
-        floats = False
+        handles: list[Any] = []  # the arguments as stored: nodes by their handles
+        ints = floats = tensors = False
         for arg in args:
             cls = arg.__class__
             if cls is Node:
-                if arg.owner is not token:
+                if arg._tape is not tape:
                     raise FoldError(
                         f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
                         "in the Fold that created them (build the whole graph in one Fold)"
                     )
-                below = arg.group.depth
+                handle = arg._handle
+                below = depths[handle]
                 if below >= depth:
                     depth = below + 1
-            elif cls is float:
+                handles.append(handle)
+                continue
+            if cls is float:
                 floats = True
             elif cls is int:
+                ints = True
                 if not INT64_MIN <= arg <= INT64_MAX:  # would fail only at apply, as a bare OverflowError
                     raise FoldError(
                         f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is "
                         f"{outside_int64(arg)}; ints become a LongTensor: pass a float or a tensor instead"
                     )
-            elif not isinstance(arg, _Tensor):
+            elif isinstance(arg, _Tensor):
+                tensors = True
+            else:
                 raise FoldError(
                     f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
                     f"{type(arg).__name__} ({arg!r}); "
                     "fold arguments must be nodes of this Fold, ints, floats or tensors"
                 )
+            handles.append(arg)
+        # Identical calls are found by their stored arguments: handles and ints by value, tensors
+        # by identity. Floats are tagged so that 1.0 and 1 (a float and a long tensor) stay
+        # different calls, and so are ints above depth 0, where a bare int is a node's handle.
+        if depth:
+            if ints or floats:
+                key = tuple(
+                    [
+                        a._handle if a.__class__ is Node else (_tag(a) if a.__class__ in _LITERALS else a)
+                        for a in args
+                    ]
+                )
+            else:
+                key = tuple(handles)
+            plain = not (ints or floats or tensors)
+        elif floats:
+            key = tuple([("float", a) if a.__class__ is float else a for a in args])
+            plain = False
+        else:
+            key = args
+            plain = not tensors
         where = (depth, op, len(args))
         group = self._groups.get(where)
         if group is None:
             if op.__class__ is not str and not callable(op):
                 raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
-            group = self._groups[where] = Group(op, depth, len(self._groups), token.new_sources(1)[0])
-        # Identical calls are found by their argument tuple itself: nodes hash by identity (one
-        # handle object per value), tensors by identity, ints by value. Floats are tagged so that
-        # 1.0 and 1 (a float and a long tensor) stay different calls.
-        key = tuple([("float", a) if a.__class__ is float else a for a in args]) if floats else args
+            group = self._groups[where] = Group(op, depth, len(self._groups))
+            group.source = tape.new_sources(group, 1, output=False)[0]
+        if not plain:
+            group.plain = False
         nodes = group.nodes
-        node = nodes.get(key)
-        if node is None:
-            calls = group.calls
-            node = nodes[key] = new_node(Node)  # Node(token, group, len(calls)), without a call frame
-            node.owner, node.group, node.index, node.output, node.batch = token, group, len(calls), None, True
-            node.source, node._next, node._nobatch = group.source, None, None
-            calls.append(args)
+        handle = nodes.get(key)
+        if handle is None:
+            handle = nodes[key] = len(depths)  # tape.new_handle, without a call frame
+            tape.index.append(len(nodes) - 1)
+            tape.source.append(group.source)
+            depths.append(depth)
+        node = new_node(Node)  # Node(tape, handle), without a call frame
+        node._tape, node._handle = tape, handle
         return node
-
-    def __del__(self) -> None:
-        # A group and its nodes point at each other (`group.nodes`, `node.group`): the only
-        # reference cycles of a fold. Breaking them when the Fold goes lets reference counting
-        # free the whole graph at once, instead of Python's cyclic garbage collector finding it
-        # (in a full pass over every live object) after each batch's nodes lived through passes.
-        for group in getattr(self, "_groups", {}).values():  # none if __init__ raised
-            group.nodes.clear()
 
     # -- running ----------------------------------------------------------------------------
 
@@ -259,7 +288,7 @@ class Fold:
         return sorted(self._groups.values(), key=lambda g: (g.depth, g.order))
 
     def __len__(self) -> int:
-        return sum(len(group.calls) for group in self._groups.values())
+        return sum(len(group.nodes) for group in self._groups.values())
 
     def __repr__(self) -> str:
         from torchfold.engine.resolve import describe

@@ -213,6 +213,13 @@ def test_fold_overhead_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert "apply us/node" in capsys.readouterr().out
 
 
+def test_fold_overhead_recording_table_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    ((asked, nodes, add_us, plan_us, loop_us),) = fold_overhead.main(["--quick", "--recording"])
+    assert asked == nodes == 100  # every node distinct
+    assert all(isinstance(t, float) and t > 0 for t in (add_us, plan_us, loop_us))
+    assert "plan us/node" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("shape", list(fold_overhead.BUILDERS))
 def test_fold_overhead_graphs_evaluate_like_eager(shape: str) -> None:
     import random

@@ -287,6 +287,30 @@ class Fold:
         """The recorded groups in execution order (by depth, then by first use)."""
         return sorted(self._groups.values(), key=lambda g: (g.depth, g.order))
 
+    def arguments(self, group: Group) -> list[tuple[Any, ...]]:
+        """Each distinct call of ``group`` (one of :meth:`groups`), its arguments as given to ``add``.
+
+        Example:
+            >>> import torchfold
+            >>> f = torchfold.Fold()
+            >>> a = f.add("leaf", 3)
+            >>> b = f.add("pair", a, 2.5)
+            >>> f.arguments(f.groups()[1])
+            [(Node('leaf', depth=0, index=0), 2.5)]
+        """
+        tape, nodes = self._tape, group.depth > 0
+        return [
+            tuple(
+                Node(tape, arg)
+                if nodes and arg.__class__ is int
+                else arg[1]
+                if arg.__class__ is tuple
+                else arg
+                for arg in call
+            )
+            for call in group.nodes
+        ]
+
     def __len__(self) -> int:
         return sum(len(group.nodes) for group in self._groups.values())
 

@@ -183,7 +183,7 @@ class _Nothing:
     """A recorder whose ``add`` does nothing: the cost of the recording loop itself."""
 
     def add(self, op: str, *args: object) -> object:
-        return args
+        return op  # not args: a tuple of the children's tuples would keep every tree alive
 
 
 def record_program(fold: torchfold.Fold | _Nothing, program: list[int]) -> list[Any]:

@@ -133,62 +133,83 @@ class Fold:
         """
         tape = self._tape
         depths = tape.depth
-        depth = 0
-        handles: list[Any] = []  # the arguments as stored: nodes by their handles
-        ints = floats = tensors = False
-        for arg in args:
-            cls = arg.__class__
-            if cls is Node:
-                if arg._tape is not tape:
-                    raise FoldError(
-                        f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
-                        "in the Fold that created them (build the whole graph in one Fold)"
-                    )
-                handle = arg._handle
-                below = depths[handle]
-                if below >= depth:
-                    depth = below + 1
-                handles.append(handle)
-                continue
-            if cls is float:
-                floats = True
-            elif cls is int:
-                ints = True
-                if not INT64_MIN <= arg <= INT64_MAX:  # would fail only at apply, as a bare OverflowError
-                    raise FoldError(
-                        f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is "
-                        f"{outside_int64(arg)}; ints become a LongTensor: pass a float or a tensor instead"
-                    )
-            elif isinstance(arg, _Tensor):
-                tensors = True
-            else:
-                raise FoldError(
-                    f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
-                    f"{type(arg).__name__} ({arg!r}); "
-                    "fold arguments must be nodes of this Fold, ints, floats or tensors"
-                )
-            handles.append(arg)
-        # Identical calls are found by their stored arguments: handles and ints by value, tensors
-        # by identity. Floats are tagged so that 1.0 and 1 (a float and a long tensor) stay
-        # different calls, and so are ints above depth 0, where a bare int is a node's handle.
-        if depth:
-            if ints or floats:
-                key = tuple(
-                    [
-                        a._handle if a.__class__ is Node else (_tag(a) if a.__class__ in _LITERALS else a)
-                        for a in args
-                    ]
-                )
-            else:
-                key = tuple(handles)
-            plain = not (ints or floats or tensors)
-        elif floats:
-            key = tuple([("float", a) if a.__class__ is float else a for a in args])
-            plain = False
+        count = len(args)
+        # Unrolled first: two nodes (binary trees), one node (chains), one int (leaves).
+        if (
+            count == 2
+            and (a := args[0]).__class__ is Node
+            and (b := args[1]).__class__ is Node
+            and a._tape is tape
+            and b._tape is tape
+        ):
+            key: tuple[Any, ...] = (a._handle, b._handle)
+            depth = depths[key[0]]
+            below = depths[key[1]]
+            depth = (depth if depth > below else below) + 1
+            plain = True
+        elif count == 1 and (a := args[0]).__class__ is Node and a._tape is tape:
+            key = (a._handle,)
+            depth = depths[key[0]] + 1
+            plain = True
+        elif count == 1 and a.__class__ is int and INT64_MIN <= a <= INT64_MAX:
+            key, depth, plain = args, 0, True
         else:
-            key = args
-            plain = not tensors
-        where = (depth, op, len(args))
+            depth = 0
+            handles: list[Any] = []  # the arguments as stored: nodes by their handles
+            ints = floats = tensors = False
+            for arg in args:
+                cls = arg.__class__
+                if cls is Node:
+                    if arg._tape is not tape:
+                        raise FoldError(
+                            f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
+                            "in the Fold that created them (build the whole graph in one Fold)"
+                        )
+                    handle = arg._handle
+                    below = depths[handle]
+                    if below >= depth:
+                        depth = below + 1
+                    handles.append(handle)
+                    continue
+                if cls is float:
+                    floats = True
+                elif cls is int:
+                    ints = True
+                    if not INT64_MIN <= arg <= INT64_MAX:  # would fail only at apply, as a bare OverflowError
+                        raise FoldError(
+                            f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is "
+                            f"{outside_int64(arg)}; ints become a LongTensor: pass a float or a tensor instead"
+                        )
+                elif isinstance(arg, _Tensor):
+                    tensors = True
+                else:
+                    raise FoldError(
+                        f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
+                        f"{type(arg).__name__} ({arg!r}); "
+                        "fold arguments must be nodes of this Fold, ints, floats or tensors"
+                    )
+                handles.append(arg)
+            # Identical calls are found by their stored arguments: handles and ints by value, tensors
+            # by identity. Floats are tagged so that 1.0 and 1 (a float and a long tensor) stay
+            # different calls, and so are ints above depth 0, where a bare int is a node's handle.
+            if depth:
+                if ints or floats:
+                    key = tuple(
+                        [
+                            a._handle if a.__class__ is Node else (_tag(a) if a.__class__ in _LITERALS else a)
+                            for a in args
+                        ]
+                    )
+                else:
+                    key = tuple(handles)
+                plain = not (ints or floats or tensors)
+            elif floats:
+                key = tuple([("float", a) if a.__class__ is float else a for a in args])
+                plain = False
+            else:
+                key = args
+                plain = not tensors
+        where = (depth, op, count)
         group = self._groups.get(where)
         if group is None:
             if op.__class__ is not str and not callable(op):

@@ -32,6 +32,9 @@ __all__ = ["compile_fold"]
 
 _Tensor = torch.Tensor
 _handle = operator.attrgetter("_handle")
+# Groups of at most this many calls have their columns read in Python: numpy's ~1-3 us per call
+# outweighs its speed on a few dozen items (SST batches: most groups above the first depths).
+_SMALL = 64
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
@@ -124,13 +127,11 @@ class _Compiler:
         if (sources == first).all():
             keys: list[int] = [first]
             item_piece = np.zeros(len(sources), dtype=np.int64)
-        else:  # sources numbered in first-use order
-            unique, first_use, inverse = np.unique(sources, return_index=True, return_inverse=True)
-            order = np.argsort(first_use, kind="stable")
-            keys = unique[order].tolist()
-            rank = np.empty_like(order)
-            rank[order] = np.arange(len(order))
-            item_piece = rank[inverse.reshape(-1)]
+        else:  # sources numbered in first-use order (a few per column: a dict, not np.unique's sort)
+            keys = list(dict.fromkeys(sources.tolist()))
+            number = np.zeros(max(keys) + 1, dtype=np.int64)
+            number[keys] = np.arange(len(keys))
+            item_piece = number[sources]
         source_calls = self.source_calls
         return _Column(
             position, _Pieces.of_sources(keys, [source_calls[s] for s in keys]), item_piece, item_call
@@ -167,10 +168,18 @@ class _Compiler:
         columns: list[_Column] = []
         # NOTE: columns are taken one at a time, not with zip(*calls): that holds an iterator (an
         # object the garbage collector tracks) per call at once, and a large group's set them off.
-        table = np.array(calls, dtype=np.int64).reshape(len(calls), step.arity) if group.plain else None
+        small = len(calls) <= _SMALL  # a few calls: Python beats numpy's cost per call
+        table = (
+            np.array(calls, dtype=np.int64).reshape(len(calls), step.arity)
+            if group.plain and not small
+            else None
+        )
         for position in range(step.arity):
             if table is not None:
                 self.int_column(step, position, table[:, position], nodes, columns)
+                continue
+            if small and group.plain and nodes:
+                self.small_node_column(step, position, [call[position] for call in calls], columns)
                 continue
             column = list(map(operator.itemgetter(position), calls))
             kinds = set(map(type, column))
@@ -219,6 +228,28 @@ class _Compiler:
             and all(isinstance(piece, int) for gather in step.gathers for piece in gather.pieces)
         )
         return step
+
+    def small_node_column(
+        self, step: GroupCall, position: int, handles: list[int], columns: list[_Column]
+    ) -> None:
+        """``int_column`` of a few handles, in Python (see ``_SMALL``)."""
+        tape_source, tape_index = self.tape.source, self.tape.index
+        sources = [tape_source[handle] for handle in handles]
+        first, count = sources[0], len(sources)
+        if first < 0 or min(sources) < 0:
+            step.fixed.append((position, self.shared(handles, step.where(position))))
+            return
+        item_call = np.array([tape_index[handle] for handle in handles], dtype=np.int64)
+        if sources.count(first) == count:
+            keys = [first]
+            item_piece = np.zeros(count, dtype=np.int64)
+        else:
+            numbers = {source: number for number, source in enumerate(dict.fromkeys(sources))}
+            keys = list(numbers)
+            item_piece = np.fromiter(map(numbers.__getitem__, sources), dtype=np.int64, count=count)
+        source_calls = self.source_calls
+        pieces = _Pieces.of_sources(keys, [source_calls[s] for s in keys])
+        columns.append(_Column(position, pieces, item_piece, item_call))
 
     def int_column(
         self, step: GroupCall, position: int, values: np.ndarray, nodes: bool, columns: list[_Column]

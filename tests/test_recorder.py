@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fold_properties import instruction, requested, run_program
 
+import torchfold.engine.compiler
 from torchfold import Fold
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.plan import FoldPlan
@@ -132,15 +133,24 @@ def planned(plan: FoldPlan) -> tuple[list[tuple[Any, ...]], list[list[Item]]]:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    program=st.lists(instruction, min_size=1, max_size=40), picks=st.lists(st.integers(0, 1000), max_size=12)
+    program=st.lists(instruction, min_size=1, max_size=40),
+    picks=st.lists(st.integers(0, 1000), max_size=12),
+    arrays=st.booleans(),
 )
 def test_the_recorder_plans_what_a_plain_reference_recorder_records(
-    program: list[tuple[Any, ...]], picks: list[int]
+    program: list[tuple[Any, ...]], picks: list[int], arrays: bool
 ) -> None:
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
     fold, reference = Fold(), ReferenceFold()
-    plan = fold.plan(requested(run_program(fold, program, inputs), picks))
+    small = torchfold.engine.compiler._SMALL
+    torchfold.engine.compiler._SMALL = (
+        0 if arrays else small
+    )  # every group through the numpy path, or as sized
+    try:
+        plan = fold.plan(requested(run_program(fold, program, inputs), picks))
+    finally:
+        torchfold.engine.compiler._SMALL = small
     expected = reference.expected(requested(run_program(reference, program, inputs), picks))
     assert isinstance(plan, FoldPlan)
     assert planned(plan) == expected

@@ -134,7 +134,7 @@ class Fold:
         tape = self._tape
         depths = tape.depth
         count = len(args)
-        # Unrolled first: two nodes (binary trees), one node (chains), one int (leaves).
+        # Unrolled first: two nodes (binary trees), four (a binary LSTM cell), one node (chains), one int (leaves).
         if (
             count == 2
             and (a := args[0]).__class__ is Node
@@ -146,6 +146,20 @@ class Fold:
             depth = depths[key[0]]
             below = depths[key[1]]
             depth = (depth if depth > below else below) + 1
+            plain = True
+        elif (
+            count == 4  # an LSTM cell over two children: (h, c) of each
+            and (a := args[0]).__class__ is Node
+            and (b := args[1]).__class__ is Node
+            and (c := args[2]).__class__ is Node
+            and (d := args[3]).__class__ is Node
+            and a._tape is tape
+            and b._tape is tape
+            and c._tape is tape
+            and d._tape is tape
+        ):
+            key = (a._handle, b._handle, c._handle, d._handle)
+            depth = max(depths[key[0]], depths[key[1]], depths[key[2]], depths[key[3]]) + 1
             plain = True
         elif count == 1 and (a := args[0]).__class__ is Node and a._tape is tape:
             key = (a._handle,)

@@ -285,8 +285,12 @@ class Node:
                 group.num_outputs = num
             depth, index = tape.depth[handle], tape.index[handle]
             first = tape.outputs_of[handle] = len(tape.source)
-            for output_source in group.output_sources:
-                tape.new_handle(depth, output_source if batch else ~output_source, index)
+            # tape.new_handle per output, without its call frames (a split per node of an LSTM)
+            tape.depth.extend([depth] * num)
+            tape.index.extend([index] * num)
+            tape.source.extend(
+                group.output_sources if batch else [~source for source in group.output_sources]
+            )
         if num == 2:  # the common case (an LSTM's h and c), without a loop
             # Built in place (new_node + slots), not through __init__: a call frame less per handle.
             one = new_node(Node)

@@ -153,9 +153,10 @@ class Group:
 
     ``nodes`` maps each distinct call's arguments to its handle, in call order (dicts keep it):
     the arguments as ``Fold.add`` stores them, a tuple holding, per position, a node's handle
-    (an ``int``, in groups above depth 0, which every call has a node argument), an int
-    (depth 0 only: above, an int is stored as ``("int", value)``), ``("float", value)`` or a tensor.
-    Ints and tagged literals: a tuple the garbage collector stops tracking at its first pass.
+    (a bare ``int``: only in groups above depth 0, where every call has a node argument), an
+    int (at depth 0; above it an int is stored as ``("int", value)``), ``("float", value)`` or a
+    tensor. A tuple of ints and tagged literals is one the garbage collector stops tracking at
+    its first pass. ``plain`` says that every stored argument is a bare int.
     """
 
     __slots__ = (

@@ -11,6 +11,15 @@ see the same batches. Per update: a fresh graph, all trees of the batch, the mea
 over every node, one forward, one backward (DyNet batches same-shaped operations itself), one
 Adam step (no gradient clipping, dense updates unless ``--sparse-updates``).
 
+Two Tree-LSTM variants (``--model``), each written the way DyNet's own examples write one: one
+``affine_transform`` per node for its gates, ``pick_range`` to take them apart:
+
+* ``two-forget``: ``torchfold.examples.models.TreeLSTM``: the gates i, f_l, f_r, o, u of a node from
+  one transform of both children's ``h``;
+* ``shared-forget``: i, o, u from one transform of both children's ``h``, and each child's forget
+  gate from its own ``h`` through one transform shared by both children (``f_k = σ(U_f h_k + b_f)``),
+  as in DyNet's Tree-LSTM examples: DyNet batches the left and right forget transforms together.
+
 After the warm-up updates it prints one JSON line (version, first batch's loss before any
 update, warm-up losses), then runs one timed update per ``step`` line read from stdin,
 answering each with a JSON line ``{"seconds": ..., "loss": ...}``, so that the caller can
@@ -44,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--autobatch", type=int, default=1, help="DyNet autobatch strategy (0 = off)")
     parser.add_argument("--sparse-updates", action="store_true", help="update only the embeddings looked up")
     parser.add_argument("--mem", type=int, default=2048, help="DyNet memory pool, MB")
+    parser.add_argument("--model", choices=["two-forget", "shared-forget"], default="two-forget")
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall", help="elapsed or process CPU time"
     )
@@ -67,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     node_b = pc.parameters_from_numpy(weights["node_gates.bias"])
     out_w = pc.parameters_from_numpy(weights["classifier.weight"])
     out_b = pc.parameters_from_numpy(weights["classifier.bias"])
+    shared = args.model == "shared-forget"
+    if shared:
+        forget_w = pc.parameters_from_numpy(weights["forget.weight"])
+        forget_b = pc.parameters_from_numpy(weights["forget.bias"])
     trainer = dy.AdamTrainer(pc, alpha=args.lr, beta_1=0.9, beta_2=0.999, eps=1e-8)
     trainer.set_clip_threshold(0)  # DyNet clips gradients by default; PyTorch does not
     trainer.set_sparse_updates(args.sparse_updates)
@@ -74,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def batch_loss(batch: list[dict[str, list[int]]]) -> Any:
         dy.renew_cg()
         lw, lb, nw, nb, ow, ob = (dy.parameter(p) for p in (leaf_w, leaf_b, node_w, node_b, out_w, out_b))
+        if shared:
+            fw, fb = dy.parameter(forget_w), dy.parameter(forget_b)
         losses = []
         for tree in batch:
             words, left, right, labels = tree["words"], tree["left"], tree["right"], tree["labels"]
@@ -85,6 +101,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     sig = dy.logistic(dy.pick_range(gates, 0, 2 * size))
                     c = dy.cmult(
                         dy.pick_range(sig, 0, size), dy.tanh(dy.pick_range(gates, 2 * size, 3 * size))
+                    )
+                    h = dy.cmult(dy.pick_range(sig, size, 2 * size), dy.tanh(c))
+                elif shared:  # i, o, u from both children; each child's forget gate from its own h
+                    gates = dy.affine_transform([nb, nw, dy.concatenate([hs[left[i]], hs[right[i]]])])
+                    sig = dy.logistic(dy.pick_range(gates, 0, 2 * size))
+                    f_left = dy.logistic(dy.affine_transform([fb, fw, hs[left[i]]]))
+                    f_right = dy.logistic(dy.affine_transform([fb, fw, hs[right[i]]]))
+                    c = (
+                        dy.cmult(
+                            dy.pick_range(sig, 0, size), dy.tanh(dy.pick_range(gates, 2 * size, 3 * size))
+                        )
+                        + dy.cmult(f_left, cs[left[i]])
+                        + dy.cmult(f_right, cs[right[i]])
                     )
                     h = dy.cmult(dy.pick_range(sig, size, 2 * size), dy.tanh(c))
                 else:
@@ -118,7 +147,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         position += 1
     version = f"dynet38 {importlib.metadata.version('dyNET38')} (dynet.__version__ {dy.__version__})"
     nodes = statistics.mean(sum(len(t["words"]) for t in b) for b in batches)
-    header = {"version": version, "first_loss": first_loss, "warmup_losses": losses, "nodes_per_batch": nodes}
+    header = {
+        "version": version,
+        "model": args.model,
+        "first_loss": first_loss,
+        "warmup_losses": losses,
+        "nodes_per_batch": nodes,
+    }
     # Serve timed updates on request, so that the caller can interleave them with its own.
     print(json.dumps(header), flush=True)
     clock = time.perf_counter if args.clock == "wall" else time.process_time

@@ -12,19 +12,29 @@ For each: ``add`` microseconds per node, ``apply`` microseconds per node and per
 time the same ops take when called directly once per group on ready batched tensors (the
 floor any batching scheme pays), and the time to run the graph eagerly, one call per node.
 
+``--recording``: recording and compiling alone, from 1,000 to 1,000,000 nodes: ``Fold.add``
+microseconds per call and ``Fold.plan`` microseconds per node on a forest of random binary
+trees (2-20 leaves, distinct words, so every node is distinct), best of ``--repeats`` fresh
+folds, with Python's cyclic garbage collector on (as users run). The trees are laid out as a
+post-order program first; the timed loop only pops children and calls ``add``, and the same
+loop calling a method that does nothing is timed too (``loop us/call``, included in ``add``).
+
 Usage::
 
     python benchmarks/fold_overhead.py
+    python benchmarks/fold_overhead.py --recording --repeats 3
     python benchmarks/fold_overhead.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import harness
 import torch
@@ -150,6 +160,76 @@ def measure(shape: str, n: int, repeats: int, seed: int = 0) -> list[object]:
     ]
 
 
+def forest_program(n: int, rng: random.Random) -> list[int]:
+    """Random binary trees of 2-20 leaves in post-order, ``n`` nodes in all: a word id (>= 0) per
+    leaf, -1 per internal node (whose children are the last two values made)."""
+    program: list[int] = []
+
+    def tree(leaves: int) -> None:
+        if leaves == 1:
+            program.append(rng.randrange(1 << 30))
+            return
+        split = rng.randint(1, leaves - 1)
+        tree(split)
+        tree(leaves - split)
+        program.append(-1)
+
+    while len(program) < n:
+        tree(min(rng.randint(2, 20), (n - len(program) + 1) // 2) or 1)
+    return program
+
+
+class _Nothing:
+    """A recorder whose ``add`` does nothing: the cost of the recording loop itself."""
+
+    def add(self, op: str, *args: object) -> object:
+        return op  # not args: a tuple of the children's tuples would keep every tree alive
+
+
+def record_program(fold: torchfold.Fold | _Nothing, program: list[int]) -> list[Any]:
+    """Record ``program`` (see :func:`forest_program`) on ``fold``; the roots."""
+    add = fold.add
+    stack: list[Any] = []
+    push, pop = stack.append, stack.pop
+    for word in program:
+        if word >= 0:
+            push(add("leaf", word))
+        else:
+            right = pop()
+            push(add("plus", pop(), right))
+    return stack
+
+
+def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
+    """One row of the recording table: add us/call, plan us/node, the loop's own us/call."""
+    program = forest_program(n, random.Random(seed))
+    clock = harness.CLOCKS[harness.clock_name()]
+    add_s, plan_s, loop_s = [], [], []
+    nodes = 0
+    for _ in range(repeats):
+        fold = torchfold.Fold()
+        gc.collect()  # each fold starts from the same heap
+        start = clock()
+        roots = record_program(fold, program)
+        middle = clock()
+        fold.plan([roots])
+        end = clock()
+        add_s.append(middle - start)
+        plan_s.append(end - middle)
+        nodes = len(fold)
+        del fold, roots
+        start = clock()
+        record_program(_Nothing(), program)
+        loop_s.append(clock() - start)
+    return [
+        n,
+        nodes,
+        min(add_s) / len(program) * 1e6,
+        min(plan_s) / nodes * 1e6,
+        min(loop_s) / len(program) * 1e6,
+    ]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,11 +238,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
     parser.add_argument("--repeats", type=int, default=7, help="best of this many runs")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--recording",
+        action="store_true",
+        help="time Fold.add and Fold.plan alone on binary forests of --recording-sizes nodes instead",
+    )
+    parser.add_argument(
+        "--recording-sizes", type=int, nargs="+", default=[1000, 10000, 65535, 250000, 1000000]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
     harness.add_clock_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.repeats = [20], 2
+        args.sizes, args.repeats, args.recording_sizes = [20], 2, [100]
     return args
 
 
@@ -170,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     harness.use_clock(args.clock)
+    if args.recording:
+        return recording_table(args)
     rows = [measure(shape, n, args.repeats) for shape in args.shapes for n in args.sizes]
     print("## Fold overhead: microseconds per node (trivial ops)\n")
     print("\n".join(harness.machine_lines([f"best of {args.repeats} runs per cell"])) + "\n")
@@ -189,6 +279,17 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
         "\n`op call`: the same ops called directly once per group on ready tensors; `apply overhead` = "
         "(apply - op calls) / nodes; `eager`: torchfold.EagerFold, one op call per node."
     )
+    return rows
+
+
+def recording_table(args: argparse.Namespace) -> list[list[object]]:
+    rows = [measure_recording(n, args.repeats) for n in args.recording_sizes]
+    print("## Recording and compiling: Fold.add us per call, Fold.plan us per node (binary forests)\n")
+    extra = [f"best of {args.repeats} fresh folds per size; cyclic GC {'on' if gc.isenabled() else 'off'}"]
+    print("\n".join(harness.machine_lines(extra)) + "\n")
+    header = ["nodes asked", "distinct nodes", "add us/call", "plan us/node", "loop us/call"]
+    print(harness.markdown_table(header, rows))
+    print("\n`loop`: the same recording loop calling an `add` that does nothing (part of `add us/call`).")
     return rows
 
 

@@ -53,7 +53,7 @@ def dependency_graph(fold: torchfold.Fold) -> tuple[dict[Call, list[Call]], dict
     ops: dict[Call, str] = {}
     depths: dict[Call, int] = {}
     for n, group in enumerate(groups):
-        for index, args in enumerate(group.calls):
+        for index, args in enumerate(fold.arguments(group)):
             call = (n, index)
             inputs[call] = [
                 (number[id(arg.group)], arg.index) for arg in args if isinstance(arg, torchfold.Node)

@@ -21,6 +21,12 @@ computation are timed side by side, one optimizer update at a time, interleaved:
 * ``dynet``: the same model in DyNet with on-the-fly autobatching, run in its own environment
   (``--dynet-python``; see ``dynet_tree_lstm.py``), starting from the same weights.
 
+Two Tree-LSTM variants (``--model``): ``two-forget`` (the default, ``TreeLSTM``: every gate of a
+node, both forget gates included, from one transform of both children's ``h``) and
+``shared-forget`` (:class:`SharedForgetTreeLSTM`: i, o, u from both children, and each child's
+forget gate from its own ``h`` through one transform shared by the two children), the variant
+DyNet's own examples write. Each variant is timed in every version, DyNet included.
+
 Every version runs in two configurations (``--configs``), each the way its users would run it:
 ``dense`` (dense embedding gradients, one Adam; DyNet switched to dense updates) and ``sparse``
 (``nn.Embedding(sparse=True)`` with ``SparseAdam`` for the embedding and Adam for the rest;
@@ -133,6 +139,35 @@ class Batch:
     flat: list[FlatTree]
     plan: Plan
     vocab: Vocab
+
+
+# --------------------------------------------------------------------------------------------
+# The second Tree-LSTM variant
+
+
+class SharedForgetTreeLSTM(TreeLSTM):
+    """The Tree-LSTM with one forget transform shared by both children (the ``shared-forget`` variant).
+
+    ``node``: i, o, u = U [h_l; h_r] + b; f_k = σ(U_f h_k + b_f) for each child k; the rest as in
+    ``TreeLSTM``. The left and right forget gates are one matmul (children stacked by rows).
+    Same ops and signatures as ``TreeLSTM``, so every version runs it unchanged.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int = 128, hidden_dim: int = 128) -> None:
+        super().__init__(vocab_size, embedding_dim, hidden_dim)
+        self.node_gates = torch.nn.Linear(2 * hidden_dim, 3 * hidden_dim)  # i, o, u
+        self.forget = torch.nn.Linear(hidden_dim, hidden_dim)  # U_f, b_f: shared by both children
+
+    def node(self, h_left: Tensor, c_left: Tensor, h_right: Tensor, c_right: Tensor) -> tuple[Tensor, Tensor]:
+        size = self.hidden_dim
+        sig, u = self.node_gates(torch.cat((h_left, h_right), dim=1)).split((2 * size, size), dim=1)
+        i, o = sig.sigmoid().split(size, dim=1)
+        f_left, f_right = self.forget(torch.cat((h_left, h_right), dim=0)).sigmoid().split(len(h_left))
+        c = i * u.tanh() + f_left * c_left + f_right * c_right
+        return o * c.tanh(), c
+
+
+MODELS: dict[str, type[TreeLSTM]] = {"two-forget": TreeLSTM, "shared-forget": SharedForgetTreeLSTM}
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,6 +518,7 @@ class DynetWorker:
             f"--warmup={args.warmup}",
             f"--hidden={args.hidden}",
             f"--clock={args.clock}",
+            f"--model={args.model}",
         ]
         if sparse:
             self.command.append("--sparse-updates")
@@ -554,6 +590,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default="two-forget",
+        help="two-forget: TreeLSTM (both forget gates from both children); shared-forget: one forget "
+        "transform shared by the children, as DyNet's examples write it",
+    )
+    parser.add_argument(
         "--gc-freeze",
         action="store_true",
         help="gc.freeze() after loading: the dataset's objects leave cyclic GC",
@@ -589,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         batches.append(Batch(chunk, flat, make_plan(flat), vocab))
     prep = time.perf_counter() - start
 
-    model = TreeLSTM(len(vocab), args.hidden, args.hidden)
+    model = MODELS[args.model](len(vocab), args.hidden, args.hidden)
     first_loss = check_same(model, batches[0])
     if args.gc_freeze:
         gc.collect()
@@ -669,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         f"({len(batches)} used, cycled)",
         f"per batch: {nodes:.0f} nodes, {unique:.0f} distinct subtrees (torchfold and hand-batched compute each "
         f"once), {levels:.1f} depth levels",
-        f"embedding = hidden = {args.hidden}; lr {args.lr}; dense: Adam(fused=True) on every parameter; sparse: "
+        f"model: {args.model} ({MODELS[args.model].__name__}); embedding = hidden = {args.hidden}; lr {args.lr}; dense: Adam(fused=True) on every parameter; sparse: "
         "nn.Embedding(sparse=True) + SparseAdam on the embedding, Adam(fused=True) on the rest; "
         f"data preparation {prep:.1f} s (untimed)",
         f"first-batch loss {first_loss:.6f}: every version agrees in both configurations (loss and gradients, "

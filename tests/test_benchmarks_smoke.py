@@ -44,12 +44,15 @@ def _batch(num_trees: int, seed: int) -> tuple[tree_lstm.Batch, Vocab]:
     return tree_lstm.Batch(trees, flat, tree_lstm.make_plan(flat), vocab), vocab
 
 
+@pytest.mark.parametrize("model_name", list(tree_lstm.MODELS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("config", tree_lstm.CONFIGS)
-def test_tree_lstm_versions_compute_the_same_loss_and_gradients(seed: int, config: str) -> None:
+def test_tree_lstm_versions_compute_the_same_loss_and_gradients(
+    seed: int, config: str, model_name: str
+) -> None:
     batch, vocab = _batch(6, seed)
     torch.manual_seed(seed)
-    model = TreeLSTM(len(vocab), 6, 7)
+    model = tree_lstm.MODELS[model_name](len(vocab), 6, 7)
     grads = {}
     for name, loss_fn in tree_lstm.VERSIONS.items():
         copy_ = tree_lstm.with_config(model, config)
@@ -114,12 +117,15 @@ def test_tree_lstm_script_quick(tmp_path: Path, capsys: pytest.CaptureFixture[st
 @pytest.mark.skipif(
     not DYNET_PYTHON.exists(), reason="no .venv-dynet (python3 -m venv .venv-dynet && pip install dynet38)"
 )
+@pytest.mark.parametrize("model_name", list(tree_lstm.MODELS))
 def test_tree_lstm_dynet_matches_pytorch_first_loss(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model_name: str
 ) -> None:
     data = tmp_path / "trees.txt"
     data.write_text("\n".join(generate_sst_lines(20, seed=6)) + "\n")
-    rates = tree_lstm.main(["--quick", "--data", str(data), "--dynet-python", str(DYNET_PYTHON)])
+    rates = tree_lstm.main(
+        ["--quick", "--data", str(data), "--dynet-python", str(DYNET_PYTHON), "--model", model_name]
+    )
     # main raises if DyNet's first-batch loss or warm-up losses differ from PyTorch's (in each configuration)
     assert {"dynet (dense)", "dynet (sparse)"} <= set(rates)
     assert "sparse (its default) Adam updates" in capsys.readouterr().out
@@ -212,6 +218,13 @@ def test_fold_overhead_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     chain = rows[0]
     assert chain[1] == chain[2] == 20  # a chain: every node is its own group
     assert "apply us/node" in capsys.readouterr().out
+
+
+def test_fold_overhead_recording_table_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    ((asked, nodes, add_us, plan_us, loop_us),) = fold_overhead.main(["--quick", "--recording"])
+    assert asked == nodes == 100  # every node distinct
+    assert all(isinstance(t, float) and t > 0 for t in (add_us, plan_us, loop_us))
+    assert "plan us/node" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("shape", list(fold_overhead.BUILDERS))

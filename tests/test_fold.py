@@ -131,13 +131,13 @@ def test_depth_is_one_plus_deepest_node_argument() -> None:
 def test_identical_calls_are_recorded_once() -> None:
     fold = Fold()
     t = torch.ones(1, 3)
-    assert fold.add("a", 1) is fold.add("a", 1)
-    assert fold.add("a", t) is fold.add("a", t)
-    assert fold.add("a", torch.ones(1, 3)) is not fold.add("a", t)  # tensors: same object, not same values
-    assert fold.add("a", 1) is not fold.add("a", 1.0)
+    assert fold.add("a", 1) == fold.add("a", 1)  # equal handles: one node
+    assert fold.add("a", t) == fold.add("a", t)
+    assert fold.add("a", torch.ones(1, 3)) != fold.add("a", t)  # tensors: same object, not same values
+    assert fold.add("a", 1) != fold.add("a", 1.0)
     h, c = fold.add("B", fold.add("a", 1), fold.add("a", 2)).split(2)
     h2, _ = fold.add("B", fold.add("a", 1), fold.add("a", 2)).split(2)
-    assert fold.add("C", h, c) is fold.add("C", h2, c)
+    assert fold.add("C", h, c) == fold.add("C", h2, c)
     assert len(fold) == 7  # a(1), a(t), a(other tensor), a(1.0), a(2), B, C
 
 

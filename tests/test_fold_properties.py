@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import torchfold.engine.compiler
 import torchfold.engine.executor
 from torchfold import EagerFold, Fold
 
@@ -156,14 +157,17 @@ def outputs_and_gradients(
 
 
 @contextmanager
-def compaction(always: bool) -> Iterator[None]:
-    """Force the engine to gather partly used sources on their own (the path big models take)."""
-    saved = torchfold.engine.executor.COMPACT_BYTES
+def compaction(always: bool, arrays: bool = False) -> Iterator[None]:
+    """Force the engine to gather partly used sources on their own (the path big models take),
+    and with ``arrays`` to compile every group as large ones are (whole int arrays, not Python)."""
+    saved, small = torchfold.engine.executor.COMPACT_BYTES, torchfold.engine.compiler._SMALL
     torchfold.engine.executor.COMPACT_BYTES = -1 if always else saved
+    torchfold.engine.compiler._SMALL = 0 if arrays else small
     try:
         yield
     finally:
         torchfold.engine.executor.COMPACT_BYTES = saved
+        torchfold.engine.compiler._SMALL = small
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -172,11 +176,12 @@ def compaction(always: bool) -> Iterator[None]:
     picks=st.lists(st.integers(0, 1000), max_size=12),
     compact=st.booleans(),
     via=st.sampled_from(VIA),
+    arrays=st.booleans(),
 )
 def test_fold_equals_eager_on_random_graphs(
-    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str
+    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str, arrays: bool
 ) -> None:
-    with compaction(compact):
+    with compaction(compact, arrays):
         folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks, via)
     eager, eager_grads = outputs_and_gradients(EagerFold, program, picks)
     assert len(folded) == len(eager)
@@ -224,9 +229,11 @@ def forest_outputs_and_gradients(
 
 
 @settings(max_examples=60, deadline=None)
-@given(trees=forests(), compact=st.booleans(), via=st.sampled_from(VIA))
-def test_fold_equals_eager_on_random_tree_forests(trees: list[Any], compact: bool, via: str) -> None:
-    with compaction(compact):
+@given(trees=forests(), compact=st.booleans(), via=st.sampled_from(VIA), arrays=st.booleans())
+def test_fold_equals_eager_on_random_tree_forests(
+    trees: list[Any], compact: bool, via: str, arrays: bool
+) -> None:
+    with compaction(compact, arrays):
         r1, s1, g1 = forest_outputs_and_gradients(lambda model: Fold(), trees, via)
     r2, s2, g2 = forest_outputs_and_gradients(EagerFold, trees)
     torch.testing.assert_close(r1, r2)

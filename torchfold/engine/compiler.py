@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 __all__ = ["compile_fold"]
 
 _Tensor = torch.Tensor
-_is_batched = operator.attrgetter("batch")
-_source = operator.attrgetter("source")
-_index = operator.attrgetter("index")
+_handle = operator.attrgetter("_handle")
+# Groups of at most this many calls have their columns read in Python: numpy's ~1-3 us per call
+# outweighs its speed on a few dozen items (SST batches: most groups above the first depths).
+_SMALL = 64
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
@@ -99,47 +100,55 @@ class _Column:
 
 
 class _Compiler:
-    """Builds a :class:`FoldPlan` from a fold's groups (one pass over the nodes)."""
+    """Builds a :class:`FoldPlan` from a fold's groups, a column (argument position) at a time.
+
+    A fold stores node arguments as handles, rows of its tape (see ``Tape``); here the tape
+    becomes numpy arrays once, and a column of handles is looked up in them as a whole.
+    """
 
     def __init__(self, fold: Fold) -> None:
         self.groups = fold.groups()
-        self.source_calls = [0] * fold._token.sources  # calls of the group behind each source
-        self.source_owner: list[tuple[int, int | None]] = [(0, None)] * fold._token.sources
+        tape = self.tape = fold._tape
+        self.source_calls = [0] * tape.sources  # calls of the group behind each source
+        self.source_owner: list[tuple[int, int | None]] = [(0, None)] * tape.sources
         for number, group in enumerate(self.groups):
-            calls = len(group.calls)
+            calls = len(group.nodes)
             self.source_calls[group.source] = calls
             self.source_owner[group.source] = (number, None)
             for output, source in enumerate(group.output_sources):
                 self.source_calls[source] = calls
                 self.source_owner[source] = (number, output)
+        self.handle_source = np.array(tape.source, dtype=np.int64)  # ~source for a nobatch handle
+        self.handle_index = np.array(tape.index, dtype=np.int64)
 
-    def node_column(self, position: int, column: Sequence[Node]) -> _Column:
-        """A column of batched nodes: the hot path."""
-        sources = list(map(_source, column))
-        item_call = np.fromiter(map(_index, column), dtype=np.int64, count=len(column))
-        first = sources[0]
-        if sources.count(first) == len(sources):
-            keys: list[Any] = [first]
-            item_piece = np.zeros(len(column), dtype=np.int64)
-        else:
-            # sources numbered in first-use order
-            numbers = {source: number for number, source in enumerate(dict.fromkeys(sources))}
-            keys = list(numbers)
-            item_piece = np.fromiter(map(numbers.__getitem__, sources), dtype=np.int64, count=len(sources))
+    def node_column(self, position: int, sources: np.ndarray, item_call: np.ndarray) -> _Column:
+        """A column of batched nodes, given as their sources and calls: the hot path."""
+        first = int(sources[0])
+        if (sources == first).all():
+            keys: list[int] = [first]
+            item_piece = np.zeros(len(sources), dtype=np.int64)
+        else:  # sources numbered in first-use order (a few per column: a dict, not np.unique's sort)
+            keys = list(dict.fromkeys(sources.tolist()))
+            number = np.zeros(max(keys) + 1, dtype=np.int64)
+            number[keys] = np.arange(len(keys))
+            item_piece = number[sources]
         source_calls = self.source_calls
         return _Column(
             position, _Pieces.of_sources(keys, [source_calls[s] for s in keys]), item_piece, item_call
         )
 
     def mixed_column(self, position: int, column: Sequence[Any], where: str) -> _Column:
-        """A column mixing nodes and tensors given to ``add``."""
+        """A column mixing nodes (handles, ``int``) and tensors given to ``add``."""
         pieces = _Pieces()
         item_piece: list[int] = []
         item_call: list[int] = []
+        tape = self.tape
         for item in column:
-            if item.__class__ is Node:
-                item_piece.append(pieces.number(item.source, item.source, self.source_calls[item.source]))
-                item_call.append(item.index)
+            if item.__class__ is int:
+                source = tape.source[item]
+                source = source if source >= 0 else ~source
+                item_piece.append(pieces.number(source, source, self.source_calls[source]))
+                item_call.append(tape.index[item])
             else:
                 if item.dim() == 0:
                     raise _no_rows(where, item)
@@ -152,32 +161,61 @@ class _Compiler:
     def step(self, group: Group) -> GroupCall:
         calls = group.calls
         step = GroupCall(group, len(calls[0]))
+        nodes = group.depth > 0  # above depth 0 a bare int is a node's handle, literals are tagged
         if len(calls) == 1:
-            self.single_call(step, calls[0])
+            self.single_call(step, calls[0], nodes)
             return step
         columns: list[_Column] = []
-        for position, column in enumerate(zip(*calls, strict=True)):
+        # NOTE: columns are taken one at a time, not with zip(*calls): that holds an iterator (an
+        # object the garbage collector tracks) per call at once, and a large group's set them off.
+        small = len(calls) <= _SMALL  # a few calls: Python beats numpy's cost per call
+        table = (
+            np.array(calls, dtype=np.int64).reshape(len(calls), step.arity)
+            if group.plain and not small
+            else None
+        )
+        for position in range(step.arity):
+            if table is not None:
+                self.int_column(step, position, table[:, position], nodes, columns)
+                continue
+            if small and group.plain and nodes:
+                self.small_node_column(step, position, [call[position] for call in calls], columns)
+                continue
+            column = list(map(operator.itemgetter(position), calls))
             kinds = set(map(type, column))
-            if kinds == {Node}:
-                if all(map(_is_batched, column)):
-                    columns.append(self.node_column(position, column))
+            if kinds == {int}:
+                self.int_column(step, position, np.array(column, dtype=np.int64), nodes, columns)
+                continue
+            if tuple in kinds:  # tagged literals: ("int", value) or ("float", value)
+                literal = {item[0] for item in column if item.__class__ is tuple}
+                if kinds == {tuple} and len(literal) == 1:
+                    (tag,) = literal
+                    values = np.array(
+                        [value for _, value in column], dtype=np.int64 if tag == "int" else np.float64
+                    )
+                    step.fixed.append((position, Arg("ints" if tag == "int" else "floats", values)))
+                    continue
+                if not nodes and int in kinds:  # depth 0: bare ints are ints
+                    literal.add("int")
+                if literal == {
+                    "int",
+                    "float",
+                }:  # one tensor, one dtype (the eager EagerFold refuses the same mix)
+                    stored = [self.literal(item, nodes) for item in column]
+                    int_value = next(value for kind, value in stored if kind == "int")
+                    float_value = next(value for kind, value in stored if kind == "float")
+                    raise FoldError(ints_and_floats_mixed(step.where(position), int_value, float_value))
+                raise FoldError(literals_and_rows_mixed(step.where(position), f"{next(iter(literal))}s"))
+            if not nodes:
+                if int in kinds:
+                    raise FoldError(literals_and_rows_mixed(step.where(position), "ints"))
+                if _concatenable(column):
+                    step.fixed.append((position, Arg("concat", list(column))))
                 else:
-                    step.fixed.append((position, _shared(column, step.where(position))))
-            elif kinds == {int}:
-                step.fixed.append((position, Arg("ints", np.array(column, dtype=np.int64))))
-            elif kinds == {float}:
-                step.fixed.append((position, Arg("floats", np.array(column, dtype=np.float64))))
-            elif kinds == {int, float}:  # one tensor, one dtype (the eager EagerFold refuses the same mix)
-                int_value = next(item for item in column if item.__class__ is int)
-                float_value = next(item for item in column if item.__class__ is float)
-                raise FoldError(ints_and_floats_mixed(step.where(position), int_value, float_value))
-            elif int in kinds or float in kinds:
-                raise FoldError(
-                    literals_and_rows_mixed(step.where(position), "ints" if int in kinds else "floats")
-                )
-            elif Node in kinds and not all(item.batch for item in column if item.__class__ is Node):
-                step.fixed.append((position, _shared(column, step.where(position))))
-            elif Node not in kinds and _concatenable(column):
+                    columns.append(self.mixed_column(position, column, step.where(position)))
+            elif int in kinds and any(self.tape.source[item] < 0 for item in column if item.__class__ is int):
+                step.fixed.append((position, self.shared(column, step.where(position))))
+            elif int not in kinds and _concatenable(column):
                 step.fixed.append((position, Arg("concat", list(column))))
             else:
                 columns.append(self.mixed_column(position, column, step.where(position)))
@@ -191,17 +229,83 @@ class _Compiler:
         )
         return step
 
-    def single_call(self, step: GroupCall, args: tuple[Any, ...]) -> None:
+    def small_node_column(
+        self, step: GroupCall, position: int, handles: list[int], columns: list[_Column]
+    ) -> None:
+        """``int_column`` of a few handles, in Python (see ``_SMALL``)."""
+        tape_source, tape_index = self.tape.source, self.tape.index
+        sources = [tape_source[handle] for handle in handles]
+        first, count = sources[0], len(sources)
+        if first < 0 or min(sources) < 0:
+            step.fixed.append((position, self.shared(handles, step.where(position))))
+            return
+        item_call = np.array([tape_index[handle] for handle in handles], dtype=np.int64)
+        if sources.count(first) == count:
+            keys = [first]
+            item_piece = np.zeros(count, dtype=np.int64)
+        else:
+            numbers = {source: number for number, source in enumerate(dict.fromkeys(sources))}
+            keys = list(numbers)
+            item_piece = np.fromiter(map(numbers.__getitem__, sources), dtype=np.int64, count=count)
+        source_calls = self.source_calls
+        pieces = _Pieces.of_sources(keys, [source_calls[s] for s in keys])
+        columns.append(_Column(position, pieces, item_piece, item_call))
+
+    def int_column(
+        self, step: GroupCall, position: int, values: np.ndarray, nodes: bool, columns: list[_Column]
+    ) -> None:
+        """A column of bare ints: handles of nodes above depth 0 (see ``Group``), ints at depth 0."""
+        if not nodes:
+            step.fixed.append((position, Arg("ints", np.ascontiguousarray(values))))
+            return
+        sources = self.handle_source[values]
+        if (sources >= 0).all():
+            columns.append(self.node_column(position, sources, self.handle_index[values]))
+        else:
+            step.fixed.append((position, self.shared(values.tolist(), step.where(position))))
+
+    @staticmethod
+    def literal(item: Any, nodes: bool) -> tuple[str, Any]:
+        """A stored literal as ``(kind, value)``; ``("", None)`` for a node or a tensor."""
+        if item.__class__ is tuple:
+            return item[0], item[1]
+        if item.__class__ is int and not nodes:
+            return "int", item
+        return "", None
+
+    def shared(self, column: Sequence[Any], where: str) -> Arg:
+        """A ``nobatch`` position: one node's value, passed whole to the batched call."""
+        tape = self.tape
+        node = next(item for item in column if item.__class__ is int and tape.source[item] < 0)
+        for other in column:
+            if other.__class__ is not int or other != node:
+                shown = tape.label(other) if other.__class__ is int else repr(other)
+                raise FoldError(
+                    f"{where}: {tape.label(node)} is nobatch, so every call of the group must pass that same "
+                    f"node there, but another call passes {shown}; use .nobatch() only for a value shared by all "
+                    "calls of an op at a depth"
+                )
+        return Arg("shared", (~tape.source[node], tape.index[node]))
+
+    def single_call(self, step: GroupCall, args: tuple[Any, ...], nodes: bool) -> None:
         """A group of one call (chains, roots): each node's own rows, as a view."""
+        tape = self.tape
         for position, arg in enumerate(args):
             cls = arg.__class__
-            if cls is Node:
-                kind = "rows" if arg.batch else "shared"
-                step.fixed.append((position, Arg(kind, (arg.source, arg.index))))
+            if cls is int and nodes:
+                source = tape.source[arg]
+                kind = "rows" if source >= 0 else "shared"
+                step.fixed.append(
+                    (position, Arg(kind, (source if source >= 0 else ~source, tape.index[arg])))
+                )
             elif cls is int:
                 step.fixed.append((position, Arg("ints", np.array([arg], dtype=np.int64))))
-            elif cls is float:
-                step.fixed.append((position, Arg("floats", np.array([arg], dtype=np.float64))))
+            elif cls is tuple:
+                tag, value = arg
+                if tag == "int":
+                    step.fixed.append((position, Arg("ints", np.array([value], dtype=np.int64))))
+                else:
+                    step.fixed.append((position, Arg("floats", np.array([value], dtype=np.float64))))
             elif arg.dim() == 0:
                 raise _no_rows(step.where(position), arg)
             else:
@@ -253,14 +357,6 @@ class _Compiler:
             [len(column.item_call) for column in columns],
         )
 
-    def whole_request(self, request: Sequence[Node]) -> int | None:
-        """The source a request of nodes asks for whole and in call order, if it does (``apply``
-        on every node of one group: the common request, found without building index arrays)."""
-        first, count = request[0].source, len(request)
-        if self.source_calls[first] != count or list(map(_source, request)).count(first) != count:
-            return None
-        return first if list(map(_index, request)) == list(range(count)) else None
-
     def request(self, request: Sequence[Any], number: int = 0) -> Arg | Gather:
         """A request: its items' rows in order (a nobatch handle is just its rows; ints make one
         LongTensor). ``check_requests`` made sure that ints and floats come alone."""
@@ -274,26 +370,22 @@ class _Compiler:
         if Node not in kinds:
             return Arg("concat", list(request))  # tensors only: any number of rows each, like the original
         if kinds == {Node}:
-            whole = self.whole_request(request)
-            if whole is not None:
-                return Arg("whole", whole)
-            column = self.node_column(0, request)
+            handles = np.fromiter(map(_handle, request), dtype=np.int64, count=len(request))
+            sources = self.handle_source[handles]
+            sources = np.where(sources < 0, ~sources, sources)  # a nobatch handle: its rows, as any other's
+            calls = self.handle_index[handles]
+            first, count = int(sources[0]), len(request)
+            if (
+                self.source_calls[first] == count
+                and (sources == first).all()
+                and (calls == np.arange(count)).all()
+            ):
+                return Arg("whole", first)  # every node of one group, in order: the common request
+            column = self.node_column(0, sources, calls)
         else:  # nodes and tensors: one gather (never a whole source), each tensor one call's rows
-            column = self.mixed_column(0, request, f"apply request {number}")
+            items = [item._handle if item.__class__ is Node else item for item in request]
+            column = self.mixed_column(0, items, f"apply request {number}")
         return self.gather([column])
-
-
-def _shared(column: Sequence[Any], where: str) -> Arg:
-    """A ``nobatch`` position: one node's value, passed whole to the batched call."""
-    node = next(item for item in column if item.__class__ is Node and not item.batch)
-    for other in column:
-        if other is not node:
-            raise FoldError(
-                f"{where}: {node!r} is nobatch, so every call of the group must pass that same "
-                f"node there, but another call passes {other!r}; use .nobatch() only for a value shared by all "
-                "calls of an op at a depth"
-            )
-    return Arg("shared", (node.source, node.index))
 
 
 def _concatenable(column: Sequence[_Tensor]) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchfold.engine.node import Group, Node
+from torchfold.engine.node import Group, Tape
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -99,11 +99,11 @@ def draw_fold(
         fig, ax = plt.subplots(figsize=(min(width, 24), min(height, 24)))
     else:
         fig = ax.get_figure(root=True)  # type: ignore[assignment]
-    nodes = sum(len(g.calls) for g in groups)
+    nodes = sum(len(g.nodes) for g in groups)
     if nodes > max_nodes:
-        _draw_groups(ax, groups, colors)
+        _draw_groups(ax, groups, colors, fold._tape)
     else:
-        _draw_nodes(ax, groups, colors)
+        _draw_nodes(ax, groups, colors, fold._tape)
     drawn = sorted({g.depth for g in groups})
     ax.set_xticks([_X_STEP * d for d in drawn], [f"depth {d}" for d in drawn])
     ax.tick_params(axis="x", length=0)
@@ -134,7 +134,7 @@ def _require_matplotlib() -> None:
 
 
 def _column_height(groups: Sequence[Group], depth: int) -> float:
-    return sum(len(g.calls) + 1.2 for g in groups if g.depth == depth)
+    return sum(len(g.nodes) + 1.2 for g in groups if g.depth == depth)
 
 
 def _box(ax: Axes, x: float, y0: float, y1: float, color: str, label: str) -> None:
@@ -183,7 +183,17 @@ def _arrow(
                 va="bottom" if above else "top")  # fmt: skip
 
 
-def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> None:
+def _handle(arg: Any, group: Group, tape: Tape) -> tuple[Group, int, int | None, bool] | None:
+    """A stored argument's producer as (group, index, output, batched), if it is a node (see ``Group``)."""
+    if arg.__class__ is not int or group.depth == 0:
+        return None
+    source = tape.source[arg]
+    batch = source >= 0
+    source = source if batch else ~source
+    return tape.source_group[source], tape.index[arg], tape.source_output[source], batch
+
+
+def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str], tape: Tape) -> None:
     position: dict[tuple[Group, int], tuple[float, float]] = {}
     literals: list[tuple[str, tuple[float, float]]] = []  # (text, consumer position)
     heights = {d: _column_height(groups, d) for d in {g.depth for g in groups}}
@@ -191,10 +201,10 @@ def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> No
     for group in groups:
         y = cursor.get(group.depth, heights[group.depth] / 2)
         top = y
-        for index in range(len(group.calls)):
+        for index in range(len(group.nodes)):
             position[(group, index)] = (_X_STEP * group.depth, y - index)
-        bottom = y - (len(group.calls) - 1)
-        _box(ax, _X_STEP * group.depth, bottom, top, colors[group.op], f"{group.name} ×{len(group.calls)}")
+        bottom = y - (len(group.nodes) - 1)
+        _box(ax, _X_STEP * group.depth, bottom, top, colors[group.op], f"{group.name} ×{len(group.nodes)}")
         cursor[group.depth] = bottom - 2.2
     for group in groups:
         for index, args in enumerate(group.calls):
@@ -202,12 +212,15 @@ def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> No
             ax.scatter([x], [y], s=380, color=colors[group.op], zorder=3, edgecolors="white")
             ax.text(x, y, str(index), ha="center", va="center", color="white", fontsize=8, zorder=4)
             for slot, arg in enumerate(args):
-                source = position.get((arg.group, arg.index)) if isinstance(arg, Node) else None
-                if source is not None:
-                    _arrow(ax, source, (x, y), arg.output, dashed=not arg.batch)
-                elif isinstance(arg, Node):  # from a depth not drawn
+                node = _handle(arg, group, tape)
+                source = position.get(node[:2]) if node is not None else None
+                if node is not None and source is not None:
+                    _arrow(ax, source, (x, y), node[2], dashed=not node[3])
+                elif node is not None:  # from a depth not drawn
                     spot = (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))
-                    literals.append((f"{arg.group.name}@{arg.group.depth}", spot))
+                    literals.append((f"{node[0].name}@{node[0].depth}", spot))
+                elif arg.__class__ is tuple:  # a tagged literal (see Group)
+                    literals.append((repr(arg[1]), (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))))
                 else:
                     literals.append((_literal(arg), (x - 0.55, y + 0.25 * (slot - (len(args) - 1) / 2))))
     for text, (lx, ly) in literals:
@@ -215,7 +228,7 @@ def _draw_nodes(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> No
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "#f2f2f2", "edgecolor": "#bbbbbb"})  # fmt: skip
 
 
-def _draw_groups(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> None:
+def _draw_groups(ax: Axes, groups: Sequence[Group], colors: dict[Any, str], tape: Tape) -> None:
     position: dict[Group, tuple[float, float]] = {}
     cursor: dict[int, float] = {}
     for group in groups:
@@ -224,8 +237,10 @@ def _draw_groups(ax: Axes, groups: Sequence[Group], colors: dict[Any, str]) -> N
         position[group] = (x, y)
         cursor[group.depth] = y - 2.0
         _box(ax, x, y, y, colors[group.op], "")
-        ax.text(x, y, f"{group.name}\n×{len(group.calls)}", ha="center", va="center", fontsize=8)
+        ax.text(x, y, f"{group.name}\n×{len(group.nodes)}", ha="center", va="center", fontsize=8)
     for group in groups:
-        feeders = {arg.group for args in group.calls for arg in args if isinstance(arg, Node)}
+        feeders = {
+            node[0] for args in group.nodes for arg in args if (node := _handle(arg, group, tape)) is not None
+        }
         for source in sorted(feeders & position.keys(), key=lambda g: (g.depth, g.order)):
             _arrow(ax, position[source], position[group])

@@ -21,7 +21,7 @@ from torchfold.engine.node import (
     Group,
     Node,
     Op,
-    Owner,
+    Tape,
     new_node,
     op_name,
     outside_int64,
@@ -38,6 +38,14 @@ if TYPE_CHECKING:
 __all__ = ["Fold"]
 
 _Tensor = torch.Tensor
+_LITERALS = (int, float)
+
+
+def _tag(literal: int | float) -> tuple[str, int | float]:
+    """An int or float as stored above depth 0, where a bare int is a node's handle (see ``Group``)."""
+    return ("int" if literal.__class__ is int else "float", literal)
+
+
 RequestItem = Node | torch.Tensor | int | float  # what the lists given to apply may hold
 
 
@@ -106,7 +114,7 @@ class Fold:
             )
         self.shapes = shapes
         self._groups: dict[tuple[int, Op, int], Group] = {}
-        self._token = Owner()  # what this Fold's nodes point to (see Node.owner)
+        self._tape = Tape()  # what this Fold's nodes are numbers into (see Node)
 
     # -- recording --------------------------------------------------------------------------
 
@@ -123,61 +131,117 @@ class Fold:
             FoldError: an argument is a node of another fold, an int outside int64, or of an
                 unsupported type.
         """
-        token = self._token
-        depth = 0
-        floats = False
-        for arg in args:
-            cls = arg.__class__
-            if cls is Node:
-                if arg.owner is not token:
+        tape = self._tape
+        depths = tape.depth
+        count = len(args)
+        # Unrolled first: two nodes (binary trees), four (a binary LSTM cell), one node (chains), one int (leaves).
+        if (
+            count == 2
+            and (a := args[0]).__class__ is Node
+            and (b := args[1]).__class__ is Node
+            and a._tape is tape
+            and b._tape is tape
+        ):
+            key: tuple[Any, ...] = (a._handle, b._handle)
+            depth = depths[key[0]]
+            below = depths[key[1]]
+            depth = (depth if depth > below else below) + 1
+            plain = True
+        elif (
+            count == 4  # an LSTM cell over two children: (h, c) of each
+            and (a := args[0]).__class__ is Node
+            and (b := args[1]).__class__ is Node
+            and (c := args[2]).__class__ is Node
+            and (d := args[3]).__class__ is Node
+            and a._tape is tape
+            and b._tape is tape
+            and c._tape is tape
+            and d._tape is tape
+        ):
+            key = (a._handle, b._handle, c._handle, d._handle)
+            depth = max(depths[key[0]], depths[key[1]], depths[key[2]], depths[key[3]]) + 1
+            plain = True
+        elif count == 1 and (a := args[0]).__class__ is Node and a._tape is tape:
+            key = (a._handle,)
+            depth = depths[key[0]] + 1
+            plain = True
+        elif count == 1 and a.__class__ is int and INT64_MIN <= a <= INT64_MAX:
+            key, depth, plain = args, 0, True
+        else:
+            depth = 0
+            handles: list[Any] = []  # the arguments as stored: nodes by their handles
+            ints = floats = tensors = False
+            for arg in args:
+                cls = arg.__class__
+                if cls is Node:
+                    if arg._tape is not tape:
+                        raise FoldError(
+                            f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
+                            "in the Fold that created them (build the whole graph in one Fold)"
+                        )
+                    handle = arg._handle
+                    below = depths[handle]
+                    if below >= depth:
+                        depth = below + 1
+                    handles.append(handle)
+                    continue
+                if cls is float:
+                    floats = True
+                elif cls is int:
+                    ints = True
+                    if not INT64_MIN <= arg <= INT64_MAX:  # would fail only at apply, as a bare OverflowError
+                        raise FoldError(
+                            f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is "
+                            f"{outside_int64(arg)}; ints become a LongTensor: pass a float or a tensor instead"
+                        )
+                elif isinstance(arg, _Tensor):
+                    tensors = True
+                else:
                     raise FoldError(
-                        f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
-                        "in the Fold that created them (build the whole graph in one Fold)"
+                        f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
+                        f"{type(arg).__name__} ({arg!r}); "
+                        "fold arguments must be nodes of this Fold, ints, floats or tensors"
                     )
-                below = arg.group.depth
-                if below >= depth:
-                    depth = below + 1
-            elif cls is float:
-                floats = True
-            elif cls is int:
-                if not INT64_MIN <= arg <= INT64_MAX:  # would fail only at apply, as a bare OverflowError
-                    raise FoldError(
-                        f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is "
-                        f"{outside_int64(arg)}; ints become a LongTensor: pass a float or a tensor instead"
+                handles.append(arg)
+            # Identical calls are found by their stored arguments: handles and ints by value, tensors
+            # by identity. Floats are tagged so that 1.0 and 1 (a float and a long tensor) stay
+            # different calls, and so are ints above depth 0, where a bare int is a node's handle.
+            if depth:
+                if ints or floats:
+                    key = tuple(
+                        [
+                            a._handle if a.__class__ is Node else (_tag(a) if a.__class__ in _LITERALS else a)
+                            for a in args
+                        ]
                     )
-            elif not isinstance(arg, _Tensor):
-                raise FoldError(
-                    f"argument {[a is arg for a in args].index(True) + 1} of {op_name(op)!r} is a "
-                    f"{type(arg).__name__} ({arg!r}); "
-                    "fold arguments must be nodes of this Fold, ints, floats or tensors"
-                )
-        where = (depth, op, len(args))
+                else:
+                    key = tuple(handles)
+                plain = not (ints or floats or tensors)
+            elif floats:
+                key = tuple([("float", a) if a.__class__ is float else a for a in args])
+                plain = False
+            else:
+                key = args
+                plain = not tensors
+        where = (depth, op, count)
         group = self._groups.get(where)
         if group is None:
             if op.__class__ is not str and not callable(op):
                 raise TypeError(f"op must be a method name (str) or a callable, got {op!r}")
-            group = self._groups[where] = Group(op, depth, len(self._groups), token.new_sources(1)[0])
-        # Identical calls are found by their argument tuple itself: nodes hash by identity (one
-        # handle object per value), tensors by identity, ints by value. Floats are tagged so that
-        # 1.0 and 1 (a float and a long tensor) stay different calls.
-        key = tuple([("float", a) if a.__class__ is float else a for a in args]) if floats else args
+            group = self._groups[where] = Group(op, depth, len(self._groups))
+            group.source = tape.new_sources(group, 1, output=False)[0]
+        if not plain:
+            group.plain = False
         nodes = group.nodes
-        node = nodes.get(key)
-        if node is None:
-            calls = group.calls
-            node = nodes[key] = new_node(Node)  # Node(token, group, len(calls)), without a call frame
-            node.owner, node.group, node.index, node.output, node.batch = token, group, len(calls), None, True
-            node.source, node._next, node._nobatch = group.source, None, None
-            calls.append(args)
+        handle = nodes.get(key)
+        if handle is None:
+            handle = nodes[key] = len(depths)  # tape.new_handle, without a call frame
+            tape.index.append(len(nodes) - 1)
+            tape.source.append(group.source)
+            depths.append(depth)
+        node = new_node(Node)  # Node(tape, handle), without a call frame
+        node._tape, node._handle = tape, handle
         return node
-
-    def __del__(self) -> None:
-        # A group and its nodes point at each other (`group.nodes`, `node.group`): the only
-        # reference cycles of a fold. Breaking them when the Fold goes lets reference counting
-        # free the whole graph at once, instead of Python's cyclic garbage collector finding it
-        # (in a full pass over every live object) after each batch's nodes lived through passes.
-        for group in getattr(self, "_groups", {}).values():  # none if __init__ raised
-            group.nodes.clear()
 
     # -- running ----------------------------------------------------------------------------
 
@@ -258,8 +322,32 @@ class Fold:
         """The recorded groups in execution order (by depth, then by first use)."""
         return sorted(self._groups.values(), key=lambda g: (g.depth, g.order))
 
+    def arguments(self, group: Group) -> list[tuple[Any, ...]]:
+        """Each distinct call of ``group`` (one of :meth:`groups`), its arguments as given to ``add``.
+
+        Example:
+            >>> import torchfold
+            >>> f = torchfold.Fold()
+            >>> a = f.add("leaf", 3)
+            >>> b = f.add("pair", a, 2.5)
+            >>> f.arguments(f.groups()[1])
+            [(Node('leaf', depth=0, index=0), 2.5)]
+        """
+        tape, nodes = self._tape, group.depth > 0
+        return [
+            tuple(
+                Node(tape, arg)
+                if nodes and arg.__class__ is int
+                else arg[1]
+                if arg.__class__ is tuple
+                else arg
+                for arg in call
+            )
+            for call in group.nodes
+        ]
+
     def __len__(self) -> int:
-        return sum(len(group.calls) for group in self._groups.values())
+        return sum(len(group.nodes) for group in self._groups.values())
 
     def __repr__(self) -> str:
         from torchfold.engine.resolve import describe

@@ -73,7 +73,7 @@ class GroupCall:
         self.op: Op = group.op
         self.name = group.name
         self.depth = group.depth
-        self.num_calls = len(group.calls)
+        self.num_calls = len(group.nodes)
         self.arity = arity
         self.source = group.source
         self.output_sources = tuple(group.output_sources)

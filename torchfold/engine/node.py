@@ -18,7 +18,7 @@ __all__ = [
     "INT64_MIN",
     "Group",
     "Node",
-    "Owner",
+    "Tape",
     "describe_arg_shapes",
     "ints_and_floats_mixed",
     "literals_and_rows_mixed",
@@ -80,51 +80,113 @@ def describe_arg_shapes(shapes: Sequence[tuple[Any, tuple[int, ...]]] | None) ->
     )
 
 
-class Owner:
-    """What a Fold's nodes point to instead of the Fold (see ``Node.owner``); numbers its sources.
+class Tape:
+    """What a Fold records per node, as flat lists of ints (see ``Node``), and its groups.
 
+    Every handle ``h`` (a node, one output of a split node, or a ``nobatch`` view of either) is
+    a row of three lists: ``depth[h]``, ``source[h]`` (the number of the batched tensor holding
+    its rows; ``~source`` for a ``nobatch`` handle) and ``index[h]`` (its call in that group).
+    ``Fold.add`` appends to them and stores each call's arguments as a tuple of ints and literals,
+    so recording keeps no Python object per node that the cyclic garbage collector tracks.
     A source is one batched tensor that ``apply`` will produce: a group's result, or one output
-    of a multi-output group. Numbering them lets ``apply`` plan gathers with integer arrays.
+    of a multi-output group; ``source_group``/``source_output`` say which.
     """
 
-    __slots__ = ("sources",)
+    __slots__ = (
+        "depth",
+        "index",
+        "nobatch_of",
+        "outputs_of",
+        "source",
+        "source_group",
+        "source_output",
+    )
 
     def __init__(self) -> None:
-        self.sources = 0
+        self.depth: list[int] = []
+        self.source: list[int] = []
+        self.index: list[int] = []
+        self.source_group: list[Group] = []
+        self.source_output: list[int | None] = []
+        self.outputs_of: dict[int, int] = {}  # a split handle -> its output 0's handle (the others follow)
+        self.nobatch_of: dict[int, int] = {}  # a handle -> its nobatch twin
 
-    def new_sources(self, count: int) -> range:
-        first = self.sources
-        self.sources += count
+    @property
+    def sources(self) -> int:
+        return len(self.source_group)
+
+    def new_sources(self, group: Group, count: int, output: bool) -> range:
+        first = len(self.source_group)
+        for number in range(count):
+            self.source_group.append(group)
+            self.source_output.append(number if output else None)
         return range(first, first + count)
+
+    def new_handle(self, depth: int, source: int, index: int) -> int:
+        handle = len(self.source)
+        self.depth.append(depth)
+        self.source.append(source)
+        self.index.append(index)
+        return handle
+
+    def label(self, handle: int) -> str:
+        """How handle ``handle`` is shown: ``Node('op', depth=1, index=3, output=0)``."""
+        source = self.source[handle]
+        batch = source >= 0
+        source = source if batch else ~source
+        group = self.source_group[source]
+        return node_label(group.name, group.depth, self.index[handle], self.source_output[source], batch)
+
+    def short_label(self, handle: int) -> str:
+        """``op@depth``, with ``.output`` and `` nobatch`` when they apply (``print(fold)``)."""
+        source = self.source[handle]
+        batch = source >= 0
+        source = source if batch else ~source
+        group, output = self.source_group[source], self.source_output[source]
+        return (
+            f"{group.name}@{group.depth}{'' if output is None else f'.{output}'}{'' if batch else ' nobatch'}"
+        )
 
 
 class Group:
-    """All calls of one op at one depth with one arity: they run as one batched call."""
+    """All calls of one op at one depth with one arity: they run as one batched call.
+
+    ``nodes`` maps each distinct call's arguments to its handle, in call order (dicts keep it):
+    the arguments as ``Fold.add`` stores them, a tuple holding, per position, a node's handle
+    (a bare ``int``: only in groups above depth 0, where every call has a node argument), an
+    int (at depth 0; above it an int is stored as ``("int", value)``), ``("float", value)`` or a
+    tensor. A tuple of ints and tagged literals is one the garbage collector stops tracking at
+    its first pass. ``plain`` says that every stored argument is a bare int.
+    """
 
     __slots__ = (
         "arg_shapes",
-        "calls",
         "depth",
         "nodes",
         "num_outputs",
         "op",
         "order",
         "output_sources",
+        "plain",
         "source",
     )
 
-    def __init__(self, op: Op, depth: int, order: int, source: int) -> None:
+    def __init__(self, op: Op, depth: int, order: int) -> None:
         self.op = op
         self.depth = depth
         self.order = order  # creation order: groups at the same depth run in this order
-        self.source = source  # the number of the group's result used whole
+        self.source = -1  # the number of the group's result used whole (set by Tape.new_sources)
         self.output_sources: range = range(0)  # the numbers of its outputs, once split
-        self.calls: list[tuple[Any, ...]] = []  # the arguments of each call, in call order
-        # each distinct call's node, by its arguments; emptied when the Fold goes (see Fold.__del__)
-        self.nodes: dict[tuple[Any, ...], Node] = {}
+        self.nodes: dict[tuple[Any, ...], int] = {}
+        self.plain = True  # every argument a handle (above depth 0) or an int (at depth 0): a 2-d int array
         self.num_outputs = 0  # how many outputs `split` promised; 0 = used as a single tensor
         # (dtype, shape) of each batched argument of the last apply, formatted only when shown
         self.arg_shapes: list[tuple[Any, tuple[int, ...]]] | None = None
+
+    @property
+    def calls(self) -> list[tuple[Any, ...]]:
+        """The stored arguments of each call, in call order (see the class docstring)."""
+        return list(self.nodes)
 
     @property
     def name(self) -> str:
@@ -135,7 +197,7 @@ class Group:
         return describe_arg_shapes(self.arg_shapes)
 
     def __repr__(self) -> str:
-        return f"<group {self.name!r} depth {self.depth} x{len(self.calls)}>"
+        return f"<group {self.name!r} depth {self.depth} x{len(self.nodes)}>"
 
 
 class Node:
@@ -151,85 +213,93 @@ class Node:
         >>> b, c = f.add("pair", a).split(2)
         >>> c
         Node('pair', depth=1, index=0, output=1)
+        >>> f.add("leaf", 3) == a  # identical calls are recorded once: their handles are equal
+        True
     """
 
-    # Handles are made once per value: split() and nobatch() return cached nodes, so two handles
-    # of one value are the same object and identical calls deduplicate by identity.
-    # `owner` is the recording Fold's token, not the Fold itself: a node pointing at its Fold
-    # would make every Fold a reference cycle, freed only by Python's cyclic garbage collector
-    # (whose full passes rescan every live object: seconds per epoch with a dataset in memory).
-    # A split's outputs are cached as a chain, not a tuple: `_next` of a split node is its output
-    # 0, `_next` of output i is output i + 1. Recording makes millions of nodes, and each object
-    # that lives through a garbage-collector pass is one more to rescan in the next full pass.
-    __slots__ = ("_next", "_nobatch", "batch", "group", "index", "output", "owner", "source")
+    # NOTE: a node is a handle, a number into its fold's tape (``Tape``), not a record. The fold
+    # keeps no Node objects: each add returns a fresh one, which the cyclic garbage collector
+    # sees only for as long as the caller holds it. A fold keeping one object per node made the
+    # collector rescan every node of a growing fold (three quarters of recording's time). Two
+    # handles of one value compare equal (``==``, and as dict keys) without being one object.
+    __slots__ = ("_handle", "_tape")
 
-    def __init__(
-        self,
-        owner: Owner,
-        group: Group,
-        index: int,
-        output: int | None = None,
-        batch: bool = True,
-        source: int = -1,
-    ):
-        self.owner = owner
-        self.group = group
-        self.index = index
-        self.output = output
-        self.batch = batch
-        self.source = group.source if source < 0 else source  # the number of the tensor holding its rows
-        self._next: Node | None = None
-        self._nobatch: Node | None = None
+    def __init__(self, tape: Tape, handle: int) -> None:
+        self._tape = tape
+        self._handle = handle
+
+    @property
+    def _source(self) -> int:
+        source = self._tape.source[self._handle]
+        return source if source >= 0 else ~source
+
+    @property
+    def group(self) -> Group:
+        return self._tape.source_group[self._source]
 
     @property
     def depth(self) -> int:
-        return self.group.depth
+        return self._tape.depth[self._handle]
 
     @property
     def op(self) -> Op:
         return self.group.op
 
+    @property
+    def index(self) -> int:
+        """Its call's position in its group."""
+        return self._tape.index[self._handle]
+
+    @property
+    def output(self) -> int | None:
+        """Which output of a split node it is (None: the whole result)."""
+        return self._tape.source_output[self._source]
+
+    @property
+    def batch(self) -> bool:
+        """False for a ``nobatch`` handle."""
+        return self._tape.source[self._handle] >= 0
+
     def split(self, num: int) -> tuple[Node, ...]:
         """One handle per output of an op that returns a tuple of ``num`` tensors."""
-        group = self.group
-        first = self._next
-        if first is not None and self.output is None and num == group.num_outputs:
-            outputs: tuple[Node, ...] = (first,)
-            while (first := first._next) is not None:
-                outputs += (first,)
-            return outputs
-        if (num.__class__ is not int and (isinstance(num, bool) or not isinstance(num, int))) or num < 1:
-            raise ValueError(f"split(num) needs a positive int, got {num!r}")
-        if self.output is not None:
-            raise FoldError(
-                f"{self} is already output {self.output} of a split; split the original node instead"
-            )
-        if group.num_outputs != num:
-            if group.num_outputs:
+        tape, handle = self._tape, self._handle
+        source = tape.source[handle]
+        batch = source >= 0
+        group = tape.source_group[source if batch else ~source]
+        first = tape.outputs_of.get(handle)
+        if first is None or num != group.num_outputs:
+            if (num.__class__ is not int and (isinstance(num, bool) or not isinstance(num, int))) or num < 1:
+                raise ValueError(f"split(num) needs a positive int, got {num!r}")
+            output = tape.source_output[source if batch else ~source]
+            if output is not None:
                 raise FoldError(
-                    f"op {group.name!r} at depth {group.depth} was split into {group.num_outputs} outputs "
-                    f"before, now into {num} (at {self}); an op must return the same number of outputs "
-                    "for every call"
+                    f"{self} is already output {output} of a split; split the original node instead"
                 )
-            group.output_sources = self.owner.new_sources(num)
-            group.num_outputs = num
-        owner, index, batch, sources = self.owner, self.index, self.batch, group.output_sources
+            if group.num_outputs != num:
+                if group.num_outputs:
+                    raise FoldError(
+                        f"op {group.name!r} at depth {group.depth} was split into {group.num_outputs} outputs "
+                        f"before, now into {num} (at {self}); an op must return the same number of outputs "
+                        "for every call"
+                    )
+                group.output_sources = tape.new_sources(group, num, output=True)
+                group.num_outputs = num
+            depth, index = tape.depth[handle], tape.index[handle]
+            first = tape.outputs_of[handle] = len(tape.source)
+            # tape.new_handle per output, without its call frames (a split per node of an LSTM)
+            tape.depth.extend([depth] * num)
+            tape.index.extend([index] * num)
+            tape.source.extend(
+                group.output_sources if batch else [~source for source in group.output_sources]
+            )
         if num == 2:  # the common case (an LSTM's h and c), without a loop
-            # Built in place (new_node + slots), not through __init__: a call frame less per
-            # handle, and recording makes two of these for every LSTM node.
-            first = new_node(Node)
-            first.owner, first.group, first.index, first.output = owner, group, index, 0
-            first.batch, first.source, first._nobatch = batch, sources[0], None
-            second = new_node(Node)
-            second.owner, second.group, second.index, second.output = owner, group, index, 1
-            second.batch, second.source, second._nobatch, second._next = batch, sources[1], None, None
-            self._next = first
-            first._next = second
-            return first, second
-        node = self
-        for output, source in enumerate(sources):
-            node._next = node = Node(owner, group, index, output, batch, source)
-        return self.split(num)
+            # Built in place (new_node + slots), not through __init__: a call frame less per handle.
+            one = new_node(Node)
+            one._tape, one._handle = tape, first
+            two = new_node(Node)
+            two._tape, two._handle = tape, first + 1
+            return one, two
+        return tuple(Node(tape, first + number) for number in range(num))
 
     def nobatch(self) -> Node:
         """A handle whose value every consumer receives whole, instead of its rows being batched.
@@ -237,9 +307,22 @@ class Node:
         All calls of one group must then pass the same ``nobatch`` node at that argument position
         (e.g. a memory or context shared by many calls).
         """
-        if self._nobatch is None:
-            self._nobatch = Node(self.owner, self.group, self.index, self.output, False, self.source)
-        return self._nobatch
+        tape, handle = self._tape, self._handle
+        source = tape.source[handle]
+        if source < 0:
+            return self
+        twin = tape.nobatch_of.get(handle)
+        if twin is None:
+            twin = tape.nobatch_of[handle] = tape.new_handle(tape.depth[handle], ~source, tape.index[handle])
+        return Node(tape, twin)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Node):
+            return NotImplemented
+        return self._handle == other._handle and self._tape is other._tape
+
+    def __hash__(self) -> int:
+        return hash((id(self._tape), self._handle))
 
     def __repr__(self) -> str:
-        return node_label(self.group.name, self.group.depth, self.index, self.output, self.batch)
+        return self._tape.label(self._handle)

@@ -20,6 +20,7 @@ from torchfold.engine.node import (
     INT64_MIN,
     Node,
     Op,
+    Tape,
     ints_and_floats_mixed,
     node_label,
     outside_int64,
@@ -37,7 +38,7 @@ __all__ = [
     "resolve_ops",
 ]
 
-_owner = operator.attrgetter("owner")
+_tape = operator.attrgetter("_tape")
 
 
 class _Batched(Protocol):
@@ -96,11 +97,11 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
             raise FoldError(
                 f"request {i} is an empty list; every list given to apply needs at least one node"
             )
-        if set(map(type, request)) == {Node} and set(map(_owner, request)) == {fold._token}:
+        if set(map(type, request)) == {Node} and set(map(_tape, request)) == {fold._tape}:
             continue  # the common case, checked without a Python loop; else find the culprit
         check_request_items(i, request, Node)
         for j, node in enumerate(request):
-            if node.__class__ is Node and node.owner is not fold._token:
+            if node.__class__ is Node and node._tape is not fold._tape:
                 raise FoldError(
                     f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
                 )
@@ -195,11 +196,12 @@ def cuda_device(owner: str) -> torch.device:
     return torch.device("cuda")
 
 
-def _describe_arg(arg: Any) -> str:
-    if arg.__class__ is Node:
-        out = "" if arg.output is None else f".{arg.output}"
-        shared = "" if arg.batch else " nobatch"
-        return f"{arg.group.name}@{arg.group.depth}{out}{shared}"
+def _describe_arg(arg: Any, tape: Tape, nodes: bool) -> str:
+    """What a stored argument is (see ``Group``): ``int``, ``float``, ``tensor[1, 784]`` or ``op@depth``."""
+    if arg.__class__ is int:
+        return tape.short_label(arg) if nodes else "int"
+    if arg.__class__ is tuple:  # a tagged literal
+        return str(arg[0])
     if isinstance(arg, torch.Tensor):
         return f"tensor{list(arg.shape)}"
     return type(arg).__name__
@@ -219,7 +221,10 @@ def describe(fold: Fold) -> str:
             args = group.describe_arg_shapes()
         else:
             columns = zip(*group.calls, strict=True)
-            args = ", ".join("|".join(sorted({_describe_arg(a) for a in col})) for col in columns)
+            nodes = group.depth > 0
+            args = ", ".join(
+                "|".join(sorted({_describe_arg(a, fold._tape, nodes) for a in col})) for col in columns
+            )
         outputs = f" -> {group.num_outputs} outputs" if group.num_outputs else ""
-        lines.append(f"  depth {group.depth}: {group.name} x {len(group.calls)} ({args}){outputs}")
+        lines.append(f"  depth {group.depth}: {group.name} x {len(group.nodes)} ({args}){outputs}")
     return "\n".join(lines)

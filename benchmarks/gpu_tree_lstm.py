@@ -12,11 +12,11 @@ and Adam step, synchronised at the end:
   first, so that every plan runs the same operations on the same shapes), applied eagerly,
   padded rows weighing 0 in the loss;
 * ``static plans, captured``: the same padded step's forward, loss and backward compiled once per
-  envelope layout by the library (``torchfold.train.compiled.CompiledLoss``: torch.compile's
+  envelope layout by the library (``torchfold.train.capture.compiled.CompiledLoss``: torch.compile's
   inductor, default mode: no CUDA graphs) and run with each plan's index tensors; fused Adam after;
 * ``static plans, one CUDA graph``: the whole padded step (forward, loss, backward and the fused
   Adam update) captured once per layout in one CUDA graph by the library
-  (``torchfold.train.cuda_replay.CudaStepReplay``) and replayed with each plan's inputs;
+  (``torchfold.train.capture.cuda_replay.CudaStepReplay``) and replayed with each plan's inputs;
 * ``TraceTrainer, captured``: the library's training loop (``TraceTrainer(compile="auto")``) over
   a ``StepLoader`` whose worker processes build the static plans, one step per batch (steps of
   one minibatch: replayed whole, as the version above).
@@ -51,8 +51,8 @@ import torchfold
 from torchfold.engine.static import StaticPlan
 from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, encode_trees, tree_lstm_loss
-from torchfold.train.compiled import CompiledLoss
-from torchfold.train.cuda_replay import CudaStepReplay
+from torchfold.train.capture.compiled import CompiledLoss
+from torchfold.train.capture.cuda_replay import CudaStepReplay
 
 
 def hand_plan_to(plan: tree_lstm.Plan, device: torch.device) -> tree_lstm.Plan:
@@ -150,7 +150,7 @@ class OnDevice(Version):
 
 class Captured(OnDevice):
     """Static plans, forward + loss + backward compiled once per layout by the library
-    (``torchfold.train.compiled.CompiledLoss``: inductor's default mode), fused Adam after."""
+    (``torchfold.train.capture.compiled.CompiledLoss``: inductor's default mode), fused Adam after."""
 
     def __init__(
         self,
@@ -171,7 +171,7 @@ class Captured(OnDevice):
 
 class Replayed(OnDevice):
     """Static plans, the whole step (forward, loss, backward and fused Adam) as one CUDA graph per
-    layout, replayed by the library (``torchfold.train.cuda_replay.CudaStepReplay``)."""
+    layout, replayed by the library (``torchfold.train.capture.cuda_replay.CudaStepReplay``)."""
 
     def __init__(
         self,

@@ -12,13 +12,13 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
 * ``xla static, fitted``: the same, after fitting the envelope to the first ``--warmup`` batches'
   plans on the host (``StaticShapes.fit``: no tensor op, milliseconds), so warm-up compiles once;
 * ``xla captured``: fitted static shapes, and the forward, loss and backward captured once per
-  layout (``torchfold.train.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
+  layout (``torchfold.train.capture.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
-  (``torchfold.train.compiled.CompiledUpdate``, Adam with ``capturable=True``);
+  (``torchfold.train.capture.compiled.CompiledUpdate``, Adam with ``capturable=True``);
 * ``xla replayed``: fitted static shapes, and the whole step (forward, loss, backward, Adam's
   update) traced once per layout into one graph and replayed from XLA's cache
-  (``torchfold.train.xla_replay.XlaStepReplay``, what ``TraceTrainer`` runs on one XLA device);
+  (``torchfold.train.capture.xla_replay.XlaStepReplay``, what ``TraceTrainer`` runs on one XLA device);
   ``xla replayed packed``: the same with ``StaticShapes(pack_levels=True)`` (tree nodes run later
   than their depth where there is room: less padding); ``xla replayed plain linear``: the same
   with ``F.linear`` traced as it is (``XlaStepReplay(transpose_weights=False)``: the forward
@@ -53,8 +53,8 @@ from harness import add_sst_data_argument, machine_lines, markdown_table
 from torchfold import Fold, StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
-from torchfold.train.compiled import CompiledLoss, CompiledUpdate
-from torchfold.train.xla_replay import XlaStepReplay
+from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate
+from torchfold.train.capture.xla_replay import XlaStepReplay
 
 
 def node_weights(roots: list[int], trees: int) -> list[float]:

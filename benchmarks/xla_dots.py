@@ -13,7 +13,7 @@ Tree-LSTM's node op (``W`` of 640 x 256), at several row counts:
 * ``eager``: the same program in eager PyTorch on the CPU (``--threads``), its time per product
   (the few copies between the products included).
 
-The fourth kind is the forward product as :mod:`torchfold.train.xla_linear` traces it: against
+The fourth kind is the forward product as :mod:`torchfold.train.capture.xla_linear` traces it: against
 a copy of ``Wᵀ`` made once per program, behind an optimization barrier. XLA's CPU backend runs
 its products on its own thread pool (all cores), whatever ``--threads`` says.
 
@@ -48,7 +48,7 @@ def program(kind: str, rows: int, args: argparse.Namespace, device: Any) -> Call
     import torch
     import torch.nn.functional as F
 
-    from torchfold.train.xla_linear import transposed_weights
+    from torchfold.train.capture.xla_linear import transposed_weights
 
     out, into, count = args.out_features, args.in_features, args.products
     torch.manual_seed(0)

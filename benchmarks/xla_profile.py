@@ -137,7 +137,7 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
 
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
     from torchfold.examples.sst import Vocab, load_sst
-    from torchfold.train.xla_replay import XlaStepReplay
+    from torchfold.train.capture.xla_replay import XlaStepReplay
 
     torch.set_num_threads(1)
     trees = load_sst(args.data, "train", max_trees=args.max_train)

@@ -148,8 +148,8 @@ def test_xla_step_replay_takes_targets_on_the_cpu() -> None:
     # CPU targets failed in torch_xla with "Expected XLA tensor. Got: torch.LongTensor".
     import torch_xla
 
+    from torchfold.train.capture.xla_replay import XlaStepReplay
     from torchfold.train.loader import to_device
-    from torchfold.train.xla_replay import XlaStepReplay
 
     device = torch_xla.device()
     plan, targets, vocab = _first_batch()

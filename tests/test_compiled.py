@@ -1,4 +1,4 @@
-"""Captured steps (torchfold.train.compiled): equal to the eager step, captured once per layout, clear refusals.
+"""Captured steps (torchfold.train.capture.compiled): equal to the eager step, captured once per layout, clear refusals.
 
 The captures here use torch.compile's ``aot_eager`` backend: dynamo and AOTAutograd capture the
 forward and backward graphs exactly as on XLA or CUDA, without generating code (fast on a CPU).
@@ -22,7 +22,7 @@ from torchfold import Fold, StaticPlan, StaticShapes, StaticShapesWarning
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
-from torchfold.train.compiled import (
+from torchfold.train.capture.compiled import (
     CompiledLoss,
     CompiledUpdate,
     compile_backend,

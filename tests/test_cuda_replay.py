@@ -18,8 +18,8 @@ from torchfold import StaticShapes
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
-from torchfold.train._replay import target_tensors
-from torchfold.train.cuda_replay import CudaStepReplay, _rebuilt, uncapturable_step
+from torchfold.train.capture._replay import target_tensors
+from torchfold.train.capture.cuda_replay import CudaStepReplay, _rebuilt, uncapturable_step
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

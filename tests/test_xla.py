@@ -439,7 +439,7 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.xla_replay import XlaStepReplay
+    from torchfold.train.capture.xla_replay import XlaStepReplay
 
     batches, vocab = _sst_batches(8, 4)
     shapes = StaticShapes()
@@ -504,7 +504,7 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.xla_replay import XlaStepReplay
+    from torchfold.train.capture.xla_replay import XlaStepReplay
 
     batches, vocab = _sst_batches(2, 4)
     shapes = StaticShapes()
@@ -588,7 +588,7 @@ def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.xla_replay import XlaStepReplay
+    from torchfold.train.capture.xla_replay import XlaStepReplay
 
     [trees], vocab = _sst_batches(1, 4)
     shapes = StaticShapes()
@@ -632,7 +632,7 @@ def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.xla_replay import XlaStepReplay
+    from torchfold.train.capture.xla_replay import XlaStepReplay
 
     [trees], vocab = _sst_batches(1, 2)
     device = torch_xla.device()
@@ -680,7 +680,7 @@ def test_linear_layers_trace_against_a_transposed_copy_of_the_weight_on_xla() ->
     (what makes the forward product fast on the CPU backend: ``benchmarks/xla_dots.py``)."""
     import torch_xla
 
-    from torchfold.train.xla_linear import transposed_weights
+    from torchfold.train.capture.xla_linear import transposed_weights
 
     device = torch_xla.device()
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.xla_linear import transposed_weights
+from torchfold.train.capture.xla_linear import transposed_weights
 
 
 @settings(max_examples=60, deadline=None)

@@ -45,8 +45,8 @@ from torchfold.examples.datasets import (
     load_sst,
 )
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
+from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, list_checkpoints, load_checkpoint
-from torchfold.train.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.distributed import default_device, init_distributed
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer

@@ -218,7 +218,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.scale_invariant_steps = 0.0
         self.steps = 0
         #: runs the wrapped optimizer's update in :meth:`step` (None: its ``step()``); TraceTrainer
-        #: sets a :class:`~torchfold.train.compiled.CompiledUpdate` here when it captures steps on XLA
+        #: sets a :class:`~torchfold.train.capture.compiled.CompiledUpdate` here when it captures steps on XLA
         self.update_fn: Callable[[], object] | None = None
         self.last_batch_size = 0
         self.last_num_minibatches = 0

@@ -60,6 +60,9 @@ from tqdm import tqdm
 
 from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
+from torchfold.train.capture.compiled import CompiledLoss
+from torchfold.train.capture.cuda_replay import CudaStepReplay
+from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.checkpoint import (
     check_trainer_state,
     checkpoint_path,
@@ -70,8 +73,6 @@ from torchfold.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from torchfold.train.compiled import CompiledLoss
-from torchfold.train.cuda_replay import CudaStepReplay
 from torchfold.train.distributed import (
     abort_replica_threads,
     all_reduce_sum_,
@@ -81,7 +82,6 @@ from torchfold.train.distributed import (
 )
 from torchfold.train.loader import Step, StepLoader, to_device
 from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.xla_replay import XlaStepReplay
 
 __all__ = ["DEFAULT_LOG_EVERY", "PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
 
@@ -205,15 +205,15 @@ class TraceTrainer:
             checkpoint; a resume with a different value is refused naming the setting and both
             values.
         compile: capture each minibatch's forward, loss and backward once per static-shape
-            layout and replay it (:class:`~torchfold.train.compiled.CompiledLoss`): ``"auto"``
+            layout and replay it (:class:`~torchfold.train.capture.compiled.CompiledLoss`): ``"auto"``
             (default) on XLA and CUDA, ``"on"`` on any device, ``"off"`` never. Needs the build
             to return static-shape plans (``StaticPlan``); other plans run eagerly. Except on
             CUDA, the optimizer's update is captured too
-            (:class:`~torchfold.train.compiled.CompiledUpdate`), if it can be (``Adam`` and
+            (:class:`~torchfold.train.capture.compiled.CompiledUpdate`), if it can be (``Adam`` and
             others need ``capturable=True``; a warning names the fix otherwise). In one
             process, steps of one minibatch are replayed whole (forward, loss, backward and
-            update as one graph): on XLA by :class:`~torchfold.train.xla_replay.XlaStepReplay`,
-            on CUDA by :class:`~torchfold.train.cuda_replay.CudaStepReplay` (one CUDA graph; the
+            update as one graph): on XLA by :class:`~torchfold.train.capture.xla_replay.XlaStepReplay`,
+            on CUDA by :class:`~torchfold.train.capture.cuda_replay.CudaStepReplay` (one CUDA graph; the
             optimizer needs ``capturable=True`` or ``fused=True``). Optimizer and tensor hooks
             then run when a step is captured, not at every replay.
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``

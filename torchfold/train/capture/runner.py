@@ -7,14 +7,14 @@ from the device, the number of processes, the optimizer and ``compile=``:
 
 * :class:`EagerRunner`: the ordinary PyTorch step (``loss.backward()`` inside
   ``optimizer.minibatch(n)``, then ``optimizer.step()``), each minibatch's forward, loss and
-  backward optionally compiled by :func:`torch.compile` (:class:`~torchfold.train.compiled.CompiledLoss`);
+  backward optionally compiled by :func:`torch.compile` (:class:`~torchfold.train.capture.compiled.CompiledLoss`);
   the CPU's default, and every device's with ``compile="off"``;
 * :class:`XlaRunner`: on one XLA device, a step of one minibatch replayed whole
-  (:class:`~torchfold.train.xla_replay.XlaStepReplay`), a step of several as replays of one
+  (:class:`~torchfold.train.capture.xla_replay.XlaStepReplay`), a step of several as replays of one
   minibatch program and one update program
   (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`), whatever their number;
 * :class:`CudaRunner`: on one GPU, a step of one minibatch replayed whole from one CUDA graph
-  (:class:`~torchfold.train.cuda_replay.CudaStepReplay`); a step of several runs eagerly (no
+  (:class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`); a step of several runs eagerly (no
   inductor compile on the default path: its compiles took seconds per new minibatch count).
 
 Adding a backend means one more runner here.
@@ -30,19 +30,19 @@ from typing import Any
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
-from torchfold.train.compiled import (
+from torchfold.train.capture.compiled import (
     CompiledLoss,
     CompiledUpdate,
     check_loss,
     uncapturable_update,
     wants_compile,
 )
-from torchfold.train.cuda_replay import CudaStepReplay, uncapturable_step
+from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_step
+from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
+from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.distributed import world, xla_sync
 from torchfold.train.loader import to_device
 from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.xla_replay import XlaStepReplay
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
 
@@ -81,7 +81,7 @@ class EagerRunner(StepRunner):
     """The ordinary step: ``optimizer.minibatch(n)`` around each backward, ``optimizer.step()``.
 
     With ``compiled``, a static plan's forward, loss and backward replay a
-    :class:`~torchfold.train.compiled.CompiledLoss` graph instead (``strict``: an unpadded plan is
+    :class:`~torchfold.train.capture.compiled.CompiledLoss` graph instead (``strict``: an unpadded plan is
     refused rather than run eagerly).
     """
 

@@ -1,6 +1,6 @@
 """A step of any number of minibatches on XLA as two replayed programs: a minibatch's and the update's.
 
-:class:`~torchfold.train.xla_replay.XlaStepReplay` replays a step of exactly one minibatch as
+:class:`~torchfold.train.capture.xla_replay.XlaStepReplay` replays a step of exactly one minibatch as
 one graph. A step of ``k`` minibatches used to go through :func:`torch.compile` and the
 optimizer wrapper's Python weighting, and a new ``k`` could mean a new program. Here every step
 is made of two kinds of programs, each traced once and replayed from XLA's compilation cache:
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train._replay import optimizer_settings, stepping, target_tensors
-from torchfold.train.compiled import check_loss, uncapturable_update
-from torchfold.train.xla_linear import transposed_weights
+from torchfold.train.capture._replay import optimizer_settings, stepping, target_tensors
+from torchfold.train.capture.compiled import check_loss, uncapturable_update
+from torchfold.train.capture.xla_linear import transposed_weights
 
 __all__ = ["XlaPrograms", "xla_programs_unavailable"]
 

@@ -1,4 +1,4 @@
-"""What the whole-step replays (:mod:`~torchfold.train.xla_replay`, :mod:`~torchfold.train.cuda_replay`) share.
+"""What the whole-step replays (:mod:`~torchfold.train.capture.xla_replay`, :mod:`~torchfold.train.capture.cuda_replay`) share.
 
 A replayed step keeps the optimizer's settings (all but the learning rates, which are inputs)
 as constants of its graph, reads the batch's targets as tensors in a fixed order, and steps with
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.compiled import check_loss
+from torchfold.train.capture.compiled import check_loss
 
 __all__ = [
     "MAX_SETTINGS",

@@ -1,0 +1,399 @@
+"""Captured training steps: a static plan's forward, loss and backward compiled once per layout, then replayed.
+
+On an XLA device every eager step is traced op by op into a lazy graph before XLA runs it; with
+static shapes the graph repeats, so XLA compiles it once, but the host still traces every op of
+every batch. On a GPU the same step is hundreds of small kernel launches. Both costs go when the
+step is captured once and replayed: :class:`CompiledLoss` compiles ``loss(model,
+layout.run(model, inputs), targets)`` with :func:`torch.compile` once per
+:class:`~torchfold.engine.static.StaticLayout` (the structure an envelope version fixes), and
+feeds each batch's :class:`~torchfold.engine.static.StaticInputs` (packed index arrays and
+columns, fixed shapes) and targets as the graph's inputs; the backward runs the compiled backward
+graph, and gradients accumulate in ``.grad`` as usual, so
+:class:`~torchfold.train.AccumulatingOptimizer`'s weighting, the all-reduce and the update stay as
+they are: a step with a new number of minibatches creates no new program.
+
+Backends: XLA uses ``openxla``; CUDA and a CPU (when asked, ``compile="on"``; it stays eager by
+default) use ``inductor``'s default mode. On CUDA, CUDA graphs come from
+:class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`, which replays a whole step of one minibatch;
+inductor's own CUDA graphs (``mode="reduce-overhead"``) are not the default: in the trainer,
+steps of several minibatches failed with them in a backward ("accessing tensor output of
+CUDAGraphs that has been overwritten by a subsequent run"; an H200, torch 2.11, also with
+``torch.compiler.cudagraph_mark_step_begin()`` before every minibatch). Pass ``mode=`` to
+choose them anyway; the losses returned are then copies.
+
+The optimizer's update is captured separately, by :class:`CompiledUpdate`: on XLA it would
+otherwise be traced op by op at every step too (a few ops per parameter). It runs after the
+all-reduce, once per step, so the minibatch graphs stay the same whatever the number of
+minibatches. On CUDA the update stays eager: a fused optimizer (``Adam(fused=True)``) is already
+a few kernels.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any, Literal
+
+import torch
+
+from torchfold._errors import add_note
+from torchfold.engine.static import StaticLayout, StaticPlan
+
+__all__ = [
+    "COMPILE_CHOICES",
+    "CompiledLoss",
+    "CompiledUpdate",
+    "check_loss",
+    "compile_backend",
+    "uncapturable_update",
+    "wants_compile",
+]
+
+COMPILE_CHOICES = ("auto", "off", "on")
+_CAPTURE_LOCK = threading.Lock()
+CompileChoice = Literal["auto", "off", "on"]
+LossFn = Callable[[torch.nn.Module, list[torch.Tensor], Any], torch.Tensor]
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor (a minibatch's loss), else a TypeError saying what it is."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            f"loss must return a scalar tensor (the minibatch's loss), got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+        )
+    return loss
+
+
+def wants_compile(choice: str, device: torch.device) -> bool:
+    """Whether ``compile=choice`` captures steps on ``device``: ``auto`` does on XLA and CUDA.
+
+    >>> wants_compile("auto", torch.device("cpu")), wants_compile("on", torch.device("cpu"))
+    (False, True)
+    """
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {choice!r}")
+    return device.type in ("xla", "cuda") if choice == "auto" else choice == "on"
+
+
+def compile_backend(device: torch.device) -> tuple[str, str | None]:
+    """The :func:`torch.compile` backend and mode that capture a step on ``device``.
+
+    >>> compile_backend(torch.device("cuda"))
+    ('inductor', None)
+    """
+    if device.type == "xla":
+        return "openxla", None
+    return "inductor", None
+
+
+class CompiledLoss:
+    """``loss(model, plan.apply(model, padded=True), targets).backward()`` for static plans, compiled once per layout.
+
+    Calling it runs the forward, the loss and the backward (gradients accumulate into ``.grad``
+    as after ``loss.backward()``) and returns the loss, detached. Plans
+    of one layout (one :attr:`StaticLayout.key <torchfold.engine.static.StaticLayout.key>`)
+    replay one compiled graph; a plan of a new layout (the envelope grew: its
+    :class:`~torchfold.StaticShapesWarning` says so) is captured once more. Parameters replaced
+    or added after a capture are caught by the compiled graph's guards and captured anew, never
+    run stale.
+
+    Args:
+        model: the module whose methods are the fold ops.
+        loss: ``loss(model, outputs, targets) -> scalar``; it must not read values back to the
+            host (``.item()``, ``.tolist()``, ``print`` of a tensor): the capture says which op did.
+        device: where the model lives (picks the backend).
+        backend: a :func:`torch.compile` backend instead of the device's (e.g. ``"aot_eager"``
+            to check the capture without generating code).
+        mode: the :func:`torch.compile` mode (default: the device's, see :func:`compile_backend`).
+
+    Example:
+        >>> import torch, torchfold
+        >>> from torchfold.train.capture.compiled import CompiledLoss
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.ones(1))
+        ...     def leaf(self, x):
+        ...         return (x.float() * self.w).unsqueeze(1)
+        >>> model, shapes = Model(), torchfold.StaticShapes(min_rows=4)
+        >>> f = torchfold.Fold(shapes=shapes)
+        >>> plan = f.plan([[f.add("leaf", 2), f.add("leaf", 3)]])
+        >>> step = CompiledLoss(model, lambda m, outputs, t: (outputs[0] * t).sum(), backend="aot_eager")
+        >>> loss = step(plan, plan.pad(0, [1.0, 1.0]).unsqueeze(1))
+        >>> loss.item(), model.w.grad.item(), step.captures
+        (5.0, 5.0, 1)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: LossFn,
+        *,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+        mode: str | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss):
+            raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
+        self.model = model
+        self.loss = loss
+        self.device, self.backend, self.mode = _backend_for(list(model.parameters()), device, backend, mode)
+        self._compiled: dict[Hashable, Callable[..., torch.Tensor]] = {}
+
+    @property
+    def captures(self) -> int:
+        """How many layouts have been captured (one compiled graph each)."""
+        return len(self._compiled)
+
+    def __call__(self, plan: StaticPlan, targets: Any) -> torch.Tensor:
+        """Forward, loss and backward of ``plan``'s layout's graph (captured on first use); the loss, detached."""
+        if not isinstance(plan, StaticPlan):
+            raise TypeError(
+                f"a captured step needs a static-shape plan (a StaticPlan, from Fold(shapes=StaticShapes(...)) or "
+                f"StaticShapes.fit), got {type(plan).__name__}; build padded plans, or train with compile='off'"
+            )
+        layout = plan.layout
+        fn = self._compiled.get(layout.key)
+        first = fn is None
+        if fn is None:
+            fn = self._compiled[layout.key] = self._capture(layout)
+        inputs = plan.inputs(self.device)
+        # a mode of inductor's own (reduce-overhead, max-autotune) may run CUDA graphs on a GPU
+        cuda_graphs = self.device.type == "cuda" and self.mode is not None
+        # Dynamo compiles the forward at the first call and AOTAutograd the backward at the first
+        # backward, and neither is safe in two threads at once (torch_xla's replicas on one host
+        # may be threads): one captured step at a time in a process.
+        with _CAPTURE_LOCK:
+            try:
+                return self._backward(fn(inputs, targets), copy=cuda_graphs)
+            except Exception as error:
+                if first:  # a failed capture: say why, and keep nothing half-captured
+                    if _is_graph_break(error):
+                        add_note(
+                            error,
+                            f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
+                            f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
+                            "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
+                            "train with compile='off'",
+                        )
+                    del self._compiled[layout.key]
+                raise
+
+    @staticmethod
+    def _backward(loss: Any, copy: bool) -> torch.Tensor:
+        check_loss(loss).backward()
+        # a CUDA graph's output lives in its memory pool, which the next replay overwrites
+        return loss.detach().clone() if copy else loss.detach()
+
+    def _capture(self, layout: StaticLayout) -> Callable[..., torch.Tensor]:
+        model, loss = self.model, self.loss
+
+        def step(inputs: Any, targets: Any) -> torch.Tensor:
+            return loss(model, layout.run(model, inputs, padded=True), targets)
+
+        # Dynamo keeps its compiled graphs per code object, and would take every layout's graph for
+        # a recompilation of one function (up to its recompile limit, checking all their guards on
+        # each call): each layout gets a code object of its own, so one graph, one set of guards.
+        own = types.FunctionType(
+            step.__code__.replace(co_name=f"torchfold_step_{len(self._compiled)}"),
+            step.__globals__,
+            None,
+            None,
+            step.__closure__,
+        )
+        # fullgraph: a graph break would leave part of the step traced op by op, silently slow
+        compiled: Callable[..., torch.Tensor] = torch.compile(
+            own, backend=self.backend, mode=self.mode, fullgraph=True, dynamic=False
+        )
+        return compiled
+
+    def __repr__(self) -> str:
+        return f"CompiledLoss(backend={self.backend!r}, mode={self.mode!r}, captures={self.captures})"
+
+
+def uncapturable_update(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer.step()`` cannot be compiled as one replayable graph, or None if it can.
+
+    An optimizer with a ``capturable`` option left off (Adam, AdamW and others by default) keeps
+    its step count on the host and turns the bias corrections into Python numbers: a compiled
+    update would be compiled anew at every step.
+
+    >>> uncapturable_update(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)) is None
+    True
+    """
+    for number, group in enumerate(optimizer.param_groups):
+        if group.get("capturable") is False and not group.get("fused"):
+            return (
+                f"{type(optimizer).__name__} param group {number} has capturable=False, which keeps its step "
+                f"count on the host; create it with capturable=True (e.g. {type(optimizer).__name__}(params, "
+                "..., capturable=True))"
+            )
+    # Without a capturable option (Adagrad): a state kept on the host beside a parameter on the
+    # device cannot be an input of the device's graph.
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.device != param.device
+                    and value.device.type == "cpu"
+                ):
+                    return (
+                        f"{type(optimizer).__name__} keeps its state {key!r} on the host (cpu) while the parameters "
+                        f"are on {param.device}, and has no capturable option to keep it there; use an optimizer "
+                        "with capturable=True (e.g. Adam), or compile='off'"
+                    )
+    return None
+
+
+class CompiledUpdate:
+    """``optimizer.step()`` compiled with :func:`torch.compile`: one graph per optimizer state, replayed.
+
+    The parameters, gradients and optimizer state are the graph's inputs and are updated in
+    place, as by the plain step; the learning rate and the other numbers of the param groups
+    are inputs too, so a learning-rate rule changing them at every step compiles nothing new.
+    Compiling happens at the first step (and once more when the optimizer creates its state,
+    e.g. momentum buffers, at its first step).
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer whose update can be captured (see
+            :func:`uncapturable_update`).
+        device: where the parameters live (picks the backend, as :class:`CompiledLoss`).
+        backend, mode: as :class:`CompiledLoss`'s.
+
+    Raises:
+        ValueError: the optimizer cannot be captured (the message names the fix).
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> optimizer = torch.optim.SGD([w], lr=0.5)
+        >>> update = CompiledUpdate(optimizer, backend="aot_eager")
+        >>> w.grad = torch.ones(2)
+        >>> update()
+        >>> w.detach()
+        tensor([0.5000, 0.5000])
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+        mode: str | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        reason = uncapturable_update(optimizer)
+        if reason is not None:
+            raise ValueError(f"the optimizer's update cannot be captured: {reason}")
+        self.optimizer = optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.device, self.backend, self.mode = _backend_for(params, device, backend, mode)
+        self._warned = False
+        self._rates: dict[int, tuple[float, torch.Tensor]] = {}  # per group: its last rate, as a tensor
+        # Not fullgraph: torch.optim's step breaks the graph on purpose once, before the update.
+        self._step: Callable[[], Any] = torch.compile(optimizer.step, backend=self.backend, mode=self.mode)
+
+    def __call__(self) -> None:
+        """Run the update (a step of the wrapped optimizer); uncompiled, with a warning, if the
+        optimizer can no longer be captured (a loaded state dict turned ``capturable`` off)."""
+        reason = uncapturable_update(self.optimizer)
+        if reason is not None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"the optimizer's update now runs uncaptured: {reason}", stacklevel=2)
+            self.optimizer.step()
+            return
+        # A Python float learning rate would be a constant of the graph (a new graph per value):
+        # each group's goes in as a 0-dim tensor for the step, and is a float again afterwards
+        groups = self.optimizer.param_groups
+        rates = [group["lr"] for group in groups]
+        try:
+            for number, (group, rate) in enumerate(zip(groups, rates, strict=True)):
+                if not isinstance(rate, torch.Tensor) and group["params"]:
+                    group["lr"] = self._rate_tensor(number, rate, group["params"][0])
+            with _CAPTURE_LOCK:  # torch.compile is not safe in two threads at once (replicas may be threads)
+                self._step()
+        finally:
+            for group, rate in zip(groups, rates, strict=True):
+                group["lr"] = rate
+
+    def _rate_tensor(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
+        """Group ``number``'s learning rate as a 0-dim tensor beside its parameters: the last one
+        made while the rate is unchanged (a new one is a transfer to the device, every step)."""
+        last = self._rates.get(number)
+        if (
+            last is not None
+            and last[0] == rate
+            and last[1].device == like.device
+            and last[1].dtype == like.dtype
+        ):
+            return last[1]
+        tensor = torch.tensor(rate, dtype=like.dtype, device=like.device)
+        self._rates[number] = (rate, tensor)
+        return tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"CompiledUpdate({type(self.optimizer).__name__}, backend={self.backend!r}, mode={self.mode!r})"
+        )
+
+
+def _backend_for(
+    params: list[torch.Tensor], device: torch.device | str | None, backend: str | None, mode: str | None
+) -> tuple[torch.device, str, str | None]:
+    """The device (default: the first parameter's, else the CPU), and the backend and mode to
+    compile with there (default: :func:`compile_backend`'s; a backend given alone has no mode)."""
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
+    device = torch.device(device)
+    default_backend, default_mode = compile_backend(device)
+    chosen = backend if backend is not None else default_backend
+    if chosen == "openxla":
+        _check_torch_xla()
+    return device, chosen, mode if mode is not None or backend is not None else default_mode
+
+
+def _is_graph_break(error: BaseException) -> bool:
+    return type(error).__module__.startswith("torch._dynamo")
+
+
+def _user_line(error: BaseException) -> str:
+    """Where in the user's code dynamo stopped: `` at FILE:LINE (CODE)``, from its message."""
+    lines = str(error).splitlines()
+    if "from user code:" not in lines:
+        return ""
+    frames = [i for i, line in enumerate(lines) if line.strip().startswith('File "')]
+    if not frames:
+        return ""
+    last = frames[-1]
+    location = lines[last].strip().removeprefix("File ").replace('", line ', ":").replace('"', "")
+    code = lines[last + 1].strip() if last + 1 < len(lines) else ""
+    return f" at {location}" + (f" ({code})" if code else "")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _check_torch_xla() -> None:
+    try:
+        import torch_xla  # registers the openxla backend
+    except ImportError as error:
+        raise ImportError(
+            "compiled steps on XLA need torch_xla (pip install 'torchfold[xla]'); or train with compile='off'"
+        ) from error
+    version = getattr(torch_xla, "__version__", "0")
+    if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (2, 3):
+        warnings.warn(
+            f"torch_xla {version} is older than 2.3, whose openxla backend compiles training steps; "
+            "expect graph breaks",
+            stacklevel=3,
+        )

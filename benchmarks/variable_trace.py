@@ -8,8 +8,9 @@ compilations after step ``--warmup``, the median step time per minibatch count, 
 step against the median of its count, the ratio of steps ``--warmup``.. to the CPU's, and the
 largest relative loss difference to the CPU run, step by step.
 
-The envelope of static shapes is fitted on every minibatch of the data first (what
-``python -m torchfold train`` does on a sample), so that plans never grow it in training.
+The envelope of static shapes is fitted to a pass over the data and frozen first
+(:func:`torchfold.train.fit_static_shapes`, what ``python -m torchfold train`` does): a
+minibatch that does not fit it is split, so it never grows in training.
 
 Usage::
 
@@ -31,7 +32,7 @@ from harness import DATA_DIR, machine_lines
 import torchfold
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
+from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, fit_static_shapes
 from torchfold.train.trace import BatchSizeTrace
 
 
@@ -51,10 +52,13 @@ def run(args: argparse.Namespace, device_name: str, trees: list[Any], vocab: Voc
         device = torch_xla.device()
     else:
         device = torch.device(device_name)
-    shapes = torchfold.StaticShapes()
-    build = TreeLSTMBuild(vocab)
-    for start in range(0, len(trees), args.minibatch_size):  # every minibatch: the envelope never grows
-        shapes.fit(build(trees[start : start + args.minibatch_size])[0])  # type: ignore[arg-type]
+    # fitted to a pass over the data and frozen: a minibatch that does not fit is split, never grown
+    shapes = fit_static_shapes(
+        trees,
+        TreeLSTMBuild(vocab),
+        args.minibatch_size,
+        shapes=torchfold.StaticShapes(depth_buckets=not args.one_layout),
+    )
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), args.dims, args.dims).to(device)
     xla = device.type == "xla"
@@ -137,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps counted as warm-up")
     parser.add_argument("--devices", default="cpu,xla", help="comma-separated: cpu, xla")
     parser.add_argument("--compile", default="auto", help="the XLA run's compile= (auto, off, on)")
+    parser.add_argument(
+        "--one-layout",
+        action="store_true",
+        help="StaticShapes(depth_buckets=False): every plan runs all levels, one program per kind",
+    )
     parser.add_argument(
         "--no-whole-steps",
         action="store_true",

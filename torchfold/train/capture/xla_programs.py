@@ -28,7 +28,6 @@ the host, is refused too. A refused runner runs the steps lazily (op by op), as 
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -39,49 +38,25 @@ from torchfold.engine.static import StaticPlan
 from torchfold.train.capture._replay import optimizer_settings, stepping, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
+from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, replay_unavailable
 
 __all__ = ["XlaPrograms", "xla_programs_unavailable"]
 
-_NEEDED = (
-    "_get_graph_hash",
-    "_get_tensors_xla_device_data_node",
-    "_xla_warm_up_cache",
-    "_run_cached_graph",
-    "_xla_get_tensor_id",
-    "_check_tensor_need_materialization",
-    "_xla_sync_multi",
-    "_get_seed_info_id",
-)
-_LOCK = threading.Lock()  # tracing is not safe in two threads at once (replicas may be threads)
-
 
 def xla_programs_unavailable() -> str | None:
-    """Why this torch_xla cannot replay traced programs (None if it can).
+    """Why this torch_xla cannot replay traced programs (None if it can): the graph-cache calls
+    are those of :func:`~torchfold.train.capture.xla_replay.replay_unavailable`.
 
     >>> isinstance(xla_programs_unavailable(), str | None)
     True
     """
-    try:
-        import torch_xla
-    except ImportError:
-        return "torch_xla is not installed"
-    missing = [name for name in _NEEDED if not hasattr(torch_xla._XLAC, name)]
-    if missing:
-        return f"torch_xla {getattr(torch_xla, '__version__', '?')} lacks {', '.join(missing)}"
-    return None
+    return replay_unavailable()
 
 
 def _xla() -> Any:
     import torch_xla
 
     return torch_xla._XLAC
-
-
-def _executions() -> int:
-    """How many graphs torch_xla has run in this process (a host read inside a trace runs one)."""
-    import torch_xla.debug.metrics as met
-
-    return int(met.counter_value("ExecuteComputation") or 0)
 
 
 class _Program:
@@ -146,7 +121,7 @@ def _compile(
     outputs = [where for where, need in enumerate(changed) if need]
     kept = [roots[where] for where in outputs]
     ids, values = xla._get_tensors_xla_device_data_node(kept)
-    if _executions() != executed:
+    if executions() != executed:
         raise _Refused(
             "something read a value back to the host inside the step (.item(), .tolist(), a Python number "
             "from a tensor; e.g. torch.optim.SGD turns a tensor learning rate into one), which cuts the graph",
@@ -278,7 +253,7 @@ class XlaPrograms:
             tuple((tuple(t.shape), t.dtype) for t in data),
             self.model.training,
         )
-        with _LOCK:
+        with TRACE_LOCK:
             _materialize(live)
             program = self._minibatch.get(key)
             # replayed once verified, and in the step it was traced in (a schedule changes between steps)
@@ -348,7 +323,7 @@ class XlaPrograms:
                 ),
                 settings,
             )
-            with _LOCK:
+            with TRACE_LOCK:
                 _materialize(live)
                 program = self._update.get(key)
                 if program is None or not program.verified:
@@ -397,7 +372,7 @@ class XlaPrograms:
         loss_sum: torch.Tensor,
         live: list[torch.Tensor],
     ) -> tuple[_Program, list[Any]]:
-        executed, position = _executions(), _positions(live)
+        executed, position = executions(), _positions(live)
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         with torch.enable_grad(), linear:
             loss = check_loss(
@@ -435,7 +410,7 @@ class XlaPrograms:
         divisors: list[torch.Tensor],
         live: list[torch.Tensor],
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
-        executed, position = _executions(), _positions(live)
+        executed, position = executions(), _positions(live)
         with stepping(self.optimizer, rates):
             for p, acc, divisor in zip(graded, accs, divisors, strict=True):
                 p.grad = acc / divisor

@@ -50,7 +50,7 @@ from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.loader import to_device
 
-__all__ = ["XlaStepReplay", "replay_unavailable"]
+__all__ = ["TRACE_LOCK", "XlaStepReplay", "executions", "replay_unavailable"]
 
 _NEEDED = (
     "_get_graph_hash",
@@ -62,7 +62,8 @@ _NEEDED = (
     "_xla_sync_multi",
     "_get_seed_info_id",
 )
-_LOCK = threading.Lock()  # tracing is not safe in two threads at once (replicas may be threads)
+#: one lazy trace at a time in a process (tracing is not safe in two threads; replicas may be threads)
+TRACE_LOCK = threading.Lock()
 
 
 def replay_unavailable() -> str | None:
@@ -201,7 +202,7 @@ class XlaStepReplay(StepReplay):
         others = [p for p in self.model.parameters() if id(p) not in held]
         live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data, *others]
         key = (self._key(plan, params, buffers, slots, data, settings), _describe(others))
-        with _LOCK:
+        with TRACE_LOCK:
             # the inputs must be device data, not pending operations (e.g. after load_state_dict)
             pending = [
                 t for t, need in zip(live, xla._check_tensor_need_materialization(live), strict=True) if need
@@ -293,7 +294,7 @@ class XlaStepReplay(StepReplay):
         xla = torch_xla._XLAC
         tensor_id = xla._xla_get_tensor_id
         position = {tensor_id(t): number for number, t in enumerate(live)}
-        executed = _executions()
+        executed = executions()
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         with stepping(self.optimizer, rates), linear:
             loss = check_loss(
@@ -311,7 +312,7 @@ class XlaStepReplay(StepReplay):
         targets_of = [where for where, need in enumerate(changed[:-1]) if need]
         roots = [root for root, need in zip(roots, changed, strict=True) if need]
         ids, values = xla._get_tensors_xla_device_data_node(roots)
-        if why is None and _executions() != executed:
+        if why is None and executions() != executed:
             why = (
                 "something read a value back to the host inside the step (.item(), .tolist(), a Python number "
                 "from a tensor; e.g. torch.optim.SGD turns a tensor learning rate into one), which cuts the graph"
@@ -352,7 +353,7 @@ def _describe(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
     return tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
 
 
-def _executions() -> int:
+def executions() -> int:
     """How many graphs torch_xla has run in this process (a host read runs one)."""
     import torch_xla.debug.metrics as met
 

@@ -45,6 +45,7 @@ __all__ = [
     "COMPILE_CHOICES",
     "CompiledLoss",
     "CompiledUpdate",
+    "RateTensors",
     "check_loss",
     "compile_backend",
     "uncapturable_update",
@@ -251,6 +252,37 @@ def uncapturable_update(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+class RateTensors:
+    """Each param group's learning rate as a 0-dim tensor beside its parameters, for a captured update.
+
+    A Python float would be a constant of the captured graph (a new graph per value); a tensor
+    is an input. The last tensor made for a group is reused while its rate is unchanged (a new
+    one is a transfer to the device).
+
+    >>> rates = RateTensors()
+    >>> like = torch.zeros(2)
+    >>> rates(0, 0.5, like) is rates(0, 0.5, like), float(rates(0, 0.25, like))
+    (True, 0.25)
+    """
+
+    def __init__(self) -> None:
+        self._rates: dict[int, tuple[float, torch.Tensor]] = {}
+
+    def __call__(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
+        """Group ``number``'s ``rate`` as a 0-dim tensor of ``like``'s dtype on ``like``'s device."""
+        last = self._rates.get(number)
+        if (
+            last is not None
+            and last[0] == rate
+            and last[1].device == like.device
+            and last[1].dtype == like.dtype
+        ):
+            return last[1]
+        tensor = torch.tensor(rate, dtype=like.dtype, device=like.device)
+        self._rates[number] = (rate, tensor)
+        return tensor
+
+
 class CompiledUpdate:
     """``optimizer.step()`` compiled with :func:`torch.compile`: one graph per optimizer state, replayed.
 
@@ -297,7 +329,7 @@ class CompiledUpdate:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.device, self.backend, self.mode = _backend_for(params, device, backend, mode)
         self._warned = False
-        self._rates: dict[int, tuple[float, torch.Tensor]] = {}  # per group: its last rate, as a tensor
+        self._rates = RateTensors()  # per group: its last rate, as a tensor
         # Not fullgraph: torch.optim's step breaks the graph on purpose once, before the update.
         self._step: Callable[[], Any] = torch.compile(optimizer.step, backend=self.backend, mode=self.mode)
 
@@ -318,27 +350,12 @@ class CompiledUpdate:
         try:
             for number, (group, rate) in enumerate(zip(groups, rates, strict=True)):
                 if not isinstance(rate, torch.Tensor) and group["params"]:
-                    group["lr"] = self._rate_tensor(number, rate, group["params"][0])
+                    group["lr"] = self._rates(number, rate, group["params"][0])
             with _CAPTURE_LOCK:  # torch.compile is not safe in two threads at once (replicas may be threads)
                 self._step()
         finally:
             for group, rate in zip(groups, rates, strict=True):
                 group["lr"] = rate
-
-    def _rate_tensor(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
-        """Group ``number``'s learning rate as a 0-dim tensor beside its parameters: the last one
-        made while the rate is unchanged (a new one is a transfer to the device, every step)."""
-        last = self._rates.get(number)
-        if (
-            last is not None
-            and last[0] == rate
-            and last[1].device == like.device
-            and last[1].dtype == like.dtype
-        ):
-            return last[1]
-        tensor = torch.tensor(rate, dtype=like.dtype, device=like.device)
-        self._rates[number] = (rate, tensor)
-        return tensor
 
     def __repr__(self) -> str:
         return (

@@ -46,7 +46,7 @@ from torchfold.train.capture._replay import (
     stepping,
     target_tensors,
 )
-from torchfold.train.capture.compiled import check_loss, uncapturable_update
+from torchfold.train.capture.compiled import RateTensors, check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.loader import to_device
 
@@ -158,7 +158,7 @@ class XlaStepReplay(StepReplay):
         #: whether steps are traced with ``F.linear`` against transposed copies of the weights
         self.transpose_weights = transpose_weights
         self._captures: dict[Hashable, _Capture] = {}
-        self._rates: dict[int, tuple[float, torch.Tensor]] = {}
+        self._rates = RateTensors()
 
     @property
     def captures(self) -> int:
@@ -191,7 +191,7 @@ class XlaStepReplay(StepReplay):
         if not all(group["params"] for group in groups):
             raise ValueError("a replayed step needs parameters in every param group; remove the empty groups")
         rates = [
-            self._rate(number, rate, group["params"][0])
+            self._rates(number, rate, group["params"][0])
             for number, (group, rate) in enumerate(zip(groups, lrs, strict=True))
         ]
         inputs = plan.inputs(params[0].device)
@@ -236,20 +236,6 @@ class XlaStepReplay(StepReplay):
                 else:
                     number, name = capture.slots[where - len(tensors)]
                     state[params[number]][name] = value
-
-    def _rate(self, number: int, rate: float, like: torch.Tensor) -> torch.Tensor:
-        """Group ``number``'s learning rate as a 0-dim device tensor, reused while it is unchanged."""
-        last = self._rates.get(number)
-        if (
-            last is not None
-            and last[0] == rate
-            and last[1].device == like.device
-            and last[1].dtype == like.dtype
-        ):
-            return last[1]
-        tensor = torch.tensor(rate, dtype=like.dtype, device=like.device)
-        self._rates[number] = (rate, tensor)
-        return tensor
 
     def _key(
         self,

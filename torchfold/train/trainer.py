@@ -325,6 +325,7 @@ class TraceTrainer:
         self.settings = dict(settings or {})
         self.compile = compile
         #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
+        self._compile_backend = compile_backend
         self.runner: StepRunner = step_runner(
             model, loss, optimizer, device=self.device, compile=compile, backend=compile_backend
         )
@@ -337,6 +338,26 @@ class TraceTrainer:
         broadcast_parameters(model)  # rank 0's initial values win
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
+
+    @property
+    def loss(self) -> PlanLoss:
+        """The minibatch loss; setting another one makes the step runner anew (captures included)."""
+        return self._loss
+
+    @loss.setter
+    def loss(self, value: PlanLoss) -> None:
+        if not callable(value):
+            raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {value!r}")
+        self._loss = value
+        if hasattr(self, "runner"):  # a loss set after construction: the runner runs it
+            self.runner = step_runner(
+                self.model,
+                value,
+                self.optimizer,
+                device=self.device,
+                compile=self.compile,
+                backend=self._compile_backend,
+            )
 
     @property
     def compiled(self) -> CompiledLoss | None:

@@ -182,7 +182,11 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
         result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
         result["update"] = type(straight.optimizer.update_fn).__name__
         result["replays"] = straight.replay.captures if straight.replay is not None else None
-        result["refused"] = straight.replay.refused if straight.replay is not None else None
+        # why the runner's replays stopped (its whole-step replay's, or its minibatch and update programs')
+        refusals = [
+            getattr(getattr(straight.runner, part, None), "refused", None) for part in ("whole", "programs")
+        ]
+        result["refused"] = next((why for why in refusals if why), None)
         result["local_minibatches"] = [s.local_minibatches for s in stats]
         if checkpoints is not None:
             resumed = trainer()

@@ -335,18 +335,21 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
     expected = train_on_cpu(str(SST_DIR), steps)
     for rank, replica in enumerate(replicas):
         assert (replica["world_size"], replica["rank"]) == (devices, rank)
-        # one layout: captured once, then replayed
-        assert replica["captures"] == (1 if compile == "on" else 0)
-        assert replica["update"] == ("CompiledUpdate" if compile == "on" else "NoneType")
-        # one device: the first step of one minibatch is traced for a whole-step replay, which
-        # SGD refuses (it reads its tensor learning rate back as a number): that step runs lazily,
-        # with one warning, and the next ones through torch.compile (tests for the replay itself:
+        # two replicas: one layout captured by torch.compile once, then replayed, the update too
+        captured = compile == "on" and devices == 2
+        assert replica["captures"] == (1 if captured else 0)
+        assert replica["update"] == ("CompiledUpdate" if captured else "NoneType")
+        # one device: every step replayed (whole, or minibatch and update programs), which SGD
+        # refuses (it reads its tensor learning rate back as a number): the steps run lazily, with
+        # a warning per mechanism (tests for the replays themselves: test_xla_capture.py and
         # test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu)
         replayed = compile == "on" and devices == 1
         assert replica["replays"] == (0 if replayed else None)
         if replayed:
             assert "read a value back to the host" in replica["refused"]
-            assert len(replica["warnings"]) == 1 and "not replayed whole" in replica["warnings"][0]
+            assert replica["warnings"] and all("not replayed" in w for w in replica["warnings"]), replica[
+                "warnings"
+            ]
         else:
             assert not replica["warnings"], replica["warnings"]
         compilations = replica["compilations"]

@@ -166,7 +166,13 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
             resumed.fit()
             result["resumed_params"] = [p.detach().cpu() for p in resumed.model.parameters()]
             result["compilations"] = compilations
-            result["replays"] = resumed.replay.captures if resumed.replay is not None else None
+            # the programs the runner replays (whole steps, minibatch and update programs), and why it stopped, if it did
+            result["replays"] = resumed.runner.captures
+            refusals = [
+                getattr(getattr(resumed.runner, part, None), "refused", None)
+                for part in ("whole", "programs")
+            ]
+            result["refused"] = next((why for why in refusals if why), None)
             return
 
         with warnings.catch_warnings(record=True) as caught:

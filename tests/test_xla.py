@@ -371,6 +371,7 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
         assert counts[0] != counts[1] and 0 in counts[1]
 
 
+@pytest.mark.timeout(1200)  # two trainer runs in subprocesses (900 s each at most), compiling on a shared CPU
 def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_path: Path) -> None:
     """Adam (capturable), captured steps: a run on 2 XLA CPU devices writes its step-16 checkpoint;
     a run on 1 device resumes from it (its steps of one minibatch replayed whole, the others
@@ -398,7 +399,7 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
     for p, q, r in zip(replicas[0]["params"], expected, resumed["resumed_params"], strict=True):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
         torch.testing.assert_close(r, q, rtol=1e-3, atol=1e-4)
-    assert resumed["replays"] >= 1  # the steps of one minibatch ran as one replayed graph
+    assert resumed["replays"] >= 1 and resumed["refused"] is None  # the steps ran as replayed programs
     compilations = resumed["compilations"]
     assert len(compilations) == len(TRACE) - CHECKPOINT_STEP
     assert compilations[-1] == compilations[7], str(compilations)

@@ -259,7 +259,11 @@ def step_runner(
         why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
         if why is None:
             return XlaRunner(model, loss, optimizer)
-        warnings.warn(f"compile={compile!r}: steps are not replayed on XLA: {why}", stacklevel=3)
+        warnings.warn(
+            f"compile={compile!r}: steps are not replayed on XLA, they run as with compile='off': {why}",
+            stacklevel=3,
+        )
+        return EagerRunner(model, loss, optimizer)
     if single and device.type == "cuda":
         why = uncapturable_step(optimizer.optimizer)
         if why is None:

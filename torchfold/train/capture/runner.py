@@ -41,7 +41,6 @@ from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_ste
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
 from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.distributed import world, xla_sync
-from torchfold.train.loader import to_device
 from torchfold.train.optim import AccumulatingOptimizer
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
@@ -169,9 +168,7 @@ class XlaRunner(StepRunner):
             and self.whole.refused is None
             and self.programs.refused is None
         ):
-            loss = self.optimizer.external_step(
-                num_samples, 1, functools.partial(self.whole, plan, _to(targets, plan, self.model))
-            )
+            loss = self.optimizer.external_step(num_samples, 1, functools.partial(self.whole, plan, targets))
             self._whole_loss = (loss, self._loss_weight(num_samples))
             return
         self.programs.minibatch(plan, targets, num_samples)
@@ -195,12 +192,6 @@ class XlaRunner(StepRunner):
 
 def _update(programs: XlaPrograms, samples: int, lrs: list[float]) -> torch.Tensor:
     return programs.update(lrs, samples)
-
-
-def _to(targets: Any, plan: Any, model: torch.nn.Module) -> Any:
-    """Targets on the model's device (a replayed step reads device tensors only)."""
-    first = next(iter(model.parameters()), None)
-    return targets if first is None else to_device(targets, first.device)
 
 
 class CudaRunner(EagerRunner):

@@ -39,6 +39,7 @@ from torchfold.train.capture._replay import optimizer_settings, stepping, target
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, replay_unavailable
+from torchfold.train.loader import to_device
 
 __all__ = ["XlaPrograms", "xla_programs_unavailable"]
 
@@ -211,7 +212,6 @@ class XlaPrograms:
         self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
         self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
         self._loss_sum: torch.Tensor | None = None
-        self._samples = 0
         self._minibatches = 0
         self._steps = 0  # updates so far
 
@@ -226,7 +226,7 @@ class XlaPrograms:
         """Accumulate one minibatch of ``num_samples`` samples (forward, loss, backward) into the step."""
         params = self._params()
         device = params[0].device
-        targets = _to(targets, device)
+        targets = to_device(targets, device)  # a replayed program reads device tensors only
         if self.refused is not None or not isinstance(plan, StaticPlan):  # an unpadded plan: traced op by op
             self._lazy_minibatch(plan, targets, num_samples)
             return
@@ -355,7 +355,7 @@ class XlaPrograms:
             self._steps += 1
             self._loss_sum = None
             self._has_grad.clear()
-            self._samples = self._minibatches = 0
+            self._minibatches = 0
 
     # -- tracing -------------------------------------------------------------------------------
 
@@ -542,16 +542,3 @@ def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
                     f"parameters on {p.device}"
                 )
     return None
-
-
-def _to(targets: Any, device: torch.device) -> Any:
-    """Targets on ``device`` (a replayed program reads device tensors only)."""
-    if isinstance(targets, torch.Tensor):
-        return targets if targets.device == device else targets.to(device)
-    if isinstance(targets, tuple) and not hasattr(targets, "_fields"):
-        return tuple(_to(t, device) for t in targets)
-    if isinstance(targets, list):
-        return [_to(t, device) for t in targets]
-    if isinstance(targets, dict):
-        return {key: _to(value, device) for key, value in targets.items()}
-    return targets

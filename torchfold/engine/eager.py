@@ -22,7 +22,7 @@ from torchfold.engine.node import (
     outside_int64,
 )
 from torchfold.engine.ops import check_unchanged, versions
-from torchfold.engine.resolve import check_request_items, cuda_device, module_device
+from torchfold.engine.resolve import check_request_items, cuda_device, device_for
 
 __all__ = ["EagerFold", "EagerNode"]
 
@@ -103,7 +103,7 @@ class EagerFold:
         volatile: bool = False,
     ) -> None:
         self.nn = nn
-        self.device = torch.device("cuda") if cuda else torch.device(device) if device else module_device(nn)
+        self.device = torch.device("cuda") if cuda else device_for(nn, device or None)
         self.volatile = volatile
         # per (depth, op, arity, position), the first int or float passed there and the first
         # node/tensor (None): a Fold batches those calls into one tensor, so it refuses mixes

@@ -34,7 +34,7 @@ from torchfold._errors import FoldError
 from torchfold.engine.ir import INT32_LIMIT, Arg, Gather, GroupCall, PlanData, call_offsets
 from torchfold.engine.node import Op
 from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
-from torchfold.engine.resolve import module_device, resolve_ops
+from torchfold.engine.resolve import device_for, resolve_ops
 
 __all__ = ["BatchedCall", "Results", "run", "run_calls"]
 
@@ -127,7 +127,7 @@ def run(
     [tensor([-1, -2])]
     """
     if device is None:
-        device = plan.device if plan.device is not None else module_device(nn)
+        device = device_for(nn, plan.device)
     return run_calls(nn, plan.steps, _Results(plan, device), len(plan.requests), arg_shapes=arg_shapes)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from torchfold.engine.executor import run
 from torchfold.engine.ir import PlanData, check_pad_rows, check_request_number
-from torchfold.engine.resolve import module_device
+from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticShapes
 
 __all__ = ["FoldPlan"]
@@ -82,7 +82,7 @@ class FoldPlan(PlanData):
 
     def _run(self, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
         """``apply``, also giving each step's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
-        device = self.device if self.device is not None else module_device(nn)
+        device = device_for(nn, self.device)
         if self.pad_on_xla and device.type == "xla":
             return StaticShapes.of(nn).fit(self).apply(nn)
         if self.volatile and torch.is_grad_enabled():

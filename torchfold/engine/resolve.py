@@ -34,6 +34,7 @@ __all__ = [
     "check_requests",
     "cuda_device",
     "describe",
+    "device_for",
     "module_device",
     "resolve_ops",
 ]
@@ -184,6 +185,24 @@ def module_device(nn: object) -> torch.device:
         for buffer in nn.buffers():
             return buffer.device
     return torch.device("cpu")
+
+
+def device_for(owner: object, device: torch.device | str | None = None) -> torch.device:
+    """The device to compute on: ``device`` when given, else ``owner``'s, else the CPU.
+
+    The one rule for "which device" in torchfold: a plan's ``apply``, ``StaticPlan.inputs``,
+    the training steps and :func:`torchfold.train.run_context` all ask it. ``owner`` is a
+    module (its device, :func:`module_device`), a sequence of tensors (the first one's, e.g. an
+    optimizer's parameters) or ``None``.
+
+    >>> device_for(torch.nn.Linear(2, 2)), device_for(None, "meta"), device_for([torch.zeros(1)])
+    (device(type='cpu'), device(type='meta'), device(type='cpu'))
+    """
+    if device is not None:
+        return device if isinstance(device, torch.device) else torch.device(device)
+    if isinstance(owner, (list, tuple)):
+        return owner[0].device if owner else torch.device("cpu")
+    return module_device(owner)
 
 
 def cuda_device(owner: str) -> torch.device:

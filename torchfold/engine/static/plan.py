@@ -21,7 +21,7 @@ from torchfold._errors import FoldError
 from torchfold.engine.executor import run_calls
 from torchfold.engine.ir import check_pad_rows, check_portable_op, check_request_number, portable_tensors
 from torchfold.engine.ops import tuple_used_whole
-from torchfold.engine.resolve import module_device
+from torchfold.engine.resolve import device_for
 
 if TYPE_CHECKING:
     from torchfold.engine.static.layout import Slot, StaticGather, StaticLayout
@@ -111,8 +111,7 @@ class StaticPlan:
         Fresh tensors at every call: what :meth:`StaticLayout.run` reads. One transfer for the
         ints, one for the floats, one per given tensor.
         """
-        if device is None:
-            device = self.device if self.device is not None else torch.device("cpu")
+        device = device_for(None, self.device if device is None else device)
         ints = torch.from_numpy(self.ints).to(device, copy=True)
         floats = torch.from_numpy(self.floats).to(device=device, dtype=torch.get_default_dtype(), copy=True)
         return StaticInputs(ints, floats, tuple(tensor.to(device) for tensor in self.given))
@@ -168,7 +167,7 @@ class StaticPlan:
         Raises:
             FoldError: unknown op, or an op returning something other than rows per call.
         """
-        device = self.device if self.device is not None else module_device(nn)
+        device = device_for(nn, self.device)
         try:
             if self.volatile:
                 with torch.no_grad():

@@ -47,7 +47,7 @@ from torchfold.examples.datasets import (
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
 from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, list_checkpoints, load_checkpoint
-from torchfold.train.distributed import default_device, init_distributed
+from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.trace import BatchSizeTrace, as_trace
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="worker processes per rank that record and compile the folds (default 1; 0: in the training process)",
     )
-    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on a CUDA --device, else gloo")
     p.add_argument(
         "--timeout", type=positive_float, default=60.0, help="seconds to wait for other ranks (default 60)"
     )
@@ -311,12 +311,11 @@ def _open_history(path: str, resumed_at: int | None) -> TextIO:
         raise OSError(e.errno, f"--history {path}: cannot write it ({e.strerror or e})") from e
 
 
-def _init_distributed(args: argparse.Namespace, config: dict[str, object]) -> bool:
+def _init_distributed(args: argparse.Namespace, config: dict[str, object], context: RunContext) -> bool:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1); True if we did."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    init_distributed(backend, timeout=args.timeout, config=config)
+    init_distributed(args.backend or context.backend, timeout=args.timeout, config=config)
     return True
 
 
@@ -384,8 +383,9 @@ def _main(argv: Sequence[str] | None) -> int:
     }
     joined = False
     try:
-        joined = _init_distributed(args, config)
-        return _train(args, trace, trees, origin)
+        context = run_context(_device(args.device))
+        joined = _init_distributed(args, config, context)
+        return _train(args, trace, trees, origin, context)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
         return 2
@@ -457,34 +457,30 @@ def _installed_version(distribution: str) -> str:
 
 
 def _device(choice: str) -> torch.device:
-    """The device ``--device`` names; torch_xla is imported only for XLA."""
-    if choice == "auto":
-        if os.environ.get("PJRT_DEVICE") and importlib.util.find_spec("torch_xla") is not None:
-            choice = "xla"
-        else:
-            return default_device()
-    if choice == "xla":
-        try:
-            import torch_xla
-        except ImportError as e:
-            if importlib.util.find_spec("torch_xla") is None:
-                raise ValueError(
-                    "--device xla needs torch_xla: pip install 'pytorch-fold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
-                ) from e
-            # Installed but broken: most often a torch_xla built for another torch (an undefined symbol).
-            raise ValueError(
-                f"--device xla: torch_xla {_installed_version('torch_xla')} is installed but fails to import "
-                f"beside torch {torch.__version__} ({e}); install a matching pair: "
-                "pip install 'pytorch-fold[xla]' (torch 2.9.0 with torch_xla 2.9.0)"
-            ) from e
-        return torch.device(torch_xla.device())
+    """The device ``--device`` names, by the library's rule (:func:`default_device`): ``auto`` is
+    XLA when ``PJRT_DEVICE`` is set and torch_xla is installed, else CUDA, else the CPU; torch_xla
+    is imported only for XLA."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu or auto")
-    return default_device() if choice == "cuda" else torch.device("cpu")
+    try:
+        return default_device(None if choice == "auto" else choice)
+    except ImportError as e:
+        if importlib.util.find_spec("torch_xla") is None:
+            raise ValueError(
+                "--device xla needs torch_xla: pip install 'pytorch-fold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
+            ) from e
+        # Installed but broken: most often a torch_xla built for another torch (an undefined symbol).
+        raise ValueError(
+            f"--device {choice}: torch_xla {_installed_version('torch_xla')} is installed but fails to import "
+            f"beside torch {torch.__version__} ({e}); install a matching pair: "
+            "pip install 'pytorch-fold[xla]' (torch 2.9.0 with torch_xla 2.9.0)"
+        ) from e
 
 
-def _train(args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], origin: str) -> int:
-    device = _device(args.device)
+def _train(
+    args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], origin: str, context: RunContext
+) -> int:
+    device = context.device
     static = device.type == "xla" or wants_compile(args.compile, device)  # folds padded into static shapes
     if args.pack_levels and not static:
         raise ValueError(
@@ -680,7 +676,7 @@ def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | Non
     path = latest_checkpoint(trainer.checkpoint_dir)
     if path is None:
         return None, []
-    state = load_checkpoint(path)  # on the host, as TraceTrainer.load_checkpoint reads it
+    state = load_checkpoint(path, trainer.context.map_location)  # where TraceTrainer.load_checkpoint reads it
     try:
         saved_optimizer = state["optimizer"]
         if "param_groups" not in saved_optimizer:  # written by torchfold 0.1.0: the inner state nested

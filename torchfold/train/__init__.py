@@ -14,6 +14,7 @@ from typing import Any
 
 from torchfold.train.capture import CapturedStep, captured_step
 from torchfold.train.distributed import (
+    RunContext,
     World,
     all_reduce_sum_,
     broadcast_parameters,
@@ -22,6 +23,7 @@ from torchfold.train.distributed import (
     fingerprint,
     init_distributed,
     is_main_process,
+    run_context,
     world,
 )
 from torchfold.train.distributed import (
@@ -51,6 +53,7 @@ __all__ = [
     "PlanLoss",
     "Preempted",
     "Prefetcher",
+    "RunContext",
     "Step",
     "StepLoader",
     "StepSplit",
@@ -68,6 +71,7 @@ __all__ = [
     "fit_static_shapes",
     "init_distributed",
     "is_main_process",
+    "run_context",
     "scaled_lr",
     "to_device",
     "world",

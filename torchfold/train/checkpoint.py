@@ -38,6 +38,8 @@ from typing import Any, cast
 
 import torch
 
+from torchfold.train.distributed import CHECKPOINT_MAP_LOCATION
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
@@ -252,18 +254,22 @@ def _fix(path: Path) -> str:
     return "delete it (or point to another checkpoint) and start without resuming"
 
 
-def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike[str], map_location: str | torch.device | None = None
+) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint`, with ``torch.load(weights_only=True)``.
 
     The rule for resuming (:meth:`torchfold.train.TraceTrainer.load_checkpoint`
-    and ``python -m torchfold train`` follow it): read on the CPU, the default, then let
-    ``load_state_dict`` copy the values into the model's and the optimizer's tensors on their
-    devices. ``torch.load`` cannot place a storage on an XLA device, and a CPU read works on a
-    machine of any kind.
+    and ``python -m torchfold train`` follow it, through their
+    :attr:`RunContext.map_location <torchfold.train.RunContext.map_location>`): read on the host,
+    the default, then let ``load_state_dict`` copy the values into the model's and the optimizer's
+    tensors on their devices. ``torch.load`` cannot place a storage on an XLA device, and a host
+    read works on a machine of any kind.
 
     Args:
         path: the checkpoint file.
-        map_location: where to put its tensors (default the CPU).
+        map_location: where to put its tensors (default
+            :data:`~torchfold.train.distributed.CHECKPOINT_MAP_LOCATION`, the CPU).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -274,6 +280,8 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if map_location is None:
+        map_location = CHECKPOINT_MAP_LOCATION
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:

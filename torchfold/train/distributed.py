@@ -1,5 +1,10 @@
 """Distributed helpers: who am I, which device, a sum all-reduce, and a startup handshake with timeouts.
 
+:func:`world` is the one rule for the number of processes and this one's rank; :func:`run_context`
+adds the rest of what a run must agree on, each from one rule: the device (the engine's
+:func:`~torchfold.engine.resolve.device_for`, else :func:`default_device`), the process-group
+backend, the dtype losses and statistics accumulate in, and where checkpoints are read to.
+
 Everything here works in three settings with the same calls:
 
 * a single process (no ``torch.distributed`` group, no torch_xla): world size 1, rank 0, the
@@ -17,8 +22,10 @@ ranks agree on the world size and on a user-given configuration (trace fingerpri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -33,10 +40,14 @@ import torch
 import torch.distributed as dist
 
 from torchfold._validate import check_int
+from torchfold.engine.resolve import device_for
 
 __all__ = [
+    "CHECKPOINT_MAP_LOCATION",
+    "RunContext",
     "World",
     "abort_replica_threads",
+    "accumulation_dtype",
     "all_reduce_sum_",
     "broadcast_parameters",
     "check_same_on_all_ranks",
@@ -45,6 +56,8 @@ __all__ = [
     "gather_objects",
     "init_distributed",
     "is_main_process",
+    "process_group_backend",
+    "run_context",
     "world",
     "world_or",
     "xla_sync",
@@ -176,22 +189,116 @@ def is_main_process() -> bool:
     return world().rank == 0
 
 
-def default_device() -> torch.device:
-    """The device this process should compute on: its XLA device, its CUDA device, else the CPU.
+def default_device(kind: str | None = None) -> torch.device:
+    """The device this process computes on when none is named: its XLA device, its CUDA device, else the CPU.
 
-    Under ``torchrun`` with CUDA the device is ``cuda:LOCAL_RANK``.
+    XLA when torch_xla is imported, or when ``PJRT_DEVICE`` is set and torch_xla is installed
+    (then it is imported); else under ``torchrun`` with CUDA the device is ``cuda:LOCAL_RANK``.
+    ``kind`` (``"cpu"``, ``"cuda"`` or ``"xla"``) asks for this process's device of that kind.
 
-    >>> default_device().type in ("cpu", "cuda", "xla")
-    True
+    >>> default_device().type in ("cpu", "cuda", "xla"), default_device("cpu")
+    (True, device(type='cpu'))
     """
-    if "torch_xla" in sys.modules:
+    if kind not in (None, "cpu", "cuda", "xla"):
+        raise ValueError(f"default_device(kind={kind!r}): kind must be None, 'cpu', 'cuda' or 'xla'")
+    if kind == "xla" or (
+        kind is None
+        and (
+            "torch_xla" in sys.modules
+            or (os.environ.get("PJRT_DEVICE") and importlib.util.find_spec("torch_xla") is not None)
+        )
+    ):
         import torch_xla
 
         return torch.device(torch_xla.device())
-    if torch.cuda.is_available():
+    if kind == "cuda" or (kind is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "default_device('cuda'): CUDA is not available here (torch.cuda.is_available() is False); "
+                "ask for 'cpu', or leave kind unset"
+            )
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device | str) -> str:
+    """The ``torch.distributed`` backend for a run on ``device``: ``"nccl"`` for CUDA, else ``"gloo"``.
+
+    >>> process_group_backend("cuda:1"), process_group_backend("cpu")
+    ('nccl', 'gloo')
+    """
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def accumulation_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype losses and step statistics accumulate in on ``device``: float64, where the device has it.
+
+    XLA (TPUs) and MPS have no float64 arithmetic: float32 there.
+
+    >>> accumulation_dtype("cpu"), accumulation_dtype("mps")
+    (torch.float64, torch.float32)
+    """
+    return torch.float32 if torch.device(device).type in ("xla", "mps") else torch.float64
+
+
+#: Where checkpoints are read to, whatever the run's device: the host. Loading a state dict then
+#: copies the values into the model's and the optimizer's tensors on their devices; reading straight
+#: onto an XLA device breaks a resume there.
+CHECKPOINT_MAP_LOCATION = torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What one run trains with, every answer from one rule: ask it instead of choosing again.
+
+    Create it with :func:`run_context`. The device is fixed when it is made; :attr:`world` is
+    asked anew each time (:func:`world`), so a context made before the process group exists
+    answers the group's size and rank once it does.
+
+    Args:
+        device: the device the run computes on.
+
+    >>> ctx = run_context("cpu")
+    >>> ctx.device, ctx.world.size, ctx.backend, ctx.accumulation_dtype, ctx.map_location
+    (device(type='cpu'), 1, 'gloo', torch.float64, device(type='cpu'))
+    """
+
+    device: torch.device
+
+    @property
+    def world(self) -> World:
+        """How many processes, and which one this is (:func:`world`)."""
+        return world()
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend for this device (:func:`process_group_backend`)."""
+        return process_group_backend(self.device)
+
+    @property
+    def accumulation_dtype(self) -> torch.dtype:
+        """The dtype losses and statistics accumulate in on this device (:func:`accumulation_dtype`)."""
+        return accumulation_dtype(self.device)
+
+    @property
+    def map_location(self) -> torch.device:
+        """Where checkpoints are read to (:data:`CHECKPOINT_MAP_LOCATION`: the host)."""
+        return CHECKPOINT_MAP_LOCATION
+
+
+def run_context(device: torch.device | str | None = None, *, model: object = None) -> RunContext:
+    """The :class:`RunContext` of a run on ``device``; left out, ``model``'s device, else :func:`default_device`.
+
+    The trainer, the CLI and :func:`~torchfold.train.captured_step` all make theirs here, so an
+    explicit device is honoured everywhere and the default is the same everywhere.
+
+    >>> run_context(model=torch.nn.Linear(2, 2)).device, run_context("meta").device
+    (device(type='cpu'), device(type='meta'))
+    """
+    if device is None and model is None:
+        return RunContext(default_device())
+    return RunContext(device_for(model, device))
 
 
 def _timeout_s() -> float | None:

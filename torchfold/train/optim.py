@@ -30,7 +30,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from torchfold._validate import check_int
-from torchfold.train.distributed import all_reduce_sum_, world, xla_sync
+from torchfold.engine.resolve import device_for
+from torchfold.train.distributed import accumulation_dtype, all_reduce_sum_, world, xla_sync
 from torchfold.train.lr import scaled_lr
 
 _T = TypeVar("_T")
@@ -516,9 +517,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return self._unit()
 
     def params_device(self) -> torch.device:
-        """The device of the first parameter (the CPU when there is none)."""
-        params = self._params()
-        return params[0].device if params else torch.device("cpu")
+        """The device of the first parameter (the CPU when there is none): the engine's ``device_for``."""
+        return device_for(self._params())
 
     def backward(self, loss: torch.Tensor, num_samples: int) -> None:
         """``loss.backward()`` inside ``minibatch(num_samples)``: one minibatch in one line."""
@@ -551,7 +551,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if not self._local_minibatches and any(p.grad is not None for p in unfrozen):
             self._plain = True  # a parameter unfrozen since the last scan, from a plain backward
         device = params[0].device
-        stats_dtype = torch.float32 if device.type in ("xla", "mps") else torch.float64
+        stats_dtype = accumulation_dtype(device)
         local = [0.0] * (_N_STATS + len(params))
         local[_SAMPLES] = self._local_samples
         local[_MINIBATCHES] = self._local_minibatches

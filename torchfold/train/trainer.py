@@ -78,6 +78,7 @@ from torchfold.train.distributed import (
     all_reduce_sum_,
     broadcast_parameters,
     gather_objects,
+    run_context,
     world,
 )
 from torchfold.train.loader import Step, StepLoader, to_device
@@ -302,10 +303,9 @@ class TraceTrainer:
             optimizer.minibatch_size = loader.batch_size  # full minibatches then need no weighting pass
         self.loader = loader
         self.loss = loss
-        if device is None:
-            first = next(iter(model.parameters()), None)
-            device = first.device if first is not None else torch.device("cpu")
-        self.device = torch.device(device)
+        #: the run's device, backend, accumulation dtype and checkpoint map_location, one rule each
+        self.context = run_context(device, model=model)
+        self.device = self.context.device
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
@@ -575,7 +575,7 @@ class TraceTrainer:
         start = time.perf_counter()
         plan = step.split
         self.model.train()
-        dtype = torch.float32 if self.device.type in ("xla", "mps") else torch.float64
+        dtype = self.context.accumulation_dtype
         samples, nodes = 0, 0
         alone = plan.local_minibatches == 1 and world().size == 1
         for minibatch in step:
@@ -789,9 +789,9 @@ class TraceTrainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Resume from a checkpoint file (every rank reads it)."""
-        # Read on the host (load_checkpoint's rule); loading copies the values into the model's and
+        # Read where the run context says (the host); loading copies the values into the model's and
         # the optimizer's tensors on their devices.
-        self.load_state_dict(load_checkpoint(path), source=f"checkpoint {path}")
+        self.load_state_dict(load_checkpoint(path, self.context.map_location), source=f"checkpoint {path}")
 
     def resume(self) -> Path | None:
         """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none."""

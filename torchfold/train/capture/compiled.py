@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from torchfold._errors import add_note
+from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticLayout, StaticPlan
 
 __all__ = [
@@ -366,11 +367,10 @@ class CompiledUpdate:
 def _backend_for(
     params: list[torch.Tensor], device: torch.device | str | None, backend: str | None, mode: str | None
 ) -> tuple[torch.device, str, str | None]:
-    """The device (default: the first parameter's, else the CPU), and the backend and mode to
-    compile with there (default: :func:`compile_backend`'s; a backend given alone has no mode)."""
-    if device is None:
-        device = params[0].device if params else torch.device("cpu")
-    device = torch.device(device)
+    """The device (default: the first parameter's, else the CPU: :func:`~torchfold.engine.resolve.device_for`),
+    and the backend and mode to compile with there (default: :func:`compile_backend`'s; a backend
+    given alone has no mode)."""
+    device = device_for(params, device)
     default_backend, default_mode = compile_backend(device)
     chosen = backend if backend is not None else default_backend
     if chosen == "openxla":

@@ -40,7 +40,7 @@ from torchfold.train.capture.compiled import (
 from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_step
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
 from torchfold.train.capture.xla_replay import XlaStepReplay
-from torchfold.train.distributed import world, xla_sync
+from torchfold.train.distributed import accumulation_dtype, world, xla_sync
 from torchfold.train.optim import AccumulatingOptimizer
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
@@ -124,7 +124,7 @@ class EagerRunner(StepRunner):
             return None, 0.0
         if len(losses) == 1:  # weighted on the host when read: no operation on the device
             return losses[0]
-        dtype = torch.float32 if losses[0][0].device.type in ("xla", "mps") else torch.float64
+        dtype = accumulation_dtype(losses[0][0].device)
         total = torch.zeros((), dtype=dtype, device=losses[0][0].device)
         for value, weight in losses:
             total += value.to(dtype) * weight

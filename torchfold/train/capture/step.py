@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from torchfold.train.capture.runner import LossFn, StepRunner, step_runner
+from torchfold.train.distributed import run_context
 from torchfold.train.optim import AccumulatingOptimizer
 
 __all__ = ["CapturedStep", "captured_step"]
@@ -102,8 +103,5 @@ def captured_step(
     """
     if not isinstance(optimizer, AccumulatingOptimizer):
         optimizer = AccumulatingOptimizer(optimizer, lr_rule=lr_rule, ref_batch_size=ref_batch_size)  # type: ignore[arg-type]
-    if device is None:
-        first = next(iter(model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = run_context(device, model=model).device
     return CapturedStep(step_runner(model, loss, optimizer, device=device, compile=compile), device)

@@ -179,7 +179,9 @@ class TraceTrainer:
         loader: this rank's :class:`~torchfold.train.StepLoader`, with a ``build`` returning
             ``(FoldPlan, targets)`` (a trace, or PopTorch's constant batch, sets the steps).
         loss: ``loss(model, outputs, targets) -> scalar`` (see :class:`PlanLoss`).
-        device: where targets go and plans run (default: the model's device).
+        device: where targets go and plans run (default: the model's device); ``trainer.context``
+            (:func:`~torchfold.train.run_context`) answers it with the backend, the accumulation
+            dtype and where checkpoints are read to.
         checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written).
         checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
         keep_checkpoints: how many of the newest checkpoints to keep (default 2).

@@ -81,7 +81,7 @@ def captured_step(
         optimizer: a ``torch.optim`` optimizer (on XLA created with ``capturable=True`` where it
             has the option), or an :class:`~torchfold.train.AccumulatingOptimizer`.
         compile: ``"auto"`` (default), ``"on"`` or ``"off"``.
-        device: where the model runs (default: its first parameter's device).
+        device: where the model runs (default: the model's, by :func:`~torchfold.train.run_context`).
         lr_rule, ref_batch_size: the learning-rate rule when ``optimizer`` is a plain optimizer.
 
     Example:

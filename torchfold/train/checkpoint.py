@@ -335,8 +335,15 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
 _DAMAGED = "the file was damaged or edited: use another checkpoint, or start without resuming"
 
 
-def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
-    """Check the step, world size, generator states and learning rates of a trainer checkpoint before any is used.
+def check_trainer_state(
+    state: Mapping[str, Any],
+    source: str,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> None:
+    """Check a trainer checkpoint before any of it is used: its entries, step, world size, generator
+    states, learning rates and loader position, and that it fits this run's optimizer and settings.
 
     A file can load and still hold values that no run writes; each is a ``ValueError`` naming
     ``source`` (the file), the entry and its value, raised before anything has been restored.
@@ -344,9 +351,37 @@ def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
     invariant); it must only agree with the number of generator states it holds.
 
     Args:
-        state: the checkpoint, with the keys ``step``, ``world_size`` and ``rng``.
+        state: the checkpoint, as :meth:`TraceTrainer.state_dict <torchfold.train.TraceTrainer.state_dict>`
+            writes it.
         source: the file, as named in the message (``"checkpoint runs/a/step-00000120.pt"``).
+        optimizer: this run's (wrapped) optimizer: an Adam's saved state must hold what its update reads.
+        settings: this run's settings (``TraceTrainer(settings=)``): a saved one must have the same value.
     """
+    missing = sorted({"step", "world_size", "model", "optimizer", "loader", "rng"} - set(state))
+    if missing:
+        raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
+    _check_step_and_generators(state, source)
+    _check_learning_rates(state["optimizer"], source)
+    loader_step = (
+        state["loader"].get("sampler", {}).get("next_step") if isinstance(state["loader"], dict) else None
+    )
+    if isinstance(loader_step, int) and loader_step != state["step"]:
+        raise ValueError(
+            f"{source}: its step {state['step']} is not where its loader stands (next_step {loader_step}): the "
+            "file was damaged or edited; use another checkpoint, or start without resuming"
+        )
+    if optimizer is not None:
+        _check_adam_state(state["optimizer"], optimizer, source)
+    saved_settings = state.get("settings", {})
+    for name, value in (settings or {}).items():
+        if name in saved_settings and saved_settings[name] != value:
+            raise ValueError(
+                f"{source} was written with {name} {saved_settings[name]!r}, this run has {name} {value!r}; "
+                f"resume with {name} {saved_settings[name]!r}, or start afresh in another checkpoint directory"
+            )
+
+
+def _check_step_and_generators(state: Mapping[str, Any], source: str) -> None:
     step, saved_world, rng = state["step"], state["world_size"], state["rng"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(
@@ -367,7 +402,9 @@ def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
             raise ValueError(
                 f"{source}: the generator states of rank {rank} are unusable: {problem}; {_DAMAGED}"
             )
-    optimizer = state.get("optimizer")
+
+
+def _check_learning_rates(optimizer: Any, source: str) -> None:
     if isinstance(optimizer, dict) and "param_groups" not in optimizer:  # torchfold 0.1.0: nested
         optimizer = optimizer.get("optimizer")
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
@@ -381,4 +418,31 @@ def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
             raise ValueError(
                 f"{source}: the lr of its optimizer's param group {index} should be a finite number >= 0, got "
                 f"{brief(lr)}; {_DAMAGED}"
+            )
+
+
+def _check_adam_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """An Adam's (or AdamW's) saved per-parameter state must hold what its update reads.
+
+    A state missing ``exp_avg`` loads without complaint and fails mid-training with a bare
+    ``KeyError``; refuse it here, naming the file, the parameter and the entry.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
+        return
+    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
+        saved = saved["optimizer"]
+    per_param, groups = saved.get("state"), saved.get("param_groups")
+    if not isinstance(per_param, dict) or not isinstance(groups, list):
+        return  # load_state_dict says what does not fit
+    amsgrad = {i: bool(g.get("amsgrad")) for g in groups if isinstance(g, dict) for i in g.get("params", [])}
+    for index, entries in per_param.items():
+        if not isinstance(entries, dict) or not entries:
+            continue  # no step yet: the update starts it afresh
+        needed = ["step", "exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad.get(index) else [])]
+        missing = [key for key in needed if key not in entries]
+        if missing:
+            raise ValueError(
+                f"{source}: its optimizer state of parameter {index} lacks {missing} ({type(optimizer).__name__} "
+                f"needs {needed}, it holds {sorted(entries)}); the file was damaged or edited: use another "
+                "checkpoint, or start without resuming"
             )

@@ -629,7 +629,8 @@ class TraceTrainer:
 
     def load_state_dict(self, state: dict[str, Any], source: str = "state_dict") -> None:
         """Restore a :meth:`state_dict`; ``source`` (e.g. the file) is named in errors."""
-        self._check_state(state, source)  # before anything is restored
+        # before anything is restored
+        check_trainer_state(state, source, optimizer=self.optimizer.optimizer, settings=self.settings)
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
             # with this run's device settings: a checkpoint moves between devices (e.g. XLA and the CPU)
@@ -650,29 +651,6 @@ class TraceTrainer:
                 ) from e
         self._restore_generators(state, source)
         self.next_step = int(state["step"])
-
-    def _check_state(self, state: dict[str, Any], source: str) -> None:
-        """Refuse a state that this run cannot resume from, naming ``source``, the entry and the fix."""
-        missing = sorted({"step", "world_size", "model", "optimizer", "loader", "rng"} - set(state))
-        if missing:
-            raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
-        check_trainer_state(state, source)
-        loader_step = (
-            state["loader"].get("sampler", {}).get("next_step") if isinstance(state["loader"], dict) else None
-        )
-        if isinstance(loader_step, int) and loader_step != state["step"]:
-            raise ValueError(
-                f"{source}: its step {state['step']} is not where its loader stands (next_step {loader_step}): the "
-                "file was damaged or edited; use another checkpoint, or start without resuming"
-            )
-        _check_optimizer_state(state["optimizer"], self.optimizer.optimizer, source)
-        saved_settings = state.get("settings", {})
-        for name, value in self.settings.items():
-            if name in saved_settings and saved_settings[name] != value:
-                raise ValueError(
-                    f"{source} was written with {name} {saved_settings[name]!r}, this run has {name} {value!r}; "
-                    f"resume with {name} {saved_settings[name]!r}, or start afresh in another checkpoint directory"
-                )
 
     def _restore_generators(self, state: dict[str, Any], source: str) -> None:
         """This rank's generator states from ``state``, or, written by another number of processes,
@@ -761,33 +739,6 @@ def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
             for group, current in zip(groups, optimizer.param_groups, strict=True)
         ],
     }
-
-
-def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
-    """An Adam's (or AdamW's) saved per-parameter state must hold what its update reads.
-
-    A state missing ``exp_avg`` loads without complaint and fails mid-training with a bare
-    ``KeyError``; refuse it here, naming the file, the parameter and the entry.
-    """
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
-        return
-    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
-        saved = saved["optimizer"]
-    per_param, groups = saved.get("state"), saved.get("param_groups")
-    if not isinstance(per_param, dict) or not isinstance(groups, list):
-        return  # load_state_dict says what does not fit
-    amsgrad = {i: bool(g.get("amsgrad")) for g in groups if isinstance(g, dict) for i in g.get("params", [])}
-    for index, entries in per_param.items():
-        if not isinstance(entries, dict) or not entries:
-            continue  # no step yet: the update starts it afresh
-        needed = ["step", "exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad.get(index) else [])]
-        missing = [key for key in needed if key not in entries]
-        if missing:
-            raise ValueError(
-                f"{source}: its optimizer state of parameter {index} lacks {missing} ({type(optimizer).__name__} "
-                f"needs {needed}, it holds {sorted(entries)}); the file was damaged or edited: use another "
-                "checkpoint, or start without resuming"
-            )
 
 
 def _check_parts(model: object, optimizer: object, loader: object, loss: object) -> None:

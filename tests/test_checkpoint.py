@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import pickle
-import random
 import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from _loop_worker import make_trainer, sst_trees
@@ -21,28 +19,12 @@ from torchfold.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 
 
 class _Opaque:
     """Not a tensor or plain container: weights-only loading must refuse it."""
-
-
-def _draws() -> tuple[torch.Tensor, float, float]:
-    return torch.rand(3), random.random(), float(np.random.rand())
-
-
-def test_generator_states_round_trip_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
-    state = rng_state()
-    expected = _draws()
-    path = save_checkpoint({"rng": state}, tmp_path / "rng.pt")
-    _draws()  # move every generator on
-    set_rng_state(load_checkpoint(path)["rng"])
-    again = _draws()
-    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
 
 
 def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ def test_a_per_device_maximum_sets_the_minibatches_of_every_step() -> None:
     trainer = make_trainer(sst_trees(), max_device_batch_size=MAX_DEVICE)
     history = trainer.fit()
     assert [s.num_minibatches for s in history] == [-(-s.batch_size // MAX_DEVICE) for s in history]
-    assert trainer.optimizer.minibatch_size is None  # uneven minibatches: weighted one by one
+    assert trainer.minibatch_size is None  # uneven minibatches: weighted one by one
 
 
 @pytest.mark.slow

@@ -257,6 +257,31 @@ def test_steps_reported_one_late_are_recorded_once_and_on_step_sees_its_own_step
         torch.testing.assert_close(saved["model"][name], value, rtol=0, atol=0)
 
 
+def test_the_users_optimizer_keeps_its_minibatch_size_and_the_run_weighs_by_the_loaders(
+    trees: list[Tree],
+) -> None:
+    """The trainer weighs each minibatch by its loader's batch_size where the optimizer has no
+    minibatch_size (full minibatches then need no weighting pass), without writing it into the
+    user's optimizer; the run equals one whose optimizer was given that minibatch_size."""
+    trainer = make_trainer(trees, seed=100)
+    assert trainer.optimizer.minibatch_size is None and trainer.minibatch_size == MINIBATCH
+    units: list[float] = []
+
+    def loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor:
+        units.append(trainer.optimizer.minibatch_unit())  # inside the step: what gradients are weighted by
+        return tree_lstm_loss(model, outputs, targets)
+
+    trainer.loss = loss
+    history = trainer.fit()
+    assert trainer.optimizer.minibatch_size is None and trainer.optimizer.minibatch_unit() == 1.0
+    assert units and set(units) == {float(MINIBATCH)}
+    given = make_trainer(trees, seed=100)
+    given.optimizer.minibatch_size = MINIBATCH  # the user's own setting, as the trainer once wrote it
+    expected = given.fit()
+    assert [(s.step, s.loss) for s in history] == [(s.step, s.loss) for s in expected]
+    torch.testing.assert_close(params_of(trainer.model), params_of(given.model), rtol=0, atol=0)
+
+
 def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     lines: list[str] = []
     vocab = Vocab.build(trees)

@@ -659,3 +659,20 @@ def test_a_group_added_between_steps_starts_from_that_steps_gradient(on: str) ->
         return model.offset.detach()
 
     torch.testing.assert_close(train(head_from_start=False), train(head_from_start=True))
+
+
+def test_a_default_minibatch_size_holds_only_inside_and_only_where_none_is_set() -> None:
+    model = torch.nn.Linear(3, 1)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with opt.default_minibatch_size(4):
+        assert opt.minibatch_unit() == 4.0
+        with opt.minibatch(4):  # a full minibatch: weight 1
+            F.mse_loss(model(torch.ones(4, 3)), torch.zeros(4, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.minibatch_size is None and opt.minibatch_unit() == 1.0
+    opt.minibatch_size = 2  # the user's setting wins
+    with opt.default_minibatch_size(4):
+        assert opt.minibatch_unit() == 2.0
+    with pytest.raises(ValueError, match="minibatch_size must be a positive int, got 0"):
+        opt.default_minibatch_size(0).__enter__()

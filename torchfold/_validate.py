@@ -1,6 +1,7 @@
 """Argument checks shared by the whole package, so every module words the same mistake the same way.
 
-``check_int`` for int arguments of functions and classes; ``positive_int``, ``non_negative_int``,
+``check_int`` for int arguments of functions and classes; ``brief`` for a value read from a file, as
+an error message shows it; ``positive_int``, ``non_negative_int``,
 ``positive_float``, ``non_negative_float``, ``seed_int`` and ``thread_count`` as argparse types of the command lines
 (``demo``, ``trace``, ``train``).
 """
@@ -11,7 +12,10 @@ import argparse
 import math
 import os
 
+import torch
+
 __all__ = [
+    "brief",
     "check_int",
     "non_negative_float",
     "non_negative_int",
@@ -33,6 +37,18 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
         rule = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {rule}, got {value}")
     return value
+
+
+def brief(value: object) -> str:
+    """A value for an error message: a tensor by dtype and shape, anything else by a short repr.
+
+    >>> brief(torch.zeros(2, 3)), brief("x" * 100)
+    ('a torch.float32 tensor of shape (2, 3)', "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... (str)")
+    """
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}... ({type(value).__name__})"
 
 
 def _number(text: str, kind: type[int] | type[float], rule: str) -> float:

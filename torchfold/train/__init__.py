@@ -37,10 +37,11 @@ from torchfold.train.envelope import fit_static_shapes
 from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
 from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 from torchfold.train.prefetch import Prefetcher
 from torchfold.train.sampler import StepSplit, TraceBatchSampler
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
-from torchfold.train.trainer import PREEMPTED_EXIT_CODE, PlanLoss, Preempted, StepStats, TraceTrainer
+from torchfold.train.trainer import PlanLoss, StepStats, TraceTrainer
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

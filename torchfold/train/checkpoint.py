@@ -12,9 +12,9 @@ Checkpoints of a run live in one directory as ``step-00000120.pt`` (the number o
 steps completed, i.e. the global trace step to resume at); :func:`latest_checkpoint` finds the
 newest and :func:`prune_checkpoints` keeps the last few.
 
-The random number generators' states (torch, CUDA, Python's ``random`` and NumPy's global
-generator) are captured by :func:`rng_state` and restored by :func:`set_rng_state`, in the same
-plain form.
+A trainer checkpoint holds every process's generator states, captured by
+:func:`~torchfold.train.rng.rng_state` (tensors and plain containers too);
+:func:`check_trainer_state` checks them with :func:`~torchfold.train.rng.rng_state_problem`.
 
 :class:`CheckpointDirLock` keeps a second run off a directory that a run is writing to (an
 ``fcntl.flock`` on ``DIR/.lock``, released by the kernel when the holder exits, however it exits).
@@ -27,17 +27,18 @@ import fcntl
 import math
 import os
 import pickle
-import random
 import re
 import socket
-import sys
+import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from torchfold._validate import brief
+from torchfold.train import rng as generators
 from torchfold.train.distributed import CHECKPOINT_MAP_LOCATION
 
 __all__ = [
@@ -50,10 +51,27 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "prune_checkpoints",
-    "rng_state",
     "save_checkpoint",
-    "set_rng_state",
 ]
+
+# Names that moved to another module: the old path still works, warning once with the new one.
+_MOVED = {"rng_state": "torchfold.train.rng", "set_rng_state": "torchfold.train.rng"}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562, as torchfold's own _MOVED: resolve a moved name with one FutureWarning.
+    if name in _MOVED:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"torchfold.train.checkpoint.{name} is deprecated; use {_MOVED[name]}.{name}",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return getattr(generators, name)
+    raise AttributeError(f"module 'torchfold.train.checkpoint' has no attribute {name!r}")
+
 
 CHECKPOINT_FORMAT = "torchfold.checkpoint"
 CHECKPOINT_VERSION = 1
@@ -319,119 +337,20 @@ def load_checkpoint(
     return state
 
 
-# -- random number generators ---------------------------------------------------------------
-
-
-def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """The states of torch's, CUDA's (if initialized), Python's and NumPy's (if imported) generators,
-    and an XLA ``device``'s seed.
-
-    Only tensors and plain containers, so it can go into a checkpoint.
-
-    >>> state = rng_state()
-    >>> a = torch.rand(2)
-    >>> set_rng_state(state)
-    >>> torch.equal(a, torch.rand(2))
-    True
-    """
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = cast(tuple[Any, ...], np.random.get_state(legacy=True))
-        state["numpy"] = [
-            name,
-            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ]
-    if device is not None and device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        state["xla"] = int(xm.get_rng_state(device=device))
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    """Restore generator states captured by :func:`rng_state` (those present in ``state``; the XLA
-    seed on ``device``)."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "xla" in state and device is not None and device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(state["xla"], device=device)
-
-
 # -- checking what a checkpoint holds ---------------------------------------------------------
 
 _DAMAGED = "the file was damaged or edited: use another checkpoint, or start without resuming"
 
 
-def _brief(value: object) -> str:
-    """A value for an error message: a tensor by dtype and shape, anything else by a short repr."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:60]}... ({type(value).__name__})"
-
-
-def _rng_problem(state: object) -> str | None:
-    """What is wrong with one rank's :func:`rng_state` as read from a file, or ``None``.
-
-    Each generator's state is tried on a throwaway generator, so a bad one is found before any
-    of the process's own generators (or the model) has been changed.
-    """
-    if not isinstance(state, dict) or "torch" not in state or "python" not in state:
-        return f"expected a dict with 'torch' and 'python' entries, got {_brief(state)}"
-    expected = torch.get_rng_state()
-    cpu = state["torch"]
-    if not isinstance(cpu, torch.Tensor) or cpu.dtype != expected.dtype or cpu.shape != expected.shape:
-        return (
-            f"'torch' should be a {expected.dtype} tensor of shape {tuple(expected.shape)}, got {_brief(cpu)}"
-        )
-    try:
-        torch.Generator().set_state(cpu.cpu())
-    except RuntimeError as e:
-        return f"'torch' is not a state of torch's generator ({' '.join(str(e).split())[:100]})"
-    try:
-        version, internal, gauss = state["python"]
-        random.Random().setstate((version, tuple(internal), gauss))
-    except (TypeError, ValueError) as e:
-        return f"'python' is not a state of Python's random module ({e}), got {_brief(state['python'])}"
-    cuda = state.get("cuda", [])
-    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
-        return f"'cuda' should be a list of tensors (one per device), got {_brief(cuda)}"
-    if "xla" in state and (not isinstance(state["xla"], int) or isinstance(state["xla"], bool)):
-        return f"'xla' should be an int (an XLA device's seed), got {_brief(state['xla'])}"
-    if "numpy" in state:
-        import numpy as np
-
-        try:
-            name, keys, pos, has_gauss, cached = state["numpy"]
-            np.random.RandomState().set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        except (AttributeError, IndexError, TypeError, ValueError) as e:
-            return f"'numpy' is not a state of NumPy's global generator ({e}), got {_brief(state['numpy'])}"
-    return None
-
-
-def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
-    """Check the step, world size, generator states and learning rates of a trainer checkpoint before any is used.
+def check_trainer_state(
+    state: Mapping[str, Any],
+    source: str,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> None:
+    """Check a trainer checkpoint before any of it is used: its entries, step, world size, generator
+    states, learning rates and loader position, and that it fits this run's optimizer and settings.
 
     A file can load and still hold values that no run writes; each is a ``ValueError`` naming
     ``source`` (the file), the entry and its value, raised before anything has been restored.
@@ -439,30 +358,60 @@ def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
     invariant); it must only agree with the number of generator states it holds.
 
     Args:
-        state: the checkpoint, with the keys ``step``, ``world_size`` and ``rng``.
+        state: the checkpoint, as :meth:`TraceTrainer.state_dict <torchfold.train.TraceTrainer.state_dict>`
+            writes it.
         source: the file, as named in the message (``"checkpoint runs/a/step-00000120.pt"``).
+        optimizer: this run's (wrapped) optimizer: an Adam's saved state must hold what its update reads.
+        settings: this run's settings (``TraceTrainer(settings=)``): a saved one must have the same value.
     """
+    missing = sorted({"step", "world_size", "model", "optimizer", "loader", "rng"} - set(state))
+    if missing:
+        raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
+    _check_step_and_generators(state, source)
+    _check_learning_rates(state["optimizer"], source)
+    loader_step = (
+        state["loader"].get("sampler", {}).get("next_step") if isinstance(state["loader"], dict) else None
+    )
+    if isinstance(loader_step, int) and loader_step != state["step"]:
+        raise ValueError(
+            f"{source}: its step {state['step']} is not where its loader stands (next_step {loader_step}): the "
+            "file was damaged or edited; use another checkpoint, or start without resuming"
+        )
+    if optimizer is not None:
+        _check_adam_state(state["optimizer"], optimizer, source)
+    saved_settings = state.get("settings", {})
+    for name, value in (settings or {}).items():
+        if name in saved_settings and saved_settings[name] != value:
+            raise ValueError(
+                f"{source} was written with {name} {saved_settings[name]!r}, this run has {name} {value!r}; "
+                f"resume with {name} {saved_settings[name]!r}, or start afresh in another checkpoint directory"
+            )
+
+
+def _check_step_and_generators(state: Mapping[str, Any], source: str) -> None:
     step, saved_world, rng = state["step"], state["world_size"], state["rng"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(
-            f"{source}: its step should be an int >= 0 (steps completed), got {_brief(step)}; {_DAMAGED}"
+            f"{source}: its step should be an int >= 0 (steps completed), got {brief(step)}; {_DAMAGED}"
         )
     if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
         raise ValueError(
-            f"{source}: its world_size should be an int >= 1, got {_brief(saved_world)}; {_DAMAGED}"
+            f"{source}: its world_size should be an int >= 1, got {brief(saved_world)}; {_DAMAGED}"
         )
     if not isinstance(rng, list) or len(rng) != saved_world:
         raise ValueError(
             f"{source}: its rng should be a list of {saved_world} generator states (one per process), "
-            f"got {f'a list of {len(rng)}' if isinstance(rng, list) else _brief(rng)}; {_DAMAGED}"
+            f"got {f'a list of {len(rng)}' if isinstance(rng, list) else brief(rng)}; {_DAMAGED}"
         )
     for rank, rank_state in enumerate(rng):
-        problem = _rng_problem(rank_state)
+        problem = generators.rng_state_problem(rank_state)
         if problem is not None:
             raise ValueError(
                 f"{source}: the generator states of rank {rank} are unusable: {problem}; {_DAMAGED}"
             )
-    optimizer = state.get("optimizer")
+
+
+def _check_learning_rates(optimizer: Any, source: str) -> None:
     if isinstance(optimizer, dict) and "param_groups" not in optimizer:  # torchfold 0.1.0: nested
         optimizer = optimizer.get("optimizer")
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
@@ -475,5 +424,32 @@ def check_trainer_state(state: Mapping[str, Any], source: str) -> None:
         ):
             raise ValueError(
                 f"{source}: the lr of its optimizer's param group {index} should be a finite number >= 0, got "
-                f"{_brief(lr)}; {_DAMAGED}"
+                f"{brief(lr)}; {_DAMAGED}"
+            )
+
+
+def _check_adam_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """An Adam's (or AdamW's) saved per-parameter state must hold what its update reads.
+
+    A state missing ``exp_avg`` loads without complaint and fails mid-training with a bare
+    ``KeyError``; refuse it here, naming the file, the parameter and the entry.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
+        return
+    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
+        saved = saved["optimizer"]
+    per_param, groups = saved.get("state"), saved.get("param_groups")
+    if not isinstance(per_param, dict) or not isinstance(groups, list):
+        return  # load_state_dict says what does not fit
+    amsgrad = {i: bool(g.get("amsgrad")) for g in groups if isinstance(g, dict) for i in g.get("params", [])}
+    for index, entries in per_param.items():
+        if not isinstance(entries, dict) or not entries:
+            continue  # no step yet: the update starts it afresh
+        needed = ["step", "exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad.get(index) else [])]
+        missing = [key for key in needed if key not in entries]
+        if missing:
+            raise ValueError(
+                f"{source}: its optimizer state of parameter {index} lacks {missing} ({type(optimizer).__name__} "
+                f"needs {needed}, it holds {sorted(entries)}); the file was damaged or edited: use another "
+                "checkpoint, or start without resuming"
             )

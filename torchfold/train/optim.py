@@ -122,8 +122,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         minibatch_size: the usual number of samples per minibatch, the same on every rank
             (optional, no effect on the result): gradients are then weighted by
             ``num_samples / minibatch_size``, so a full minibatch needs no weighting pass over the
-            gradients, and a step of one full minibatch no division pass. ``TraceTrainer`` sets it
-            to its loader's ``batch_size`` when it is unset.
+            gradients, and a step of one full minibatch no division pass. Where it is unset,
+            ``TraceTrainer`` weighs by its loader's ``batch_size`` (:meth:`default_minibatch_size`),
+            leaving this attribute as it is.
         adascale_smoothing: weight of the past in the exponential moving averages of AdaScale's
             variance estimates, in ``[0, 1)`` (default 0.9; 0 uses each step's estimate alone).
 
@@ -184,6 +185,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if minibatch_size is not None:
             check_int("minibatch_size", minibatch_size)
         self.minibatch_size = minibatch_size
+        self._default_minibatch_size: int | None = None  # inside default_minibatch_size()
         self.module = module
         self._no_sync = contextlib.ExitStack()
         if isinstance(module, DistributedDataParallel):
@@ -356,7 +358,25 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _unit(self) -> float:
         """What a minibatch's sample count is measured in (see ``minibatch_size``)."""
-        return float(self.minibatch_size) if self.minibatch_size is not None else 1.0
+        size = self.minibatch_size if self.minibatch_size is not None else self._default_minibatch_size
+        return float(size) if size is not None else 1.0
+
+    @contextlib.contextmanager
+    def default_minibatch_size(self, minibatch_size: int | None) -> Iterator[None]:
+        """Inside, an unset ``minibatch_size`` counts as ``minibatch_size`` (``None``: as unset).
+
+        For a loop that knows the usual size of its minibatches (``TraceTrainer``: its loader's
+        ``batch_size``) around its steps, and around making the runner of its steps: the user's
+        setting wins where there is one, and stays as it is. Use the same on every rank, and for
+        a whole step.
+        """
+        if minibatch_size is not None:
+            check_int("minibatch_size", minibatch_size)
+        previous, self._default_minibatch_size = self._default_minibatch_size, minibatch_size
+        try:
+            yield
+        finally:
+            self._default_minibatch_size = previous
 
     def _step_in_progress(self) -> bool:
         return bool(self._local_minibatches or self._plain or self._weight is not None)

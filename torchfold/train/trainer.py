@@ -28,13 +28,15 @@ minibatch from ``(seed, step, minibatch position in the step)``, so dropout depe
 minibatch, not on the process that runs it; with a fixed minibatch size that makes the draws,
 too, world-size invariant. Without ``seed``, each rank's generators continue where its
 checkpoint left them, which needs the same number of processes; on another number they are
-re-seeded from ``(step, rank)`` with a warning.
+re-seeded from ``(step, rank)`` with a warning. Which generators, and how each is seeded and
+saved: :mod:`torchfold.train.rng`.
 
 **Preemption.** During :meth:`TraceTrainer.fit`, SIGTERM (what schedulers send before taking a
 machine back) lets the current step finish; then the ranks agree to stop, write one checkpoint
-and :meth:`fit` raises :class:`Preempted` (exit code :data:`PREEMPTED_EXIT_CODE` in the
-command line). A second SIGTERM, or ``preemption_timeout`` seconds without reaching the end of
-the step, exits at once with status 143 (128 + SIGTERM) and a message.
+and :meth:`fit` raises :class:`~torchfold.train.preemption.Preempted` (exit code
+:data:`~torchfold.train.preemption.PREEMPTED_EXIT_CODE` in the command line). A second SIGTERM,
+or ``preemption_timeout`` seconds without reaching the end of the step, exits at once with
+status 143 (128 + SIGTERM) and a message (:mod:`torchfold.train.preemption`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-import random
-import signal
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -54,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -69,9 +66,7 @@ from torchfold.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 from torchfold.train.distributed import (
     abort_replica_threads,
@@ -83,39 +78,15 @@ from torchfold.train.distributed import (
 )
 from torchfold.train.loader import Step, StepLoader, to_device
 from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE  # (imported from here too)
+from torchfold.train.preemption import Preempted as Preempted
+from torchfold.train.preemption import SigtermGuard
+from torchfold.train.rng import derived_seed, rng_state, seed_generators, set_rng_state
 
-__all__ = ["DEFAULT_LOG_EVERY", "PREEMPTED_EXIT_CODE", "PlanLoss", "Preempted", "StepStats", "TraceTrainer"]
-
-PREEMPTED_EXIT_CODE = 75
+__all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 #: Steps between log lines where no progress bar is shown (Lightning's ``log_every_n_steps``).
 DEFAULT_LOG_EVERY = 50
-"""Exit status of a run stopped by SIGTERM after writing its checkpoint (``EX_TEMPFAIL``: run it again)."""
-_FORCED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process killed by SIGTERM
-
-
-class Preempted(Exception):
-    """:meth:`TraceTrainer.fit` stopped on SIGTERM after a step, with a checkpoint to resume from.
-
-    Args:
-        step: the global step the run resumes at (steps completed).
-        checkpoint: the checkpoint written, or ``None`` when the trainer has no ``checkpoint_dir``.
-
-    A script ends with ``sys.exit(PREEMPTED_EXIT_CODE)`` on it, so that a scheduler or a
-    supervisor can tell a preemption from a failure.
-    """
-
-    exit_code = PREEMPTED_EXIT_CODE
-
-    def __init__(self, step: int, checkpoint: Path | None) -> None:
-        self.step = step
-        self.checkpoint = checkpoint
-        where = (
-            f"wrote checkpoint {checkpoint}; run the same command again to resume, on any number of processes"
-            if checkpoint is not None
-            else "the trainer has no checkpoint_dir, so nothing was saved"
-        )
-        super().__init__(f"SIGTERM received: stopped after step {step - 1} and {where}")
 
 
 class PlanLoss(Protocol):
@@ -163,6 +134,15 @@ class StepStats:
     stop_requested: bool = False
 
 
+@dataclass
+class _Fit:
+    """One call of :meth:`TraceTrainer.fit`: the step it stops before, its progress bar, the steps run."""
+
+    end: int
+    bar: tqdm
+    history: list[StepStats] = dataclasses.field(default_factory=list)
+
+
 class TraceTrainer:
     """Train a fold model for the steps of a :class:`~torchfold.train.StepLoader`, with checkpoints that resume exactly.
 
@@ -174,8 +154,9 @@ class TraceTrainer:
 
     Args:
         model: the module whose methods are the fold ops; trained in place.
-        optimizer: an :class:`~torchfold.train.AccumulatingOptimizer` over ``model``'s parameters (its
-            ``minibatch_size``, when unset, becomes the loader's ``batch_size``).
+        optimizer: an :class:`~torchfold.train.AccumulatingOptimizer` over ``model``'s parameters (where
+            its ``minibatch_size`` is unset, gradients are weighted by the loader's ``batch_size``:
+            see :attr:`minibatch_size`; the optimizer itself is left as it is).
         loader: this rank's :class:`~torchfold.train.StepLoader`, with a ``build`` returning
             ``(FoldPlan, targets)`` (a trace, or PopTorch's constant batch, sets the steps).
         loss: ``loss(model, outputs, targets) -> scalar`` (see :class:`PlanLoss`).
@@ -199,7 +180,7 @@ class TraceTrainer:
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
-        handle_sigterm: stop cleanly on SIGTERM during :meth:`fit` (see :class:`Preempted`;
+        handle_sigterm: stop cleanly on SIGTERM during :meth:`fit` (see :class:`~torchfold.train.preemption.Preempted`;
             default ``True``; only in the main thread).
         preemption_timeout: seconds a SIGTERM'd run may take to finish its step and checkpoint
             before it exits anyway (default 120).
@@ -260,38 +241,8 @@ class TraceTrainer:
         compile: str = "auto",
         compile_backend: str | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, AccumulatingOptimizer):
-            raise TypeError(
-                f"optimizer must be a torchfold AccumulatingOptimizer (it accumulates minibatches and "
-                f"all-reduces once per step), got {type(optimizer).__name__}; wrap it: "
-                f"AccumulatingOptimizer({type(optimizer).__name__}(...), lr_rule=...)"
-            )
-        if not isinstance(loader, StepLoader):
-            raise TypeError(f"loader must be a torchfold StepLoader, got {type(loader).__name__}")
-        if loader.build is None:
-            raise ValueError(
-                "the loader has no build function: give it build=... returning (FoldPlan, targets) for a minibatch "
-                "of items (e.g. torchfold.examples.models.TreeLSTMBuild(vocab))"
-            )
-        if not callable(loss):
-            raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
-        for name, value, minimum in (
-            ("checkpoint_every", checkpoint_every, 0),
-            ("log_every", 0 if log_every is None else log_every, 0),
-            ("keep_checkpoints", keep_checkpoints, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
-        if isinstance(preemption_timeout, bool) or not (
-            isinstance(preemption_timeout, (int, float)) and preemption_timeout > 0
-        ):
-            raise ValueError(
-                f"preemption_timeout must be a positive number of seconds, got {preemption_timeout!r}"
-            )
+        _check_parts(model, optimizer, loader, loss)
+        _check_settings(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
         found = world()
         world_size, rank = found.size, found.rank
         if (loader.replication_factor, loader.rank) != (world_size, rank):
@@ -301,8 +252,6 @@ class TraceTrainer:
             )
         self.model = model
         self.optimizer = optimizer
-        if optimizer.minibatch_size is None:
-            optimizer.minibatch_size = loader.batch_size  # full minibatches then need no weighting pass
         self.loader = loader
         self.loss = loss
         #: the run's device, backend, accumulation dtype and checkpoint map_location, one rule each
@@ -326,12 +275,13 @@ class TraceTrainer:
         self.preemption_timeout = float(preemption_timeout)
         self.settings = dict(settings or {})
         self.compile = compile
-        #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
         self._compile_backend = compile_backend
-        self.runner: StepRunner = step_runner(
-            model, loss, optimizer, device=self.device, compile=compile, backend=compile_backend
-        )
-        self._sigterm_received = False
+        #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
+        with optimizer.default_minibatch_size(loader.batch_size):  # a runner may keep what it weighs by
+            self.runner: StepRunner = step_runner(
+                model, loss, optimizer, device=self.device, compile=compile, backend=compile_backend
+            )
+        self._sigterm = SigtermGuard(rank)
         # one process on an accelerator: fit() reads each step's loss while the next step runs
         self._defers = world().size == 1 and self.device.type != "cpu"
         self._ahead: int | None = None  # while a deferred step is reported: the step run after it
@@ -340,6 +290,16 @@ class TraceTrainer:
         broadcast_parameters(model)  # rank 0's initial values win
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
+
+    @property
+    def minibatch_size(self) -> int | None:
+        """What each minibatch's gradient is weighted by: the optimizer's ``minibatch_size``, else the
+        loader's ``batch_size`` (the optimizer's own setting is left as the user made it)."""
+        return (
+            self.optimizer.minibatch_size
+            if self.optimizer.minibatch_size is not None
+            else self.loader.batch_size
+        )
 
     @property
     def loss(self) -> PlanLoss:
@@ -352,14 +312,15 @@ class TraceTrainer:
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {value!r}")
         self._loss = value
         if hasattr(self, "runner"):  # a loss set after construction: the runner runs it
-            self.runner = step_runner(
-                self.model,
-                value,
-                self.optimizer,
-                device=self.device,
-                compile=self.compile,
-                backend=self._compile_backend,
-            )
+            with self.optimizer.default_minibatch_size(self.loader.batch_size):
+                self.runner = step_runner(
+                    self.model,
+                    value,
+                    self.optimizer,
+                    device=self.device,
+                    compile=self.compile,
+                    backend=self._compile_backend,
+                )
 
     @property
     def compiled(self) -> CompiledLoss | None:
@@ -414,78 +375,81 @@ class TraceTrainer:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
         end, num_epochs = self._last_step(max_steps, epochs)
-        history: list[StepStats] = []
         epoch = self.loader.epoch
         self._log_loss = self._log_samples = 0.0
         self._log_time = time.perf_counter()
+        sigterm = (
+            self._sigterm.handling(self.preemption_timeout, step=lambda: self.next_step)
+            if self.handle_sigterm
+            else contextlib.nullcontext()
+        )
         with (
-            self._stop_on_sigterm(),
+            sigterm,
             tqdm(
                 total=max(0, end - self.next_step), unit="step", disable=not self.progress, dynamic_ncols=True
             ) as bar,
         ):
+            run = _Fit(end, bar)
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
                 self.loader.set_epoch(epoch)
-                steps = iter(self.loader)
-                # next() only while steps remain: the loader's position is then the trainer's
-                # One process on an accelerator: a step's loss is read back while the next one runs
-                # (the host does not wait for the device at every step); a step that checkpoints,
-                # stops or ends the run is read back at once.
-                pending: tuple[StepStats, _Loss, float] | None = None
-                try:
-                    while self.next_step < end and (step := next(steps, None)) is not None:
-                        started = time.perf_counter()
-                        if pending is not None and self.on_step is not None:
-                            # on_step may change the next step (a learning-rate schedule): it runs
-                            # before that step is launched, as on the CPU (only the fetch overlaps)
-                            late, pending = pending, None
-                            self._complete(*late, history, end, bar, until=started)
-                        stats, loss_sum = self._run_step(step, defer=self._defers)
-                        if pending is not None:  # (cleared first: a failing callback records it once)
-                            late, pending = pending, None
-                            self._ahead = stats.step
-                            try:
-                                self._complete(*late, history, end, bar, until=started)
-                            finally:
-                                self._ahead = None
-                        self.next_step = stats.step + 1  # (for _checkpoint_due)
-                        if loss_sum is not None and not (
-                            stats.stop_requested or self._checkpoint_due() or self.next_step >= end
-                        ):
-                            pending = (stats, loss_sum, started)
-                            continue
-                        self._complete(stats, loss_sum, started, history, end, bar)
-                        if stats.stop_requested:
-                            raise Preempted(self.next_step, self._final_checkpoint())
-                except BaseException:
-                    if pending is not None:  # the step before the failure ran: record it if it can be read
-                        with contextlib.suppress(Exception):
-                            self._complete(*pending, history, end, bar)
-                    raise
-                if pending is not None:
-                    self._complete(*pending, history, end, bar)
+                self._fit_epoch(iter(self.loader), run)
                 epoch += 1
-            if history:
+            if run.history:
                 self._final_checkpoint()
-        return history
+        return run.history
+
+    def _fit_epoch(self, steps: Iterator[Step[Any]], run: _Fit) -> None:
+        """Run the steps of one epoch until ``run.end``, recording each in ``run``.
+
+        next() only while steps remain: the loader's position is then the trainer's. One process
+        on an accelerator: a step's loss is read back while the next one runs (the host does not
+        wait for the device at every step); a step that checkpoints, stops or ends the run is read
+        back at once.
+        """
+        pending: tuple[StepStats, _Loss, float] | None = None
+        try:
+            while self.next_step < run.end and (step := next(steps, None)) is not None:
+                started = time.perf_counter()
+                if pending is not None and self.on_step is not None:
+                    # on_step may change the next step (a learning-rate schedule): it runs
+                    # before that step is launched, as on the CPU (only the fetch overlaps)
+                    late, pending = pending, None
+                    self._complete(run, *late, until=started)
+                stats, loss_sum = self._run_step(step, defer=self._defers)
+                if pending is not None:  # (cleared first: a failing callback records it once)
+                    late, pending = pending, None
+                    self._ahead = stats.step
+                    try:
+                        self._complete(run, *late, until=started)
+                    finally:
+                        self._ahead = None
+                self.next_step = stats.step + 1  # (for _checkpoint_due)
+                if loss_sum is not None and not (
+                    stats.stop_requested or self._checkpoint_due() or self.next_step >= run.end
+                ):
+                    pending = (stats, loss_sum, started)
+                    continue
+                self._complete(run, stats, loss_sum, started)
+                if stats.stop_requested:
+                    raise Preempted(self.next_step, self._final_checkpoint())
+        except BaseException:
+            if pending is not None:  # the step before the failure ran: record it if it can be read
+                with contextlib.suppress(Exception):
+                    self._complete(run, *pending)
+            raise
+        if pending is not None:
+            self._complete(run, *pending)
 
     def _complete(
-        self,
-        stats: StepStats,
-        loss_sum: _Loss | None,
-        started: float,
-        history: list[StepStats],
-        end: int,
-        bar: tqdm,
-        until: float | None = None,
+        self, run: _Fit, stats: StepStats, loss_sum: _Loss | None, started: float, until: float | None = None
     ) -> None:
         """Read a step's deferred loss (its ``seconds`` then run from ``started`` to ``until``, or
         now), record the step and run what follows it (log, checkpoint)."""
         if loss_sum is not None:
             seconds = (time.perf_counter() if until is None else until) - started
             stats = dataclasses.replace(self._finish(stats, loss_sum), seconds=seconds)
-        history.append(stats)
-        self._after_step(stats, end, bar)
+        run.history.append(stats)
+        self._after_step(stats, run)
 
     def _final_checkpoint(self) -> Path | None:
         """Write the checkpoint of the current position unless the last step just wrote it."""
@@ -494,53 +458,6 @@ class TraceTrainer:
         if not self._checkpoint_due():
             return self.save_checkpoint()
         return checkpoint_path(self.checkpoint_dir, self.next_step)
-
-    @contextlib.contextmanager
-    def _stop_on_sigterm(self) -> Iterator[None]:
-        """SIGTERM asks the run to stop after the current step (see :class:`Preempted`)."""
-        if not self.handle_sigterm or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        timers: list[threading.Timer] = []
-        rank = world().rank
-
-        def forced_exit(why: str) -> None:
-            print(
-                f"torchfold: rank {rank}: {why}; exiting now without a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(_FORCED_EXIT_CODE)
-
-        def on_sigterm(signum: int, frame: object) -> None:
-            if self._sigterm_received:
-                forced_exit("a second SIGTERM")
-            self._sigterm_received = True
-            print(
-                f"torchfold: rank {rank}: SIGTERM received: finishing step {self.next_step}, then writing a checkpoint "
-                f"(a second SIGTERM, or {self.preemption_timeout:g} s, exits at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-            timer = threading.Timer(
-                self.preemption_timeout,
-                forced_exit,
-                (
-                    f"the step and its checkpoint took longer than preemption_timeout={self.preemption_timeout:g} s",
-                ),
-            )
-            timer.daemon = True
-            timer.start()
-            timers.append(timer)
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            for timer in timers:
-                timer.cancel()
-            self._sigterm_received = False
 
     def _to_device(self, data: Any) -> Any:
         """Where a minibatch meets the trainer's device (the one place: tensors and numpy arrays, no blocking)."""
@@ -578,28 +495,10 @@ class TraceTrainer:
         plan = step.split
         self.model.train()
         dtype = self.context.accumulation_dtype
-        samples, nodes = 0, 0
-        alone = plan.local_minibatches == 1 and world().size == 1
-        for minibatch in step:
-            if self.seed is not None:  # the minibatch's draws, wherever it runs
-                self._seed_generators(_derived_seed(self.seed, plan.step, minibatch.position))
-            fold_plan, targets = self._to_device(minibatch.data)
-            if (
-                self.device.type == "xla"
-                and not isinstance(fold_plan, StaticPlan)
-                and not self._warned_unpadded
-            ):
-                self._warned_unpadded = True
-                warnings.warn(
-                    "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
-                    "graph; build static-shape plans with padded targets instead (Fold(shapes=StaticShapes(...)) and "
-                    "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
-                    stacklevel=2,
-                )
-            self.runner.minibatch(fold_plan, targets, minibatch.num_samples, alone=alone)
-            nodes += len(fold_plan)
-            samples += minibatch.num_samples
-        summed, scale = self.runner.update()
+        # the user's optimizer keeps its minibatch_size; ours holds for the step (see minibatch_size)
+        with self.optimizer.default_minibatch_size(self.loader.batch_size):
+            samples, nodes = self._run_minibatches(step)
+            summed, scale = self.runner.update()
         loss_sum = summed if summed is not None else torch.zeros((), dtype=dtype, device=self.device)
         if self.optimizer.last_batch_size != plan.batch_size:
             raise RuntimeError(
@@ -618,35 +517,54 @@ class TraceTrainer:
             loss=math.nan,
             seconds=time.perf_counter() - start,
             world_size=world().size,
-            stop_requested=self._sigterm_received,
+            stop_requested=self._sigterm.received,
         )
         if defer:  # one process: its samples and SIGTERM are the step's; the loss is read later
             return stats, (loss_sum, scale)
-        local = [float(samples), float(self._sigterm_received)]
-        totals = torch.cat(
-            [(loss_sum * scale).reshape(1), torch.tensor(local, dtype=dtype, device=self.device)]
-        )
+        return self._summed_over_ranks(stats, loss_sum * scale, samples, dtype, start), None
+
+    def _run_minibatches(self, step: Step[Any]) -> tuple[int, int]:
+        """This rank's minibatches of ``step`` through the runner; their samples and plan nodes."""
+        plan = step.split
+        samples, nodes = 0, 0
+        alone = plan.local_minibatches == 1 and world().size == 1
+        for minibatch in step:
+            if self.seed is not None:  # the minibatch's draws, wherever it runs
+                seed_generators(derived_seed(self.seed, plan.step, minibatch.position), self.device)
+            fold_plan, targets = self._to_device(minibatch.data)
+            if (
+                self.device.type == "xla"
+                and not isinstance(fold_plan, StaticPlan)
+                and not self._warned_unpadded
+            ):
+                self._warned_unpadded = True
+                warnings.warn(
+                    "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
+                    "graph; build static-shape plans with padded targets instead (Fold(shapes=StaticShapes(...)) and "
+                    "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
+                    stacklevel=3,
+                )
+            self.runner.minibatch(fold_plan, targets, minibatch.num_samples, alone=alone)
+            nodes += len(fold_plan)
+            samples += minibatch.num_samples
+        return samples, nodes
+
+    def _summed_over_ranks(
+        self, stats: StepStats, loss: torch.Tensor, samples: int, dtype: torch.dtype, start: float
+    ) -> StepStats:
+        """``stats`` with the step's mean loss and stop request over every rank (one all-reduce)."""
+        local = [float(samples), float(self._sigterm.received)]
+        totals = torch.cat([loss.reshape(1), torch.tensor(local, dtype=dtype, device=self.device)])
         all_reduce_sum_([totals])
         total_loss, total_samples, stopping_ranks = totals.tolist()
         if total_samples and not math.isfinite(total_loss):  # the same sum on every rank: all stop
-            raise FloatingPointError(self._non_finite_loss(plan.step, total_loss / total_samples))
-        stats = dataclasses.replace(
+            raise FloatingPointError(self._non_finite_loss(stats.step, total_loss / total_samples))
+        return dataclasses.replace(
             stats,
             loss=total_loss / total_samples if total_samples else math.nan,
             seconds=time.perf_counter() - start,
             stop_requested=stopping_ranks > 0,
         )
-        return stats, None
-
-    def _seed_generators(self, seed: int) -> None:
-        """Seed every generator this process draws from: torch (CPU and CUDA), Python, NumPy, XLA."""
-        torch.manual_seed(seed)  # also every CUDA device
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        if self.device.type == "xla":
-            import torch_xla.core.xla_model as xm
-
-            xm.set_rng_state(seed, device=self.device)
 
     def _non_finite_loss(self, step: int, loss: float) -> str:
         last = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
@@ -657,28 +575,32 @@ class TraceTrainer:
         )
         return f"step {step}: the loss became {loss}, so training stopped before saving this step; {where}"
 
-    def _after_step(self, stats: StepStats, end: int, bar: tqdm) -> None:
+    def _after_step(self, stats: StepStats, run: _Fit) -> None:
         self.next_step = stats.step + 1
         self._log_loss += stats.loss * stats.batch_size if stats.num_minibatches else 0.0
         self._log_samples += stats.batch_size if stats.num_minibatches else 0
         if self._checkpoint_due():
             self.save_checkpoint()
-        bar.update(1)
-        bar.set_postfix(batch=stats.batch_size, loss=f"{stats.loss:.3f}", refresh=False)
-        if self.log_every and (self.next_step % self.log_every == 0 or self.next_step == end):
-            now = time.perf_counter()
-            if self.is_main:
-                loss = self._log_loss / self._log_samples if self._log_samples else math.nan
-                rate = self._log_samples / max(now - self._log_time, 1e-9)
-                self.log(
-                    f"step {self.next_step}/{end} | epoch {stats.epoch} | batch {stats.batch_size} "
-                    f"({stats.num_minibatches} minibatches) | lr {stats.lr:.4g} | loss {loss:.4f} | "
-                    f"{rate:.1f} samples/s"
-                )
-            self._log_loss = self._log_samples = 0.0
-            self._log_time = now
+        run.bar.update(1)
+        run.bar.set_postfix(batch=stats.batch_size, loss=f"{stats.loss:.3f}", refresh=False)
+        if self.log_every and (self.next_step % self.log_every == 0 or self.next_step == run.end):
+            self._log_line(stats, run.end)
         if self.on_step is not None:
             self.on_step(stats)
+
+    def _log_line(self, stats: StepStats, end: int) -> None:
+        """Log the steps since the last line (on the main rank), and start counting anew."""
+        now = time.perf_counter()
+        if self.is_main:
+            loss = self._log_loss / self._log_samples if self._log_samples else math.nan
+            rate = self._log_samples / max(now - self._log_time, 1e-9)
+            self.log(
+                f"step {self.next_step}/{end} | epoch {stats.epoch} | batch {stats.batch_size} "
+                f"({stats.num_minibatches} minibatches) | lr {stats.lr:.4g} | loss {loss:.4f} | "
+                f"{rate:.1f} samples/s"
+            )
+        self._log_loss = self._log_samples = 0.0
+        self._log_time = now
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -709,28 +631,8 @@ class TraceTrainer:
 
     def load_state_dict(self, state: dict[str, Any], source: str = "state_dict") -> None:
         """Restore a :meth:`state_dict`; ``source`` (e.g. the file) is named in errors."""
-        missing = sorted({"step", "world_size", "model", "optimizer", "loader", "rng"} - set(state))
-        if missing:
-            raise ValueError(f"{source} lacks {missing}: it was not written by TraceTrainer.save_checkpoint")
-        found = world()
-        world_size, rank = found.size, found.rank
-        check_trainer_state(state, source)
-        loader_step = (
-            state["loader"].get("sampler", {}).get("next_step") if isinstance(state["loader"], dict) else None
-        )
-        if isinstance(loader_step, int) and loader_step != state["step"]:
-            raise ValueError(
-                f"{source}: its step {state['step']} is not where its loader stands (next_step {loader_step}): the "
-                "file was damaged or edited; use another checkpoint, or start without resuming"
-            )
-        _check_optimizer_state(state["optimizer"], self.optimizer.optimizer, source)
-        saved_settings = state.get("settings", {})
-        for name, value in self.settings.items():
-            if name in saved_settings and saved_settings[name] != value:
-                raise ValueError(
-                    f"{source} was written with {name} {saved_settings[name]!r}, this run has {name} {value!r}; "
-                    f"resume with {name} {saved_settings[name]!r}, or start afresh in another checkpoint directory"
-                )
+        # before anything is restored
+        check_trainer_state(state, source, optimizer=self.optimizer.optimizer, settings=self.settings)
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
             # with this run's device settings: a checkpoint moves between devices (e.g. XLA and the CPU)
@@ -749,22 +651,28 @@ class TraceTrainer:
                     f"{source}: its {name} state does not fit this run: {detail}. Resume with the settings the "
                     "checkpoint was written with, or use another checkpoint directory to start afresh"
                 ) from e
+        self._restore_generators(state, source)
+        self.next_step = int(state["step"])
+
+    def _restore_generators(self, state: dict[str, Any], source: str) -> None:
+        """This rank's generator states from ``state``, or, written by another number of processes,
+        generators seeded from ``(seed, step, rank)`` (with a warning where there is no ``seed``)."""
+        found = world()
+        world_size, rank = found.size, found.rank
         saved_world = state["world_size"]
         if saved_world == world_size:
             set_rng_state(state["rng"][rank], self.device)
-        else:
-            # Rank r of K' has no generator state of its own in a checkpoint of K processes.
-            self._seed_generators(
-                _derived_seed(0 if self.seed is None else self.seed, int(state["step"]), rank)
+            return
+        # Rank r of K' has no generator state of its own in a checkpoint of K processes.
+        seed = derived_seed(0 if self.seed is None else self.seed, int(state["step"]), rank)
+        seed_generators(seed, self.device)
+        if self.seed is None:
+            warnings.warn(
+                f"{source} was written by {saved_world} processes and this run has {world_size}: the "
+                f"generators are re-seeded from (step, rank), so random draws (dropout) differ from an "
+                "uninterrupted run; give TraceTrainer seed= to seed each minibatch's draws world-size invariantly",
+                stacklevel=3,
             )
-            if self.seed is None:
-                warnings.warn(
-                    f"{source} was written by {saved_world} processes and this run has {world_size}: the "
-                    f"generators are re-seeded from (step, rank), so random draws (dropout) differ from an "
-                    "uninterrupted run; give TraceTrainer seed= to seed each minibatch's draws world-size invariantly",
-                    stacklevel=2,
-                )
-        self.next_step = int(state["step"])
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Write :meth:`state_dict` (rank 0 only) atomically; default ``checkpoint_dir/step-N.pt``.
@@ -835,37 +743,47 @@ def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
     }
 
 
-def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
-    """An Adam's (or AdamW's) saved per-parameter state must hold what its update reads.
-
-    A state missing ``exp_avg`` loads without complaint and fails mid-training with a bare
-    ``KeyError``; refuse it here, naming the file, the parameter and the entry.
-    """
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
-        return
-    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
-        saved = saved["optimizer"]
-    per_param, groups = saved.get("state"), saved.get("param_groups")
-    if not isinstance(per_param, dict) or not isinstance(groups, list):
-        return  # load_state_dict says what does not fit
-    amsgrad = {i: bool(g.get("amsgrad")) for g in groups if isinstance(g, dict) for i in g.get("params", [])}
-    for index, entries in per_param.items():
-        if not isinstance(entries, dict) or not entries:
-            continue  # no step yet: the update starts it afresh
-        needed = ["step", "exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad.get(index) else [])]
-        missing = [key for key in needed if key not in entries]
-        if missing:
-            raise ValueError(
-                f"{source}: its optimizer state of parameter {index} lacks {missing} ({type(optimizer).__name__} "
-                f"needs {needed}, it holds {sorted(entries)}); the file was damaged or edited: use another "
-                "checkpoint, or start without resuming"
-            )
+def _check_parts(model: object, optimizer: object, loader: object, loss: object) -> None:
+    """TraceTrainer's model, optimizer, loader and loss are of the kinds it runs, or a TypeError says which not."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, AccumulatingOptimizer):
+        raise TypeError(
+            f"optimizer must be a torchfold AccumulatingOptimizer (it accumulates minibatches and "
+            f"all-reduces once per step), got {type(optimizer).__name__}; wrap it: "
+            f"AccumulatingOptimizer({type(optimizer).__name__}(...), lr_rule=...)"
+        )
+    if not isinstance(loader, StepLoader):
+        raise TypeError(f"loader must be a torchfold StepLoader, got {type(loader).__name__}")
+    if loader.build is None:
+        raise ValueError(
+            "the loader has no build function: give it build=... returning (FoldPlan, targets) for a minibatch "
+            "of items (e.g. torchfold.examples.models.TreeLSTMBuild(vocab))"
+        )
+    if not callable(loss):
+        raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
 
 
-def _derived_seed(seed: int, step: int, position: int) -> int:
-    """A seed in ``[0, 2**63)`` mixed from three ints (NumPy's ``SeedSequence``: nearby inputs, unrelated seeds).
-
-    >>> _derived_seed(0, 5, 1) == _derived_seed(0, 5, 1) != _derived_seed(0, 5, 2)
-    True
-    """
-    return int(np.random.SeedSequence([seed, step, position]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+def _check_settings(
+    checkpoint_every: object,
+    log_every: object,
+    keep_checkpoints: object,
+    seed: object,
+    preemption_timeout: object,
+) -> None:
+    """TraceTrainer's numeric settings are in range, or a ValueError names the first that is not."""
+    for name, value, minimum in (
+        ("checkpoint_every", checkpoint_every, 0),
+        ("log_every", 0 if log_every is None else log_every, 0),
+        ("keep_checkpoints", keep_checkpoints, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+    if isinstance(preemption_timeout, bool) or not (
+        isinstance(preemption_timeout, (int, float)) and preemption_timeout > 0
+    ):
+        raise ValueError(
+            f"preemption_timeout must be a positive number of seconds, got {preemption_timeout!r}"
+        )

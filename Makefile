@@ -64,8 +64,15 @@ unit: env env-dynet
 quick: env
 	$(BIN)/python -m pytest -q -m "not slow and not xla"
 
+# each file in a process of its own: torch_xla has crashed in a process that had run many
+# programs before (one file's state never reaches another's tests)
+XLA_TESTS = tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py
+
 test-xla: env-xla
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py
+	@status=0; for f in $(XLA_TESTS); do \
+		echo "PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla $$f"; \
+		PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla $$f || status=1; \
+	done; exit $$status
 
 test: lint typecheck docs unit test-xla
 

@@ -186,7 +186,7 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
         result["params"] = [p.detach().cpu() for p in straight.model.parameters()]
         result["compilations"] = compilations
         result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
-        result["update"] = type(straight.optimizer.update_fn).__name__
+        result["update"] = type(getattr(straight.runner, "compiled_update", None)).__name__
         result["replays"] = straight.replay.captures if straight.replay is not None else None
         # why the runner's replays stopped (its whole-step replay's, or its minibatch and update programs')
         refusals = [

@@ -220,8 +220,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._sqr_avg: float | None = None
         self.scale_invariant_steps = 0.0
         self.steps = 0
-        #: runs the wrapped optimizer's update in :meth:`step` (None: its ``step()``); TraceTrainer
-        #: sets a :class:`~torchfold.train.capture.compiled.CompiledUpdate` here when it captures steps on XLA
+        #: runs the wrapped optimizer's update in :meth:`step` (None: its ``step()``), e.g. a
+        #: :class:`~torchfold.train.capture.compiled.CompiledUpdate` (``step(update=...)`` for one step)
         self.update_fn: Callable[[], object] | None = None
         self.last_batch_size = 0
         self.last_num_minibatches = 0
@@ -642,10 +642,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.last_num_minibatches = num_minibatches or plain_ranks
         self.last_lr_factor = factor
 
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, *, update: Callable[[], object] | None = None
+    ) -> None:
         """End the step: :meth:`synchronize` (unless done), then update with the rule's learning rate.
 
         Every rank must call it once per step, also a rank without minibatches in this step.
+        ``update`` runs the wrapped optimizer's update instead of :attr:`update_fn` (or its ``step()``),
+        with the rule's rates in its param groups: what a step runner passes, leaving this object as
+        the user made it.
         """
         if closure is not None:
             raise TypeError("AccumulatingOptimizer.step() takes no closure; run backward per minibatch")
@@ -655,8 +660,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         try:
             for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
                 group["lr"] = lr * factor
-            if self.update_fn is not None:
-                self.update_fn()
+            update = update if update is not None else self.update_fn
+            if update is not None:
+                update()
             else:
                 self.optimizer.step()
         finally:

@@ -91,10 +91,13 @@ class EagerRunner(StepRunner):
         optimizer: AccumulatingOptimizer,
         *,
         compiled: CompiledLoss | None = None,
+        update: CompiledUpdate | None = None,
         strict: bool = False,
     ) -> None:
         super().__init__(model, loss, optimizer)
         self.compiled = compiled
+        #: the optimizer's update, captured (None: the optimizer's own)
+        self.compiled_update = update
         self.strict = strict
         self._losses: list[tuple[torch.Tensor, float]] = []
 
@@ -114,7 +117,7 @@ class EagerRunner(StepRunner):
         self._losses.append((loss.detach(), self._loss_weight(num_samples)))
 
     def update(self) -> tuple[torch.Tensor | None, float]:
-        self.optimizer.step()
+        self.optimizer.step(update=self.compiled_update)
         self.optimizer.zero_grad()
         losses, self._losses = self._losses, []
         if self.optimizer.params_device().type == "xla":
@@ -265,14 +268,15 @@ def step_runner(
         )
         return EagerRunner(model, loss, optimizer)
     compiled = CompiledLoss(model, loss, device=device, backend=backend)
+    update = None
     if device.type != "cuda":
         reason = uncapturable_update(optimizer.optimizer)
         if reason is None:
-            optimizer.update_fn = CompiledUpdate(optimizer.optimizer, device=device, backend=backend)
+            update = CompiledUpdate(optimizer.optimizer, device=device, backend=backend)
         else:
             warnings.warn(
                 f"compile={compile!r}: the forward, loss and backward are captured, but the optimizer's update "
                 f"runs op by op: {reason}",
                 stacklevel=3,
             )
-    return EagerRunner(model, loss, optimizer, compiled=compiled, strict=compile == "on")
+    return EagerRunner(model, loss, optimizer, compiled=compiled, update=update, strict=compile == "on")

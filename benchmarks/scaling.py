@@ -106,7 +106,7 @@ def measure_forest(nodes: int, hidden: int, seed: int) -> dict[str, Any]:
         "nodes": len(handles),
         "distinct": len(fold),
         "trees": len(trees),
-        "groups": len(plan.steps),
+        "groups": len(plan.groups),
         "record": t1 - t0,
         "compile": t2 - t1,
         "apply": t3 - t2,

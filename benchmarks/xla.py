@@ -241,12 +241,12 @@ def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> No
         nodes, _, _ = encode_trees(fold, trees, vocab)
         plan = fold.plan([nodes])
         assert not isinstance(plan, StaticPlan)
-        plain = (*tuple((s.depth, s.name, s.num_calls) for s in plan.steps), plan.sizes[0])
+        plain = (*tuple((s.depth, s.name, s.num_calls) for s in plan.groups), plan.sizes[0])
         bucketed = (
-            *tuple((s.depth, s.name, ladder.bucket(s.num_calls)) for s in plan.steps),
+            *tuple((s.depth, s.name, ladder.bucket(s.num_calls)) for s in plan.groups),
             ladder.bucket(plan.sizes[0]),
         )
-        levels = -(-(max(s.depth for s in plan.steps) + 1) // 8) * 8
+        levels = -(-(max(s.depth for s in plan.groups) + 1) // 8) * 8
         for name, key in zip(keys, (plain, bucketed, (*bucketed, levels)), strict=True):
             keys[name].append(key)
         envelope.fit(plan)

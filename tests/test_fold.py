@@ -488,14 +488,14 @@ def test_a_plan_pickled_before_combined_gathers_existed_loads_and_gathers_one_by
     model = TwoStates((4, 4))
     fold = Fold()
     plan = fold.plan([_two_state_forest(fold)])
-    assert [step.combined for step in plan.steps] == [False, False, True, False]
+    assert [group.combined for group in plan.groups] == [False, False, True, False]
     (expected,) = plan.apply(model)
     old = copy.copy(plan)
-    old.steps = [copy.copy(step) for step in plan.steps]
-    for step in old.steps:
-        del step.combined  # what a plan written by torchfold before Step.combined holds
+    old.groups = [copy.copy(group) for group in plan.groups]
+    for group in old.groups:
+        del group.combined  # what a plan written by torchfold before Step.combined holds
     loaded = pickle.loads(pickle.dumps(old))
-    assert not any(step.combined for step in loaded.steps)
+    assert not any(group.combined for group in loaded.groups)
     with _CountOps() as counter:
         (out,) = loaded.apply(model)
     assert counter.ops["index_select"] == 6, counter.ops  # h and c gathered apart at depth 2 too

@@ -20,8 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import torchfold.engine.compiler
 import torchfold.engine.executor
+import torchfold.engine.planner
 from torchfold import EagerFold, Fold
 
 HIDDEN = 5
@@ -160,14 +160,14 @@ def outputs_and_gradients(
 def compaction(always: bool, arrays: bool = False) -> Iterator[None]:
     """Force the engine to gather partly used sources on their own (the path big models take),
     and with ``arrays`` to compile every group as large ones are (whole int arrays, not Python)."""
-    saved, small = torchfold.engine.executor.COMPACT_BYTES, torchfold.engine.compiler._SMALL
+    saved, small = torchfold.engine.executor.COMPACT_BYTES, torchfold.engine.planner._SMALL
     torchfold.engine.executor.COMPACT_BYTES = -1 if always else saved
-    torchfold.engine.compiler._SMALL = 0 if arrays else small
+    torchfold.engine.planner._SMALL = 0 if arrays else small
     try:
         yield
     finally:
         torchfold.engine.executor.COMPACT_BYTES = saved
-        torchfold.engine.compiler._SMALL = small
+        torchfold.engine.planner._SMALL = small
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

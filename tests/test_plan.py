@@ -1,8 +1,10 @@
-"""Compiled plans (``Fold.plan``): built in DataLoader worker processes, applied in the trainer."""
+"""Plans (``Fold.plan``): built in DataLoader worker processes, applied in the trainer."""
 
 from __future__ import annotations
 
+import importlib
 import pickle
+import sys
 import threading
 
 import pytest
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader
 
 import torchfold
 import torchfold.engine.executor
+import torchfold.engine.planner
 from torchfold import Fold, FoldError, FoldPlan
 from torchfold.examples.datasets import Tree, Vocab, generate_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
@@ -164,7 +167,7 @@ def test_a_pickled_plan_carries_only_the_rows_given_to_add() -> None:
     assert len(pickle.dumps(plan)) < 100_000
     model = torchfold.examples.models.MLP()
     torch.testing.assert_close(shipped.apply(model)[0], model(images[:4]))
-    assert plan.steps[0].fixed[0][1].value[0].untyped_storage().nbytes() == images.untyped_storage().nbytes()
+    assert plan.groups[0].fixed[0][1].value[0].untyped_storage().nbytes() == images.untyped_storage().nbytes()
 
 
 class Empty(torch.nn.Module):
@@ -200,3 +203,57 @@ def test_applying_a_plan_leaves_it_unchanged_even_from_two_threads() -> None:
     for got in results:
         torch.testing.assert_close(got, expected)
     assert pickle.dumps(plan) == before
+
+
+# -- deprecated names: a plan's groups were its "steps", planning was "compiling" -----------------
+
+
+def test_plan_steps_is_a_deprecated_alias_of_groups() -> None:
+    plan, _ = build_plan(TREES[:3])
+    assert isinstance(plan, FoldPlan) and plan.groups
+    with pytest.warns(FutureWarning, match=r"PlanData\.steps .* use \.groups"):
+        steps = plan.steps
+    assert steps is plan.groups
+
+
+class _PickledBeforeTheRename:
+    """Pickles as a FoldPlan written when ``PlanData`` held ``steps``: the same reduce, the old state."""
+
+    def __init__(self, plan: FoldPlan) -> None:
+        state = plan.__getstate__()
+        self.state = {("steps" if key == "groups" else key): value for key, value in state.items()}
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (object.__new__, (FoldPlan,), self.state)
+
+
+def test_a_plan_pickled_with_its_groups_named_steps_still_loads_and_runs() -> None:
+    torch.manual_seed(0)
+    model = TreeLSTM(len(VOCAB), 8, 8)
+    plan, _ = build_plan(TREES[:4])
+    old = pickle.dumps(_PickledBeforeTheRename(plan))
+    assert b"steps" in old and b"groups" not in old
+    loaded = pickle.loads(old)
+    assert isinstance(loaded, FoldPlan) and "steps" not in vars(loaded)
+    assert [(g.op, g.depth, g.num_calls) for g in loaded.groups] == [
+        (g.op, g.depth, g.num_calls) for g in plan.groups
+    ]
+    torch.testing.assert_close(loaded.apply(model)[0], plan.apply(model)[0])
+
+
+def test_the_compiler_module_and_compile_fold_still_work_and_warn() -> None:
+    sys.modules.pop("torchfold.engine.compiler", None)  # its import warns once per process
+    with pytest.warns(
+        FutureWarning, match=r"torchfold\.engine\.compiler moved to torchfold\.engine\.planner"
+    ):
+        compiler = importlib.import_module("torchfold.engine.compiler")
+    with pytest.warns(
+        FutureWarning, match=r"compile_fold is deprecated; use torchfold\.engine\.planner\.plan_fold"
+    ):
+        compile_fold = compiler.compile_fold
+    assert compile_fold is torchfold.engine.planner.plan_fold
+    fold = Fold()
+    nodes = [fold.add(torch.neg, 1), fold.add(torch.neg, 2)]
+    assert compile_fold(fold, [nodes]).apply(None)[0].tolist() == [-1, -2]
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        compiler.missing  # noqa: B018

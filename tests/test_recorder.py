@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fold_properties import instruction, requested, run_program
 
-import torchfold.engine.compiler
+import torchfold.engine.planner
 from torchfold import Fold
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.plan import FoldPlan
@@ -106,7 +106,7 @@ def _read(plan: FoldPlan, arg: Arg | Gather, calls: int) -> list[list[Item]]:
         return [items[a:b] for a, b in itertools.pairwise(bounds)]
     kind, value = arg.kind, arg.value
     if kind == "whole":
-        return [[node(value, call) for call in range(plan.steps[plan.source_owner[value][0]].num_calls)]]
+        return [[node(value, call) for call in range(plan.groups[plan.source_owner[value][0]].num_calls)]]
     if kind == "rows":
         return [[node(*value)]]
     if kind == "shared":
@@ -120,14 +120,14 @@ def _read(plan: FoldPlan, arg: Arg | Gather, calls: int) -> list[list[Item]]:
 def planned(plan: FoldPlan) -> tuple[list[tuple[Any, ...]], list[list[Item]]]:
     """The plan in the reference's terms (see ``ReferenceFold.expected``)."""
     groups = []
-    for step in plan.steps:
-        columns: list[list[Item]] = [[] for _ in range(step.arity)]
-        for position, arg in step.fixed:
-            (columns[position],) = _read(plan, arg, step.num_calls)
-        for gather in step.gathers:
-            for position, items in zip(gather.positions, _read(plan, gather, step.num_calls), strict=True):
+    for group in plan.groups:
+        columns: list[list[Item]] = [[] for _ in range(group.arity)]
+        for position, arg in group.fixed:
+            (columns[position],) = _read(plan, arg, group.num_calls)
+        for gather in group.gathers:
+            for position, items in zip(gather.positions, _read(plan, gather, group.num_calls), strict=True):
                 columns[position] = items
-        groups.append((step.op, step.depth, step.num_calls, columns))
+        groups.append((group.op, group.depth, group.num_calls, columns))
     return groups, [_read(plan, request, 0)[0] for request in plan.requests]
 
 
@@ -143,14 +143,14 @@ def test_the_recorder_plans_what_a_plain_reference_recorder_records(
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
     fold, reference = Fold(), ReferenceFold()
-    small = torchfold.engine.compiler._SMALL
-    torchfold.engine.compiler._SMALL = (
+    small = torchfold.engine.planner._SMALL
+    torchfold.engine.planner._SMALL = (
         0 if arrays else small
     )  # every group through the numpy path, or as sized
     try:
         plan = fold.plan(requested(run_program(fold, program, inputs), picks))
     finally:
-        torchfold.engine.compiler._SMALL = small
+        torchfold.engine.planner._SMALL = small
     expected = reference.expected(requested(run_program(reference, program, inputs), picks))
     assert isinstance(plan, FoldPlan)
     assert planned(plan) == expected

@@ -1,7 +1,7 @@
 """torchfold: dynamic batching for PyTorch, and training with a batch size that changes every step.
 
 Record deferred node operations on a :class:`Fold`, then run every group of same-op nodes at
-the same depth as one batched call with :meth:`Fold.apply`, or compile them to a picklable
+the same depth as one batched call with :meth:`Fold.apply`, or plan them into a picklable
 :class:`FoldPlan` that a :class:`torchfold.train.StepLoader` builds in worker processes.
 
 The root holds the engine. Three subpackages load on first use, so ``import torchfold`` stays

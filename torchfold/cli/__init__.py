@@ -1,6 +1,6 @@
 """Command line: ``python -m torchfold demo|elastic|trace|train ...`` (also installed as ``torchfold``).
 
-One module per command (:mod:`~torchfold.cli.demo`, :mod:`~torchfold.cli.replay`,
+One module per command (:mod:`~torchfold.cli.demo`, :mod:`~torchfold.cli.elastic`,
 :mod:`~torchfold.cli.trace`, :mod:`~torchfold.cli.train`); nothing else in the package imports
 this one.
 """
@@ -26,7 +26,7 @@ commands:
 # for the others' imports (the training half, the examples, matplotlib).
 COMMANDS = {
     "demo": "torchfold.cli.demo",
-    "elastic": "torchfold.cli.replay",
+    "elastic": "torchfold.cli.elastic",
     "trace": "torchfold.cli.trace",
     "train": "torchfold.cli.train",
 }

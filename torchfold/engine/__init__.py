@@ -1,7 +1,7 @@
-"""The engine: record deferred node calls, compile them to a plan, run every group as one batched call.
+"""The engine: record deferred node calls, plan them, run every group as one batched call.
 
 - :mod:`~torchfold.engine.node` and :mod:`~torchfold.engine.fold`: recording (``Fold.add``);
-- :mod:`~torchfold.engine.compiler`: a recorded fold compiled to a picklable :class:`FoldPlan`;
+- :mod:`~torchfold.engine.planner`: a recorded fold planned into a picklable :class:`FoldPlan`;
 - :mod:`~torchfold.engine.executor`: the runner of a plan, padded or not;
 - :mod:`~torchfold.engine.static`: padding a plan into a fixed envelope of shapes (XLA, CUDA graphs,
   compiled steps), run by the same runner (``StaticLayout.run``);

@@ -3,10 +3,10 @@
 :func:`run_calls` resolves the ops, then for each batched call in order assembles its
 arguments, calls the op (:func:`~torchfold.engine.ops.call_op`), checks and keeps what it
 returns (:func:`~torchfold.engine.ops.check_outputs`), and finally assembles one tensor per
-request. It runs a compiled fold (:class:`~torchfold.engine.ir.PlanData`, through :func:`run`)
+request. It runs a plan (:class:`~torchfold.engine.ir.PlanData`, through :func:`run`)
 and a padded one (:meth:`StaticLayout.run <torchfold.engine.static.layout.StaticLayout.run>`)
 alike; what differs between them is how arguments are read from earlier results, which a
-:class:`Results` object of each plan kind says. Here, the compiled fold's: every group's
+:class:`Results` object of each plan kind says. Here, the plain plan's: every group's
 result stays one batched tensor (or tuple of them), and a consumer's argument is assembled
 with at most two tensor operations, whatever the number of nodes:
 
@@ -18,7 +18,7 @@ with at most two tensor operations, whatever the number of nodes:
 
 The plan counts in calls; here, once each result's rows per call is known, the indices are
 scaled to rows. So ``apply`` costs O(groups) tensor operations, not O(nodes), and its Python
-work is a loop over groups: all per-node bookkeeping happened when the plan was compiled.
+work is a loop over groups: all per-node bookkeeping happened when the fold was planned.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ _Tensor = torch.Tensor
 
 
 class BatchedCall(Protocol):
-    """What the runner reads of a batched call: a compiled ``GroupCall`` or a static ``Slot``."""
+    """What the runner reads of a batched call: a plan's ``GroupCall`` or a static ``Slot``."""
 
     op: Op
     name: str
@@ -75,7 +75,7 @@ class Results(Protocol[_Call]):
 
 
 # NOTE: one runner for plain and padded plans. The loop, the op call, the output checks and the
-# request assembly are here once; a plan kind only says how it reads arguments (a compiled fold:
+# request assembly are here once; a plan kind only says how it reads arguments (a plain plan:
 # numpy indices, with pass-through, combined gathers and compaction, and precise mismatch
 # errors; a static layout: slices of its packed input tensors and running concatenations). The
 # static kind's reads are pure tensor operations, so that this loop stays one graph under
@@ -94,7 +94,7 @@ def run_calls(
     ``padded``: the calls are a static layout's (error messages say so). ``arg_shapes``, if
     given, receives the (dtype, shape) of each call's batched arguments, one list per call.
 
-    Its two users: :func:`run` (a compiled fold) and :meth:`StaticLayout.run
+    Its two users: :func:`run` (a plain plan) and :meth:`StaticLayout.run
     <torchfold.engine.static.layout.StaticLayout.run>` (a padded one).
     """
     fns: list[Callable[..., Any]] = resolve_ops(nn, calls)
@@ -115,10 +115,10 @@ def run(
     arg_shapes: list[list[tuple[Any, Any]]] | None = None,
     device: torch.device | None = None,
 ) -> list[_Tensor]:
-    """Run ``plan``'s steps on ``nn`` and return one batched tensor per request.
+    """Run ``plan``'s groups on ``nn`` and return one batched tensor per request.
 
     The plan is only read (several threads may run it). ``arg_shapes``, if given, receives the
-    (dtype, shape) of each step's batched arguments, one list per step run. ``device``: where
+    (dtype, shape) of each group's batched arguments, one list per group run. ``device``: where
     ints and floats are made, if the caller already knows (default: the plan's, else the module's).
 
     >>> import torch, torchfold
@@ -128,7 +128,7 @@ def run(
     """
     if device is None:
         device = device_for(nn, plan.device)
-    return run_calls(nn, plan.steps, _Results(plan, device), len(plan.requests), arg_shapes=arg_shapes)
+    return run_calls(nn, plan.groups, _Results(plan, device), len(plan.requests), arg_shapes=arg_shapes)
 
 
 # A source read only in part is gathered on its own first when copying it whole into the
@@ -141,7 +141,7 @@ COMPACT_BYTES = 1 << 23
 
 
 class _Results:
-    """A compiled fold's results (:class:`Results`): the batched results of the steps run so far,
+    """A plain plan's results (:class:`Results`): the batched results of the groups run so far,
     by source number, and how many rows each call owns. ``device``: where ints and floats are made."""
 
     __slots__ = ("device", "kinds", "outputs", "plan", "tensors")
@@ -153,33 +153,33 @@ class _Results:
         self.tensors: list[_Tensor | None] = [None] * count
         # per source: (rows per call, row shape, dtype, device): what must agree to gather together
         self.kinds: list[tuple[Any, ...] | None] = [None] * count
-        self.outputs = [0] * len(plan.steps)  # outputs each step returned (0: one tensor)
+        self.outputs = [0] * len(plan.groups)  # outputs each group returned (0: one tensor)
 
-    def arguments(self, step: GroupCall) -> list[Any]:
+    def arguments(self, group: GroupCall) -> list[Any]:
         device = self.device
-        args: list[Any] = [None] * step.arity
-        for position, arg in step.fixed:
+        args: list[Any] = [None] * group.arity
+        for position, arg in group.fixed:
             args[position] = _value(arg, self, device)
-        if step.combined:
-            gathered = _combined_gathered(step, self, device)
+        if group.combined:
+            gathered = _combined_gathered(group, self, device)
             if gathered is not None:
-                positions = [position for gather in step.gathers for position in gather.positions]
+                positions = [position for gather in group.gathers for position in gather.positions]
                 for position, tensor in zip(positions, gathered, strict=True):
                     args[position] = tensor
                 return args
-        for gather in step.gathers:
+        for gather in group.gathers:
             for position, tensor in zip(
-                gather.positions, _gathered(gather, self, device, step.where), strict=True
+                gather.positions, _gathered(gather, self, device, group.where), strict=True
             ):
                 args[position] = tensor
         return args
 
-    def store(self, number: int, step: GroupCall, out: Any, outputs: Sequence[_Tensor]) -> None:
-        calls = step.num_calls
+    def store(self, number: int, group: GroupCall, out: Any, outputs: Sequence[_Tensor]) -> None:
+        calls = group.num_calls
         if isinstance(out, _Tensor):
-            sources: Sequence[int] = (step.source,)
+            sources: Sequence[int] = (group.source,)
         else:
-            sources = step.output_sources
+            sources = group.output_sources
             self.outputs[number] = len(outputs)
         for source, value in zip(sources, outputs, strict=False):  # outputs never split are not read
             self.tensors[source] = value
@@ -191,9 +191,9 @@ class _Results:
         if tensor is not None:
             return tensor, cast(tuple[Any, ...], self.kinds[source])[0]
         number, _ = self.plan.source_owner[source]
-        step, count = self.plan.steps[number], self.outputs[number]
+        group, count = self.plan.groups[number], self.outputs[number]
         # A source that was split is checked by store(); so this is a result used whole that was a tuple.
-        raise tuple_used_whole(self.plan.describe_item(source, call), step.name, step.depth, count)
+        raise tuple_used_whole(self.plan.describe_item(source, call), group.name, group.depth, count)
 
     def request(self, number: int) -> _Tensor:
         request = self.plan.requests[number]
@@ -207,7 +207,7 @@ def _rows_index(calls: np.ndarray, rows: int, device: torch.device) -> _Tensor:
     """Indices of the ``rows`` consecutive rows of each of ``calls``, on ``device``."""
     if rows != 1:
         calls = (calls.astype(np.int64)[:, None] * rows + np.arange(rows, dtype=np.int64)).reshape(-1)
-    index = torch.from_numpy(calls)  # int32 or int64, contiguous: made so by the compiler
+    index = torch.from_numpy(calls)  # int32 or int64, contiguous: made so by the planner
     return index if device.type == "cpu" else index.to(device)
 
 
@@ -328,33 +328,33 @@ def _gathered(
     return list(source.split_with_sizes([size * rows for size in gather.sizes]))
 
 
-def _combined_gathered(step: GroupCall, results: _Results, device: torch.device) -> list[_Tensor] | None:
-    """A step's gathers as one (``GroupCall.combined``), in the order of their positions; None if their
+def _combined_gathered(group: GroupCall, results: _Results, device: torch.device) -> list[_Tensor] | None:
+    """A group's gathers as one (``GroupCall.combined``), in the order of their positions; None if their
     sources disagree (or one is a tuple used whole, or they are big enough to compact): each
     gather then runs on its own, and explains any error precisely."""
     tensors, kinds = results.tensors, results.kinds
-    kind = kinds[cast(int, step.gathers[0].pieces[0])]  # combined gathers read earlier results only
+    kind = kinds[cast(int, group.gathers[0].pieces[0])]  # combined gathers read earlier results only
     pieces: list[_Tensor] = []
-    for gather in step.gathers:
+    for gather in group.gathers:
         for source in cast(list[int], gather.pieces):
             tensor = tensors[source]
             if tensor is None or kinds[source] != kind:
                 return None
             pieces.append(tensor)
-    total = sum(gather.total_calls for gather in step.gathers)
+    total = sum(gather.total_calls for gather in group.gathers)
     rows, shape = cast(tuple[Any, ...], kind)[:2]
     if total * rows * math.prod(shape) * pieces[0].element_size() > COMPACT_BYTES:
         return None
     indices = []
     base = 0
-    for gather in step.gathers:  # each gather's calls, shifted past the pieces of the gathers before it
+    for gather in group.gathers:  # each gather's calls, shifted past the pieces of the gathers before it
         own = np.arange(gather.total_calls) if gather.index is None else gather.index.astype(np.int64)
         indices.append(own + base)
         base += gather.total_calls
     index = np.concatenate(indices)
     index = index.astype(np.int32) if base < INT32_LIMIT else index
     taken = torch.cat(pieces, 0).index_select(0, _rows_index(index, rows, device))
-    return list(taken.split_with_sizes([size * rows for gather in step.gathers for size in gather.sizes]))
+    return list(taken.split_with_sizes([size * rows for gather in group.gathers for size in gather.sizes]))
 
 
 def _compact_sparse_sources(

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold.engine.compiler import compile_fold
 from torchfold.engine.node import (
     INT64_MAX,
     INT64_MIN,
@@ -27,6 +26,7 @@ from torchfold.engine.node import (
     outside_int64,
 )
 from torchfold.engine.plan import FoldPlan
+from torchfold.engine.planner import plan_fold
 from torchfold.engine.resolve import cuda_device
 from torchfold.engine.static.shapes import StaticShapes
 
@@ -300,7 +300,7 @@ class Fold:
         return self
 
     def plan(self, nodes: Sequence[Sequence[RequestItem]]) -> FoldPlan | StaticPlan:
-        """Compile what ``apply(module, nodes)`` would run into a picklable :class:`~torchfold.FoldPlan`.
+        """Plan what ``apply(module, nodes)`` would run: a picklable :class:`~torchfold.FoldPlan`.
 
         ``fold.plan(nodes).apply(module)`` equals ``fold.apply(module, nodes)``. A plan holds no
         nodes, just op names, index arrays and the tensors given to ``add``: build folds and their
@@ -311,7 +311,7 @@ class Fold:
                 nodes or with floats at one argument position, or a ``nobatch`` node not shared
                 by its group.
         """
-        plan = compile_fold(self, nodes)
+        plan = plan_fold(self, nodes)
         if isinstance(self.shapes, StaticShapes):
             return self.shapes.fit(plan)
         return plan

@@ -1,6 +1,6 @@
-"""The parts of a compiled fold: batched calls, their arguments and gathers, as plain picklable data.
+"""The parts of a plan: one batched call per group, its arguments and gathers, as plain picklable data.
 
-What :mod:`~torchfold.engine.compiler` produces and what :mod:`~torchfold.engine.executor` and
+What :mod:`~torchfold.engine.planner` produces and what :mod:`~torchfold.engine.executor` and
 :mod:`~torchfold.engine.static` read. Nothing here runs an op: :class:`PlanData` holds the
 parts, and :class:`~torchfold.FoldPlan` (:mod:`~torchfold.engine.plan`) adds running them.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ class GroupCall:
     """One batched call of a plan: a recorded group, without its nodes.
 
     ``fixed`` holds the argument positions that need no gather, ``gathers`` the others.
-    ``combined`` says that the step has several gathers, all of earlier results, one of them
+    ``combined`` says that the group has several gathers, all of earlier results, one of them
     reading several: ``apply`` then
     runs them as one (one concatenation and one ``index_select`` for all: a Tree-LSTM node's
     ``h`` and ``c`` children, kept apart by ``gathers`` because they read different sources)
@@ -156,16 +157,17 @@ class Gather:
 
 
 class PlanData:
-    """The parts of a compiled fold: its batched calls in execution order and its requests.
+    """The parts of a plan: its groups (one batched call each) in execution order and its requests.
 
-    ``source_owner`` maps each source number to (call number, output or None for the whole
-    result). The base of :class:`~torchfold.FoldPlan`, which adds running it; what the static
-    envelope reads to pad a plan.
+    ``groups`` holds one :class:`GroupCall` per group of the fold (one op at one depth), in the
+    order they run. ``source_owner`` maps each source number to (group number, output or None
+    for the whole result). The base of :class:`~torchfold.FoldPlan`, which adds running it;
+    what the static envelope reads to pad a plan.
     """
 
     def __init__(
         self,
-        steps: list[GroupCall],
+        groups: list[GroupCall],
         requests: list[Arg | Gather],
         source_owner: list[tuple[int, int | None]],
         num_nodes: int,
@@ -173,14 +175,24 @@ class PlanData:
         volatile: bool,
         pad_on_xla: bool = True,
     ) -> None:
-        self.steps = steps
+        self.groups = groups
         self.requests = requests
-        self.source_owner = source_owner  # per source number: (step, output or None for the whole result)
+        self.source_owner = source_owner  # per source number: (group, output or None for the whole result)
         self.num_nodes = num_nodes
         self.device = device
         self.volatile = volatile
         # On an XLA device, pad into the module's StaticShapes envelope (Fold(shapes="auto"))
         self.pad_on_xla = pad_on_xla
+
+    @property
+    def steps(self) -> list[GroupCall]:
+        """Deprecated name of :attr:`groups` (a plan's batched calls, one per group)."""
+        warnings.warn(
+            "PlanData.steps (FoldPlan.steps) is deprecated; use .groups (in torchfold a step is an optimizer step)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.groups
 
     @property
     def sizes(self) -> list[int]:
@@ -190,7 +202,7 @@ class PlanData:
             if isinstance(request, Gather):
                 sizes.append(sum(request.sizes))
             elif request.kind == "whole":
-                sizes.append(self.steps[self.source_owner[request.value][0]].num_calls)
+                sizes.append(self.groups[self.source_owner[request.value][0]].num_calls)
             elif request.kind in ("ints", "floats"):
                 sizes.append(len(request.value))
             elif request.kind == "concat":  # tensors: their rows
@@ -215,12 +227,18 @@ class PlanData:
             else request
             for number, request in enumerate(self.requests)
         ]
-        return {**self.__dict__, "steps": [_portable(step) for step in self.steps], "requests": requests}
+        return {**self.__dict__, "groups": [_portable(group) for group in self.groups], "requests": requests}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle; plans pickled before their groups were named ``groups`` (``steps``) load too."""
+        if "steps" in state:
+            state = {("groups" if key == "steps" else key): value for key, value in state.items()}
+        self.__dict__.update(state)
 
     def describe_item(self, source: int, call: int) -> str:
         """How a node is shown in messages, from its source number and call: ``Node('op', depth=1, index=3)``."""
         number, output = self.source_owner[source]
-        return node_label(self.steps[number].name, self.steps[number].depth, call, output)
+        return node_label(self.groups[number].name, self.groups[number].depth, call, output)
 
     def __len__(self) -> int:
         return self.num_nodes
@@ -260,20 +278,22 @@ def check_portable_op(op: Op, name: str, depth: int) -> None:
         )
 
 
-def _portable(step: GroupCall) -> GroupCall:
-    """``step`` as it may travel to another process (see ``FoldPlan.__getstate__``)."""
-    check_portable_op(step.op, step.name, step.depth)
-    given = [arg for _, arg in step.fixed if arg.kind in ("tensor", "concat")]
-    if not given and all(isinstance(piece, int) for gather in step.gathers for piece in gather.pieces):
-        return step  # nothing but index arrays: pickles as it is
-    portable = copy.copy(step)
+def _portable(group: GroupCall) -> GroupCall:
+    """``group`` as it may travel to another process (see ``FoldPlan.__getstate__``)."""
+    check_portable_op(group.op, group.name, group.depth)
+    given = [arg for _, arg in group.fixed if arg.kind in ("tensor", "concat")]
+    if not given and all(isinstance(piece, int) for gather in group.gathers for piece in gather.pieces):
+        return group  # nothing but index arrays: pickles as it is
+    portable = copy.copy(group)
     portable.fixed = [
-        (position, Arg(arg.kind, portable_tensors(arg.value, step.where(position))))
+        (position, Arg(arg.kind, portable_tensors(arg.value, group.where(position))))
         if arg.kind in ("tensor", "concat")
         else (position, arg)
-        for position, arg in step.fixed
+        for position, arg in group.fixed
     ]
-    portable.gathers = [_portable_gather(gather, step.where(gather.positions[0])) for gather in step.gathers]
+    portable.gathers = [
+        _portable_gather(gather, group.where(gather.positions[0])) for gather in group.gathers
+    ]
     return portable
 
 
@@ -296,7 +316,7 @@ def portable_tensors(value: Any, where: str) -> Any:
         raise FoldError(
             f"{where}: a tensor given to add requires grad (shape {tuple(tensor.shape)}); a pickled plan holds a copy "
             "of it, so no gradient would reach the original: use parameters inside the module's ops instead, or "
-            "compile and apply this plan in the same process"
+            "plan and apply this fold in the same process"
         )
     if (
         tensor.device.type == "cpu"

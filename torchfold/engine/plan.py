@@ -1,4 +1,4 @@
-"""The compiled fold users hold: :class:`FoldPlan`, picklable, applied to a module.
+"""The plan users hold: :class:`FoldPlan`, a planned fold, picklable, applied to a module.
 
 Its parts are :class:`~torchfold.engine.ir.PlanData`'s; running them is the executor's
 (:mod:`~torchfold.engine.executor`), or the static envelope's on an XLA device
@@ -22,7 +22,7 @@ _Tensor = torch.Tensor
 
 
 class FoldPlan(PlanData):
-    """A compiled fold: every batched call and gather, ready to run on a module.
+    """A planned fold: every group's batched call and gather, ready to run on a module.
 
     Made by :meth:`Fold.plan <torchfold.Fold.plan>`; :meth:`apply` runs it. A plan holds no
     nodes, only ops, integer index arrays and the tensors given to ``add``, so it pickles:
@@ -81,7 +81,7 @@ class FoldPlan(PlanData):
         return self._run(nn)
 
     def _run(self, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
-        """``apply``, also giving each step's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
+        """``apply``, also giving each group's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
         device = device_for(nn, self.device)
         if self.pad_on_xla and device.type == "xla":
             return StaticShapes.of(nn).fit(self).apply(nn)
@@ -91,7 +91,7 @@ class FoldPlan(PlanData):
         return run(self, nn, arg_shapes, device)
 
     def __repr__(self) -> str:
-        groups, requests = len(self.steps), len(self.requests)
+        groups, requests = len(self.groups), len(self.requests)
         return (
             f"FoldPlan({groups} group{'s' * (groups != 1)}, {self.num_nodes} node{'s' * (self.num_nodes != 1)}, "
             f"{requests} request{'s' * (requests != 1)})"

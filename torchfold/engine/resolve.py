@@ -1,8 +1,8 @@
 """Checks around a plan: resolving ops, checking requests, and describing a fold in words.
 
 Everything here runs before any op does, so a mistake in the graph (an unknown op, a
-malformed request) is reported before a single tensor is computed. The compiled plan itself
-(``FoldPlan``) is built in :mod:`torchfold.engine.compiler` and run by :mod:`torchfold.engine.executor`.
+malformed request) is reported before a single tensor is computed. The plan itself
+(``FoldPlan``) is built in :mod:`torchfold.engine.planner` and run by :mod:`torchfold.engine.executor`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _tape = operator.attrgetter("_tape")
 
 
 class _Batched(Protocol):
-    """What resolving needs of a batched call (a compiled ``GroupCall``)."""
+    """What resolving needs of a batched call (a plan's ``GroupCall``)."""
 
     op: Op
     name: str
@@ -51,20 +51,20 @@ class _Batched(Protocol):
     num_calls: int
 
 
-def resolve_ops(nn: object, steps: Sequence[_Batched]) -> list[Callable[..., Any]]:
-    """The callable each step's op stands for on ``nn``, checked before anything runs."""
+def resolve_ops(nn: object, calls: Sequence[_Batched]) -> list[Callable[..., Any]]:
+    """The callable each call's op stands for on ``nn``, checked before anything runs."""
     cache: dict[Op, Callable[..., Any]] = {}
     fns = []
-    for step in steps:
-        fn = cache.get(step.op)
+    for call in calls:
+        fn = cache.get(call.op)
         if fn is None:
-            fn = cache[step.op] = _resolve(nn, step)
+            fn = cache[call.op] = _resolve(nn, call)
         fns.append(fn)
     return fns
 
 
-def _resolve(nn: object, step: _Batched) -> Callable[..., Any]:
-    op = step.op
+def _resolve(nn: object, call: _Batched) -> Callable[..., Any]:
+    op = call.op
     if not isinstance(op, str):
         return op
     fn = getattr(nn, op, None)
@@ -75,8 +75,8 @@ def _resolve(nn: object, step: _Batched) -> Callable[..., Any]:
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     what = "is not callable" if hasattr(nn, op) else "does not exist"
     raise FoldError(
-        f"unknown op {op!r} at depth {step.depth} ({step.num_calls} nodes, first "
-        f"{node_label(step.name, step.depth, 0)}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
+        f"unknown op {op!r} at depth {call.depth} ({call.num_calls} nodes, first "
+        f"{node_label(call.name, call.depth, 0)}): {type(nn).__name__}.{op} {what}; define a method {op!r} on the module "
         f"passed to apply, or pass a callable as the op{hint}"
     )
 

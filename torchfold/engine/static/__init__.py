@@ -1,11 +1,11 @@
-"""Static shapes: pad a compiled fold into a growing envelope so that XLA (and CUDA graphs) see repeating shapes.
+"""Static shapes: pad a plan into a growing envelope so that XLA (and CUDA graphs) see repeating shapes.
 
 :class:`StaticShapes` (:mod:`.shapes`) is the envelope a module keeps; :meth:`StaticShapes.fit`
 pads a :class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan` (:mod:`.plan`),
 whose outputs and gradients equal the unpadded plan's. A plan is a :class:`StaticLayout`
 (:mod:`.layout`: all that is constant per envelope version) and its batch's
 :class:`StaticInputs`; ``plan.layout.run(nn, plan.inputs())`` is what ``plan.apply`` runs.
-:mod:`.columns` reads a compiled plan as padding sees it. See ``docs/design/envelope.md`` for
+:mod:`.columns` reads a plan as padding sees it. See ``docs/design/envelope.md`` for
 why an envelope.
 """
 

@@ -1,4 +1,4 @@
-"""A compiled plan read as padding reads it: per batched call its slot and argument columns.
+"""A plan read as padding reads it: per group (batched call) its slot and argument columns.
 
 What :class:`~torchfold.engine.static.shapes.StaticShapes` checks a plan against (does it
 fit the envelope?) and what :class:`~torchfold.engine.static.layout.StaticLayout` pads.
@@ -49,7 +49,7 @@ class Column:
 
 @dataclass
 class Batch:
-    """A plan decoded for fitting: per step its slot and columns, per request its column."""
+    """A plan decoded for fitting: per group its slot and columns, per request its column."""
 
     slots: list[tuple[int, OpKey]]
     names: list[str]
@@ -57,22 +57,28 @@ class Batch:
     columns: list[list[Column]]
     requests: list[Column]
     streams: list[Stream]  # per source number
-    depths: list[int]  # per source number: the depth of the step that makes it
-    owner: list[tuple[int, int | None]]  # per source number: (step, output) that makes it
+    depths: list[int]  # per source number: the depth of the group that makes it
+    owner: list[tuple[int, int | None]]  # per source number: (group, output) that makes it
 
 
 def decode(plan: PlanData) -> Batch:
-    columns = [_step_columns(plan, step) for step in plan.steps]
+    columns = [_group_columns(plan, group) for group in plan.groups]
     keys: list[OpKey] = [
-        (step.op, step.arity, step.num_outputs, tuple(column.kind for column in cols), _given_layouts(cols))
-        for step, cols in zip(plan.steps, columns, strict=True)
+        (
+            group.op,
+            group.arity,
+            group.num_outputs,
+            tuple(column.kind for column in cols),
+            _given_layouts(cols),
+        )
+        for group, cols in zip(plan.groups, columns, strict=True)
     ]
     streams: list[Stream] = [(keys[number], output) for number, output in plan.source_owner]
-    depths = [plan.steps[number].depth for number, _ in plan.source_owner]
+    depths = [plan.groups[number].depth for number, _ in plan.source_owner]
     return Batch(
-        slots=[(step.depth, key) for step, key in zip(plan.steps, keys, strict=True)],
-        names=[step.name for step in plan.steps],
-        calls=[step.num_calls for step in plan.steps],
+        slots=[(group.depth, key) for group, key in zip(plan.groups, keys, strict=True)],
+        names=[group.name for group in plan.groups],
+        calls=[group.num_calls for group in plan.groups],
         columns=columns,
         requests=[_request_column(plan, request, number) for number, request in enumerate(plan.requests)],
         streams=streams,
@@ -94,9 +100,9 @@ def _given_layouts(columns: list[Column]) -> tuple[Any, ...]:
     return tuple(layouts)
 
 
-def _step_columns(plan: PlanData, step: GroupCall) -> list[Column]:
-    columns: list[Column | None] = [None] * step.arity
-    for position, arg in step.fixed:
+def _group_columns(plan: PlanData, group: GroupCall) -> list[Column]:
+    columns: list[Column | None] = [None] * group.arity
+    for position, arg in group.fixed:
         kind, value = arg.kind, arg.value
         if kind in ("ints", "floats"):
             columns[position] = Column(kind, values=value)
@@ -108,8 +114,8 @@ def _step_columns(plan: PlanData, step: GroupCall) -> list[Column]:
             source, call = value
             columns[position] = Column("shared", np.array([source]), np.array([call]))
         else:  # rows, whole
-            columns[position] = _nodes_column(plan, arg, step.where(position))
-    for gather in step.gathers:
+            columns[position] = _nodes_column(plan, arg, group.where(position))
+    for gather in group.gathers:
         item_piece, item_call = gather.items()
         given = [number for number, piece in enumerate(gather.pieces) if not isinstance(piece, int)]
         if len(given) == len(gather.pieces):  # tensors only (some calls pass the same one): each call's
@@ -125,7 +131,7 @@ def _step_columns(plan: PlanData, step: GroupCall) -> list[Column]:
                 int(np.searchsorted(np.cumsum(gather.sizes), first_item, side="right"))
             ]
             raise FoldError(
-                f"{step.where(position)}: static shapes cannot pad a position that mixes nodes and "
+                f"{group.where(position)}: static shapes cannot pad a position that mixes nodes and "
                 "tensors given to add; record the tensors through an op (fold.add('input', tensor) with "
                 "def input(self, x): return x) so that the position reads nodes only"
             )
@@ -153,11 +159,11 @@ def _request_column(plan: PlanData, request: Any, number: int) -> Column:
 
 
 def _nodes_column(plan: PlanData, arg: Any, where: str) -> Column:
-    """A position or request reading rows of earlier results, whatever shortcut the compiler chose."""
+    """A position or request reading rows of earlier results, whatever shortcut the planner chose."""
     if isinstance(arg, Arg):
         if arg.kind == "whole":
             source = arg.value
-            calls = plan.steps[plan.source_owner[source][0]].num_calls
+            calls = plan.groups[plan.source_owner[source][0]].num_calls
             return Column("nodes", np.full(calls, source, dtype=np.int64), np.arange(calls, dtype=np.int64))
         if arg.kind == "rows":
             source, call = arg.value

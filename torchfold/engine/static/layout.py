@@ -291,11 +291,11 @@ class StaticLayout:
 
     def pad(self, plan: PlanData, batch: Batch) -> StaticPlan:
         """``plan``'s index arrays and columns, padded to this layout."""
-        slot_of_step = [self.index[slot] for slot in batch.slots]
-        # per source number: (slot, output) of the step that produces it
-        owner = [(slot_of_step[number], output) for number, output in batch.owner]
-        columns_of: dict[int, list[Column]] = {slot_of_step[i]: cols for i, cols in enumerate(batch.columns)}
-        calls_of = {slot_of_step[i]: calls for i, calls in enumerate(batch.calls)}
+        slot_of_group = [self.index[slot] for slot in batch.slots]
+        # per source number: (slot, output) of the group that produces it
+        owner = [(slot_of_group[number], output) for number, output in batch.owner]
+        columns_of: dict[int, list[Column]] = {slot_of_group[i]: cols for i, cols in enumerate(batch.columns)}
+        calls_of = {slot_of_group[i]: calls for i, calls in enumerate(batch.calls)}
         ints = np.empty(self.num_ints, dtype=np.int64)
         floats = np.empty(self.num_floats, dtype=np.float64)
         given: list[_Tensor] = []
@@ -446,5 +446,5 @@ def _padded_values(column: Column | None, fill: Any, capacity: int, dtype: Any) 
 def _padded_tensors(column: Column | None, fill: _Tensor, capacity: int) -> _Tensor:
     """Tensors given to ``add``, concatenated, then the first call's rows repeated up to ``capacity`` calls."""
     given: list[_Tensor] = [] if column is None else list(column.values)
-    first = fill if column is None else given[0]  # never 0-dim: the compiler refuses tensors without rows
+    first = fill if column is None else given[0]  # never 0-dim: the planner refuses tensors without rows
     return torch.cat(given + [first] * (capacity - len(given)), 0)

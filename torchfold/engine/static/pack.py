@@ -67,7 +67,7 @@ def _movable_keys(batch: Batch, known: Known) -> set[OpKey]:
 
 
 class Packer:
-    """One batch's calls (numbered step after step), which call reads which, and schedules of them.
+    """One batch's calls (numbered group after group), which call reads which, and schedules of them.
 
     Args:
         batch: the decoded plan.
@@ -94,18 +94,18 @@ class Packer:
         calls = np.asarray(batch.calls, dtype=np.int64)
         self.start = np.concatenate([[0], np.cumsum(calls)]).astype(np.int64)
         self.total = int(self.start[-1])
-        self.step = np.repeat(np.arange(len(calls), dtype=np.int64), calls)
+        self.group = np.repeat(np.arange(len(calls), dtype=np.int64), calls)
         self.depth = np.repeat(np.asarray([depth for depth, _ in batch.slots], dtype=np.int64), calls)
         numbers: dict[OpKey, int] = {}
-        step_key = np.asarray(
+        group_key = np.asarray(
             [numbers.setdefault(key, len(numbers)) for _, key in batch.slots], dtype=np.int64
         )
         self.keys = list(numbers)
-        self.key = step_key[self.step]
+        self.key = group_key[self.group]
         #: the ops whose calls may move
         self.movable_keys = _movable_keys(batch, known)
         self.movable = np.isin(self.key, [numbers[k] for k in self.movable_keys])
-        self.source_step = np.asarray([step for step, _ in batch.owner], dtype=np.int64)
+        self.source_group = np.asarray([group for group, _ in batch.owner], dtype=np.int64)
         readers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
         read: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
         for number, columns in enumerate(batch.columns):
@@ -114,7 +114,7 @@ class Packer:
                 if column.kind not in _NODE_KINDS:
                     continue
                 assert column.sources is not None and column.calls is not None
-                produced = self.start[self.source_step[column.sources]] + column.calls
+                produced = self.start[self.source_group[column.sources]] + column.calls
                 if column.kind == "shared":  # one node, read by every call
                     produced = np.repeat(produced, count)
                 readers.append(np.arange(first, first + count, dtype=np.int64))
@@ -165,62 +165,62 @@ class Packer:
         return level
 
     def pack(self, level: np.ndarray) -> Batch:
-        """The batch with its calls moved to ``level`` (per call): one step per (level, op), its
+        """The batch with its calls moved to ``level`` (per call): one group per (level, op), its
         calls in their original order; columns, sources and requests renumbered."""
         batch, keys = self.batch, len(self.keys)
-        groups, new_step = np.unique(level * keys + self.key, return_inverse=True)
-        new_step = new_step.reshape(-1)
-        order = np.argsort(new_step, kind="stable")  # calls step after new step, in their order
-        counts = np.bincount(new_step, minlength=len(groups))
+        codes, new_group = np.unique(level * keys + self.key, return_inverse=True)  # level * keys + op
+        new_group = new_group.reshape(-1)
+        order = np.argsort(new_group, kind="stable")  # calls new group after new group, in their order
+        counts = np.bincount(new_group, minlength=len(codes))
         starts = np.concatenate([[0], np.cumsum(counts)])
         position = np.empty(self.total, dtype=np.int64)
-        position[order] = np.arange(self.total) - starts[new_step[order]]
-        first_step = self.step[order[starts[:-1]]].tolist()
-        # each new step's outputs are the new sources
+        position[order] = np.arange(self.total) - starts[new_group[order]]
+        first_group = self.group[order[starts[:-1]]].tolist()
+        # each new group's outputs are the new sources
         widest = max(max(key[2], 1) for _, key in batch.slots)
-        source_of = np.full((len(groups), widest), -1, dtype=np.int64)
+        source_of = np.full((len(codes), widest), -1, dtype=np.int64)
         owner: list[tuple[int, int | None]] = []
         streams: list[Stream] = []
         depths: list[int] = []
-        for number, step in enumerate(first_step):
-            key = batch.slots[step][1]
+        for number, group in enumerate(first_group):
+            key = batch.slots[group][1]
             for output in range(key[2]) if key[2] else [None]:
                 source_of[number, output or 0] = len(owner)
                 owner.append((number, output))
                 streams.append((key, output))
-                depths.append(int(groups[number]) // keys)
+                depths.append(int(codes[number]) // keys)
         old_output = np.asarray([output or 0 for _, output in batch.owner], dtype=np.int64)
 
         def renumber(column: Column) -> Column:
             if column.kind not in _NODE_KINDS:
                 return column
             assert column.sources is not None and column.calls is not None
-            call = self.start[self.source_step[column.sources]] + column.calls
-            return Column(column.kind, source_of[new_step[call], old_output[column.sources]], position[call])
+            call = self.start[self.source_group[column.sources]] + column.calls
+            return Column(column.kind, source_of[new_group[call], old_output[column.sources]], position[call])
 
-        # per movable op, each position's calls over all its steps (in call order), to cut new steps from
+        # per movable op, each position's calls over all its groups (in call order), to cut new groups from
         by_key: dict[int, tuple[np.ndarray, list[Column]]] = {}
         for k in np.unique(self.key[self.movable]).tolist():
             key = self.keys[k]
-            steps = [number for number, (_, other) in enumerate(batch.slots) if other == key]
+            groups = [number for number, (_, other) in enumerate(batch.slots) if other == key]
             row = np.full(self.total, -1, dtype=np.int64)
             mine = np.flatnonzero(self.key == k)
             row[mine] = np.arange(len(mine))
-            parts = [[renumber(column) for column in batch.columns[number]] for number in steps]
+            parts = [[renumber(column) for column in batch.columns[number]] for number in groups]
             by_key[k] = (row, [_merge(list(columns)) for columns in zip(*parts, strict=True)])
         columns: list[list[Column]] = []
-        for number, step in enumerate(first_step):
-            k = int(self.key[self.start[step]])
+        for number, group in enumerate(first_group):
+            k = int(self.key[self.start[group]])
             if k in by_key:
                 row, merged = by_key[k]
                 columns.append(_take(merged, row[order[starts[number] : starts[number + 1]]]))
-            else:  # an op whose calls keep their depth: its step, renumbered
-                columns.append([renumber(column) for column in batch.columns[step]])
+            else:  # an op whose calls keep their depth: its group, renumbered
+                columns.append([renumber(column) for column in batch.columns[group]])
         return Batch(
             slots=[
-                (int(g) // keys, batch.slots[s][1]) for g, s in zip(groups.tolist(), first_step, strict=True)
+                (int(g) // keys, batch.slots[s][1]) for g, s in zip(codes.tolist(), first_group, strict=True)
             ],
-            names=[batch.names[s] for s in first_step],
+            names=[batch.names[s] for s in first_group],
             calls=counts.tolist(),
             columns=columns,
             requests=[renumber(column) for column in batch.requests],
@@ -231,7 +231,7 @@ class Packer:
 
 
 def _take(columns: list[Column], calls: np.ndarray) -> list[Column]:
-    """The columns of one step of a movable op (no ``shared`` position) cut down to ``calls``."""
+    """The columns of one group of a movable op (no ``shared`` position) cut down to ``calls``."""
     taken = []
     for column in columns:
         if column.kind == "nodes":
@@ -245,7 +245,7 @@ def _take(columns: list[Column], calls: np.ndarray) -> list[Column]:
 
 
 def _merge(parts: list[Column]) -> Column:
-    """One column of the calls of several steps of one op (in step order)."""
+    """One column of the calls of several groups of one op (in group order)."""
     first = parts[0]
     if len(parts) == 1:
         return first

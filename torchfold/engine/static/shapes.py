@@ -1,4 +1,4 @@
-"""Static shapes: pad compiled plans so that the graphs XLA compiles repeat from batch to batch.
+"""Static shapes: pad plans so that the graphs XLA compiles repeat from batch to batch.
 
 XLA (TPUs, and ``torch_xla`` on the CPU) compiles one program per distinct sequence of tensor
 operations and shapes. An unpadded plan has a different sequence of (depth, op, calls) for every

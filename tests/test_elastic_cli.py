@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchfold.cli.replay import CSV_COLUMNS, main, plan_replay, processes_for
+from torchfold.cli.elastic import CSV_COLUMNS, elastic_schedule, main, processes_for
 from torchfold.train.availability import AvailabilityInterval, read_availability
 from torchfold.train.checkpoint import checkpoint_path, load_checkpoint
 from torchfold.train.trace import BatchSizeTrace
@@ -68,25 +68,25 @@ def test_processes_for_errors() -> None:
         processes_for(True, 56, 3)
 
 
-# -- plan_replay -----------------------------------------------------------------------------------
+# -- elastic_schedule -----------------------------------------------------------------------------------
 
 
-def test_plan_follows_processes_and_pauses() -> None:
+def test_schedule_follows_processes_and_pauses() -> None:
     # 4 of 6 devices -> 2 processes, 6 -> 3, none -> pause, 2 -> 1 (steps every 10 s).
-    plan = plan_replay(intervals((0, 4), (30, 6), (50, 0), (70, 2)), step_time=10, max_processes=3)
-    assert [(s.processes, s.first_step, s.end_step) for s in plan.segments] == [
+    schedule = elastic_schedule(intervals((0, 4), (30, 6), (50, 0), (70, 2)), step_time=10, max_processes=3)
+    assert [(s.processes, s.first_step, s.end_step) for s in schedule.segments] == [
         (2, 0, 3),
         (3, 3, 5),
         (0, 5, 5),
         (1, 5, 6),
     ]
-    assert [s.processes for s in plan.steps] == [2, 2, 2, 3, 3, 1]
-    assert [s.devices for s in plan.steps] == [4, 4, 4, 6, 6, 2]
-    assert [s.trace_time for s in plan.steps] == [0, 10, 20, 30, 40, 70]
-    assert [s.line for s in plan.steps] == [2, 2, 2, 3, 3, 5]
-    pause = plan.pauses[0]
+    assert [s.processes for s in schedule.steps] == [2, 2, 2, 3, 3, 1]
+    assert [s.devices for s in schedule.steps] == [4, 4, 4, 6, 6, 2]
+    assert [s.trace_time for s in schedule.steps] == [0, 10, 20, 30, 40, 70]
+    assert [s.line for s in schedule.steps] == [2, 2, 2, 3, 3, 5]
+    pause = schedule.pauses[0]
     assert (pause.is_pause, pause.num_steps, pause.start_time, pause.end_time) == (True, 0, 50, 70)
-    assert plan.peak_devices == 6 and plan.num_steps == 6 and len(plan.groups) == 3
+    assert schedule.peak_devices == 6 and schedule.num_steps == 6 and len(schedule.groups) == 3
 
 
 @pytest.mark.parametrize(
@@ -104,30 +104,34 @@ def test_plan_follows_processes_and_pauses() -> None:
         ([(0, 6), (20, 0), (30, 0), (40, 2)], [(3, 0, 2), (0, 2, 2), (1, 2, 3)]),
     ],
 )
-def test_plan_segments(rows: list[tuple[float, int]], expected: list[tuple[int, int, int]]) -> None:
-    plan = plan_replay(intervals(*rows), step_time=10, max_processes=3)
-    assert [(s.processes, s.first_step, s.end_step) for s in plan.segments] == expected
-    assert [s.index for s in plan.segments] == list(range(len(expected)))
+def test_schedule_segments(rows: list[tuple[float, int]], expected: list[tuple[int, int, int]]) -> None:
+    schedule = elastic_schedule(intervals(*rows), step_time=10, max_processes=3)
+    assert [(s.processes, s.first_step, s.end_step) for s in schedule.segments] == expected
+    assert [s.index for s in schedule.segments] == list(range(len(expected)))
 
 
-def test_plan_max_steps_cuts_and_drops_what_follows() -> None:
-    plan = plan_replay(intervals((0, 6), (30, 0), (50, 2)), step_time=10, max_processes=3, max_steps=2)
-    assert [(s.processes, s.first_step, s.end_step) for s in plan.segments] == [(3, 0, 2)]
-    plan = plan_replay(intervals((0, 6), (30, 0), (50, 2)), step_time=10, max_processes=3, max_steps=4)
-    assert [(s.processes, s.first_step, s.end_step) for s in plan.segments] == [
+def test_schedule_max_steps_cuts_and_drops_what_follows() -> None:
+    schedule = elastic_schedule(
+        intervals((0, 6), (30, 0), (50, 2)), step_time=10, max_processes=3, max_steps=2
+    )
+    assert [(s.processes, s.first_step, s.end_step) for s in schedule.segments] == [(3, 0, 2)]
+    schedule = elastic_schedule(
+        intervals((0, 6), (30, 0), (50, 2)), step_time=10, max_processes=3, max_steps=4
+    )
+    assert [(s.processes, s.first_step, s.end_step) for s in schedule.segments] == [
         (3, 0, 3),
         (0, 3, 3),
         (1, 3, 4),
     ]
 
 
-def test_plan_steps_match_the_batch_size_trace(tmp_path: Path) -> None:
+def test_schedule_steps_match_the_batch_size_trace(tmp_path: Path) -> None:
     # The replay's steps are from_availability's: with 1 sample per device, batch size == devices.
     path = write(tmp_path, ",Time,GPUs\n0,100.0,2\n1,110.0,0\n2,120.0,4\n3,125.5,1\n4,126.0,3\n5,140,0\n")
-    plan = plan_replay(read_availability(path), step_time=4, max_processes=2)
+    schedule = elastic_schedule(read_availability(path), step_time=4, max_processes=2)
     trace = BatchSizeTrace.from_availability(path, per_device_batch=1, step_time=4)
-    assert [s.devices for s in plan.steps] == list(trace)
-    assert [s.processes for s in plan.steps] == [1, 1, 1, 2, 2, 2, 2, 2]
+    assert [s.devices for s in schedule.steps] == list(trace)
+    assert [s.processes for s in schedule.steps] == [1, 1, 1, 2, 2, 2, 2, 2]
 
 
 @pytest.mark.parametrize(
@@ -140,24 +144,24 @@ def test_plan_steps_match_the_batch_size_trace(tmp_path: Path) -> None:
         ([(0, 3)], {"max_steps": 0}, "max_steps must be a positive int, got 0"),
     ],
 )
-def test_plan_errors(rows: list[tuple[float, int]], kwargs: dict[str, float], message: str) -> None:
+def test_schedule_errors(rows: list[tuple[float, int]], kwargs: dict[str, float], message: str) -> None:
     settings = {"step_time": 10.0, "max_processes": 3, **kwargs}
     with pytest.raises(ValueError, match=re.escape(message)):
-        plan_replay(intervals(*rows), source="t.csv", **settings)  # type: ignore[arg-type]
+        elastic_schedule(intervals(*rows), source="t.csv", **settings)  # type: ignore[arg-type]
 
 
-def test_plan_of_the_a100_trace(traces_dir: Path) -> None:
+def test_schedule_of_the_a100_trace(traces_dir: Path) -> None:
     path = traces_dir / "gcp_a100_gpus.csv"
-    plan = plan_replay(read_availability(path), step_time=63, max_processes=3, source=str(path))
+    schedule = elastic_schedule(read_availability(path), step_time=63, max_processes=3, source=str(path))
     devices = [int(line.split(",")[2]) for line in path.read_text().splitlines()[1:-1]]
-    assert plan.num_steps == sum(1 for d in devices if d > 0)  # one step per row with devices
-    assert plan.peak_devices == max(devices) == 56
-    assert {s.processes for s in plan.steps} <= {1, 2, 3}
-    for step in plan.steps:
+    assert schedule.num_steps == sum(1 for d in devices if d > 0)  # one step per row with devices
+    assert schedule.peak_devices == max(devices) == 56
+    assert {s.processes for s in schedule.steps} <= {1, 2, 3}
+    for step in schedule.steps:
         assert step.processes == math.ceil(step.devices * 3 / 56)
-    groups = plan.groups
+    groups = schedule.groups
     assert all(a.end_step == b.first_step for a, b in itertools.pairwise(groups))
-    assert groups[-1].end_step == plan.num_steps
+    assert groups[-1].end_step == schedule.num_steps
 
 
 # -- bad input on the command line -----------------------------------------------------------------

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchfold.cli.replay_plan import ReplaySchedule
+from torchfold.cli.elastic_schedule import ElasticSchedule
 from torchfold.train.availability import AvailabilityInterval
 
-__all__ = ["plot_replay"]
+__all__ = ["plot_elastic"]
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:
@@ -21,10 +21,10 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     return 1.0, "s"
 
 
-def plot_replay(
+def plot_elastic(
     path: Path,
     intervals: Sequence[AvailabilityInterval],
-    schedule: ReplaySchedule,
+    schedule: ElasticSchedule,
     rows: list[dict[str, Any]],
     group_starts: Sequence[int],
     title: str,

@@ -1,13 +1,13 @@
 """``python -m torchfold elastic replay``: drive a real training run through a resource-availability trace.
 
-This module holds the command line and the process orchestration; the plan (steps and segments)
-is :mod:`torchfold.cli.replay_plan`, the figure :mod:`torchfold.cli.replay_plot`.
+This module holds the command line and the process orchestration; the schedule (steps and
+segments) is :mod:`torchfold.cli.elastic_schedule`, the figure :mod:`torchfold.cli.elastic_plot`.
 
 A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.availability.read_availability`) says how
 many devices a job had over time. The replay scales that count to the processes one machine can
 run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
 seconds, as :meth:`~torchfold.train.BatchSizeTrace.from_availability` counts them) and cuts the
-steps into segments of one process count (:func:`plan_replay`). Each segment runs as one
+steps into segments of one process count (:func:`elastic_schedule`). Each segment runs as one
 ``torchrun`` group of ``python -m torchfold train``, which resumes from the newest checkpoint;
 when the process count changes, the replay sends SIGTERM to the group's torchrun agent (it
 forwards the signal to its workers, which finish the step in progress, checkpoint and exit), waits
@@ -52,20 +52,26 @@ from pathlib import Path
 from typing import Any
 
 from torchfold._validate import non_negative_float, positive_float, positive_int, seed_int
-from torchfold.cli.replay_plan import ReplaySchedule, ReplayStep, Segment, plan_replay, processes_for
-from torchfold.cli.replay_plot import plot_replay
+from torchfold.cli.elastic_plot import plot_elastic
+from torchfold.cli.elastic_schedule import (
+    ElasticSchedule,
+    ScheduledStep,
+    Segment,
+    elastic_schedule,
+    processes_for,
+)
 from torchfold.examples.datasets import ENV_VAR
 from torchfold.train.availability import read_availability
 
 __all__ = [
-    "ReplayError",
-    "ReplaySchedule",
-    "ReplayStep",
+    "ElasticRunError",
+    "ElasticSchedule",
+    "ScheduledStep",
     "Segment",
     "build_parser",
     "compare_parameters",
+    "elastic_schedule",
     "main",
-    "plan_replay",
     "processes_for",
 ]
 
@@ -90,7 +96,7 @@ CSV_COLUMNS = (
 # -- the command --------------------------------------------------------------------------------
 
 
-class ReplayError(RuntimeError):
+class ElasticRunError(RuntimeError):
     """A group of the replay failed, hung, or left no checkpoint (the message names the segment)."""
 
 
@@ -200,7 +206,7 @@ def _read_history(path: Path) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:  # a row cut by a killed process
-                raise ReplayError(f"{path}, line {number}: not a JSON history row ({e})") from e
+                raise ElasticRunError(f"{path}, line {number}: not a JSON history row ({e})") from e
     return rows
 
 
@@ -285,7 +291,7 @@ def _run_group(
                 elapsed = time.monotonic() - began
                 if elapsed > segment_timeout:
                     _kill_group(process)
-                    raise ReplayError(
+                    raise ElasticRunError(
                         f"{label}: the group did not finish its steps within --segment-timeout "
                         f"{segment_timeout:g} s (newest checkpoint: step {_newest_step(checkpoints)}); killed it. "
                         f"Log {log}:{_log_tail(log)}"
@@ -300,7 +306,7 @@ def _run_group(
                         process.wait(timeout=stop_timeout)
                     except subprocess.TimeoutExpired:
                         _kill_group(process)
-                        raise ReplayError(
+                        raise ElasticRunError(
                             f"{label}: the group did not exit within --stop-timeout {stop_timeout:g} s after "
                             f"SIGTERM; killed it. Log {log}:{_log_tail(log)}"
                         ) from None
@@ -314,7 +320,7 @@ def _run_group(
     end = _newest_step(checkpoints)
     expected_end = rows[-1]["step"] + 1 if rows else start_step
     if process.returncode != 0 and not signalled:
-        raise ReplayError(
+        raise ElasticRunError(
             f"{label}: the group exited with status {process.returncode} before its last step. Log {log}:"
             f"{_log_tail(log)}"
         )
@@ -322,7 +328,7 @@ def _run_group(
         ran = f"steps {rows[0]['step']}..{rows[-1]['step']}" if rows else "no step"
         # On SIGTERM, `train` finishes the step in progress, checkpoints it and exits (status 75):
         # its history and checkpoints then end at the same step. Killed workers leave them apart.
-        raise ReplayError(
+        raise ElasticRunError(
             f"{label}: the group resumed at step {start_step} and its history shows {ran}, but the newest "
             f"checkpoint is step {end}; a group must checkpoint every step it runs and record it before it "
             f"exits (status {process.returncode}{' after SIGTERM' if signalled else ''}: were its workers "
@@ -359,16 +365,16 @@ def _run_reference(train_args: list[str], run_dir: Path, final_step: int, timeou
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=True
             )
         except subprocess.TimeoutExpired:
-            raise ReplayError(
+            raise ElasticRunError(
                 f"reference run: no result within {timeout:g} s (--segment-timeout). Log {log}:{_log_tail(log)}"
             ) from None
         except subprocess.CalledProcessError as e:
-            raise ReplayError(
+            raise ElasticRunError(
                 f"reference run: exited with status {e.returncode}. Log {log}:{_log_tail(log)}"
             ) from None
     step = _newest_step(directory)
     if step != final_step:
-        raise ReplayError(
+        raise ElasticRunError(
             f"reference run: ended at step {step}, expected {final_step}. Log {log}:{_log_tail(log)}"
         )
     from torchfold.train.checkpoint import checkpoint_path
@@ -388,7 +394,7 @@ def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]
 
     ours, theirs = load_checkpoint(replay)["model"], load_checkpoint(reference)["model"]
     if ours.keys() != theirs.keys():
-        raise ReplayError(
+        raise ElasticRunError(
             f"{replay} and {reference} hold different parameters: {sorted(ours)} vs {sorted(theirs)}"
         )
     diff, count = 0.0, 0
@@ -426,16 +432,16 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as e:  # argparse exits on --help and on usage errors; report it as a status
         return e.code if isinstance(e.code, int) else 2
     try:
-        return _replay(args, extra)
+        return _run_elastic(args, extra)
     except (ValueError, FileNotFoundError) as e:  # bad arguments or input files
         print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
         return 2
-    except (ReplayError, OSError) as e:
+    except (ElasticRunError, OSError) as e:
         print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
         return 1
 
 
-def _replay(args: argparse.Namespace, extra: list[str]) -> int:
+def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
     if args.data is None and not os.environ.get(ENV_VAR) and "--generate" not in extra:
         raise ValueError(
             f"no training data: pass --data DIR (SST's train.txt, or an sst/ subdirectory) or set ${ENV_VAR}=DIR; "
@@ -446,7 +452,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
     step_time = args.step_time
     if step_time is None:
         step_time = statistics.median(i.end_time - i.start_time for i in intervals)
-    schedule = plan_replay(
+    schedule = elastic_schedule(
         intervals,
         step_time=step_time,
         max_processes=args.max_processes,
@@ -580,7 +586,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
             ran_by[row["step"]] = (result, row)
     missing = [s.step for s in schedule.steps if s.step not in ran_by]
     if missing:
-        raise ReplayError(f"steps {missing[:5]}{'...' if len(missing) > 5 else ''} were run by no group")
+        raise ElasticRunError(f"steps {missing[:5]}{'...' if len(missing) > 5 else ''} were run by no group")
     reference_loss: dict[int, float] = {}
     reference: Path | None = None
     if not args.no_reference:
@@ -608,7 +614,7 @@ def _replay(args: argparse.Namespace, extra: list[str]) -> int:
         )
     _write_csv(run_dir / "replay.csv", rows)
     restarts = sum(1 for r in results if r.rows) - 1
-    plot_replay(
+    plot_elastic(
         run_dir / "replay.png",
         intervals,
         schedule,

@@ -1,7 +1,7 @@
-"""Planning an elastic replay: an availability trace mapped onto optimizer steps and process groups.
+"""The schedule of an elastic replay: an availability trace mapped onto optimizer steps and process groups.
 
-No processes are run here (that is :mod:`torchfold.cli.replay`): :func:`plan_replay` turns the
-trace's intervals into a :class:`ReplaySchedule` of steps and :class:`Segment` s, one per stretch of
+No processes are run here (that is :mod:`torchfold.cli.elastic`): :func:`elastic_schedule` turns the
+trace's intervals into a :class:`ElasticSchedule` of steps and :class:`Segment` s, one per stretch of
 one process count, or a pause.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from torchfold._validate import check_int
 from torchfold.train.availability import AvailabilityInterval
 
-__all__ = ["ReplaySchedule", "ReplayStep", "Segment", "plan_replay", "processes_for"]
+__all__ = ["ElasticSchedule", "ScheduledStep", "Segment", "elastic_schedule", "processes_for"]
 
 
 def processes_for(devices: int, peak_devices: int, max_processes: int) -> int:
@@ -42,7 +42,7 @@ def processes_for(devices: int, peak_devices: int, max_processes: int) -> int:
 
 
 @dataclass(frozen=True)
-class ReplayStep:
+class ScheduledStep:
     """One optimizer step of a replay: when it starts in the trace and what was available then.
 
     Args:
@@ -92,8 +92,8 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class ReplaySchedule:
-    """The steps and segments of a replay (see :func:`plan_replay`).
+class ElasticSchedule:
+    """The steps and segments of a replay (see :func:`elastic_schedule`).
 
     Args:
         steps: every step, in order.
@@ -102,7 +102,7 @@ class ReplaySchedule:
         step_time: trace seconds per step.
     """
 
-    steps: tuple[ReplayStep, ...]
+    steps: tuple[ScheduledStep, ...]
     segments: tuple[Segment, ...]
     peak_devices: int
     step_time: float
@@ -123,14 +123,14 @@ class ReplaySchedule:
         return tuple(s for s in self.segments if s.is_pause)
 
 
-def plan_replay(
+def elastic_schedule(
     intervals: Sequence[AvailabilityInterval],
     *,
     step_time: float,
     max_processes: int,
     max_steps: int | None = None,
     source: str = "<intervals>",
-) -> ReplaySchedule:
+) -> ElasticSchedule:
     """Map an availability trace onto steps and process groups.
 
     Step slots start every ``step_time`` seconds from the first row; an interval holds the slots
@@ -152,10 +152,10 @@ def plan_replay(
             ``source`` and the fix).
 
     >>> rows = [(0, 30, 4, 2), (30, 50, 6, 3), (50, 70, 0, 4), (70, 90, 2, 5)]
-    >>> plan = plan_replay([AvailabilityInterval(*r) for r in rows], step_time=10, max_processes=3)
-    >>> [(s.processes, s.first_step, s.end_step) for s in plan.segments]
+    >>> schedule = elastic_schedule([AvailabilityInterval(*r) for r in rows], step_time=10, max_processes=3)
+    >>> [(s.processes, s.first_step, s.end_step) for s in schedule.segments]
     [(2, 0, 3), (3, 3, 5), (0, 5, 5), (1, 5, 7)]
-    >>> [s.trace_time for s in plan.steps]
+    >>> [s.trace_time for s in schedule.steps]
     [0.0, 10.0, 20.0, 30.0, 40.0, 70.0, 80.0]
     """
     if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
@@ -176,7 +176,7 @@ def plan_replay(
     if not math.isfinite((intervals[-1].end_time - origin) / step_time):
         raise ValueError(f"{source}: too many steps to count at step_time={step_time!r} s; use a larger one")
     limit = sys.maxsize if max_steps is None else max_steps
-    steps: list[ReplayStep] = []
+    steps: list[ScheduledStep] = []
     # (processes, first_step, end_step, start_time, end_time) of the segment being built.
     segments: list[list[Any]] = []
     for interval in intervals:
@@ -202,7 +202,7 @@ def plan_replay(
             segments.append([processes, len(steps), len(steps) + (slots if processes else 0), start, end])
         if processes > 0:
             steps += [
-                ReplayStep(
+                ScheduledStep(
                     len(steps) + k, (first_slot + k) * step_time, interval.devices, processes, interval.line
                 )
                 for k in range(slots)
@@ -214,7 +214,7 @@ def plan_replay(
             f"{source}: no step fits: no interval with devices > 0 holds the start of a {step_time} s step; "
             "use a smaller --step-time"
         )
-    return ReplaySchedule(
+    return ElasticSchedule(
         steps=tuple(steps),
         segments=tuple(Segment(i, *fields) for i, fields in enumerate(segments)),
         peak_devices=peak,

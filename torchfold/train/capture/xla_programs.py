@@ -38,7 +38,7 @@ from torchfold.engine.static import StaticPlan
 from torchfold.train.capture._replay import optimizer_settings, stepping, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
-from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, replay_unavailable
+from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loader import to_device
 
 __all__ = ["XlaPrograms", "xla_programs_unavailable"]
@@ -95,14 +95,6 @@ def _sync() -> None:
     import torch_xla
 
     torch_xla.sync()
-
-
-def _materialize(live: list[torch.Tensor]) -> None:
-    """The inputs must be device data, not pending operations (e.g. after ``load_state_dict``)."""
-    xla = _xla()
-    pending = [t for t, need in zip(live, xla._check_tensor_need_materialization(live), strict=True) if need]
-    if pending:
-        xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
 
 
 def _positions(live: list[torch.Tensor]) -> dict[int, int]:
@@ -254,7 +246,7 @@ class XlaPrograms:
             self.model.training,
         )
         with TRACE_LOCK:
-            _materialize(live)
+            materialize(live)
             program = self._minibatch.get(key)
             # replayed once verified, and in the step it was traced in (a schedule changes between steps)
             if program is not None and (program.verified or program.step == self._steps):
@@ -324,7 +316,7 @@ class XlaPrograms:
                 settings,
             )
             with TRACE_LOCK:
-                _materialize(live)
+                materialize(live)
                 program = self._update.get(key)
                 if program is None or not program.verified:
                     try:

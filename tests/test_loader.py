@@ -98,11 +98,11 @@ def test_ranks_read_disjoint_parts_of_one_seeded_permutation(batch: int, accumul
 
 def test_the_split_settings_are_read_from_the_sampler() -> None:
     fixed = StepLoader(list(range(20)), 2, replication_factor=2, rank=1)
-    settings = (fixed.batch_size, fixed.max_device_batch_size, fixed.replication_factor, fixed.rank)
+    settings = (fixed.minibatch_size, fixed.max_device_batch_size, fixed.replication_factor, fixed.rank)
     assert settings == (2, None, 2, 1)
     assert fixed.sampler.minibatch_size == 2 and fixed.sampler.num_replicas == 2
     elastic = StepLoader(list(range(20)), trace=8, max_device_batch_size=3)
-    assert (elastic.batch_size, elastic.max_device_batch_size, elastic.replication_factor) == (None, 3, 1)
+    assert (elastic.minibatch_size, elastic.max_device_batch_size, elastic.replication_factor) == (None, 3, 1)
 
 
 def test_poptorch_sizes_and_the_combined_batch() -> None:
@@ -426,12 +426,17 @@ def _alive(pid: int) -> bool:
     ("kwargs", "error", "match"),
     [
         (
-            {"batch_size": 40},
+            {"minibatch_size": 40},
             ValueError,
             r"combined batch size .* = 40 is larger than the dataset \(30 items\)",
         ),
         (
-            {"batch_size": 4, "replication_factor": 2, "device_iterations": 2, "gradient_accumulation": 2},
+            {
+                "minibatch_size": 4,
+                "replication_factor": 2,
+                "device_iterations": 2,
+                "gradient_accumulation": 2,
+            },
             ValueError,
             r"4 \* 2 \* 2 \* 2 = 32 is larger than the dataset",
         ),
@@ -439,7 +444,7 @@ def _alive(pid: int) -> bool:
         ({"replication_factor": True}, TypeError, "replication_factor must be an int, got bool True"),
         ({"gradient_accumulation": 1.5}, TypeError, "gradient_accumulation must be an int, got float 1.5"),
         (
-            {"batch_size": 4, "trace": [12, 10]},
+            {"minibatch_size": 4, "trace": [12, 10]},
             ValueError,
             "batch size 10 is not a multiple of minibatch_size=4",
         ),
@@ -590,3 +595,21 @@ def test_the_train_cli_trains_on_a_trace_shorter_than_one_epoch(
     args = ["train", "--trace", str(trace), "--generate", "64", "--minibatch-size", "16", "--max-steps", "1"]
     main([*args, "--no-progress", "--threads", "1", "--workers", "0"])
     assert "done: 1 steps (32 samples" in capsys.readouterr().out
+
+
+def test_minibatch_size_is_the_per_replica_name_and_batch_size_a_deprecated_alias() -> None:
+    # batch_size means a step's global batch (Step.batch_size); the loader's per-replica size is
+    # minibatch_size, positional as before; the old keyword and attribute still work with a FutureWarning.
+    positional = StepLoader(list(range(12)), 3, trace=[6, 6], shuffle=False)
+    keyword = StepLoader(list(range(12)), minibatch_size=3, trace=[6, 6], shuffle=False)
+    with pytest.warns(FutureWarning, match=r"StepLoader\(batch_size=\) is deprecated; use minibatch_size="):
+        old = StepLoader(list(range(12)), batch_size=3, trace=[6, 6], shuffle=False)
+    for loader in (positional, keyword, old):
+        assert loader.minibatch_size == 3 and "minibatch_size=3" in repr(loader)
+        assert [[mb.num_samples for mb in step] for step in loader] == [[3, 3], [3, 3]]
+    with pytest.warns(
+        FutureWarning, match=r"StepLoader.batch_size is deprecated; use StepLoader.minibatch_size"
+    ):
+        assert old.batch_size == 3
+    with pytest.raises(TypeError, match="give minibatch_size=3, not also the deprecated batch_size=4"):
+        StepLoader(list(range(12)), 3, batch_size=4)

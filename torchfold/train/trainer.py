@@ -277,7 +277,7 @@ class TraceTrainer:
         self.compile = compile
         self._compile_backend = compile_backend
         #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
-        with optimizer.default_minibatch_size(loader.batch_size):  # a runner may keep what it weighs by
+        with optimizer.default_minibatch_size(loader.minibatch_size):  # a runner may keep what it weighs by
             self.runner: StepRunner = step_runner(
                 model, loss, optimizer, device=self.device, compile=compile, backend=compile_backend
             )
@@ -298,7 +298,7 @@ class TraceTrainer:
         return (
             self.optimizer.minibatch_size
             if self.optimizer.minibatch_size is not None
-            else self.loader.batch_size
+            else self.loader.minibatch_size
         )
 
     @property
@@ -312,7 +312,7 @@ class TraceTrainer:
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {value!r}")
         self._loss = value
         if hasattr(self, "runner"):  # a loss set after construction: the runner runs it
-            with self.optimizer.default_minibatch_size(self.loader.batch_size):
+            with self.optimizer.default_minibatch_size(self.loader.minibatch_size):
                 self.runner = step_runner(
                     self.model,
                     value,
@@ -496,7 +496,7 @@ class TraceTrainer:
         self.model.train()
         dtype = self.context.accumulation_dtype
         # the user's optimizer keeps its minibatch_size; ours holds for the step (see minibatch_size)
-        with self.optimizer.default_minibatch_size(self.loader.batch_size):
+        with self.optimizer.default_minibatch_size(self.loader.minibatch_size):
             samples, nodes = self._run_minibatches(step)
             summed, scale = self.runner.update()
         loss_sum = summed if summed is not None else torch.zeros((), dtype=dtype, device=self.device)

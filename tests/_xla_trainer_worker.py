@@ -85,7 +85,7 @@ def _trainer(
     )
     wrapped = AccumulatingOptimizer(base, lr_rule="linear", ref_batch_size=8)
     loader = StepLoader(
-        trees, MINIBATCH, build=build, trace=TRACE[:steps], seed=3, replication_factor=world_size, rank=rank
+        trees, MINIBATCH, build=build, trace=TRACE[:steps], seed=3, num_replicas=world_size, rank=rank
     )
     return TraceTrainer(
         model, wrapped, loader, loss or tree_lstm_loss, progress=False, compile=compile, **kwargs

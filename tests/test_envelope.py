@@ -96,7 +96,7 @@ def test_split_positions_are_the_same_on_any_number_of_ranks(sst: tuple[list[Tre
             build=TreeLSTMBuild(vocab, shapes=shapes),
             trace=trace,
             seed=5,
-            replication_factor=replicas,
+            num_replicas=replicas,
             rank=rank,
             num_workers=workers,
             multiprocessing_context="fork",

@@ -273,7 +273,7 @@ def test_the_train_cli_runs_on_xla_with_static_shapes(device: str, packed: bool)
 
 
 def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_path: Path) -> None:
-    # Defaults only: replication_factor and rank must both come from torch_xla (they once came
+    # Defaults only: num_replicas and rank must both come from torch_xla (they once came
     # from two places: 2 replicas, both rank 0, half of every step never read).
     from _xla_loader_worker import BATCH, DATASET, TRACE
 
@@ -283,7 +283,7 @@ def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_pa
     replicas = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in (0, 1)]
     assert [r["world"] for r in replicas] == [(2, 0, "torch_xla"), (2, 1, "torch_xla")]
     assert [r["loader"] for r in replicas] == [(2, 0), (2, 1)]
-    whole = StepLoader(list(range(DATASET)), BATCH, trace=TRACE, seed=3, replication_factor=1, rank=0)
+    whole = StepLoader(list(range(DATASET)), BATCH, trace=TRACE, seed=3, num_replicas=1, rank=0)
     expected = [sorted(i for mb in step for i in mb.indices) for step in whole]
     assert len(expected) == len(replicas[0]["steps"]) == len(replicas[1]["steps"])
     for number, samples in enumerate(expected):

@@ -117,7 +117,7 @@ class StepStats:
         lr: learning rate of the first parameter group in the update (after the LR rule).
         loss: mean loss over the step's global batch (over all ranks).
         seconds: wall time of the step on this rank.
-        world_size: processes that shared the step.
+        num_replicas: processes (replicas) that shared the step (:attr:`World.size`).
         stop_requested: some rank received SIGTERM by the end of the step: the run stops after it.
     """
 
@@ -130,8 +130,18 @@ class StepStats:
     lr: float
     loss: float
     seconds: float
-    world_size: int = 1
+    num_replicas: int = 1
     stop_requested: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Deprecated: :attr:`num_replicas`."""
+        warnings.warn(
+            "StepStats.world_size is deprecated; use StepStats.num_replicas (processes that shared the step)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.num_replicas
 
 
 @dataclass
@@ -146,7 +156,7 @@ class _Fit:
 class TraceTrainer:
     """Train a fold model for the steps of a :class:`~torchfold.train.StepLoader`, with checkpoints that resume exactly.
 
-    Every rank constructs the trainer with its own loader (``replication_factor`` = world size,
+    Every rank constructs the trainer with its own loader (``num_replicas`` = world size,
     ``rank`` = its rank: the defaults once the process group exists) and calls :meth:`fit`; the
     constructor copies rank 0's parameters to all ranks (a torch.distributed collective; torch_xla's
     replicas are not covered: give each the same initial weights, e.g. copies of a model made
@@ -245,9 +255,9 @@ class TraceTrainer:
         _check_settings(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
         found = world()
         world_size, rank = found.size, found.rank
-        if (loader.replication_factor, loader.rank) != (world_size, rank):
+        if (loader.num_replicas, loader.rank) != (world_size, rank):
             raise ValueError(
-                f"the loader is for rank {loader.rank} of {loader.replication_factor} but this process is rank "
+                f"the loader is for rank {loader.rank} of {loader.num_replicas} but this process is rank "
                 f"{rank} of {world_size}; create the loader after the process group (its defaults then fit)"
             )
         self.model = model
@@ -503,7 +513,7 @@ class TraceTrainer:
         if self.optimizer.last_batch_size != plan.batch_size:
             raise RuntimeError(
                 f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
-                f"loader planned {plan.batch_size}; every rank needs a loader with replication_factor = world size "
+                f"loader planned {plan.batch_size}; every rank needs a loader with num_replicas = world size "
                 "and the same trace, dataset, batch size and seed"
             )
         stats = StepStats(
@@ -516,7 +526,7 @@ class TraceTrainer:
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
             loss=math.nan,
             seconds=time.perf_counter() - start,
-            world_size=world().size,
+            num_replicas=world().size,
             stop_requested=self._sigterm.received,
         )
         if defer:  # one process: its samples and SIGTERM are the step's; the loss is read later

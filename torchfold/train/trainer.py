@@ -502,7 +502,7 @@ class TraceTrainer:
 
     def _train_step(self, step: Step[Any], defer: bool) -> tuple[StepStats, _Loss | None]:
         start = time.perf_counter()
-        plan = step.split
+        split = step.split
         self.model.train()
         dtype = self.context.accumulation_dtype
         # the user's optimizer keeps its minibatch_size; ours holds for the step (see minibatch_size)
@@ -510,18 +510,18 @@ class TraceTrainer:
             samples, nodes = self._run_minibatches(step)
             summed, scale = self.runner.update()
         loss_sum = summed if summed is not None else torch.zeros((), dtype=dtype, device=self.device)
-        if self.optimizer.last_batch_size != plan.batch_size:
+        if self.optimizer.last_batch_size != split.batch_size:
             raise RuntimeError(
-                f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
-                f"loader planned {plan.batch_size}; every rank needs a loader with num_replicas = world size "
+                f"step {split.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
+                f"loader planned {split.batch_size}; every rank needs a loader with num_replicas = world size "
                 "and the same trace, dataset, batch size and seed"
             )
         stats = StepStats(
-            step=plan.step,
-            epoch=plan.epoch,
-            batch_size=plan.batch_size,
+            step=split.step,
+            epoch=split.epoch,
+            batch_size=split.batch_size,
             num_minibatches=self.optimizer.last_num_minibatches,  # a split minibatch counts as its parts
-            local_minibatches=plan.local_minibatches,
+            local_minibatches=split.local_minibatches,
             local_nodes=nodes,
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
             loss=math.nan,
@@ -535,18 +535,14 @@ class TraceTrainer:
 
     def _run_minibatches(self, step: Step[Any]) -> tuple[int, int]:
         """This rank's minibatches of ``step`` through the runner; their samples and plan nodes."""
-        plan = step.split
+        split = step.split
         samples, nodes = 0, 0
-        alone = plan.local_minibatches == 1 and world().size == 1
+        alone = split.local_minibatches == 1 and world().size == 1
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
-                seed_generators(derived_seed(self.seed, plan.step, minibatch.position), self.device)
-            fold_plan, targets = self._to_device(minibatch.data)
-            if (
-                self.device.type == "xla"
-                and not isinstance(fold_plan, StaticPlan)
-                and not self._warned_unpadded
-            ):
+                seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
+            plan, targets = self._to_device(minibatch.data)
+            if self.device.type == "xla" and not isinstance(plan, StaticPlan) and not self._warned_unpadded:
                 self._warned_unpadded = True
                 warnings.warn(
                     "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
@@ -554,8 +550,8 @@ class TraceTrainer:
                     "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
                     stacklevel=3,
                 )
-            self.runner.minibatch(fold_plan, targets, minibatch.num_samples, alone=alone)
-            nodes += len(fold_plan)
+            self.runner.minibatch(plan, targets, minibatch.num_samples, alone=alone)
+            nodes += len(plan)
             samples += minibatch.num_samples
         return samples, nodes
 

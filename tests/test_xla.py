@@ -450,7 +450,7 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
     batches, vocab = _sst_batches(8, 4)
     shapes = StaticShapes()
     for trees in batches:
-        shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
     device = torch_xla.device()
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -515,7 +515,7 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     batches, vocab = _sst_batches(2, 4)
     shapes = StaticShapes()
     for trees in batches:
-        shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
     device, cpu = torch_xla.device(), torch.device("cpu")
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -598,7 +598,7 @@ def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() 
 
     [trees], vocab = _sst_batches(1, 4)
     shapes = StaticShapes()
-    shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+    shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
     device, cpu = torch_xla.device(), torch.device("cpu")
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

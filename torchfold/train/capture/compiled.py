@@ -157,7 +157,7 @@ class CompiledLoss:
         if not isinstance(plan, StaticPlan):
             raise TypeError(
                 f"a captured step needs a static-shape plan (a StaticPlan, from Fold(shapes=StaticShapes(...)) or "
-                f"StaticShapes.fit), got {type(plan).__name__}; build padded plans, or train with compile='off'"
+                f"StaticShapes.cover), got {type(plan).__name__}; build padded plans, or train with compile='off'"
             )
         layout = plan.layout
         fn = self._compiled.get(layout.key)

@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -77,6 +77,7 @@ from torchfold.train.distributed import (
     world,
 )
 from torchfold.train.loader import Step, StepLoader, to_device
+from torchfold.train.loss import PlanLoss
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE  # (imported from here too)
 from torchfold.train.preemption import Preempted as Preempted
@@ -87,16 +88,6 @@ __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 #: Steps between log lines where no progress bar is shown (Lightning's ``log_every_n_steps``).
 DEFAULT_LOG_EVERY = 50
-
-
-class PlanLoss(Protocol):
-    """``loss(model, outputs, targets)``: a minibatch's scalar loss from its applied plan and its targets.
-
-    ``outputs`` is ``plan.apply(model)`` (one tensor per request of the plan); the loss is averaged
-    over the minibatch's samples (summed when the optimizer has ``reduction="sum"``).
-    """
-
-    def __call__(self, model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor: ...
 
 
 # a step's loss left on the device: the weighted sum of its minibatches' losses, as (tensor, factor)

@@ -243,7 +243,7 @@ class TraceTrainer:
         compile_backend: str | None = None,
     ) -> None:
         _check_parts(model, optimizer, loader, loss)
-        _check_settings(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
+        _check_arguments(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
         found = world()
         world_size, rank = found.size, found.rank
         if (loader.num_replicas, loader.rank) != (world_size, rank):
@@ -632,7 +632,7 @@ class TraceTrainer:
         check_trainer_state(state, source, optimizer=self.optimizer.optimizer, settings=self.settings)
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
-            # with this run's device settings: a checkpoint moves between devices (e.g. XLA and the CPU)
+            # with this run's device options: a checkpoint moves between devices (e.g. XLA and the CPU)
             (
                 "optimizer",
                 lambda saved: self.optimizer.load_state_dict(_on_this_device(saved, self.optimizer)),
@@ -710,15 +710,16 @@ class TraceTrainer:
         return path
 
 
-# Param group settings that say how an update runs on the device, not what it computes: a
-# checkpoint's are those of the device it was written on, this run's stand.
-_DEVICE_SETTINGS = ("capturable", "fused", "foreach")
+# Param group options (torch's word; ``settings`` is what a checkpoint is only valid with) that say
+# how an update runs on the device, not what it computes: a checkpoint's are those of the device it
+# was written on, this run's stand.
+_DEVICE_OPTIONS = ("capturable", "fused", "foreach")
 
 
 def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """``saved`` (an optimizer state dict) with the device settings of ``optimizer``'s param groups.
+    """``saved`` (an optimizer state dict) with the device options of ``optimizer``'s param groups.
 
-    ``Optimizer.load_state_dict`` takes every group setting from the file, ``capturable`` and
+    ``Optimizer.load_state_dict`` takes every group option from the file, ``capturable`` and
     ``fused`` too, and places the step counts by them: a state written on XLA (``capturable``)
     would make the CPU's Adam refuse its parameters, a CPU's (``fused``) XLA's.
     """
@@ -732,7 +733,7 @@ def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
     return {
         **saved,
         "param_groups": [
-            {**group, **{key: current[key] for key in _DEVICE_SETTINGS if key in current}}
+            {**group, **{key: current[key] for key in _DEVICE_OPTIONS if key in current}}
             if isinstance(group, dict)
             else group
             for group, current in zip(groups, optimizer.param_groups, strict=True)
@@ -761,14 +762,14 @@ def _check_parts(model: object, optimizer: object, loader: object, loss: object)
         raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
 
 
-def _check_settings(
+def _check_arguments(
     checkpoint_every: object,
     log_every: object,
     keep_checkpoints: object,
     seed: object,
     preemption_timeout: object,
 ) -> None:
-    """TraceTrainer's numeric settings are in range, or a ValueError names the first that is not."""
+    """TraceTrainer's numeric arguments are in range, or a ValueError names the first that is not."""
     for name, value, minimum in (
         ("checkpoint_every", checkpoint_every, 0),
         ("log_every", 0 if log_every is None else log_every, 0),

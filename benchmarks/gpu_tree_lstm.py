@@ -261,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     plans = [tree_lstm.fold_plan(b)[0] for b in batches]
     shapes = torchfold.StaticShapes()
     for plan in plans:  # grow the envelope over every batch first, then pad all into its last version
-        shapes.fit(plan)
-    static = [shapes.fit(plan) for plan in plans]
+        shapes.cover(plan)
+    static = [shapes.cover(plan) for plan in plans]
     static_targets = [
         (s.pad(0, labels), s.pad(0, weights)) for s, (labels, weights) in zip(static, targets, strict=True)
     ]

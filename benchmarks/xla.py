@@ -211,7 +211,7 @@ def fitted_shapes(batches: list[list[Tree]], vocab: Vocab, pack_levels: bool = F
     for batch in batches:
         fold = Fold()
         nodes, _, _ = encode_trees(fold, batch, vocab)
-        shapes.fit(fold.plan([nodes]))
+        shapes.cover(fold.plan([nodes]))
     shapes.real_calls = shapes.padded_calls = 0  # count the waste of the training run only
     return shapes
 
@@ -249,8 +249,8 @@ def count_candidates(batches: list[list[Tree]], vocab: Vocab, warmup: int) -> No
         levels = -(-(max(s.depth for s in plan.groups) + 1) // 8) * 8
         for name, key in zip(keys, (plain, bucketed, (*bucketed, levels)), strict=True):
             keys[name].append(key)
-        envelope.fit(plan)
-        packed.fit(plan)
+        envelope.cover(plan)
+        packed.cover(plan)
         versions.append((envelope.version, packed.version))
         if len(versions) == warmup:  # the waste after the warm-up
             for counted in (envelope, packed):

@@ -4,7 +4,7 @@
 (torch_xla imported, runtime not started: it must answer one process and leave the runtime alone,
 or ``xmp.spawn`` would refuse to start), then runs one replica per XLA CPU device
 (``CPU_NUM_DEVICES``) through ``xmp.spawn``. Each builds a StepLoader with default
-``replication_factor`` and ``rank`` and saves what it read to ``OUT.rankN``.
+``num_replicas`` and ``rank`` and saves what it read to ``OUT.rankN``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _replica(index: int, out: str) -> None:
     result = {
         "index": index,
         "world": (found.size, found.rank, found.source),
-        "loader": (loader.replication_factor, loader.rank),
+        "loader": (loader.num_replicas, loader.rank),
         "steps": steps,
     }
     torch.save(result, f"{out}.rank{found.rank}")

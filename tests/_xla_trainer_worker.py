@@ -85,7 +85,7 @@ def _trainer(
     )
     wrapped = AccumulatingOptimizer(base, lr_rule="linear", ref_batch_size=8)
     loader = StepLoader(
-        trees, MINIBATCH, build=build, trace=TRACE[:steps], seed=3, replication_factor=world_size, rank=rank
+        trees, MINIBATCH, build=build, trace=TRACE[:steps], seed=3, num_replicas=world_size, rank=rank
     )
     return TraceTrainer(
         model, wrapped, loader, loss or tree_lstm_loss, progress=False, compile=compile, **kwargs
@@ -133,7 +133,7 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
         trees, vocab = _data(sst)
         shapes = StaticShapes(depth_buckets=False)  # one layout: compilations stop after the warm-up
         for start in range(0, len(trees), MINIBATCH):  # fitted on the host: the same on every replica
-            shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
+            shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
         device = torch_xla.device()
         compilations: list[int] = []
 

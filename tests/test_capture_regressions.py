@@ -42,7 +42,7 @@ def _trainer(
     vocab = Vocab.build(trees)
     shapes = StaticShapes()
     for start in range(0, len(trees), MINIBATCH):
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + MINIBATCH])[0])  # type: ignore[arg-type]
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), 8, 8).to(device)
     optimizer = AccumulatingOptimizer(make_optimizer(list(model.parameters())), lr_rule="constant")

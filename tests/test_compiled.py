@@ -112,8 +112,8 @@ def test_one_capture_per_layout_and_a_new_one_after_growth() -> None:
         fold = Fold(shapes=None)
         unpadded.append(fold.plan([_forest(fold, [2, 3], seed)]))
     for plan in unpadded:  # the warm-up: the envelope grows to fit them all, silently
-        shapes.fit(plan)
-    plans = [shapes.fit(plan) for plan in unpadded]
+        shapes.cover(plan)
+    plans = [shapes.cover(plan) for plan in unpadded]
     keys = {plan.layout.key for plan in plans}
     assert len(keys) == 1
     for plan in plans:
@@ -199,7 +199,7 @@ def test_the_trainer_with_captured_steps_equals_the_eager_trainer_on_sst(data_di
     vocab = Vocab.build(trees)
     shapes = StaticShapes()
     for start in range(0, len(trees), 4):  # fitted on the host first: the envelope does not grow in training
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
     eager, captured = _sst_trainer("off", trees, vocab, shapes), _sst_trainer("on", trees, vocab, shapes)
     assert eager.compiled is None and captured.compiled is not None
     # the runner holds the captured update; the user's optimizer is left as it was made

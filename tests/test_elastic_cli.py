@@ -338,10 +338,10 @@ def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
         assert s["stop"] == stop or (s["processes"] == "3" and s["stop"] == "skipped" and 3 not in used), (
             segments
         )
-    for history in sorted((run / "history").glob("segment-*.jsonl")):  # world_size, once the rows have it
+    for history in sorted((run / "history").glob("segment-*.jsonl")):  # num_replicas, once the rows have it
         group = segments[int(history.stem.split("-")[1])]
         for line in history.read_text().splitlines():
-            assert json.loads(line).get("world_size", int(group["processes"])) == int(group["processes"])
+            assert json.loads(line).get("num_replicas", int(group["processes"])) == int(group["processes"])
 
     assert (run / "replay.png").read_bytes().startswith(b"\x89PNG")
     ours = load_checkpoint(checkpoint_path(run / "checkpoints", 12))["model"]

@@ -100,7 +100,7 @@ def test_two_then_three_then_one_processes_with_kills_equal_one_uninterrupted_pr
             resumed_at.append(out["phase"]["resumed"])
             history = out["phase"]["history"]
             assert [s.step for s in history] == list(range(10, len(TRACE) - 1))
-            assert {s.world_size for s in history} == {1}
+            assert {s.num_replicas for s in history} == {1}
             assert [s.loss for s in history] == pytest.approx(
                 [s.loss for s in reference_history[10:]], rel=1e-9
             )

@@ -96,7 +96,7 @@ def test_split_positions_are_the_same_on_any_number_of_ranks(sst: tuple[list[Tre
             build=TreeLSTMBuild(vocab, shapes=shapes),
             trace=trace,
             seed=5,
-            replication_factor=replicas,
+            num_replicas=replicas,
             rank=rank,
             num_workers=workers,
             multiprocessing_context="fork",
@@ -163,15 +163,15 @@ def test_a_frozen_envelope_refuses_to_grow_and_fits_says_so_without_changing_it(
         return f.plan([[f.add("leaf", i) for i in range(n)]])
 
     shapes = StaticShapes(min_rows=4)
-    shapes.fit(plan(3))
+    shapes.cover(plan(3))
     shapes.freeze()
     state = pickle.dumps(shapes._snapshot())
     assert shapes.fits(plan(4)) and not shapes.fits(plan(9))
     with pytest.raises(StaticShapesOverflow, match="does not fit the frozen static shapes") as caught:
-        shapes.fit(plan(9))
+        shapes.cover(plan(9))
     assert caught.value.shapes is shapes
     assert pickle.dumps(shapes._snapshot()) == state  # nothing learned
-    assert shapes.fit(plan(9), grow=True).capacities[0] >= 9  # asked for: grows
+    assert shapes.cover(plan(9), grow=True).capacities[0] >= 9  # asked for: grows
     assert shapes.frozen and shapes.version == 2
 
 

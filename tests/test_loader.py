@@ -77,7 +77,7 @@ def test_ranks_read_disjoint_parts_of_one_seeded_permutation(batch: int, accumul
             loader = StepLoader(
                 list(range(100)),
                 batch,
-                replication_factor=3,
+                num_replicas=3,
                 rank=rank,
                 gradient_accumulation=accumulation,
                 seed=7,
@@ -97,12 +97,12 @@ def test_ranks_read_disjoint_parts_of_one_seeded_permutation(batch: int, accumul
 
 
 def test_the_split_settings_are_read_from_the_sampler() -> None:
-    fixed = StepLoader(list(range(20)), 2, replication_factor=2, rank=1)
-    settings = (fixed.batch_size, fixed.max_device_batch_size, fixed.replication_factor, fixed.rank)
+    fixed = StepLoader(list(range(20)), 2, num_replicas=2, rank=1)
+    settings = (fixed.minibatch_size, fixed.max_device_batch_size, fixed.num_replicas, fixed.rank)
     assert settings == (2, None, 2, 1)
     assert fixed.sampler.minibatch_size == 2 and fixed.sampler.num_replicas == 2
     elastic = StepLoader(list(range(20)), trace=8, max_device_batch_size=3)
-    assert (elastic.batch_size, elastic.max_device_batch_size, elastic.replication_factor) == (None, 3, 1)
+    assert (elastic.minibatch_size, elastic.max_device_batch_size, elastic.num_replicas) == (None, 3, 1)
 
 
 def test_poptorch_sizes_and_the_combined_batch() -> None:
@@ -110,7 +110,7 @@ def test_poptorch_sizes_and_the_combined_batch() -> None:
         list(range(200)),
         2,
         device_iterations=3,
-        replication_factor=2,
+        num_replicas=2,
         rank=1,
         gradient_accumulation=4,
         seed=0,
@@ -126,7 +126,7 @@ def test_poptorch_sizes_and_the_combined_batch() -> None:
 def test_trace_mode_yields_the_samplers_minibatches_step_by_step() -> None:
     trace = [12, 6, 18, 30, 6, 24, 12, 18, 36]
     for rank in range(2):
-        loader = StepLoader(list(range(100)), 6, trace=trace, replication_factor=2, rank=rank, seed=3)
+        loader = StepLoader(list(range(100)), 6, trace=trace, num_replicas=2, rank=rank, seed=3)
         sampler = TraceBatchSampler(100, trace, 6, num_replicas=2, rank=rank, seed=3)
         steps = list(loader)
         assert [step.split for step in steps] == sampler.steps()
@@ -426,20 +426,25 @@ def _alive(pid: int) -> bool:
     ("kwargs", "error", "match"),
     [
         (
-            {"batch_size": 40},
+            {"minibatch_size": 40},
             ValueError,
             r"combined batch size .* = 40 is larger than the dataset \(30 items\)",
         ),
         (
-            {"batch_size": 4, "replication_factor": 2, "device_iterations": 2, "gradient_accumulation": 2},
+            {
+                "minibatch_size": 4,
+                "num_replicas": 2,
+                "device_iterations": 2,
+                "gradient_accumulation": 2,
+            },
             ValueError,
             r"4 \* 2 \* 2 \* 2 = 32 is larger than the dataset",
         ),
         ({"device_iterations": 0}, ValueError, "device_iterations must be a positive int, got 0"),
-        ({"replication_factor": True}, TypeError, "replication_factor must be an int, got bool True"),
+        ({"num_replicas": True}, TypeError, "num_replicas must be an int, got bool True"),
         ({"gradient_accumulation": 1.5}, TypeError, "gradient_accumulation must be an int, got float 1.5"),
         (
-            {"batch_size": 4, "trace": [12, 10]},
+            {"minibatch_size": 4, "trace": [12, 10]},
             ValueError,
             "batch size 10 is not a multiple of minibatch_size=4",
         ),
@@ -452,7 +457,7 @@ def _alive(pid: int) -> bool:
             "cannot be pickled for 'spawn' worker processes",
         ),
         (
-            {"rank": 2, "replication_factor": 2},
+            {"rank": 2, "num_replicas": 2},
             ValueError,
             r"Invalid rank 2, rank should be in the interval \[0, 1\]",
         ),
@@ -590,3 +595,44 @@ def test_the_train_cli_trains_on_a_trace_shorter_than_one_epoch(
     args = ["train", "--trace", str(trace), "--generate", "64", "--minibatch-size", "16", "--max-steps", "1"]
     main([*args, "--no-progress", "--threads", "1", "--workers", "0"])
     assert "done: 1 steps (32 samples" in capsys.readouterr().out
+
+
+def test_minibatch_size_is_the_per_replica_name_and_batch_size_a_deprecated_alias() -> None:
+    # batch_size means a step's global batch (Step.batch_size); the loader's per-replica size is
+    # minibatch_size, positional as before; the old keyword and attribute still work with a FutureWarning.
+    positional = StepLoader(list(range(12)), 3, trace=[6, 6], shuffle=False)
+    keyword = StepLoader(list(range(12)), minibatch_size=3, trace=[6, 6], shuffle=False)
+    with pytest.warns(FutureWarning, match=r"StepLoader\(batch_size=\) is deprecated; use minibatch_size="):
+        old = StepLoader(list(range(12)), batch_size=3, trace=[6, 6], shuffle=False)
+    for loader in (positional, keyword, old):
+        assert loader.minibatch_size == 3 and "minibatch_size=3" in repr(loader)
+        assert [[mb.num_samples for mb in step] for step in loader] == [[3, 3], [3, 3]]
+    with pytest.warns(
+        FutureWarning, match=r"StepLoader.batch_size is deprecated; use StepLoader.minibatch_size"
+    ):
+        assert old.batch_size == 3
+    with pytest.raises(TypeError, match="give minibatch_size=3, not also the deprecated batch_size=4"):
+        StepLoader(list(range(12)), 3, batch_size=4)
+
+
+def test_num_replicas_is_the_process_count_and_replication_factor_a_deprecated_alias() -> None:
+    # torch's DistributedSampler word; PopTorch's replication_factor still works with a FutureWarning.
+    new = [
+        StepLoader(list(range(12)), 2, trace=[4, 8], num_replicas=2, rank=r, shuffle=False) for r in (0, 1)
+    ]
+    with pytest.warns(
+        FutureWarning, match=r"StepLoader\(replication_factor=\) is deprecated; use num_replicas="
+    ):
+        old = [
+            StepLoader(list(range(12)), 2, trace=[4, 8], replication_factor=2, rank=r, shuffle=False)
+            for r in (0, 1)
+        ]
+    for a, b in zip(new, old, strict=True):
+        assert a.num_replicas == b.num_replicas == 2
+        assert [[mb.indices for mb in s] for s in a] == [[mb.indices for mb in s] for s in b]
+    with pytest.warns(
+        FutureWarning, match=r"StepLoader.replication_factor is deprecated; use StepLoader.num_replicas"
+    ):
+        assert old[0].replication_factor == 2
+    with pytest.raises(TypeError, match="give num_replicas=2, not also the deprecated replication_factor=3"):
+        StepLoader(list(range(12)), 2, num_replicas=2, replication_factor=3)

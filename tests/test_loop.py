@@ -418,7 +418,7 @@ def test_bad_arguments(trees: list[Tree], change: dict, error: type[Exception], 
     args: dict = {
         "model": model,
         "optimizer": sgd if change.pop("optimizer", None) else AccumulatingOptimizer(sgd),
-        "loader": StepLoader(trees, MINIBATCH, build=build, trace=12, replication_factor=replicas, rank=rank),
+        "loader": StepLoader(trees, MINIBATCH, build=build, trace=12, num_replicas=replicas, rank=rank),
         "loss": tree_lstm_loss,
     }
     args.update(change)
@@ -497,3 +497,21 @@ def test_torchrun_two_processes_equal_one_process(tmp_path: Path) -> None:
     two = load_checkpoint(tmp_path / "two" / "step-00000014.pt")
     assert two["world_size"] == 2 and len(two["rng"]) == 2
     torch.testing.assert_close(two["model"], one["model"])
+
+
+def test_step_stats_num_replicas_and_its_deprecated_world_size_alias() -> None:
+    stats = StepStats(
+        step=0,
+        epoch=0,
+        batch_size=8,
+        num_minibatches=2,
+        local_minibatches=1,
+        local_nodes=5,
+        lr=0.1,
+        loss=1.0,
+        seconds=0.5,
+        num_replicas=2,
+    )
+    assert stats.num_replicas == 2
+    with pytest.warns(FutureWarning, match=r"StepStats.world_size is deprecated; use StepStats.num_replicas"):
+        assert stats.world_size == 2

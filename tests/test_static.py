@@ -29,7 +29,15 @@ from test_fold_properties import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchfold import EagerFold, Fold, FoldError, StaticPlan, StaticShapes, StaticShapesWarning
+from torchfold import (
+    EagerFold,
+    Fold,
+    FoldError,
+    StaticPlan,
+    StaticShapes,
+    StaticShapesOverflow,
+    StaticShapesWarning,
+)
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
 
@@ -467,7 +475,7 @@ def test_a_spawned_loader_worker_builds_the_same_static_plans_as_the_training_pr
     vocab = Vocab.build(trees)
     shapes = StaticShapes()
     for start in range(0, 40, 8):
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 8])[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + 8])[0])  # type: ignore[arg-type]
     model = TreeLSTM(len(vocab), 8, 8)
     losses = []
     for workers, context in ((0, None), (1, "spawn")):
@@ -815,3 +823,17 @@ def test_a_fold_that_fails_leaves_the_envelope_as_it_was(packed: bool) -> None:
         == before
     )
     assert apply(shapes, "leaf") == [torch.tensor([[6.0]])]  # the corrected fold runs
+
+
+def test_cover_pads_a_plan_and_fit_is_its_deprecated_alias() -> None:
+    # StaticShapes.fit widened the envelope to a plan while TraceTrainer.fit trains: the method is cover.
+    f = Fold()
+    plan = f.plan([[f.add(torch.neg, 1)]])
+    covered = StaticShapes(min_rows=4).cover(plan)
+    with pytest.warns(FutureWarning, match=r"StaticShapes.fit is deprecated; use StaticShapes.cover"):
+        fitted = StaticShapes(min_rows=4).fit(plan)
+    assert isinstance(fitted, StaticPlan) and fitted.capacities == covered.capacities == [4]
+    frozen = StaticShapes(min_rows=4)
+    frozen.freeze()
+    with pytest.warns(FutureWarning), pytest.raises(StaticShapesOverflow):
+        frozen.fit(plan)  # its arguments pass through (grow defaults to not frozen)

@@ -273,7 +273,7 @@ def test_the_train_cli_runs_on_xla_with_static_shapes(device: str, packed: bool)
 
 
 def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_path: Path) -> None:
-    # Defaults only: replication_factor and rank must both come from torch_xla (they once came
+    # Defaults only: num_replicas and rank must both come from torch_xla (they once came
     # from two places: 2 replicas, both rank 0, half of every step never read).
     from _xla_loader_worker import BATCH, DATASET, TRACE
 
@@ -283,7 +283,7 @@ def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_pa
     replicas = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in (0, 1)]
     assert [r["world"] for r in replicas] == [(2, 0, "torch_xla"), (2, 1, "torch_xla")]
     assert [r["loader"] for r in replicas] == [(2, 0), (2, 1)]
-    whole = StepLoader(list(range(DATASET)), BATCH, trace=TRACE, seed=3, replication_factor=1, rank=0)
+    whole = StepLoader(list(range(DATASET)), BATCH, trace=TRACE, seed=3, num_replicas=1, rank=0)
     expected = [sorted(i for mb in step for i in mb.indices) for step in whole]
     assert len(expected) == len(replicas[0]["steps"]) == len(replicas[1]["steps"])
     for number, samples in enumerate(expected):
@@ -451,7 +451,7 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
     batches, vocab = _sst_batches(8, 4)
     shapes = StaticShapes()
     for trees in batches:
-        shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
     device = torch_xla.device()
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -516,7 +516,7 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     batches, vocab = _sst_batches(2, 4)
     shapes = StaticShapes()
     for trees in batches:
-        shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
     device, cpu = torch_xla.device(), torch.device("cpu")
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -599,7 +599,7 @@ def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() 
 
     [trees], vocab = _sst_batches(1, 4)
     shapes = StaticShapes()
-    shapes.fit(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+    shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
     device, cpu = torch_xla.device(), torch.device("cpu")
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -73,7 +73,7 @@ def test_steps_of_any_minibatch_count_replay_and_equal_eager_steps_on_the_cpu(ki
     trees, vocab = _sst(sum(warmup + later))
     shapes = StaticShapes(depth_buckets=False)  # one layout: the envelope fitted on every minibatch first
     for start in range(0, len(trees), 4):
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
     device = torch_xla.device()
     trace = warmup + later
     xla = _trainer(device, trees, vocab, shapes, kind, trace)
@@ -118,7 +118,7 @@ def test_a_python_number_the_loss_reads_is_followed_or_refused() -> None:
     trees, vocab = _sst(16)
     shapes = StaticShapes(depth_buckets=False)
     for start in range(0, 16, 4):
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
     device = torch_xla.device()
     scale = {"value": 1.0}
 
@@ -167,7 +167,7 @@ def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved
     trees, vocab = _sst(8)
     shapes = StaticShapes(depth_buckets=False)
     for start in range(0, 8, 4):
-        shapes.fit(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
+        shapes.cover(TreeLSTMBuild(vocab)(trees[start : start + 4])[0])  # type: ignore[arg-type]
     device = torch_xla.device()
 
     def make(on: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -563,7 +563,7 @@ def _train(
         print(
             f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
             f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
-            f"{loader.replication_factor} process(es), "
+            f"{loader.num_replicas} process(es), "
             + (
                 f"minibatch {args.minibatch_size}, "
                 if args.minibatch_size is not None

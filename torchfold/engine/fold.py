@@ -313,7 +313,7 @@ class Fold:
         """
         plan = plan_fold(self, nodes)
         if isinstance(self.shapes, StaticShapes):
-            return self.shapes.fit(plan)
+            return self.shapes.cover(plan)
         return plan
 
     # -- inspecting -------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class FoldPlan(PlanData):
         """``apply``, also giving each group's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
         device = device_for(nn, self.device)
         if self.pad_on_xla and device.type == "xla":
-            return StaticShapes.of(nn).fit(self).apply(nn)
+            return StaticShapes.of(nn).cover(self).apply(nn)
         if self.volatile and torch.is_grad_enabled():
             with torch.no_grad():
                 return run(self, nn, arg_shapes, device)

@@ -4,7 +4,7 @@ Everything for training with a global batch size that changes every step, on one
 many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at the root.
 
 >>> import torchfold.train as tt
->>> loader = tt.StepLoader(list(range(10)), batch_size=2, trace=[4, 6], shuffle=False)
+>>> loader = tt.StepLoader(list(range(10)), minibatch_size=2, trace=[4, 6], shuffle=False)
 >>> [[mb.indices for mb in step] for step in loader]
 [[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
 """

@@ -94,7 +94,9 @@ class World(NamedTuple):
     """How many processes (replicas) share the training, and which one this is.
 
     Args:
-        size: the number of processes, >= 1.
+        size: the number of replicas (processes), >= 1: the ``num_replicas`` of a
+            :class:`~torchfold.train.StepLoader`, a :class:`~torchfold.train.TraceBatchSampler` and
+            an :class:`~torchfold.train.ElasticConfig`.
         rank: this one's, in ``[0, size)``.
         source: where the answer came from: ``"torch.distributed"``, ``"torch_xla"`` or
             ``"single process"``.

@@ -97,7 +97,7 @@ def fit_static_shapes(
                     "must return an unpadded FoldPlan (or a tuple starting with one): make it without shapes, e.g. "
                     "TreeLSTMBuild(vocab), not TreeLSTMBuild(vocab, shapes=...)"
                 )
-            shapes.fit(plan, grow=True)
+            shapes.cover(plan, grow=True)
     shapes.reset_counters()
     if freeze:
         shapes.freeze()

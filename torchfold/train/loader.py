@@ -1,11 +1,11 @@
 """A step loader: one item per optimizer step, minibatches built (folds recorded) in worker processes.
 
 :class:`StepLoader` is a thin layer over ``torch.utils.data.DataLoader`` with PopTorch's batching
-model. Each optimizer step has a global batch; the loader cuts it into minibatches of
-``batch_size`` samples, deals them to the ``replication_factor`` processes (minibatch ``j`` of a
-step to rank ``j % replication_factor``, so a rank may get several, one or none) and yields, per
+model. Each optimizer step has a global batch (``Step.batch_size``); the loader cuts it into
+minibatches of ``minibatch_size`` samples, deals them to the ``num_replicas`` processes (minibatch ``j`` of a
+step to rank ``j % num_replicas``, so a rank may get several, one or none) and yields, per
 step, this rank's minibatches as one :class:`Step`. The global batch is either PopTorch's
-constant ``batch_size * replication_factor * gradient_accumulation`` or, with ``trace=``, what a
+constant ``minibatch_size * num_replicas * gradient_accumulation`` or, with ``trace=``, what a
 :class:`~torchfold.train.BatchSizeTrace` says for that step. Either way the split is the one of
 :class:`~torchfold.train.TraceBatchSampler` (the loader drives one), so ranks read disjoint samples of
 one seeded permutation that changes with :meth:`StepLoader.set_epoch`.
@@ -60,7 +60,7 @@ class Minibatch(Generic[R]):
         num_samples: how many samples it holds: give it to ``optimizer.minibatch(num_samples)``.
         indices: the dataset indices of its items.
         position: its number among the step's minibatches over all ranks (minibatch ``j`` is on
-            rank ``j % replication_factor``); with a fixed ``batch_size`` it names the same
+            rank ``j % num_replicas``); with a fixed ``minibatch_size`` it names the same
             samples on any number of ranks, so it can seed the minibatch's random draws. A
             minibatch split in parts (its plan did not fit a frozen envelope) keeps its position
             for the first part; part ``k`` gets ``position + k * num_minibatches`` (the step's
@@ -296,8 +296,9 @@ class StepLoader(Generic[T, R]):
 
     Args:
         dataset: the items (indexable, with ``len()``), e.g. a list of trees.
-        batch_size: samples per minibatch on one replica (PopTorch's ``batch_size``; default 1,
-            unless ``max_device_batch_size`` is given).
+        minibatch_size: samples per minibatch on one replica (PopTorch's ``batch_size``; default 1,
+            unless ``max_device_batch_size`` is given). A step's global batch is
+            :attr:`Step.batch_size`.
         build: ``build(items) -> (FoldPlan, targets)``, run for each minibatch in the workers
             (record the items on a ``Fold`` and return ``fold.plan(...)`` and the targets, numpy
             preferred). ``None`` (default): a minibatch is the list of its items. A minibatch
@@ -308,11 +309,12 @@ class StepLoader(Generic[T, R]):
             the same samples, so the optimizer's step is the same.
         trace: the global batch size of every step (a :class:`~torchfold.train.BatchSizeTrace`, a
             ``step,batchsize`` CSV path, a list or an int); every size a multiple of
-            ``batch_size``. ``None`` (default): PopTorch's constant
-            ``batch_size * replication_factor * gradient_accumulation``.
+            ``minibatch_size``. ``None`` (default): PopTorch's constant
+            ``minibatch_size * num_replicas * gradient_accumulation``.
         device_iterations: PopTorch's optimizer steps per host step (default 1). The loader hands
             out one step at a time, so it only enters :attr:`combined_batch_size` and its check.
-        replication_factor: processes sharing each step (default: this run's,
+        num_replicas: processes (replicas) sharing each step (PopTorch's ``replication_factor``;
+            default: this run's,
             :func:`~torchfold.train.world`: the ``torch.distributed`` group's, torch_xla's
             replicas, else 1); each reads a disjoint part of every step.
         gradient_accumulation: minibatches per replica per step (default 1; without ``trace``).
@@ -332,13 +334,15 @@ class StepLoader(Generic[T, R]):
         timeout: seconds to wait for a worker's minibatch before raising (default 0: no limit).
         device: move each minibatch's tensors and numpy arrays there, without blocking (default:
             leave them where they are).
-        max_device_batch_size: instead of ``batch_size``, for elastic training: the most samples
+        max_device_batch_size: instead of ``minibatch_size``, for elastic training: the most samples
             one replica processes at once (AIkit's maximum GPU batch size). Each step's global
             batch (``trace`` is then required) is cut into as few minibatches per replica as
             that allows, so the accumulation follows the number of replicas present (see
             :class:`~torchfold.train.ElasticConfig`).
         max_accumulation_steps: with ``max_device_batch_size``: refuse a trace whose global batch
             needs more minibatches per replica than this (default: no limit).
+        batch_size: deprecated keyword for ``minibatch_size`` (emits a ``FutureWarning``).
+        replication_factor: deprecated keyword for ``num_replicas`` (emits a ``FutureWarning``).
 
     Every ``iter()`` is a pass, as with a ``DataLoader``: it goes on from the last step handed out
     (:attr:`next_step`), to the end of the current epoch; once an epoch has been handed out
@@ -358,15 +362,15 @@ class StepLoader(Generic[T, R]):
     Example (101 items in minibatches of 6: 16 full steps and one of 5; with ``drop_last`` those
     5 wait for the next epoch's permutation):
 
-    >>> loader = StepLoader(list(range(101)), batch_size=6, shuffle=False)
+    >>> loader = StepLoader(list(range(101)), minibatch_size=6, shuffle=False)
     >>> len(loader), loader.combined_batch_size
     (17, 6)
     >>> steps = list(loader)
     >>> [len(mb.data) for step in steps[-2:] for mb in step]
     [6, 5]
-    >>> StepLoader(list(range(101)), batch_size=6, drop_last=True).dropped_samples
+    >>> StepLoader(list(range(101)), minibatch_size=6, drop_last=True).dropped_samples
     5
-    >>> ranks = [StepLoader(list(range(10)), 2, trace=[4, 4, 2], replication_factor=2, rank=r, shuffle=False)
+    >>> ranks = [StepLoader(list(range(10)), 2, trace=[4, 4, 2], num_replicas=2, rank=r, shuffle=False)
     ...          for r in range(2)]
     >>> [[mb.indices for mb in step] for step in ranks[1]]  # rank 0 has the last step alone
     [[[2, 3]], [[6, 7]], []]
@@ -378,12 +382,12 @@ class StepLoader(Generic[T, R]):
     def __init__(
         self,
         dataset: Sequence[T],
-        batch_size: int | None = None,
+        minibatch_size: int | None = None,
         *,
         build: Callable[[list[T]], R] | None = None,
         trace: TraceLike | None = None,
         device_iterations: int = 1,
-        replication_factor: int | None = None,
+        num_replicas: int | None = None,
         gradient_accumulation: int = 1,
         rank: int | None = None,
         shuffle: bool = True,
@@ -397,15 +401,40 @@ class StepLoader(Generic[T, R]):
         device: torch.device | str | None = None,
         max_device_batch_size: int | None = None,
         max_accumulation_steps: int | None = None,
+        batch_size: int | None = None,
+        replication_factor: int | None = None,
     ) -> None:
+        if replication_factor is not None:
+            if num_replicas is not None:
+                raise TypeError(
+                    f"give num_replicas={num_replicas}, not also the deprecated replication_factor="
+                    f"{replication_factor} (its old name)"
+                )
+            warnings.warn(
+                "StepLoader(replication_factor=) is deprecated; use num_replicas= (processes sharing each step)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            num_replicas = replication_factor
+        if batch_size is not None:
+            if minibatch_size is not None:
+                raise TypeError(
+                    f"give minibatch_size={minibatch_size}, not also the deprecated batch_size={batch_size} (its old name)"
+                )
+            warnings.warn(
+                "StepLoader(batch_size=) is deprecated; use minibatch_size= (samples per minibatch on one replica)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            minibatch_size = batch_size
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(
                 f"dataset must be indexable and have len() (a list, a map-style Dataset), got {type(dataset).__name__}"
             )
         if max_device_batch_size is not None:
-            if batch_size is not None:
+            if minibatch_size is not None:
                 raise TypeError(
-                    f"give batch_size={batch_size} (a fixed minibatch size) or max_device_batch_size="
+                    f"give minibatch_size={minibatch_size} (a fixed minibatch size) or max_device_batch_size="
                     f"{max_device_batch_size} (minibatches fitted to the replicas present), not both"
                 )
             if trace is None:
@@ -413,15 +442,15 @@ class StepLoader(Generic[T, R]):
                     "max_device_batch_size needs trace= (the global batch of every step, an int for a constant one): "
                     "the minibatches are cut from it"
                 )
-        elif batch_size is None:
-            batch_size = 1
+        elif minibatch_size is None:
+            minibatch_size = 1
         else:
-            check_int("batch_size", batch_size)
+            check_int("minibatch_size", minibatch_size)
         check_int("device_iterations", device_iterations)
         check_int("gradient_accumulation", gradient_accumulation)
         # One rule for both, so they cannot come from different places (XLA's size, rank 0).
-        replication_factor, rank = world_or(replication_factor, rank)
-        check_int("replication_factor", replication_factor)
+        num_replicas, rank = world_or(num_replicas, rank)
+        check_int("num_replicas", num_replicas)
         check_int("num_workers", num_workers, minimum=0)
         if prefetch_factor is not None:
             check_int("prefetch_factor", prefetch_factor)
@@ -448,24 +477,24 @@ class StepLoader(Generic[T, R]):
             raise ValueError("dataset is empty; a loader needs at least one item")
         self.combined_batch_size: int | None = None
         if trace is None:
-            assert batch_size is not None
+            assert minibatch_size is not None
             self.combined_batch_size = (
-                batch_size * device_iterations * replication_factor * gradient_accumulation
+                minibatch_size * device_iterations * num_replicas * gradient_accumulation
             )
             if self.combined_batch_size > len(dataset):
                 raise ValueError(
-                    f"the combined batch size batch_size * device_iterations * replication_factor * "
-                    f"gradient_accumulation = {batch_size} * {device_iterations} * {replication_factor} * "
+                    f"the combined batch size minibatch_size * device_iterations * num_replicas * "
+                    f"gradient_accumulation = {minibatch_size} * {device_iterations} * {num_replicas} * "
                     f"{gradient_accumulation} = {self.combined_batch_size} is larger than the dataset "
                     f"({len(dataset)} items); lower one of them"
                 )
-            trace = batch_size * replication_factor * gradient_accumulation
+            trace = minibatch_size * num_replicas * gradient_accumulation
         try:
             self.sampler = TraceBatchSampler(
                 len(dataset),
                 trace,
-                minibatch_size=batch_size,
-                num_replicas=replication_factor,
+                minibatch_size=minibatch_size,
+                num_replicas=num_replicas,
                 rank=rank,
                 shuffle=shuffle,
                 seed=seed,
@@ -475,7 +504,10 @@ class StepLoader(Generic[T, R]):
             )
         except ValueError as e:
             if "minibatch_size" in str(e):
-                add_note(e, f"torchfold.train.StepLoader: its batch_size={batch_size} is the minibatch size")
+                add_note(
+                    e,
+                    f"torchfold.train.StepLoader: minibatch_size={minibatch_size} (samples per minibatch on one replica)",
+                )
             raise
         if num_workers and build is not None:
             method: str = (
@@ -493,7 +525,7 @@ class StepLoader(Generic[T, R]):
                         f"build {build!r} cannot be pickled for {method!r} worker processes ({e}); define it at "
                         "module level (or as an instance of a module-level class), not as a lambda or a local function"
                     ) from e
-        # The split settings (batch_size, max_device_batch_size, replication_factor, rank) are the
+        # The split settings (minibatch_size, max_device_batch_size, num_replicas, rank) are the
         # sampler's: read through properties, never kept twice.
         self.dataset = dataset
         self.build = build
@@ -527,23 +559,43 @@ class StepLoader(Generic[T, R]):
     # -- the split (the sampler's) -------------------------------------------------------------------
 
     @property
-    def batch_size(self) -> int | None:
-        """Samples per minibatch (the sampler's ``minibatch_size``); ``None`` with ``max_device_batch_size``."""
+    def minibatch_size(self) -> int | None:
+        """Samples per minibatch on one replica (the sampler's); ``None`` with ``max_device_batch_size``."""
         return self.sampler.minibatch_size
 
     @property
+    def batch_size(self) -> int | None:
+        """Deprecated: :attr:`minibatch_size` (per replica; a step's global batch is ``Step.batch_size``)."""
+        warnings.warn(
+            "StepLoader.batch_size is deprecated; use StepLoader.minibatch_size (samples per minibatch on one replica)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.minibatch_size
+
+    @property
     def max_device_batch_size(self) -> int | None:
-        """The most samples one replica processes at once, or ``None`` with a fixed ``batch_size``."""
+        """The most samples one replica processes at once, or ``None`` with a fixed ``minibatch_size``."""
         return self.sampler.max_device_batch_size
 
     @property
-    def replication_factor(self) -> int:
-        """Processes sharing each step (the sampler's ``num_replicas``)."""
+    def num_replicas(self) -> int:
+        """Processes (replicas) sharing each step (the sampler's)."""
         return self.sampler.num_replicas
 
     @property
+    def replication_factor(self) -> int:
+        """Deprecated: :attr:`num_replicas`."""
+        warnings.warn(
+            "StepLoader.replication_factor is deprecated; use StepLoader.num_replicas (processes sharing each step)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.num_replicas
+
+    @property
     def rank(self) -> int:
-        """This process's rank among the ``replication_factor`` ones."""
+        """This process's rank among the ``num_replicas`` ones."""
         return self.sampler.rank
 
     # -- position --------------------------------------------------------------------------------
@@ -616,7 +668,7 @@ class StepLoader(Generic[T, R]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the position saved by :meth:`state_dict` (mid-epoch too); an iteration in progress ends.
 
-        The state may come from a run with another ``replication_factor``: a step holds the same
+        The state may come from a run with another ``num_replicas``: a step holds the same
         samples whatever the number of replicas.
 
         Raises:
@@ -673,7 +725,7 @@ class StepLoader(Generic[T, R]):
                 got: Minibatch[Any] | tuple[Minibatch[Any], ...] | _BuildFailure = next(batches)
                 if isinstance(got, _BuildFailure):
                     got.raise_it()
-                position = i * self.replication_factor + self.rank
+                position = i * self.num_replicas + self.rank
                 for part, minibatch in enumerate(got if isinstance(got, tuple) else (got,)):
                     # the parts of a split minibatch: positions past the step's planned ones
                     minibatch = dataclasses.replace(
@@ -727,11 +779,11 @@ class StepLoader(Generic[T, R]):
             else f"trace={self.sampler.trace.source!r}"
         )
         size = (
-            f"batch_size={self.batch_size}"
+            f"minibatch_size={self.minibatch_size}"
             if self.max_device_batch_size is None
             else f"max_device_batch_size={self.max_device_batch_size}"
         )
         return (
             f"StepLoader({len(self.dataset)} items, {size}, {how}, "
-            f"rank {self.rank} of {self.replication_factor}, num_workers={self.num_workers})"
+            f"rank {self.rank} of {self.num_replicas}, num_workers={self.num_workers})"
         )

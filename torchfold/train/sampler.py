@@ -318,7 +318,7 @@ class TraceBatchSampler(Sampler[list[int]]):
             config = ElasticConfig(
                 batch_size,
                 self.max_device_batch_size,
-                world_size=self.num_replicas,
+                num_replicas=self.num_replicas,
                 rank=self.rank,  # the cut is the same for every rank; never this process's world()
                 max_accumulation_steps=self.max_accumulation_steps,
             )

@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -77,6 +77,7 @@ from torchfold.train.distributed import (
     world,
 )
 from torchfold.train.loader import Step, StepLoader, to_device
+from torchfold.train.loss import PlanLoss
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE  # (imported from here too)
 from torchfold.train.preemption import Preempted as Preempted
@@ -87,16 +88,6 @@ __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 #: Steps between log lines where no progress bar is shown (Lightning's ``log_every_n_steps``).
 DEFAULT_LOG_EVERY = 50
-
-
-class PlanLoss(Protocol):
-    """``loss(model, outputs, targets)``: a minibatch's scalar loss from its applied plan and its targets.
-
-    ``outputs`` is ``plan.apply(model)`` (one tensor per request of the plan); the loss is averaged
-    over the minibatch's samples (summed when the optimizer has ``reduction="sum"``).
-    """
-
-    def __call__(self, model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor: ...
 
 
 # a step's loss left on the device: the weighted sum of its minibatches' losses, as (tensor, factor)
@@ -117,7 +108,7 @@ class StepStats:
         lr: learning rate of the first parameter group in the update (after the LR rule).
         loss: mean loss over the step's global batch (over all ranks).
         seconds: wall time of the step on this rank.
-        world_size: processes that shared the step.
+        num_replicas: processes (replicas) that shared the step (:attr:`World.size`).
         stop_requested: some rank received SIGTERM by the end of the step: the run stops after it.
     """
 
@@ -130,8 +121,18 @@ class StepStats:
     lr: float
     loss: float
     seconds: float
-    world_size: int = 1
+    num_replicas: int = 1
     stop_requested: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Deprecated: :attr:`num_replicas`."""
+        warnings.warn(
+            "StepStats.world_size is deprecated; use StepStats.num_replicas (processes that shared the step)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.num_replicas
 
 
 @dataclass
@@ -146,7 +147,7 @@ class _Fit:
 class TraceTrainer:
     """Train a fold model for the steps of a :class:`~torchfold.train.StepLoader`, with checkpoints that resume exactly.
 
-    Every rank constructs the trainer with its own loader (``replication_factor`` = world size,
+    Every rank constructs the trainer with its own loader (``num_replicas`` = world size,
     ``rank`` = its rank: the defaults once the process group exists) and calls :meth:`fit`; the
     constructor copies rank 0's parameters to all ranks (a torch.distributed collective; torch_xla's
     replicas are not covered: give each the same initial weights, e.g. copies of a model made
@@ -242,12 +243,12 @@ class TraceTrainer:
         compile_backend: str | None = None,
     ) -> None:
         _check_parts(model, optimizer, loader, loss)
-        _check_settings(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
+        _check_arguments(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
         found = world()
         world_size, rank = found.size, found.rank
-        if (loader.replication_factor, loader.rank) != (world_size, rank):
+        if (loader.num_replicas, loader.rank) != (world_size, rank):
             raise ValueError(
-                f"the loader is for rank {loader.rank} of {loader.replication_factor} but this process is rank "
+                f"the loader is for rank {loader.rank} of {loader.num_replicas} but this process is rank "
                 f"{rank} of {world_size}; create the loader after the process group (its defaults then fit)"
             )
         self.model = model
@@ -277,7 +278,7 @@ class TraceTrainer:
         self.compile = compile
         self._compile_backend = compile_backend
         #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
-        with optimizer.default_minibatch_size(loader.batch_size):  # a runner may keep what it weighs by
+        with optimizer.default_minibatch_size(loader.minibatch_size):  # a runner may keep what it weighs by
             self.runner: StepRunner = step_runner(
                 model, loss, optimizer, device=self.device, compile=compile, backend=compile_backend
             )
@@ -298,7 +299,7 @@ class TraceTrainer:
         return (
             self.optimizer.minibatch_size
             if self.optimizer.minibatch_size is not None
-            else self.loader.batch_size
+            else self.loader.minibatch_size
         )
 
     @property
@@ -312,7 +313,7 @@ class TraceTrainer:
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {value!r}")
         self._loss = value
         if hasattr(self, "runner"):  # a loss set after construction: the runner runs it
-            with self.optimizer.default_minibatch_size(self.loader.batch_size):
+            with self.optimizer.default_minibatch_size(self.loader.minibatch_size):
                 self.runner = step_runner(
                     self.model,
                     value,
@@ -492,31 +493,31 @@ class TraceTrainer:
 
     def _train_step(self, step: Step[Any], defer: bool) -> tuple[StepStats, _Loss | None]:
         start = time.perf_counter()
-        plan = step.split
+        split = step.split
         self.model.train()
         dtype = self.context.accumulation_dtype
         # the user's optimizer keeps its minibatch_size; ours holds for the step (see minibatch_size)
-        with self.optimizer.default_minibatch_size(self.loader.batch_size):
+        with self.optimizer.default_minibatch_size(self.loader.minibatch_size):
             samples, nodes = self._run_minibatches(step)
             summed, scale = self.runner.update()
         loss_sum = summed if summed is not None else torch.zeros((), dtype=dtype, device=self.device)
-        if self.optimizer.last_batch_size != plan.batch_size:
+        if self.optimizer.last_batch_size != split.batch_size:
             raise RuntimeError(
-                f"step {plan.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
-                f"loader planned {plan.batch_size}; every rank needs a loader with replication_factor = world size "
+                f"step {split.step}: the ranks together ran {self.optimizer.last_batch_size} samples but the "
+                f"loader planned {split.batch_size}; every rank needs a loader with num_replicas = world size "
                 "and the same trace, dataset, batch size and seed"
             )
         stats = StepStats(
-            step=plan.step,
-            epoch=plan.epoch,
-            batch_size=plan.batch_size,
+            step=split.step,
+            epoch=split.epoch,
+            batch_size=split.batch_size,
             num_minibatches=self.optimizer.last_num_minibatches,  # a split minibatch counts as its parts
-            local_minibatches=plan.local_minibatches,
+            local_minibatches=split.local_minibatches,
             local_nodes=nodes,
             lr=float(self.optimizer.param_groups[0]["lr"]) * self.optimizer.last_lr_factor,
             loss=math.nan,
             seconds=time.perf_counter() - start,
-            world_size=world().size,
+            num_replicas=world().size,
             stop_requested=self._sigterm.received,
         )
         if defer:  # one process: its samples and SIGTERM are the step's; the loss is read later
@@ -525,18 +526,14 @@ class TraceTrainer:
 
     def _run_minibatches(self, step: Step[Any]) -> tuple[int, int]:
         """This rank's minibatches of ``step`` through the runner; their samples and plan nodes."""
-        plan = step.split
+        split = step.split
         samples, nodes = 0, 0
-        alone = plan.local_minibatches == 1 and world().size == 1
+        alone = split.local_minibatches == 1 and world().size == 1
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
-                seed_generators(derived_seed(self.seed, plan.step, minibatch.position), self.device)
-            fold_plan, targets = self._to_device(minibatch.data)
-            if (
-                self.device.type == "xla"
-                and not isinstance(fold_plan, StaticPlan)
-                and not self._warned_unpadded
-            ):
+                seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
+            plan, targets = self._to_device(minibatch.data)
+            if self.device.type == "xla" and not isinstance(plan, StaticPlan) and not self._warned_unpadded:
                 self._warned_unpadded = True
                 warnings.warn(
                     "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
@@ -544,8 +541,8 @@ class TraceTrainer:
                     "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
                     stacklevel=3,
                 )
-            self.runner.minibatch(fold_plan, targets, minibatch.num_samples, alone=alone)
-            nodes += len(fold_plan)
+            self.runner.minibatch(plan, targets, minibatch.num_samples, alone=alone)
+            nodes += len(plan)
             samples += minibatch.num_samples
         return samples, nodes
 
@@ -635,7 +632,7 @@ class TraceTrainer:
         check_trainer_state(state, source, optimizer=self.optimizer.optimizer, settings=self.settings)
         parts: list[tuple[str, Callable[[Any], Any]]] = [
             ("model", self.model.load_state_dict),
-            # with this run's device settings: a checkpoint moves between devices (e.g. XLA and the CPU)
+            # with this run's device options: a checkpoint moves between devices (e.g. XLA and the CPU)
             (
                 "optimizer",
                 lambda saved: self.optimizer.load_state_dict(_on_this_device(saved, self.optimizer)),
@@ -713,15 +710,16 @@ class TraceTrainer:
         return path
 
 
-# Param group settings that say how an update runs on the device, not what it computes: a
-# checkpoint's are those of the device it was written on, this run's stand.
-_DEVICE_SETTINGS = ("capturable", "fused", "foreach")
+# Param group options (torch's word; ``settings`` is what a checkpoint is only valid with) that say
+# how an update runs on the device, not what it computes: a checkpoint's are those of the device it
+# was written on, this run's stand.
+_DEVICE_OPTIONS = ("capturable", "fused", "foreach")
 
 
 def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """``saved`` (an optimizer state dict) with the device settings of ``optimizer``'s param groups.
+    """``saved`` (an optimizer state dict) with the device options of ``optimizer``'s param groups.
 
-    ``Optimizer.load_state_dict`` takes every group setting from the file, ``capturable`` and
+    ``Optimizer.load_state_dict`` takes every group option from the file, ``capturable`` and
     ``fused`` too, and places the step counts by them: a state written on XLA (``capturable``)
     would make the CPU's Adam refuse its parameters, a CPU's (``fused``) XLA's.
     """
@@ -735,7 +733,7 @@ def _on_this_device(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
     return {
         **saved,
         "param_groups": [
-            {**group, **{key: current[key] for key in _DEVICE_SETTINGS if key in current}}
+            {**group, **{key: current[key] for key in _DEVICE_OPTIONS if key in current}}
             if isinstance(group, dict)
             else group
             for group, current in zip(groups, optimizer.param_groups, strict=True)
@@ -764,14 +762,14 @@ def _check_parts(model: object, optimizer: object, loader: object, loss: object)
         raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
 
 
-def _check_settings(
+def _check_arguments(
     checkpoint_every: object,
     log_every: object,
     keep_checkpoints: object,
     seed: object,
     preemption_timeout: object,
 ) -> None:
-    """TraceTrainer's numeric settings are in range, or a ValueError names the first that is not."""
+    """TraceTrainer's numeric arguments are in range, or a ValueError names the first that is not."""
     for name, value, minimum in (
         ("checkpoint_every", checkpoint_every, 0),
         ("log_every", 0 if log_every is None else log_every, 0),

@@ -58,7 +58,7 @@ class StaticPlan:
     """A plan padded into a :class:`StaticShapes` envelope: every plan of one envelope version
     runs the same tensor operations on the same shapes, so XLA compiles it once.
 
-    Made by :meth:`StaticShapes.fit` (or ``Fold(shapes=...).plan(...)``); it pickles like a
+    Made by :meth:`StaticShapes.cover` (or ``Fold(shapes=...).plan(...)``); it pickles like a
     :class:`~torchfold.FoldPlan`. It is a :class:`StaticLayout` (:attr:`layout`, shared by
     every plan of the envelope version) and this batch's data: all index arrays and int
     columns packed into one int64 array (:attr:`ints`), float columns into one float64 array

@@ -26,7 +26,7 @@ grow-only *envelope* learned over the batches it sees:
   children, at any depth), every earlier slot. So a chain of n calls costs O(n), not O(n²),
   and trees keep the envelope they always had (reading every level back grows it no more).
 
-:meth:`StaticShapes.fit` pads a :class:`~torchfold.FoldPlan` into the envelope, growing it when
+:meth:`StaticShapes.cover` pads a :class:`~torchfold.FoldPlan` into the envelope, growing it when
 the plan does not fit, and returns a :class:`StaticPlan`. Every plan fitted to one version of
 the envelope runs the same tensor operations on the same shapes; only the index data differs.
 So after a warm-up the number of compiled graphs stays fixed.
@@ -211,7 +211,7 @@ class StaticShapes:
         self.padded_calls = 0
         #: calls that plans ran later than their depth (``pack_levels``), over all plans fitted
         self.moved_calls = 0
-        #: a frozen envelope never grows: :meth:`fit` raises :class:`StaticShapesOverflow` instead
+        #: a frozen envelope never grows: :meth:`cover` raises :class:`StaticShapesOverflow` instead
         self.frozen = False
 
     def __repr__(self) -> str:
@@ -284,13 +284,13 @@ class StaticShapes:
 
     def fits(self, plan: PlanData) -> bool:
         """Whether ``plan`` fits the envelope as it is: no growth and no new layout, so no new graph
-        (what ``fit(plan, grow=False)`` pads; nothing is changed).
+        (what ``cover(plan, grow=False)`` pads; nothing is changed).
 
         >>> import torch, torchfold
         >>> shapes = StaticShapes(min_rows=4)
         >>> f = torchfold.Fold()
         >>> plan = f.plan([[f.add(torch.neg, 1)]])
-        >>> shapes.fits(plan), shapes.fit(plan).capacities, shapes.fits(plan)
+        >>> shapes.fits(plan), shapes.cover(plan).capacities, shapes.fits(plan)
         (False, [4], True)
         """
         plan = _unpadded(plan, "fits")
@@ -303,7 +303,17 @@ class StaticShapes:
     # -- fitting ----------------------------------------------------------------------------
 
     def fit(self, plan: PlanData, *, grow: bool | None = None) -> StaticPlan:
-        """Pad ``plan`` into the envelope (growing it first if the plan does not fit).
+        """Deprecated: :meth:`cover` (``fit`` is also :meth:`TraceTrainer.fit <torchfold.train.TraceTrainer.fit>`, which trains)."""
+        warnings.warn(
+            "StaticShapes.fit is deprecated; use StaticShapes.cover (pads a plan into the envelope, widening it to "
+            "cover the plan)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.cover(plan, grow=grow)
+
+    def cover(self, plan: PlanData, *, grow: bool | None = None) -> StaticPlan:
+        """Pad ``plan`` into the envelope, widening the envelope first to cover it if it does not fit.
 
         Args:
             plan: an unpadded :class:`~torchfold.FoldPlan`.
@@ -312,9 +322,9 @@ class StaticShapes:
                 compile); ``True``: grow even a frozen envelope; default: grow unless
                 :meth:`freeze` was called.
         """
-        plan = _unpadded(plan, "fit")
+        plan = _unpadded(plan, "cover")
         if grow is not None and not isinstance(grow, bool):
-            raise TypeError(f"fit(grow={grow!r}): grow must be True, False or None (grow unless frozen)")
+            raise TypeError(f"cover(grow={grow!r}): grow must be True, False or None (grow unless frozen)")
         if grow is None:
             grow = not self.frozen
         batch = decode(plan)
@@ -367,7 +377,7 @@ class StaticShapes:
             f"a fold of {sum(batch.calls)} calls, {deepest + 1} levels deep, does not fit the "
             f"{'frozen ' if self.frozen else ''}static shapes (version {self.version}, {self._levels} levels): it "
             f"needs {needs}; fit it in smaller folds (StepLoader splits its minibatches so), or call "
-            "fit(plan, grow=True) to grow the envelope (one more compilation)",
+            "cover(plan, grow=True) to grow the envelope (one more compilation)",
             self,
         )
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from torchfold.engine.static import StaticPlan
 from torchfold.train.capture.compiled import check_loss
+from torchfold.train.loss import PlanLoss
 
 __all__ = [
     "MAX_SETTINGS",
@@ -32,9 +33,7 @@ class StepReplay:
     """What both whole-step replays are: a module, a loss and an optimizer, the reason steps are
     no longer replayed (:attr:`refused`), and the ordinary step they run instead."""
 
-    def __init__(
-        self, model: torch.nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.loss, self.optimizer = model, loss, optimizer
         #: why steps cannot be replayed (found at the first capture that failed), or None
         self.refused: str | None = None

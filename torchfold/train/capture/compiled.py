@@ -41,6 +41,7 @@ import torch
 from torchfold._errors import add_note
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticLayout, StaticPlan
+from torchfold.train.loss import PlanLoss
 
 __all__ = [
     "COMPILE_CHOICES",
@@ -56,7 +57,6 @@ __all__ = [
 COMPILE_CHOICES = ("auto", "off", "on")
 _CAPTURE_LOCK = threading.Lock()
 CompileChoice = Literal["auto", "off", "on"]
-LossFn = Callable[[torch.nn.Module, list[torch.Tensor], Any], torch.Tensor]
 
 
 def check_loss(loss: Any) -> torch.Tensor:
@@ -132,7 +132,7 @@ class CompiledLoss:
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: LossFn,
+        loss: PlanLoss,
         *,
         device: torch.device | str | None = None,
         backend: str | None = None,
@@ -157,7 +157,7 @@ class CompiledLoss:
         if not isinstance(plan, StaticPlan):
             raise TypeError(
                 f"a captured step needs a static-shape plan (a StaticPlan, from Fold(shapes=StaticShapes(...)) or "
-                f"StaticShapes.fit), got {type(plan).__name__}; build padded plans, or train with compile='off'"
+                f"StaticShapes.cover), got {type(plan).__name__}; build padded plans, or train with compile='off'"
             )
         layout = plan.layout
         fn = self._compiled.get(layout.key)

@@ -43,6 +43,7 @@ from torchfold.train.capture._replay import (
     target_tensors,
 )
 from torchfold.train.capture.compiled import check_loss
+from torchfold.train.loss import PlanLoss
 
 __all__ = ["CudaStepReplay", "uncapturable_step"]
 
@@ -138,7 +139,7 @@ class CudaStepReplay(StepReplay):
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: Callable[..., Any],
+        loss: PlanLoss,
         optimizer: torch.optim.Optimizer,
         *,
         capture_context: Callable[[], AbstractContextManager[Any]] | None = None,

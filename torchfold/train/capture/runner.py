@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,11 +40,10 @@ from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_ste
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
 from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.distributed import accumulation_dtype, world, xla_sync
+from torchfold.train.loss import PlanLoss
 from torchfold.train.optim import AccumulatingOptimizer
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
-
-LossFn = Callable[[torch.nn.Module, list[torch.Tensor], Any], torch.Tensor]
 
 
 class StepRunner:
@@ -58,7 +56,7 @@ class StepRunner:
     ``float(tensor) * scale``, read back whenever the caller likes.
     """
 
-    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: AccumulatingOptimizer) -> None:
+    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
         self.model, self.loss, self.optimizer = model, loss, optimizer
 
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
@@ -87,7 +85,7 @@ class EagerRunner(StepRunner):
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: LossFn,
+        loss: PlanLoss,
         optimizer: AccumulatingOptimizer,
         *,
         compiled: CompiledLoss | None = None,
@@ -140,7 +138,7 @@ class XlaRunner(StepRunner):
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: LossFn,
+        loss: PlanLoss,
         optimizer: AccumulatingOptimizer,
         *,
         whole_steps: bool = True,
@@ -200,7 +198,7 @@ def _update(programs: XlaPrograms, samples: int, lrs: list[float]) -> torch.Tens
 class CudaRunner(EagerRunner):
     """One GPU: a step of one minibatch replayed whole from one CUDA graph; others eagerly."""
 
-    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: AccumulatingOptimizer) -> None:
+    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
         super().__init__(model, loss, optimizer)
         self.whole = CudaStepReplay(
             model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
@@ -228,7 +226,7 @@ class CudaRunner(EagerRunner):
 
 def step_runner(
     model: torch.nn.Module,
-    loss: LossFn,
+    loss: PlanLoss,
     optimizer: AccumulatingOptimizer,
     *,
     device: torch.device,

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from torchfold.train.capture.runner import LossFn, StepRunner, step_runner
+from torchfold.train.capture.runner import StepRunner, step_runner
 from torchfold.train.distributed import run_context
+from torchfold.train.loss import PlanLoss
 from torchfold.train.optim import AccumulatingOptimizer
 
 __all__ = ["CapturedStep", "captured_step"]
@@ -58,7 +59,7 @@ class CapturedStep:
 
 def captured_step(
     model: torch.nn.Module,
-    loss: LossFn,
+    loss: PlanLoss,
     optimizer: torch.optim.Optimizer,
     *,
     compile: str = "auto",

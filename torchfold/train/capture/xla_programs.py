@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loader import to_device
+from torchfold.train.loss import PlanLoss
 
 __all__ = ["XlaPrograms", "xla_programs_unavailable"]
 
@@ -174,7 +175,7 @@ class XlaPrograms:
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: Callable[..., Any],
+        loss: PlanLoss,
         optimizer: torch.optim.Optimizer,
         *,
         minibatch_unit: float = 1.0,

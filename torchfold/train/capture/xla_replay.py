@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from torchfold.train.capture._replay import (
 from torchfold.train.capture.compiled import RateTensors, check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.loader import to_device
+from torchfold.train.loss import PlanLoss
 
 __all__ = ["TRACE_LOCK", "XlaStepReplay", "executions", "replay_unavailable"]
 
@@ -139,7 +140,7 @@ class XlaStepReplay(StepReplay):
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: Callable[..., Any],
+        loss: PlanLoss,
         optimizer: torch.optim.Optimizer,
         *,
         transpose_weights: bool | None = None,

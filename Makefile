@@ -65,7 +65,7 @@ quick: env
 	$(BIN)/python -m pytest -q -m "not slow and not xla"
 
 test-xla: env-xla
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py tests/test_xla_user_loop.py
 
 test: lint typecheck docs unit test-xla
 

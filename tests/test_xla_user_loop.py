@@ -147,3 +147,42 @@ def test_the_users_loop_replays_one_program_per_layout_and_equals_an_eager_loop(
     assert losses == pytest.approx(expected, rel=1e-5)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:  # two logits per call
+        return torch.stack([x.float() * self.w, -x.float() * self.w], dim=1)
+
+
+@pytest.mark.timeout(300)
+def test_compile_off_on_xla_takes_targets_from_the_host() -> None:
+    """``captured_step(..., compile="off")`` on XLA (the eager runner, traced op by op) is given
+    ``plan.pad``'s CPU targets, as with ``compile="auto"``: they are moved, not handed to XLA ops
+    ("Expected XLA tensor"); the steps equal the same steps on the CPU."""
+    import torch_xla
+
+    import torchfold
+    from torchfold.train.capture import EagerRunner
+
+    def loss(model: Any, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs[0], targets, ignore_index=-100)
+
+    results = []
+    for device in (torch_xla.device(), torch.device("cpu")):
+        model = _Scale().to(device)
+        step = torchfold.train.captured_step(
+            model, loss, torch.optim.SGD(model.parameters(), lr=0.1), compile="off"
+        )
+        assert isinstance(step.runner, EagerRunner)
+        losses = []
+        for values in ([1, 2], [3, 1, 2]):
+            fold = torchfold.Fold(shapes=torchfold.StaticShapes())
+            plan = fold.plan([[fold.add("leaf", v) for v in values]])
+            targets = plan.pad(0, [v % 2 for v in values], fill=-100)  # int64, on the CPU
+            losses.append(float(step([(plan, targets, len(values))])))
+        results.append([*losses, model.w.item()])
+    assert results[0] == pytest.approx(results[1], rel=1e-6)

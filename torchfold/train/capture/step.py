@@ -9,6 +9,7 @@ import torch
 
 from torchfold.train.capture.runner import StepRunner, step_runner
 from torchfold.train.distributed import run_context
+from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim import AccumulatingOptimizer
 
@@ -18,9 +19,10 @@ __all__ = ["CapturedStep", "captured_step"]
 class CapturedStep:
     """One optimizer step per call, over any number of minibatches, run the way :func:`captured_step` chose.
 
-    Call it with the step's minibatches, each ``(plan, targets, num_samples)``; it runs their
-    forward, loss and backward, then the update, and returns the step's mean loss over its samples
-    as a 0-dim tensor on the device (not read back: ``float()`` it when you want the number).
+    Call it with the step's minibatches, each ``(plan, targets, num_samples)`` (targets on the host
+    or the device: they are moved to the model's); it runs their forward, loss and backward, then
+    the update, and returns the step's mean loss over its samples as a 0-dim tensor on the device
+    (not read back: ``float()`` it when you want the number).
     """
 
     def __init__(self, runner: StepRunner, device: torch.device) -> None:
@@ -49,7 +51,9 @@ class CapturedStep:
         self.runner.model.train()
         total = 0
         for plan, targets, num_samples in batch:
-            self.runner.minibatch(plan, targets, num_samples, alone=len(batch) == 1)
+            # targets from the host (plan.pad's, numpy) go to the device, as the trainer's loader moves
+            # them, whichever runner runs the step (the eager one would hand XLA a CPU tensor)
+            self.runner.minibatch(plan, to_device(targets, self.device), num_samples, alone=len(batch) == 1)
             total += num_samples
         summed, scale = self.runner.update()
         assert summed is not None

@@ -99,10 +99,15 @@ def _sync() -> None:
 
 
 def _positions(live: list[torch.Tensor]) -> dict[int, int]:
-    """Each live tensor's position, by torch_xla's tensor id: taken before a trace (an in-place
-    operation of the trace gives a tensor new data, no longer the graph's input)."""
-    tensor_id = _xla()._xla_get_tensor_id
-    return {tensor_id(t): number for number, t in enumerate(live)}
+    """Each live tensor's position, by the id of the device data it holds (the id a traced graph
+    names its input by): taken before a trace, on materialized tensors (an in-place operation of
+    the trace gives a tensor new data, no longer the graph's input).
+
+    Not by tensor id: torch_xla shares one buffer among the 0-dim tensors of one value moved to
+    the device (a learning rate of 0.01 made here and again by the whole-step replay) and names
+    it after the newest, so an input of ours would pass for a constant of the trace."""
+    data = _xla()._get_tensors_xla_device_data_node
+    return {data([t])[0][0]: number for number, t in enumerate(live)}
 
 
 def _compile(

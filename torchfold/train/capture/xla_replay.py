@@ -274,8 +274,9 @@ class XlaStepReplay(StepReplay):
         import torch_xla
 
         xla = torch_xla._XLAC
-        tensor_id = xla._xla_get_tensor_id
-        position = {tensor_id(t): number for number, t in enumerate(live)}
+        # by the device data each holds, as xla_programs._positions does (and why)
+        data = xla._get_tensors_xla_device_data_node
+        position = {data([t])[0][0]: number for number, t in enumerate(live)}
         executed = executions()
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         with stepping(self.optimizer, rates), linear:

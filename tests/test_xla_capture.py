@@ -201,30 +201,3 @@ def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved
     assert programs.refused is None
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
-
-
-def test_equal_scalars_moved_to_the_device_get_buffers_of_their_own() -> None:
-    # torch_xla's scalar cache gives equal 0-dim tensors one buffer (Adam's step counts after a
-    # resume): a program traced on them read one as both, or took it for a constant, and its
-    # second trace differed, so a resumed run stopped replaying
-    import torch_xla
-
-    from torchfold.train.capture.xla_replay import materialize
-
-    device = torch_xla.device()
-    xla = torch_xla._XLAC
-    counts = [torch.tensor(16.0).to(device) for _ in range(3)]
-    rate = torch.tensor(0.5).to(device)
-    vector = torch.zeros(3).to(device)
-    live = [*counts, rate, vector]
-
-    def buffers() -> list[list[int]]:
-        return [xla._get_tensors_xla_device_data_node([t])[0] for t in live]
-
-    assert len({tuple(b) for b in buffers()[:3]}) == 1  # the cache shares them (else this test is moot)
-    materialize(live)
-    assert buffers() == [[xla._xla_get_tensor_id(t)] for t in live]  # each its own buffer
-    assert [float(t) for t in live[:4]] == [16.0, 16.0, 16.0, 0.5]
-    before = buffers()
-    materialize(live)
-    assert buffers() == before  # nothing to do the second time

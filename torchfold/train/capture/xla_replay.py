@@ -337,32 +337,14 @@ def _describe(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
 
 
 def materialize(live: list[torch.Tensor]) -> None:
-    """Make every tensor of ``live`` device data of its own, as a program's inputs must be.
-
-    A pending operation (e.g. after ``load_state_dict``) is run. And torch_xla gives equal 0-dim
-    tensors moved to a device one shared buffer (its scalar cache: Adam's step counts after a
-    resume, two equal rates): a trace then has one input for both, and a later step where they
-    differ would trace another graph, or take one for a constant (the buffer's id is that of the
-    last tensor given it); such a tensor gets a buffer of its own, its value kept.
-    """
+    """Make every tensor of ``live`` device data, as a program's inputs must be: a pending
+    operation (e.g. after ``load_state_dict``) is run."""
     import torch_xla
 
     xla = torch_xla._XLAC
     pending = [t for t, need in zip(live, xla._check_tensor_need_materialization(live), strict=True) if need]
     if pending:
         xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
-    tensor_id = xla._xla_get_tensor_id
-    shared = [
-        tensor
-        for tensor in live
-        if tensor.dim() == 0  # the cache holds scalars only
-        and xla._get_tensors_xla_device_data_node([tensor])[0] not in ([], [-1], [tensor_id(tensor)])
-    ]
-    if shared:
-        with torch.no_grad():
-            for tensor in shared:
-                tensor.add_(0)  # a computed result: a buffer of its own (one small program, for any value)
-        xla._xla_sync_multi(shared, devices=[], wait=True, sync_xla_data=True)
 
 
 def executions() -> int:

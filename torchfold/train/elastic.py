@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 
+from torchfold._deprecation import RenamedAttribute
 from torchfold._validate import check_int
 from torchfold.train.distributed import check_rank, world
 
@@ -100,15 +101,7 @@ class ElasticConfig:
         # The largest device batch in the split; every device batch is this or one less.
         self.device_batch_size = self._base + (1 if self._extra else 0)
 
-    @property
-    def num_devices(self) -> int:
-        """Deprecated: :attr:`num_replicas`."""
-        warnings.warn(
-            "ElasticConfig.num_devices is deprecated; use ElasticConfig.num_replicas (the devices sharing each step)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self.num_replicas
+    num_devices = RenamedAttribute("num_replicas", "the devices sharing each step")
 
     @property
     def is_main(self) -> bool:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from torchfold._deprecation import RenamedAttribute
 from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
@@ -563,15 +564,7 @@ class StepLoader(Generic[T, R]):
         """Samples per minibatch on one replica (the sampler's); ``None`` with ``max_device_batch_size``."""
         return self.sampler.minibatch_size
 
-    @property
-    def batch_size(self) -> int | None:
-        """Deprecated: :attr:`minibatch_size` (per replica; a step's global batch is ``Step.batch_size``)."""
-        warnings.warn(
-            "StepLoader.batch_size is deprecated; use StepLoader.minibatch_size (samples per minibatch on one replica)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self.minibatch_size
+    batch_size = RenamedAttribute("minibatch_size", "samples per minibatch on one replica")
 
     @property
     def max_device_batch_size(self) -> int | None:
@@ -583,15 +576,7 @@ class StepLoader(Generic[T, R]):
         """Processes (replicas) sharing each step (the sampler's)."""
         return self.sampler.num_replicas
 
-    @property
-    def replication_factor(self) -> int:
-        """Deprecated: :attr:`num_replicas`."""
-        warnings.warn(
-            "StepLoader.replication_factor is deprecated; use StepLoader.num_replicas (processes sharing each step)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self.num_replicas
+    replication_factor = RenamedAttribute("num_replicas", "processes sharing each step")
 
     @property
     def rank(self) -> int:

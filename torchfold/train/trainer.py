@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from torchfold._deprecation import RenamedAttribute
 from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
 from torchfold.train.capture.compiled import CompiledLoss
@@ -124,15 +125,7 @@ class StepStats:
     num_replicas: int = 1
     stop_requested: bool = False
 
-    @property
-    def world_size(self) -> int:
-        """Deprecated: :attr:`num_replicas`."""
-        warnings.warn(
-            "StepStats.world_size is deprecated; use StepStats.num_replicas (processes that shared the step)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self.num_replicas
+    world_size = RenamedAttribute("num_replicas", "processes that shared the step")
 
 
 @dataclass

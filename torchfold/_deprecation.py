@@ -1,0 +1,48 @@
+"""Renamed public attributes: the old name reads the new one, with a ``FutureWarning``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+__all__ = ["RenamedAttribute"]
+
+
+class RenamedAttribute:
+    """A read-only attribute kept under its old name: reading it warns and returns ``new``.
+
+    Example:
+        >>> import warnings
+        >>> class Loader:
+        ...     minibatch_size = 4
+        ...     batch_size = RenamedAttribute("minibatch_size", "samples per minibatch")
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     Loader().batch_size
+        4
+        >>> str(caught[0].message)
+        'Loader.batch_size is deprecated; use Loader.minibatch_size (samples per minibatch)'
+    """
+
+    def __init__(self, new: str, meaning: str) -> None:
+        self.new, self.meaning = new, meaning
+        self.old = self.__doc__ = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner, self.old = owner.__name__, name
+        self.__doc__ = f"Deprecated: :attr:`{self.new}` ({self.meaning})."
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        warnings.warn(
+            f"{self.owner}.{self.old} is deprecated; use {self.owner}.{self.new} ({self.meaning})",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(instance, self.new)
+
+    def __set__(self, instance: object, value: Any) -> None:
+        raise AttributeError(
+            f"{self.owner}.{self.old} is deprecated and read-only; set {self.owner}.{self.new}"
+        )

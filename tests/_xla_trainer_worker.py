@@ -160,10 +160,13 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
             )
 
         if args.resume is not None:  # only the second half, from another run's checkpoint
-            resumed = trainer()
-            resumed.load_checkpoint(checkpoint_path(Path(args.resume), CHECKPOINT_STEP))
-            resumed.on_step = count
-            resumed.fit()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                resumed = trainer()
+                resumed.load_checkpoint(checkpoint_path(Path(args.resume), CHECKPOINT_STEP))
+                resumed.on_step = count
+                resumed.fit()
+            result["warnings"] = [str(w.message) for w in caught]
             result["resumed_params"] = [p.detach().cpu() for p in resumed.model.parameters()]
             result["compilations"] = compilations
             # the programs the runner replays (whole steps, minibatch and update programs), and why it stopped, if it did

@@ -235,3 +235,34 @@ def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back(tmp_path: Path) -> None
         assert done.returncode == 0, done.stderr[-3000:]
         if steps > 1:
             assert f"step-{steps - 1:08d}.pt at step {steps - 1}" in done.stdout, done.stdout
+
+
+@pytest.mark.xla
+def test_loaded_adam_step_counts_on_xla_each_have_a_buffer_of_their_own() -> None:
+    """torch_xla moves equal scalars to the device as one shared buffer (its scalar cache): the
+    equal step counts of a loaded Adam state would be one input of a step program, whose next
+    trace (where they are separate) differs, and replays would be refused after every resume.
+    ``AccumulatingOptimizer.load_state_dict`` gives each its own buffer, values kept."""
+    import torch_xla
+
+    device = torch_xla.device()
+    xla = torch_xla._XLAC
+
+    def step_counts(optimizer: AccumulatingOptimizer) -> list[torch.Tensor]:
+        return [state["step"] for state in optimizer.optimizer.state.values()]
+
+    params = [torch.nn.Parameter(torch.randn(3, device=device)) for _ in range(3)]
+    trained = torch.optim.Adam(params, lr=0.1, capturable=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    trained.step()
+    saved = trained.state_dict()  # a plain optimizer's state: the wrapper loads it too
+
+    fresh = [torch.nn.Parameter(torch.zeros(3, device=device)) for _ in range(3)]
+    loaded = AccumulatingOptimizer(torch.optim.Adam(fresh, lr=0.1, capturable=True), lr_rule="constant")
+    loaded.load_state_dict(saved)
+    counts = step_counts(loaded)
+    assert [c.device.type for c in counts] == ["xla"] * 3
+    assert [float(c) for c in counts] == [1.0] * 3
+    buffers = [xla._get_tensors_xla_device_data_node([c])[0] for c in counts]
+    assert len({tuple(b) for b in buffers}) == 3, buffers

@@ -765,8 +765,32 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                         f"state_dict was saved with {key}={mine[key]!r} but this wrapper has {key}={getattr(self, key)!r}"
                     )
         self.optimizer.load_state_dict(inner)
+        _own_xla_scalar_buffers(self.optimizer)
         if mine is not None:
             self._var_avg = mine["adascale_var_avg"]
             self._sqr_avg = mine["adascale_sqr_avg"]
             self.scale_invariant_steps = float(mine["scale_invariant_steps"])
             self.steps = int(mine["steps"])
+
+
+def _own_xla_scalar_buffers(optimizer: torch.optim.Optimizer) -> None:
+    """Give each 0-dim state tensor of ``optimizer`` on an XLA device a device buffer of its own.
+
+    torch_xla moves equal scalars to a device as one shared buffer (its scalar cache), so the step
+    counts ``load_state_dict`` just loaded (all equal) are one buffer, named after the last. A step
+    program traced over them takes one input for all, and its next trace, where they are separate,
+    differs: a captured step would then be refused its replays. A computed copy of each is its
+    own buffer; one small program, at load time rather than inside a step.
+    """
+    scalars = [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "xla"
+    ]
+    if not scalars:
+        return
+    with torch.no_grad():
+        for scalar in scalars:
+            scalar.add_(0)
+    xla_sync()

@@ -66,8 +66,9 @@ quick: env
 
 # each file in a process of its own: torch_xla has crashed in a process that had run many
 # programs before (one file's state never reaches another's tests)
-XLA_TESTS = tests/test_xla.py tests/test_xla_capture.py tests/test_capture_regressions.py tests/test_xla_seed_loop.py \
-	tests/test_xla_user_loop.py
+XLA_TESTS = tests/train/test_xla.py tests/train/capture/test_xla_runner.py \
+	tests/train/capture/test_capture_regressions.py tests/engine/static/test_xla_seed_loop.py \
+	tests/train/capture/test_xla_user_loop.py
 
 test-xla: env-xla
 	@status=0; for f in $(XLA_TESTS); do \

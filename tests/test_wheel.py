@@ -33,9 +33,9 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from test_readme import cli_argv, cli_commands, python_blocks, quickstart
 
 import torchfold
+from tests.test_readme import cli_argv, cli_commands, python_blocks, quickstart
 
 pytestmark = pytest.mark.slow
 

@@ -144,7 +144,7 @@ class TraceTrainer:
     ``rank`` = its rank: the defaults once the process group exists) and calls :meth:`fit`; the
     constructor copies rank 0's parameters to all ranks (a torch.distributed collective; torch_xla's
     replicas are not covered: give each the same initial weights, e.g. copies of a model made
-    before ``xmp.spawn``, as ``tests/_xla_trainer_worker.py`` does).
+    before ``xmp.spawn``, as ``tests/helpers/_xla_trainer_worker.py`` does).
 
     Args:
         model: the module whose methods are the fold ops; trained in place.

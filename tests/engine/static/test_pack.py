@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fold_properties import Zoo, encode, forests
-from test_static import _tree_plan
 
+from tests.engine.static.test_static import _tree_plan
+from tests.engine.test_fold_properties import Zoo, encode, forests
 from torchfold import EagerFold, Fold, FoldPlan, StaticShapes, StaticShapesWarning
 from torchfold.engine.static.columns import decode
 from torchfold.engine.static.pack import Packer

@@ -26,7 +26,7 @@ from _train_cli import train, write_sst
 from torchfold.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from torchfold.train.trainer import PREEMPTED_EXIT_CODE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_DEVICE = 7  # per-device maximum in the elastic-split tests: uneven splits, never a multiple
 
 
@@ -277,7 +277,9 @@ _SLOW_LOOP = textwrap.dedent(
 def test_a_second_sigterm_or_the_timeout_exits_at_once(
     tmp_path: Path, signals: int, timeout: float, message: str
 ) -> None:
-    script = _SLOW_LOOP.format(tests=str(REPO / "tests"), ckpt=str(tmp_path / "ckpt"), timeout=timeout)
+    script = _SLOW_LOOP.format(
+        tests=str(REPO / "tests" / "helpers"), ckpt=str(tmp_path / "ckpt"), timeout=timeout
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

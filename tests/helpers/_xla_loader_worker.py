@@ -1,6 +1,6 @@
-"""StepLoader defaults on torch_xla replicas, for tests/test_xla.py.
+"""StepLoader defaults on torch_xla replicas, for tests/train/test_xla.py.
 
-``python tests/_xla_loader_worker.py OUT`` first asks :func:`torchfold.train.world` in the parent
+``python tests/helpers/_xla_loader_worker.py OUT`` first asks :func:`torchfold.train.world` in the parent
 (torch_xla imported, runtime not started: it must answer one process and leave the runtime alone,
 or ``xmp.spawn`` would refuse to start), then runs one replica per XLA CPU device
 (``CPU_NUM_DEVICES``) through ``xmp.spawn``. Each builds a StepLoader with default

@@ -192,7 +192,7 @@ def test_xla_step_replay_takes_targets_on_the_cpu() -> None:
         torch.testing.assert_close(p, q)
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _train_cli(device: str, max_steps: int, checkpoints: Path) -> subprocess.CompletedProcess[str]:

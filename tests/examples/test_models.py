@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DATA_DIR
 
 import torchfold
+from tests.conftest import DATA_DIR
 from torchfold.examples.datasets import Tree, Vocab, generate_sst, load_sst, parse_tree
 from torchfold.examples.models import MLP, TreeLSTM, encode_tree, encode_trees, forward_tree
 

@@ -2,7 +2,7 @@
 
 The captures here use torch.compile's ``aot_eager`` backend: dynamo and AOTAutograd capture the
 forward and backward graphs exactly as on XLA or CUDA, without generating code (fast on a CPU).
-The XLA lane (tests/test_xla.py) runs the real ``openxla`` backend.
+The XLA lane (tests/train/test_xla.py) runs the real ``openxla`` backend.
 """
 
 from __future__ import annotations

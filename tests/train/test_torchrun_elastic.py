@@ -24,8 +24,8 @@ import pytest
 import torch
 from _dist_worker import free_port
 from _train_cli import train
-from test_elastic_training import _cli, _env
 
+from tests.train.test_elastic_training import _cli, _env
 from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
 
 # Fast failure detection and a short wait for more nodes: the test's seconds, not production values.

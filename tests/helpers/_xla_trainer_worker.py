@@ -1,6 +1,6 @@
-"""TraceTrainer on XLA devices (torch_xla's CPU backend) for tests/test_xla.py.
+"""TraceTrainer on XLA devices (torch_xla's CPU backend) for tests/train/test_xla.py.
 
-``python tests/_xla_trainer_worker.py SST_DIR OUT COMPILE STEPS [--fail-rank R] [--optimizer adam]
+``python tests/helpers/_xla_trainer_worker.py SST_DIR OUT COMPILE STEPS [--fail-rank R] [--optimizer adam]
 [--resume DIR]`` trains the SST
 Tree-LSTM with static-shape plans, one replica per XLA CPU device (``CPU_NUM_DEVICES``, through
 ``xmp.spawn``; several CPU devices are threads of one process), for the first ``STEPS`` steps of

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchfold.train.sampler import StepSplit, TraceBatchSampler, minibatches_per_rank
 from torchfold.train.trace import BatchSizeTrace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

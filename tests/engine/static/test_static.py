@@ -18,7 +18,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fold_properties import (
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.engine.test_fold_properties import (
     Zoo,
     encode,
     forest_outputs_and_gradients,
@@ -27,8 +29,6 @@ from test_fold_properties import (
     requested,
     run_program,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from torchfold import (
     EagerFold,
     Fold,

@@ -1,6 +1,6 @@
-"""Training on XLA devices (torch_xla's CPU backend) for tests/test_xla.py.
+"""Training on XLA devices (torch_xla's CPU backend) for tests/train/test_xla.py.
 
-``python tests/_xla_worker.py OUT.pt`` runs one replica per XLA CPU device (``CPU_NUM_DEVICES``)
+``python tests/helpers/_xla_worker.py OUT.pt`` runs one replica per XLA CPU device (``CPU_NUM_DEVICES``)
 through ``xmp.spawn``, each training with AccumulatingOptimizer on its share of every step (the
 gradient sum then goes through ``xm.all_reduce``), and saves every replica's final parameters
 and LR factors to ``OUT.pt``. It must start in a fresh process: torch_xla's runtime may not be

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torchfold
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_draw_saves_a_picture(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ from torchfold.train.trainer import DEFAULT_LOG_EVERY, StepStats, TraceTrainer
 # the trees left (drop_last=False), and epoch 1 starts at the trace step after epoch 0's last.
 EPOCH_SIZES = [[12, 6, 18, 30, 6, 24, 12, 12], [36, 6, 30, 24, 18, 6]]
 SAMPLER_SEED = 3
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tree_loss(model: torch.nn.Module, trees: list[Tree], vocab: Vocab) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 from torchfold.train.loader import StepLoader
 from torchfold.train.sampler import TraceBatchSampler
 
-TESTS = Path(__file__).resolve().parent
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 
 class Squares(torch.nn.Module):
@@ -351,8 +351,8 @@ def test_device_moves_numpy_targets_to_tensors() -> None:
 
 
 def _script(path: Path, body: str) -> Path:
-    """A Python script at ``path`` running ``body`` (dedented) that can import this folder's ``_loader_worker``."""
-    path.write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n{textwrap.dedent(body)}")
+    """A Python script at ``path`` running ``body`` (dedented) that can import ``tests/helpers/_loader_worker``."""
+    path.write_text(f"import sys\nsys.path.insert(0, {str(HELPERS)!r})\n{textwrap.dedent(body)}")
     return path
 
 
@@ -571,7 +571,7 @@ def test_an_unclosed_loader_is_not_closed_by_a_forked_worker(tmp_path: Path) -> 
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert "Exception ignored" not in done.stderr and "child process" not in done.stderr, done.stderr[-2000:]

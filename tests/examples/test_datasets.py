@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR, sst_counts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import DATA_DIR, sst_counts
 from torchfold.examples import generated
 from torchfold.examples.datasets import (
     Tree,

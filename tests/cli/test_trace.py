@@ -12,7 +12,7 @@ import pytest
 from torchfold.cli.trace import main
 from torchfold.train.trace import BatchSizeTrace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -19,7 +19,7 @@ from torchfold.train.availability import AvailabilityInterval, read_availability
 from torchfold.train.checkpoint import checkpoint_path, load_checkpoint
 from torchfold.train.trace import BatchSizeTrace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str, name: str = "gpus.csv") -> Path:

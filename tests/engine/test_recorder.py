@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fold_properties import instruction, requested, run_program
 
 import torchfold.engine.planner
+from tests.engine.test_fold_properties import instruction, requested, run_program
 from torchfold import Fold
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.plan import FoldPlan

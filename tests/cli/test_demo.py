@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR
 
+from tests.conftest import DATA_DIR
 from torchfold.cli.demo import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = DATA_DIR
 needs_sst = pytest.mark.usefixtures("data_dir")  # fails (never skips) without the data
 TINY = ["--epochs", "1", "--max-train", "50", "--max-dev", "20", "--no-progress", "--threads", "1"]

@@ -20,7 +20,7 @@ from torchfold._validate import max_threads
 from torchfold.engine.static.shapes import StaticShapes
 from torchfold.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
@@ -112,7 +112,7 @@ def test_packing_levels_reaches_the_static_shapes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # --compile on pads folds into static shapes on the CPU too; stop once the envelope is made
-    # (the compiled steps themselves are the XLA lane's and tests/test_compiled.py's)
+    # (the compiled steps themselves are the XLA lane's and tests/train/capture/test_compiled.py's)
     import torchfold.cli.train as cli
 
     made: list[StaticShapes] = []

@@ -19,23 +19,24 @@ import pytest
 import torch
 from _dist_worker import make_model, mnist_rows, train
 from _xla_worker import MINIBATCH, RULES, TRACE, train_on_xla
-from conftest import DATA_DIR
 
+from tests.conftest import DATA_DIR
 from torchfold.train.sampler import minibatches_per_rank
 
 pytestmark = pytest.mark.xla
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-HERE = Path(__file__).parent
+REPO = Path(__file__).resolve().parents[2]
+HELPERS = REPO / "tests" / "helpers"
 # XLA's CPU kernels and PyTorch's sum in different orders; in float64 the parameters then differ by
 # ~1e-9 at most after training, far below what a wrong scale, a lost or doubled minibatch would do.
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-8}
 
 
 def _spawn_two_replicas(script: str, out: Path, timeout: float) -> Path:
-    """Run ``tests/SCRIPT OUT`` on 2 XLA CPU devices in a fresh process (xmp.spawn needs an uninitialized runtime)."""
+    """Run ``tests/helpers/SCRIPT OUT`` on 2 XLA CPU devices in a fresh process (xmp.spawn needs an uninitialized runtime)."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
     done = subprocess.run(
-        [sys.executable, str(HERE / script), str(out)],
+        [sys.executable, str(HELPERS / script), str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -304,7 +305,7 @@ def _trainer_replicas(
     out = tmp_path / "trainer.pt"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     done = subprocess.run(
-        [sys.executable, str(HERE / "_xla_trainer_worker.py"), str(SST_DIR), str(out), *args],
+        [sys.executable, str(HELPERS / "_xla_trainer_worker.py"), str(SST_DIR), str(out), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -327,7 +328,7 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
 
     torch_xla.device()  # XLA's devices exist before this process's first backward (autograd counts them then)
 
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HELPERS))
     from _xla_trainer_worker import TRACE, train_on_cpu
 
     done, replicas = _trainer_replicas(tmp_path, devices, compile, str(steps))
@@ -380,7 +381,7 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
     import torch_xla
 
     torch_xla.device()
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HELPERS))
     from _xla_trainer_worker import CHECKPOINT_STEP, TRACE, train_on_cpu
 
     two, one = tmp_path / "two", tmp_path / "one"
@@ -411,7 +412,7 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
 def test_trainer_xla_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/trainer_xla.py at minimal size: the trainer command on the CPU and on XLA, in
     fresh processes, the same last loss."""
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import trainer_xla
 
     cpu, xla = trainer_xla.main(["--quick", "--data", str(DATA_DIR)])
@@ -657,7 +658,7 @@ def test_xla_profile_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/xla_profile.py at minimal size: a profiler trace of replayed steps, alone and in the
     trainer, read back as the time of the compiled programs' operations per step (counted however
     the executions ran: on the pool, or inline on a loaded machine)."""
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import xla_profile
 
     results = xla_profile.main(["--quick", "--data", str(DATA_DIR)])
@@ -672,7 +673,7 @@ def test_xla_profile_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
 def test_xla_dots_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/xla_dots.py at minimal size: each kind of product timed from the profiler's dot
     operations (the script refuses a trace without exactly one dot per product)."""
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import xla_dots
 
     table = xla_dots.main(["--quick"])

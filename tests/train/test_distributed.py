@@ -35,7 +35,7 @@ from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.sampler import minibatches_per_rank
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MINIBATCH = 8
 # Global batches of 8 leave two of three ranks (one of two) without a minibatch; 40 gives 2/2/1.
 TRACE = [8, 24, 16, 40, 8, 32, 56, 16]

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +49,7 @@ from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, lis
 from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.trace import BatchSizeTrace, as_trace
+from torchfold.train.trace import BatchSizeTrace
 from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
 __all__ = ["build_parser", "main"]
@@ -198,37 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _trace(text: str) -> BatchSizeTrace:
-    """The trace ``--trace`` names; every mistake is a ValueError naming ``--trace``."""
-    number = text.strip()
-    if re.fullmatch(r"[-+]?[0-9]+", number):  # ASCII digits: isdigit() also takes other scripts'
-        if int(number) < 1:
-            raise ValueError(
-                f"--trace {text}: a constant global batch size must be a positive integer (samples per step)"
-            )
-        return as_trace(int(number))
-    if re.fullmatch(
-        r"[-+]?([0-9]*\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+", number
-    ):
-        raise ValueError(
-            f"--trace {text}: a constant global batch size must be a whole number of samples, e.g. "
-            f"--trace {max(1, round(float(number)))}"
-        )
-    path = Path(text)
-    if path.is_dir():
-        raise ValueError(
-            f"--trace {text} is a directory; give a step,batchsize CSV file, an integer or a schedule such as "
-            "linear:32:256:1000"
-        )
-    try:
-        if ":" in text and not path.exists():
-            return BatchSizeTrace.from_schedule(text)
-        return as_trace(text)
-    except (ValueError, TypeError, OSError) as e:
-        message = str(e) if "--trace" in str(e) else f"--trace {text}: {e}"
-        raise ValueError(message) from e
-
-
 def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
     root = data_root(args.data)
     if root is not None:
@@ -351,7 +319,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
         return 2
     try:
-        trace = _trace(args.trace)
+        trace = BatchSizeTrace.parse(args.trace)
         if args.minibatch_size is None and args.max_device_batch_size is None:
             args.minibatch_size = default_minibatch_size(trace)
         elif args.minibatch_size is not None:

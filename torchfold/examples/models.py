@@ -296,7 +296,7 @@ def tree_lstm_shapes(
     max_minibatches: int | None = None,
     seed: int = 0,
 ) -> StaticShapes:
-    """An envelope for :class:`TreeLSTMBuild`, fitted to a pass of minibatches over ``trees`` and frozen.
+    """An envelope for :class:`TreeLSTMBuild`, fitted to the minibatches of a pass over ``trees`` and frozen.
 
     :func:`~torchfold.train.fit_static_shapes` with this model's build (see there); pass the
     result as ``TreeLSTMBuild(vocab, shapes=...)``.
@@ -304,8 +304,8 @@ def tree_lstm_shapes(
     >>> from torchfold.examples.datasets import generate_sst
     >>> trees = generate_sst(30, seed=0)
     >>> shapes = tree_lstm_shapes(trees, Vocab.build(trees), 10)
-    >>> shapes.frozen, shapes.plans
-    (True, 3)
+    >>> shapes.frozen, shapes.plans  # 3 minibatches, 2 passes (the second grew nothing)
+    (True, 6)
     """
     return fit_static_shapes(
         trees,

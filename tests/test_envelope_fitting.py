@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torchfold import FoldPlan
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTMBuild
 from torchfold.train import fit_static_shapes
@@ -24,5 +25,7 @@ def test_every_minibatch_of_the_fitting_pass_fits_the_frozen_envelope(
     shapes = fit_static_shapes(trees, build, minibatch_size, seed=seed)
     order = np.random.default_rng(seed).permutation(len(trees))
     minibatches = [order[start : start + minibatch_size] for start in range(0, len(trees), minibatch_size)]
-    misfits = [int(m[0]) for m in minibatches if not shapes.fits(build([trees[i] for i in m])[0])]
+    plans = [build([trees[i] for i in m])[0] for m in minibatches]
+    assert all(isinstance(plan, FoldPlan) for plan in plans)
+    misfits = [i for i, plan in enumerate(plans) if not shapes.fits(plan)]  # type: ignore[arg-type]
     assert shapes.frozen and misfits == []

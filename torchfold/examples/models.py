@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchfold._validate import check_int
 from torchfold.engine.fold import Fold
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapes
@@ -91,8 +92,7 @@ class TreeLSTM(nn.Module):
             ("hidden_dim", hidden_dim),
             ("num_classes", num_classes),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value)
         if not isinstance(sparse, bool):
             raise TypeError(f"sparse must be a bool, got {sparse!r}")
         self.hidden_dim = hidden_dim
@@ -373,10 +373,11 @@ class MLP(nn.Module):
         self, in_features: int = 784, hidden: Sequence[int] = (200, 100), num_classes: int = 10
     ) -> None:
         super().__init__()
+        check_int("in_features", in_features)
+        for i, size in enumerate(hidden):
+            check_int(f"hidden[{i}]", size)
+        check_int("num_classes", num_classes)
         sizes = [in_features, *hidden, num_classes]
-        for size in sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"layer sizes must be positive ints, got {sizes}")
         layers: list[nn.Module] = []
         for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
             if i:

@@ -449,12 +449,12 @@ class TraceBatchSampler(Sampler[list[int]]):
                     "or start a fresh sampler"
                 )
         for key in ("epoch", "next_step"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"sampler state's {key!r} must be an int, got {type(value).__name__} {value!r}; expected a dict "
-                    "from TraceBatchSampler.state_dict()"
-                )
+            check_int(
+                f"sampler state's {key!r}",
+                state[key],
+                None,
+                hint="expected a dict from TraceBatchSampler.state_dict()",
+            )
         epoch, next_step = state["epoch"], state["next_step"]
         steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
         if not steps.first_step <= next_step <= steps.end_step:

@@ -48,7 +48,7 @@ _EXECUTION = "ThunkExecutor::Execute (wait for completion)"
 _TRAINER_HOOK = """
 import atexit, os, runpy, sys
 import torch_xla.debug.profiler as xp
-from torchfold.train import xla_replay
+from torchfold.train.capture import xla_replay
 first, last, where = int(os.environ["PROFILE_FIRST"]), int(os.environ["PROFILE_LAST"]), os.environ["PROFILE_DIR"]
 call, count = xla_replay.XlaStepReplay.__call__, [0]
 def traced(self, *args, **kwargs):

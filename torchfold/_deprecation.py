@@ -1,11 +1,23 @@
-"""Renamed public attributes: the old name reads the new one, with a ``FutureWarning``."""
+"""Renamed public names: the old name still works, with a ``FutureWarning`` naming the new one."""
 
 from __future__ import annotations
 
 import warnings
 from typing import Any
 
-__all__ = ["RenamedAttribute"]
+__all__ = ["RenamedAttribute", "warn_renamed"]
+
+_warned: set[str] = set()
+
+
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn once per process that ``old`` is deprecated in favour of ``new`` (a ``FutureWarning``).
+
+    ``stacklevel`` 3 points at the caller of the function that calls this one.
+    """
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=stacklevel)
 
 
 class RenamedAttribute:

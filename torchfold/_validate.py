@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import Literal, overload
 
 import torch
 
@@ -29,13 +30,45 @@ THREADS_PER_CPU = 4  # --threads above cpu_count() x this is refused: huge count
 SEED_MAX = 2**63 - 1  # torch and the samplers take seeds up to 2**64 - 1; the epoch is added to it
 
 
-def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``, else a TypeError/ValueError naming it."""
+@overload
+def check_int(
+    name: str, value: object, minimum: int | None = 1, *, optional: Literal[False] = False, hint: str = ""
+) -> int: ...
+@overload
+def check_int(
+    name: str, value: object, minimum: int | None = 1, *, optional: Literal[True], hint: str = ""
+) -> int | None: ...
+def check_int(
+    name: str, value: object, minimum: int | None = 1, *, optional: bool = False, hint: str = ""
+) -> int | None:
+    """``value`` if it is an int (not a bool) of at least ``minimum``, else an error naming it.
+
+    The one check of an int argument: a value of another type is a ``TypeError``, an int below
+    ``minimum`` (``None``: any int) a ``ValueError``; ``optional`` also takes ``None``; ``hint``
+    (the fix, where the rule alone does not say it) ends the message.
+
+    >>> check_int("num_samples", 3)
+    3
+    >>> check_int("seed", None, 0, optional=True) is None
+    True
+    >>> check_int("epochs", 2.0, 0, optional=True)
+    Traceback (most recent call last):
+    ...
+    TypeError: epochs must be None or an int, got float 2.0
+    >>> check_int("num_samples", 0, hint="the minibatch's sample count")
+    Traceback (most recent call last):
+    ...
+    ValueError: num_samples must be a positive int, got 0; the minibatch's sample count
+    """
+    if optional and value is None:
+        return None
+    either = "None or " if optional else ""
+    end = f"; {hint}" if hint else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
+        raise TypeError(f"{name} must be {either}an int, got {type(value).__name__} {value!r}{end}")
+    if minimum is not None and value < minimum:
         rule = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {rule}, got {value}")
+        raise ValueError(f"{name} must be {either}{rule}, got {value}{end}")
     return value
 
 

@@ -276,7 +276,7 @@ def test_generated_lines_parse_back_to_the_same_trees(
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"num_trees": -1}, ValueError, "num_trees must be >= 0"),
+        ({"num_trees": -1}, ValueError, "num_trees must be an int >= 0, got -1"),
         ({"num_trees": 2.0}, TypeError, "num_trees must be an int"),
         ({"num_trees": 1, "min_words": 0}, ValueError, "need 1 <= min_words <= max_words"),
         ({"num_trees": 1, "min_words": 5, "max_words": 4}, ValueError, "min_words=5, max_words=4"),

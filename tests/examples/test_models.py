@@ -130,15 +130,15 @@ def test_leaf_and_node_follow_the_binary_tree_lstm_equations() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"vocab_size": 0}, "vocab_size must be a positive int, got 0"),
-        ({"vocab_size": 5, "hidden_dim": 2.5}, "hidden_dim must be a positive int, got 2.5"),
-        ({"vocab_size": 5, "num_classes": True}, "num_classes must be a positive int, got True"),
+        ({"vocab_size": 0}, ValueError, "vocab_size must be a positive int, got 0"),
+        ({"vocab_size": 5, "hidden_dim": 2.5}, TypeError, "hidden_dim must be an int, got float 2.5"),
+        ({"vocab_size": 5, "num_classes": True}, TypeError, "num_classes must be an int, got bool True"),
     ],
 )
-def test_tree_lstm_rejects_bad_sizes(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_tree_lstm_rejects_bad_sizes(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
         TreeLSTM(**kwargs)  # type: ignore[arg-type]
 
 
@@ -193,5 +193,7 @@ def test_mlp_folded_single_rows_equal_the_stacked_batch_with_gradients() -> None
 def test_mlp_sizes_and_errors() -> None:
     model = MLP(in_features=3, hidden=(), num_classes=2)
     assert model(torch.zeros(4, 3)).shape == (4, 2)
-    with pytest.raises(ValueError, match=r"layer sizes must be positive ints, got \[784, 0, 10\]"):
+    with pytest.raises(ValueError, match=r"hidden\[0\] must be a positive int, got 0"):
         MLP(hidden=(0,))
+    with pytest.raises(TypeError, match=r"in_features must be an int, got float 3\.0"):
+        MLP(in_features=3.0)  # type: ignore[arg-type]

@@ -450,7 +450,7 @@ def test_state_dict_is_the_inner_optimizers_with_the_wrappers_beside_it() -> Non
             ValueError,
             "ref_batch_size must be a positive int, got 0",
         ),
-        ({"ref_batch_size": True}, ValueError, "ref_batch_size must be a positive int, got True"),
+        ({"ref_batch_size": True}, TypeError, "ref_batch_size must be an int, got bool True"),
         ({"reduction": "max"}, ValueError, "reduction must be 'mean' or 'sum'"),
         ({"adascale_smoothing": 1.0}, ValueError, r"adascale_smoothing must be in \[0, 1\)"),
         ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),

@@ -406,7 +406,11 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_the_last_checkpoint
             "the loader is for rank 1 of 2 but this process is rank 0 of 1",
         ),
         ({"checkpoint_every": -1}, ValueError, "checkpoint_every must be an int >= 0, got -1"),
-        ({"keep_checkpoints": 0}, ValueError, "keep_checkpoints must be an int >= 1, got 0"),
+        ({"keep_checkpoints": 0}, ValueError, "keep_checkpoints must be a positive int, got 0"),
+        ({"checkpoint_every": 1.5}, TypeError, "checkpoint_every must be an int, got float 1.5"),
+        ({"log_every": "10"}, TypeError, "log_every must be None or an int, got str '10'"),
+        ({"seed": 2.0}, TypeError, "seed must be None or an int, got float 2.0"),
+        ({"seed": -1}, ValueError, "seed must be None or an int >= 0, got -1"),
     ],
 )
 def test_bad_arguments(trees: list[Tree], change: dict, error: type[Exception], match: str) -> None:
@@ -434,6 +438,10 @@ def test_unbounded_trace_needs_an_end_and_loss_must_be_a_scalar(trees: list[Tree
     trainer = TraceTrainer(model, opt, loader, tree_lstm_loss)
     with pytest.raises(ValueError, match=r"have no end .*: pass max_steps= or epochs= to fit"):
         trainer.fit()
+    with pytest.raises(TypeError, match=r"max_steps must be None or an int, got float 2\.0"):
+        trainer.fit(max_steps=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="epochs must be None or an int >= 0, got -1"):
+        trainer.fit(epochs=-1)
     assert len(trainer.fit(epochs=1)) == NUM_TREES // 12
 
     def per_node(model: torch.nn.Module, outputs: list[torch.Tensor], targets: tuple) -> torch.Tensor:

@@ -62,6 +62,7 @@ from torchfold.cli.elastic_schedule import (
 )
 from torchfold.examples.datasets import ENV_VAR
 from torchfold.train.availability import read_availability
+from torchfold.train.trace import BatchSizeTrace
 
 __all__ = [
     "ElasticRunError",
@@ -466,9 +467,7 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
         )
     final_step = schedule.num_steps
     if args.trace is not None:
-        from torchfold.cli.train import _trace
-
-        trace = _trace(args.trace)
+        trace = BatchSizeTrace.parse(args.trace)
         if trace.num_steps is not None and trace.num_steps < final_step:
             raise ValueError(
                 f"--trace {args.trace} has {trace.num_steps} steps, the replay needs {final_step}; "

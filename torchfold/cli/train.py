@@ -18,7 +18,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,11 +45,18 @@ from torchfold.examples.datasets import (
 )
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
 from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
-from torchfold.train.checkpoint import CheckpointDirLock, latest_checkpoint, list_checkpoints, load_checkpoint
+from torchfold.train.checkpoint import (
+    CheckpointDirLock,
+    HyperparameterMismatch,
+    keep_hyperparameters,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
 from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.trace import BatchSizeTrace, as_trace
+from torchfold.train.trace import BatchSizeTrace
 from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
 __all__ = ["build_parser", "main"]
@@ -198,37 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _trace(text: str) -> BatchSizeTrace:
-    """The trace ``--trace`` names; every mistake is a ValueError naming ``--trace``."""
-    number = text.strip()
-    if re.fullmatch(r"[-+]?[0-9]+", number):  # ASCII digits: isdigit() also takes other scripts'
-        if int(number) < 1:
-            raise ValueError(
-                f"--trace {text}: a constant global batch size must be a positive integer (samples per step)"
-            )
-        return as_trace(int(number))
-    if re.fullmatch(
-        r"[-+]?([0-9]*\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+", number
-    ):
-        raise ValueError(
-            f"--trace {text}: a constant global batch size must be a whole number of samples, e.g. "
-            f"--trace {max(1, round(float(number)))}"
-        )
-    path = Path(text)
-    if path.is_dir():
-        raise ValueError(
-            f"--trace {text} is a directory; give a step,batchsize CSV file, an integer or a schedule such as "
-            "linear:32:256:1000"
-        )
-    try:
-        if ":" in text and not path.exists():
-            return BatchSizeTrace.from_schedule(text)
-        return as_trace(text)
-    except (ValueError, TypeError, OSError) as e:
-        message = str(e) if "--trace" in str(e) else f"--trace {text}: {e}"
-        raise ValueError(message) from e
-
-
 def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
     root = data_root(args.data)
     if root is not None:
@@ -351,7 +326,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
         return 2
     try:
-        trace = _trace(args.trace)
+        trace = BatchSizeTrace.parse(args.trace)
         if args.minibatch_size is None and args.max_device_batch_size is None:
             args.minibatch_size = default_minibatch_size(trace)
         elif args.minibatch_size is not None:
@@ -665,11 +640,11 @@ def _checkpoint_settings(
 
 
 def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | None, list[str]]:
-    """Resume from the newest checkpoint, if any, after checking its optimizer settings against ``args``.
-
-    The checkpoint's optimizer state holds its --lr and --momentum and would silently win over
-    the command line's, so a difference is an error unless --override-lr / --override-momentum
-    says to train on with the new value. Returns the checkpoint and a log line per override.
+    """Resume from the newest checkpoint, if any, keeping --lr and --momentum as the library rules
+    (:func:`~torchfold.train.checkpoint.keep_hyperparameters`): the checkpoint's would silently
+    win over the command line's, so a difference is an error unless --override-lr /
+    --override-momentum says to train on with the new value. Returns the checkpoint and a log
+    line per override.
     """
     if trainer.checkpoint_dir is None:
         return None, []
@@ -677,40 +652,20 @@ def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | Non
     if path is None:
         return None, []
     state = load_checkpoint(path, trainer.context.map_location)  # where TraceTrainer.load_checkpoint reads it
+    override = [name for name in ("lr", "momentum") if getattr(args, f"override_{name}")]
     try:
-        saved_optimizer = state["optimizer"]
-        if "param_groups" not in saved_optimizer:  # written by torchfold 0.1.0: the inner state nested
-            saved_optimizer = saved_optimizer["optimizer"]
-        group = saved_optimizer["param_groups"][0]
-        saved_kind = "adam" if "betas" in group else "sgd" if "momentum" in group else None
-    except (KeyError, IndexError, TypeError):  # not a trainer's checkpoint: load_state_dict says how
-        group, saved_kind = {}, None
-    if saved_kind is not None and saved_kind != args.optimizer:
+        with keep_hyperparameters(state, trainer.optimizer, f"checkpoint {path}", override=override) as kept:
+            trainer.load_state_dict(state, source=f"checkpoint {path}")
+    except HyperparameterMismatch as e:
+        if e.name == "optimizer":
+            fix = f"resume with --optimizer {e.saved}, or start afresh (--no-resume or another --checkpoint-dir)"
+        else:
+            fix = f"resume with --{e.name} {e.saved}, or add --override-{e.name} to train on with --{e.name} {e.value}"
         raise ValueError(
-            f"checkpoint {path} was written with --optimizer {saved_kind}, this run has --optimizer "
-            f"{args.optimizer}; resume with --optimizer {saved_kind}, or start afresh (--no-resume or "
-            "another --checkpoint-dir)"
-        )
-    overrides: dict[str, float] = {}
-    settings = [("lr", args.lr, args.override_lr)]
-    if saved_kind == "sgd":
-        settings.append(("momentum", args.momentum, args.override_momentum))
-    for name, value, override in settings:
-        saved = group.get(name)
-        # (a value no run writes, e.g. a NaN, is refused by the trainer's check of the file, naming it)
-        if isinstance(saved, (int, float)) and math.isfinite(saved) and saved >= 0 and saved != value:
-            if not override:
-                raise ValueError(
-                    f"checkpoint {path} was written with --{name} {saved}, this run has --{name} {value}; "
-                    f"resume with --{name} {saved}, or add --override-{name} to train on with --{name} {value}"
-                )
-            overrides[name] = value
-    trainer.load_state_dict(state, source=f"checkpoint {path}")
-    lines = []
-    for name, value in overrides.items():
-        for param_group in trainer.optimizer.param_groups:
-            param_group[name] = value
-        lines.append(
-            f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {group[name]}"
-        )
+            f"{e.source} was written with --{e.name} {e.saved}, this run has --{e.name} {e.value}; {fix}"
+        ) from e
+    lines = [
+        f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {saved}"
+        for name, (saved, value) in kept.items()
+    ]
     return path, lines

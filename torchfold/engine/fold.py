@@ -28,7 +28,7 @@ from torchfold.engine.node import (
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.planner import plan_fold
 from torchfold.engine.resolve import cuda_device
-from torchfold.engine.static.shapes import StaticShapes
+from torchfold.engine.static.shapes import StaticShapes, envelope_for
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -312,9 +312,8 @@ class Fold:
                 by its group.
         """
         plan = plan_fold(self, nodes)
-        if isinstance(self.shapes, StaticShapes):
-            return self.shapes.cover(plan)
-        return plan
+        envelope = envelope_for(self.shapes)  # "auto" decides when applied, on the module's device
+        return plan if envelope is None else envelope.cover(plan)
 
     # -- inspecting -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 from torchfold.engine.executor import run
 from torchfold.engine.ir import PlanData, check_pad_rows, check_request_number
 from torchfold.engine.resolve import device_for
-from torchfold.engine.static import StaticShapes
+from torchfold.engine.static import envelope_for
 
 __all__ = ["FoldPlan"]
 
@@ -83,8 +83,9 @@ class FoldPlan(PlanData):
     def _run(self, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
         """``apply``, also giving each group's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
         device = device_for(nn, self.device)
-        if self.pad_on_xla and device.type == "xla":
-            return StaticShapes.of(nn).cover(self).apply(nn)
+        envelope = envelope_for("auto" if self.pad_on_xla else None, nn, device)
+        if envelope is not None:
+            return envelope.cover(self).apply(nn)
         if self.volatile and torch.is_grad_enabled():
             with torch.no_grad():
                 return run(self, nn, arg_shapes, device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from torchfold._validate import check_int
 from torchfold.examples.sst import NUM_FINE_LABELS, Tree
 
 __all__ = ["generate_sst", "generate_sst_lines"]
@@ -113,16 +114,9 @@ def generate_sst(
     >>> [parse_tree(str(t)) == t for t in trees]
     [True, True, True]
     """
-    for name, value in (
-        ("num_trees", num_trees),
-        ("seed", seed),
-        ("min_words", min_words),
-        ("max_words", max_words),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    if num_trees < 0:
-        raise ValueError(f"num_trees must be >= 0, got {num_trees}")
+    check_int("num_trees", num_trees, 0)
+    for name, value in (("seed", seed), ("min_words", min_words), ("max_words", max_words)):
+        check_int(name, value, None)  # (the words' range is checked below, naming both)
     if not 1 <= min_words <= max_words:
         raise ValueError(
             f"need 1 <= min_words <= max_words, got min_words={min_words}, max_words={max_words}"

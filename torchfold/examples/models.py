@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchfold._validate import check_int
 from torchfold.engine.fold import Fold
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapes
@@ -91,8 +92,7 @@ class TreeLSTM(nn.Module):
             ("hidden_dim", hidden_dim),
             ("num_classes", num_classes),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value)
         if not isinstance(sparse, bool):
             raise TypeError(f"sparse must be a bool, got {sparse!r}")
         self.hidden_dim = hidden_dim
@@ -296,7 +296,7 @@ def tree_lstm_shapes(
     max_minibatches: int | None = None,
     seed: int = 0,
 ) -> StaticShapes:
-    """An envelope for :class:`TreeLSTMBuild`, fitted to a pass of minibatches over ``trees`` and frozen.
+    """An envelope for :class:`TreeLSTMBuild`, fitted to the minibatches of a pass over ``trees`` and frozen.
 
     :func:`~torchfold.train.fit_static_shapes` with this model's build (see there); pass the
     result as ``TreeLSTMBuild(vocab, shapes=...)``.
@@ -304,8 +304,8 @@ def tree_lstm_shapes(
     >>> from torchfold.examples.datasets import generate_sst
     >>> trees = generate_sst(30, seed=0)
     >>> shapes = tree_lstm_shapes(trees, Vocab.build(trees), 10)
-    >>> shapes.frozen, shapes.plans
-    (True, 3)
+    >>> shapes.frozen, shapes.plans  # 3 minibatches, 2 passes (the second grew nothing)
+    (True, 6)
     """
     return fit_static_shapes(
         trees,
@@ -373,10 +373,11 @@ class MLP(nn.Module):
         self, in_features: int = 784, hidden: Sequence[int] = (200, 100), num_classes: int = 10
     ) -> None:
         super().__init__()
+        check_int("in_features", in_features)
+        for i, size in enumerate(hidden):
+            check_int(f"hidden[{i}]", size)
+        check_int("num_classes", num_classes)
         sizes = [in_features, *hidden, num_classes]
-        for size in sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"layer sizes must be positive ints, got {sizes}")
         layers: list[nn.Module] = []
         for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
             if i:

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from torchfold._validate import check_int
-from torchfold.train._csvrows import (
-    _DIGITS,
-    _NUMBER,
+from torchfold.train.csvrows import (
+    DIGITS,
     MAX_TRACE_STEPS,
-    _parse_int,
-    _rows,
-    _show,
-    _text_lines,
+    NUMBER,
+    csv_rows,
+    parse_int,
+    show,
+    text_lines,
 )
 
 __all__ = ["AvailabilityInterval", "availability_batch_sizes", "read_availability"]
@@ -70,27 +70,27 @@ def read_availability(path: str | os.PathLike[str]) -> list[AvailabilityInterval
     path = Path(path)
     rows: list[tuple[int, float, int]] = []  # (line, time, devices)
     with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-        reader = csv.reader(_text_lines(f, path))
-        header = next(_rows(reader, path), (0, [], []))[2] or None
+        reader = csv.reader(text_lines(f, path))
+        header = next(csv_rows(reader, path), (0, [], []))[2] or None
         names = [name.strip().lower() for name in header or []]
         if "time" not in names or len(names) < 2 or names[-1] == "time":
             raise ValueError(
                 f"{path}, line 1: header should name a 'Time' column and end with the device count "
-                f"column (e.g. ',Time,GPUs'), got {_show(','.join(header or []), 60)}"
+                f"column (e.g. ',Time,GPUs'), got {show(','.join(header or []), 60)}"
             )
         time_col = names.index("time")
-        for line, fields, _ in _rows(reader, path):
+        for line, fields, _ in csv_rows(reader, path):
             where = f"{path}, line {line}"
             if len(fields) != len(names):
                 raise ValueError(f"{where}: expected {len(names)} fields like the header, got {len(fields)}")
-            if not _NUMBER.fullmatch(fields[time_col]):
-                raise ValueError(f"{where}: time should be a number, got {_show(fields[time_col])}")
+            if not NUMBER.fullmatch(fields[time_col]):
+                raise ValueError(f"{where}: time should be a number, got {show(fields[time_col])}")
             time = float(fields[time_col])
             if not math.isfinite(time):
-                raise ValueError(f"{where}: time should be finite, got {_show(fields[time_col])}")
-            if not _DIGITS.fullmatch(fields[-1]):
-                raise ValueError(f"{where}: device count should be an integer >= 0, got {_show(fields[-1])}")
-            devices = _parse_int(fields[-1], "device count", where)
+                raise ValueError(f"{where}: time should be finite, got {show(fields[time_col])}")
+            if not DIGITS.fullmatch(fields[-1]):
+                raise ValueError(f"{where}: device count should be an integer >= 0, got {show(fields[-1])}")
+            devices = parse_int(fields[-1], "device count", where)
             if rows and time <= rows[-1][1]:
                 raise ValueError(f"{where}: time {time} does not increase (previous row: {rows[-1][1]})")
             rows.append((line, time, devices))

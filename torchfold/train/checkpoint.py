@@ -22,6 +22,7 @@ A trainer checkpoint holds every process's generator states, captured by
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import math
@@ -31,7 +32,7 @@ import re
 import socket
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,10 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
     "CheckpointDirLock",
+    "HyperparameterMismatch",
     "check_trainer_state",
     "checkpoint_path",
+    "keep_hyperparameters",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -386,6 +389,105 @@ def check_trainer_state(
                 f"{source} was written with {name} {saved_settings[name]!r}, this run has {name} {value!r}; "
                 f"resume with {name} {saved_settings[name]!r}, or start afresh in another checkpoint directory"
             )
+
+
+# The hyperparameters a checkpoint's optimizer state holds that loading it silently puts back.
+HYPERPARAMETERS = ("lr", "momentum")
+
+
+class HyperparameterMismatch(ValueError):
+    """A checkpoint was written with another optimizer, or another hyperparameter value, than this run's.
+
+    Raised by :func:`keep_hyperparameters`; :attr:`name` is ``"optimizer"`` (then :attr:`saved` and
+    :attr:`value` are ``"adam"`` or ``"sgd"``) or the hyperparameter (``"lr"``, ``"momentum"``).
+    """
+
+    def __init__(self, source: str, name: str, saved: Any, value: Any) -> None:
+        self.source, self.name, self.saved, self.value = source, name, saved, value
+        if name == "optimizer":
+            fix = "resume with that optimizer, or start afresh in another checkpoint directory"
+        else:
+            fix = f"resume with {name}={saved!r}, or keep {name}={value!r} with keep_hyperparameters(override=[{name!r}])"
+        super().__init__(f"{source} was written with {name} {saved!r}, this run has {name} {value!r}; {fix}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.source, self.name, self.saved, self.value)
+
+
+def _optimizer_kind(group: Mapping[str, Any]) -> str | None:
+    """``"adam"`` (a group with ``betas``), ``"sgd"`` (with ``momentum``) or ``None``."""
+    return "adam" if "betas" in group else "sgd" if "momentum" in group else None
+
+
+@contextlib.contextmanager
+def keep_hyperparameters(
+    state: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    source: str,
+    *,
+    override: Collection[str] = (),
+) -> Iterator[dict[str, tuple[float, float]]]:
+    """Load a trainer checkpoint inside this context to resume with this run's hyperparameters.
+
+    A checkpoint's optimizer state holds the learning rate and momentum it was written with, and
+    loading it would silently put them back over this run's. On entry, a different optimizer
+    (Adam and SGD told apart by their param groups) or a different ``lr`` or ``momentum`` raises
+    :class:`HyperparameterMismatch`, unless the name is in ``override``: then the run's value is
+    put back into every param group when the block ends without an error.
+
+    Args:
+        state: the checkpoint, as :meth:`TraceTrainer.state_dict <torchfold.train.TraceTrainer.state_dict>`
+            writes it (a state that is not one is left to ``load_state_dict`` to refuse).
+        optimizer: this run's optimizer (or :class:`~torchfold.train.AccumulatingOptimizer`), as
+            configured, before the checkpoint is loaded into it.
+        source: the file, as named in messages (``"checkpoint runs/a/step-00000120.pt"``).
+        override: the hyperparameters this run keeps, e.g. ``["lr"]``.
+
+    Yields:
+        Per overridden hyperparameter that differs, ``(the checkpoint's value, this run's)``.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> saved = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()}
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        >>> with keep_hyperparameters(saved, optimizer, "checkpoint a.pt", override=["lr"]) as kept:
+        ...     optimizer.load_state_dict(saved["optimizer"])
+        >>> kept, optimizer.param_groups[0]["lr"]
+        ({'lr': (0.1, 0.05)}, 0.05)
+    """
+    unknown = sorted(set(override) - set(HYPERPARAMETERS))
+    if isinstance(override, str) or unknown:
+        raise ValueError(
+            f"keep_hyperparameters(override={override!r}): give a list of {list(HYPERPARAMETERS)}"
+            + (f", not {unknown}" if unknown and not isinstance(override, str) else "")
+        )
+    try:
+        saved_optimizer = state["optimizer"]
+        if "param_groups" not in saved_optimizer:  # written by torchfold 0.1.0: the inner state nested
+            saved_optimizer = saved_optimizer["optimizer"]
+        group = saved_optimizer["param_groups"][0]
+        saved_kind = _optimizer_kind(group)
+    except (KeyError, IndexError, TypeError):  # not a trainer's checkpoint: load_state_dict says how
+        group, saved_kind = {}, None
+    current = optimizer.param_groups[0]
+    kind = _optimizer_kind(current)
+    if saved_kind is not None and kind is not None and saved_kind != kind:
+        raise HyperparameterMismatch(source, "optimizer", saved_kind, kind)
+    kept: dict[str, tuple[float, float]] = {}
+    for name in HYPERPARAMETERS:
+        if name not in current or name not in group:
+            continue
+        saved, value = group[name], current[name]
+        # (a value no run writes, e.g. a NaN, is refused by the check of the file, naming it)
+        if isinstance(saved, (int, float)) and math.isfinite(saved) and saved >= 0 and saved != value:
+            if name not in override:
+                raise HyperparameterMismatch(source, name, saved, value)
+            kept[name] = (saved, value)
+    yield kept
+    for name, (_, value) in kept.items():
+        for param_group in optimizer.param_groups:
+            param_group[name] = value
 
 
 def _check_step_and_generators(state: Mapping[str, Any], source: str) -> None:

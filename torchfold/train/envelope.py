@@ -2,7 +2,7 @@
 
 :func:`fit_static_shapes` fits a :class:`~torchfold.StaticShapes` envelope to the plans of a
 seeded pass of minibatches over the dataset (what training will see: random minibatches of the
-same size), then resets its counters and freezes it. Give it to the loader's ``build``: a
+same size), refitted until a pass no longer grows it, then resets its counters and freezes it. Give it to the loader's ``build``: a
 :class:`~torchfold.train.StepLoader` splits a minibatch whose plan still does not fit into
 smaller minibatches that do, and the optimizer weighs each by its samples, so the step is
 exactly the same and the set of compiled programs stays the one of the warm-up. Only a sample
@@ -40,8 +40,10 @@ def fit_static_shapes(
     """Fit an envelope to the plans of a pass of minibatches over ``dataset``, then freeze it.
 
     The pass is a seeded permutation of the dataset cut into minibatches of ``minibatch_size``
-    samples (the last one short), as training draws them; fitting runs on the host (no tensor
-    operation), a few milliseconds per minibatch.
+    samples (the last one short), as training draws them. Their plans are fitted again until a
+    pass no longer grows the envelope, so that every one of them fits the frozen envelope (growth
+    drops the layouts made before it). Fitting runs on the host (no tensor operation), a few
+    milliseconds per minibatch and pass.
 
     Args:
         dataset: the samples (indexable, with ``len()``), e.g. a list of trees.
@@ -66,8 +68,8 @@ def fit_static_shapes(
         >>> trees = generate_sst(40, seed=0)
         >>> vocab = Vocab.build(trees)
         >>> shapes = fit_static_shapes(trees, TreeLSTMBuild(vocab), 8)
-        >>> shapes.frozen, shapes.plans, shapes.real_calls
-        (True, 5, 0)
+        >>> shapes.frozen, shapes.plans, shapes.real_calls  # 5 minibatches, 2 passes (the second grew nothing)
+        (True, 10, 0)
         >>> loader_build = TreeLSTMBuild(vocab, shapes=shapes)  # plans padded into it, never growing
     """
     if len(dataset) == 0:
@@ -85,19 +87,30 @@ def fit_static_shapes(
     starts = range(0, len(dataset), minibatch_size)
     if max_minibatches is not None:
         starts = starts[:max_minibatches]
+    plans = []
+    for start in starts:
+        indices = order[start : start + minibatch_size].tolist()
+        built = build([dataset[i] for i in indices])
+        plan = built[0] if isinstance(built, tuple) and built else built
+        if isinstance(plan, StaticPlan) or not isinstance(plan, PlanData):
+            raise TypeError(
+                f"fit_static_shapes: build returned {type(plan).__name__} for dataset indices {indices[:8]}; it "
+                "must return an unpadded FoldPlan (or a tuple starting with one): make it without shapes, e.g. "
+                "TreeLSTMBuild(vocab), not TreeLSTMBuild(vocab, shapes=...)"
+            )
+        plans.append(plan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StaticShapesWarning)  # all of this is the warm-up: growing is its job
-        for start in starts:
-            indices = order[start : start + minibatch_size].tolist()
-            built = build([dataset[i] for i in indices])
-            plan = built[0] if isinstance(built, tuple) and built else built
-            if isinstance(plan, StaticPlan) or not isinstance(plan, PlanData):
-                raise TypeError(
-                    f"fit_static_shapes: build returned {type(plan).__name__} for dataset indices {indices[:8]}; it "
-                    "must return an unpadded FoldPlan (or a tuple starting with one): make it without shapes, e.g. "
-                    "TreeLSTMBuild(vocab), not TreeLSTMBuild(vocab, shapes=...)"
-                )
-            shapes.cover(plan, grow=True)
+        # Until a pass no longer grows the envelope: growing drops the layouts made before it, so
+        # after one pass a minibatch fitted before the last growth may need a layout the frozen
+        # envelope no longer has (and be split in training). A pass that grows nothing has made the
+        # layout of every minibatch at the final size. The envelope only grows, so this ends.
+        grew = True
+        while grew:
+            version = shapes.version
+            for plan in plans:
+                shapes.cover(plan, grow=True)
+            grew = shapes.version != version
     shapes.reset_counters()
     if freeze:
         shapes.freeze()

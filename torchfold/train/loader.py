@@ -35,13 +35,13 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from torchfold._deprecation import RenamedAttribute
+from torchfold._deprecation import RenamedAttribute, warn_renamed
 from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapesOverflow, StaticShapesWarning
 from torchfold.train.distributed import world_or
-from torchfold.train.sampler import StepSplit, TraceBatchSampler, _warn_renamed
+from torchfold.train.sampler import StepSplit, TraceBatchSampler
 from torchfold.train.trace import TraceLike
 
 __all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
@@ -88,7 +88,7 @@ class Step(Generic[R]):
     @property
     def plan(self) -> StepSplit:
         """Deprecated: :attr:`split` (a plan is a compiled fold)."""
-        _warn_renamed("Step.plan", "Step.split")
+        warn_renamed("Step.plan", "Step.split")
         return self.split
 
     def __iter__(self) -> Iterator[Minibatch[R]]:

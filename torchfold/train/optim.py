@@ -162,10 +162,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already an AccumulatingOptimizer; wrap the plain optimizer once")
         if lr_rule not in _LR_RULES:
             raise ValueError(f"lr_rule must be one of {list(_LR_RULES)}, got {lr_rule!r}")
-        if ref_batch_size is not None and (
-            isinstance(ref_batch_size, bool) or not isinstance(ref_batch_size, int) or ref_batch_size < 1
-        ):
-            raise ValueError(f"ref_batch_size must be a positive int, got {ref_batch_size!r}")
+        if ref_batch_size is not None:
+            check_int("ref_batch_size", ref_batch_size)
         if ref_batch_size is None and lr_rule != "constant":
             raise ValueError(
                 f"lr_rule={lr_rule!r} scales the learning rate relative to a reference batch size: "
@@ -431,10 +429,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         Args:
             num_samples: how many samples the minibatch has (its share of the global batch).
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(
-                f"num_samples must be a positive int (the minibatch's sample count), got {num_samples!r}"
-            )
+        check_int("num_samples", num_samples, hint="give the minibatch's sample count")
         if self._weight is not None:
             raise RuntimeError("optimizer.minibatch() is already open; one minibatch at a time")
         if isinstance(self.module, DistributedDataParallel) and self.module.require_backward_grad_sync:

@@ -56,7 +56,6 @@ rank, so one rank can save it for all.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +63,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from torchfold._deprecation import warn_renamed
 from torchfold._validate import SEED_MAX, check_int
 from torchfold.train.distributed import check_rank, world_or
 from torchfold.train.elastic import ElasticConfig
@@ -75,15 +75,6 @@ _STATE_VERSION = 1
 # Settings a saved position is only valid with. The number of ranks is not one of them: a step
 # holds the same samples on any number (see the module docstring).
 _OPTIONAL_SETTINGS = {"max_device_batch_size": None, "max_accumulation_steps": None}
-
-
-_warned: set[str] = set()
-
-
-def _warn_renamed(old: str, new: str) -> None:
-    if old not in _warned:
-        _warned.add(old)
-        warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=3)
 
 
 def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int) -> tuple[int, ...]:
@@ -303,7 +294,7 @@ class TraceBatchSampler(Sampler[list[int]]):
 
     def step_plan(self, epoch: int | None = None) -> list[StepSplit]:
         """Deprecated: :meth:`step_splits`."""
-        _warn_renamed("TraceBatchSampler.step_plan()", "TraceBatchSampler.step_splits()")
+        warn_renamed("TraceBatchSampler.step_plan()", "TraceBatchSampler.step_splits()")
         return self.step_splits(epoch)
 
     def minibatch_sizes(self, batch_size: int) -> list[int]:
@@ -458,12 +449,12 @@ class TraceBatchSampler(Sampler[list[int]]):
                     "or start a fresh sampler"
                 )
         for key in ("epoch", "next_step"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"sampler state's {key!r} must be an int, got {type(value).__name__} {value!r}; expected a dict "
-                    "from TraceBatchSampler.state_dict()"
-                )
+            check_int(
+                f"sampler state's {key!r}",
+                state[key],
+                None,
+                hint="expected a dict from TraceBatchSampler.state_dict()",
+            )
         epoch, next_step = state["epoch"], state["next_step"]
         steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
         if not steps.first_step <= next_step <= steps.end_step:

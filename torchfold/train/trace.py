@@ -50,14 +50,15 @@ import csv
 import hashlib
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union, cast, overload
 
 from torchfold._validate import check_int
-from torchfold.train._csvrows import _check_num_steps, _looks_numeric, _parse_int, _rows, _show, _text_lines
 from torchfold.train.availability import availability_batch_sizes
+from torchfold.train.csvrows import check_num_steps, csv_rows, looks_numeric, parse_int, show, text_lines
 from torchfold.train.plot import plot_trace
 
 __all__ = ["BatchSizeTrace", "EpochSteps", "TraceLike", "as_trace"]
@@ -178,7 +179,7 @@ class BatchSizeTrace:
         check_int("batch_size", batch_size)
         if num_steps is not None:
             check_int("num_steps", num_steps)
-            _check_num_steps(f"constant:{batch_size}:{num_steps}", num_steps)
+            check_num_steps(f"constant:{batch_size}:{num_steps}", num_steps)
             return cls([batch_size] * num_steps, source=f"constant:{batch_size}:{num_steps}")
         trace = cls([batch_size], source=f"constant:{batch_size}")
         trace._unbounded = True
@@ -201,7 +202,7 @@ class BatchSizeTrace:
         for name, value in (("start", start), ("end", end), ("num_steps", num_steps)):
             check_int(name, value)
         check_int("multiple_of", multiple_of)
-        _check_num_steps(f"linear:{start}:{end}:{num_steps}", num_steps)
+        check_num_steps(f"linear:{start}:{end}:{num_steps}", num_steps)
         sizes = []
         for i in range(num_steps):
             exact = start if num_steps == 1 else start + (end - start) * i / (num_steps - 1)
@@ -222,7 +223,7 @@ class BatchSizeTrace:
             size, steps = phase
             check_int(f"phases[{i}] batch_size", size)
             check_int(f"phases[{i}] num_steps", steps)
-            _check_num_steps(f"phases[:{i + 1}]", len(sizes) + steps)
+            check_num_steps(f"phases[:{i + 1}]", len(sizes) + steps)
             sizes += [size] * steps
         spec = ",".join(f"{b}x{n}" for b, n in phases)
         return cls(sizes, source=f"steps:{spec}")
@@ -272,6 +273,57 @@ class BatchSizeTrace:
         return cls(trace.batch_sizes, source=spec)
 
     @classmethod
+    def parse(cls, text: str, *, option: str = "--trace") -> BatchSizeTrace:
+        """The trace a command-line value names: an integer (a constant batch size), a schedule
+        (:meth:`from_schedule`) or the path of a ``step,batchsize`` CSV file (:meth:`from_csv`).
+
+        Every mistake is a ``ValueError`` that starts with ``option`` and ``text`` (the option the
+        value came from) and says how to write it.
+
+        Args:
+            text: the value, e.g. ``"256"``, ``"linear:32:256:1000"`` or ``"traces/run.csv"``.
+            option: the name that messages give the value (default ``--trace``).
+
+        >>> BatchSizeTrace.parse("steps:32x2,64x1").batch_sizes
+        (32, 32, 64)
+        >>> BatchSizeTrace.parse("256").num_steps is None  # a constant: as many steps as asked
+        True
+        >>> BatchSizeTrace.parse("2.5")
+        Traceback (most recent call last):
+        ...
+        ValueError: --trace 2.5: a constant global batch size must be a whole number of samples, e.g. --trace 2
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"{option} must be given as a string, got {type(text).__name__} {text!r}")
+        number = text.strip()
+        if re.fullmatch(r"[-+]?[0-9]+", number):  # ASCII digits: isdigit() also takes other scripts'
+            if int(number) < 1:
+                raise ValueError(
+                    f"{option} {text}: a constant global batch size must be a positive integer (samples per step)"
+                )
+            return as_trace(int(number))
+        if re.fullmatch(
+            r"[-+]?([0-9]*\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+", number
+        ):
+            raise ValueError(
+                f"{option} {text}: a constant global batch size must be a whole number of samples, e.g. "
+                f"{option} {max(1, round(float(number)))}"
+            )
+        path = Path(text)
+        if path.is_dir():
+            raise ValueError(
+                f"{option} {text} is a directory; give a step,batchsize CSV file, an integer or a schedule such "
+                "as linear:32:256:1000"
+            )
+        try:
+            if ":" in text and not path.exists():
+                return cls.from_schedule(text)
+            return as_trace(text)
+        except (ValueError, TypeError, OSError) as e:
+            message = str(e) if option in str(e) else f"{option} {text}: {e}"
+            raise ValueError(message) from e
+
+    @classmethod
     def from_csv(cls, path: str | os.PathLike[str]) -> BatchSizeTrace:
         """Read a ``step,batchsize`` CSV file (header optional; see the module docstring).
 
@@ -286,13 +338,13 @@ class BatchSizeTrace:
         restarts: list[int] = []
         expected = 0
         with path.open(newline="", encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-            reader = csv.reader(_text_lines(f, path))
+            reader = csv.reader(text_lines(f, path))
             first = True
-            for line, fields, row in _rows(reader, path):
+            for line, fields, row in csv_rows(reader, path):
                 where = f"{path}, line {line}"
                 if first:
                     first = False
-                    if not _looks_numeric(fields[0]):
+                    if not looks_numeric(fields[0]):
                         if [field.lower() for field in fields] != ["step", "batchsize"]:
                             hint = ""
                             if len(fields) >= 3 and fields[1].lower() == "time":
@@ -301,16 +353,16 @@ class BatchSizeTrace:
                                     "BatchSizeTrace.from_availability or `python -m torchfold trace convert`"
                                 )
                             raise ValueError(
-                                f"{where}: header should be 'step,batchsize', got {_show(','.join(row), 60)}{hint}"
+                                f"{where}: header should be 'step,batchsize', got {show(','.join(row), 60)}{hint}"
                             )
                         continue
                 if len(fields) != 2:
                     raise ValueError(
-                        f"{where}: expected 2 fields 'step,batchsize', got {len(fields)}: {_show(','.join(row), 60)}"
+                        f"{where}: expected 2 fields 'step,batchsize', got {len(fields)}: {show(','.join(row), 60)}"
                     )
                 step_text, size_text = fields
-                step = _parse_int(step_text, "step", where)
-                size = _parse_int(size_text, "batch size", where)
+                step = parse_int(step_text, "step", where)
+                size = parse_int(size_text, "batch size", where)
                 if step < 0:
                     raise ValueError(f"{where}: step should be >= 0 (steps count from 0), got {step}")
                 if step == 0 and expected > 0:

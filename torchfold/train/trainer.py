@@ -56,6 +56,7 @@ import torch
 from tqdm import tqdm
 
 from torchfold._deprecation import RenamedAttribute
+from torchfold._validate import check_int
 from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
 from torchfold.train.capture.compiled import CompiledLoss
@@ -366,8 +367,7 @@ class TraceTrainer:
                 and wrote a checkpoint (with a ``checkpoint_dir``).
         """
         for name, value in (("max_steps", max_steps), ("epochs", epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+            check_int(name, value, 0, optional=True)
         end, num_epochs = self._last_step(max_steps, epochs)
         epoch = self.loader.epoch
         self._log_loss = self._log_samples = 0.0
@@ -762,16 +762,11 @@ def _check_arguments(
     seed: object,
     preemption_timeout: object,
 ) -> None:
-    """TraceTrainer's numeric arguments are in range, or a ValueError names the first that is not."""
-    for name, value, minimum in (
-        ("checkpoint_every", checkpoint_every, 0),
-        ("log_every", 0 if log_every is None else log_every, 0),
-        ("keep_checkpoints", keep_checkpoints, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+    """TraceTrainer's numeric arguments are in range, or a TypeError/ValueError names the first that is not."""
+    check_int("checkpoint_every", checkpoint_every, 0)
+    check_int("log_every", log_every, 0, optional=True)
+    check_int("keep_checkpoints", keep_checkpoints, 1)
+    check_int("seed", seed, 0, optional=True)
     if isinstance(preemption_timeout, bool) or not (
         isinstance(preemption_timeout, (int, float)) and preemption_timeout > 0
     ):

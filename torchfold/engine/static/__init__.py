@@ -5,13 +5,19 @@ pads a :class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan` (:
 whose outputs and gradients equal the unpadded plan's. A plan is a :class:`StaticLayout`
 (:mod:`.layout`: all that is constant per envelope version) and its batch's
 :class:`StaticInputs`; ``plan.layout.run(nn, plan.inputs())`` is what ``plan.apply`` runs.
+:func:`envelope_for` is the one rule of when a plan is padded, and into which envelope.
 :mod:`.columns` reads a plan as padding sees it. See ``docs/design/envelope.md`` for
 why an envelope.
 """
 
 from torchfold.engine.static.layout import StaticLayout
 from torchfold.engine.static.plan import StaticInputs, StaticPlan
-from torchfold.engine.static.shapes import StaticShapes, StaticShapesOverflow, StaticShapesWarning
+from torchfold.engine.static.shapes import (
+    StaticShapes,
+    StaticShapesOverflow,
+    StaticShapesWarning,
+    envelope_for,
+)
 
 __all__ = [
     "StaticInputs",
@@ -20,4 +26,5 @@ __all__ = [
     "StaticShapes",
     "StaticShapesOverflow",
     "StaticShapesWarning",
+    "envelope_for",
 ]

@@ -57,7 +57,7 @@ from torchfold.engine.static.layout import StaticLayout
 from torchfold.engine.static.pack import Packer
 from torchfold.engine.static.plan import StaticPlan
 
-__all__ = ["StaticShapes", "StaticShapesOverflow", "StaticShapesWarning"]
+__all__ = ["StaticShapes", "StaticShapesOverflow", "StaticShapesWarning", "envelope_for"]
 
 _Tensor = torch.Tensor
 _BY_MODULE: weakref.WeakKeyDictionary[Any, StaticShapes] = weakref.WeakKeyDictionary()
@@ -660,6 +660,34 @@ class StaticShapes:
                 StaticShapesWarning,
                 stacklevel=stacklevel,
             )
+
+
+def envelope_for(
+    shapes: StaticShapes | str | None, module: object = None, device: torch.device | None = None
+) -> StaticShapes | None:
+    """When to pad: the envelope a plan is padded into, or ``None`` to run it unpadded.
+
+    The one rule, which :meth:`Fold.plan <torchfold.Fold.plan>` asks with the fold's ``shapes``
+    (no module or device yet) and :meth:`FoldPlan.apply <torchfold.FoldPlan.apply>` asks again
+    with the module and its device:
+
+    * a :class:`StaticShapes` (``Fold(shapes=envelope)``): always that envelope;
+    * ``"auto"`` (the default): on an XLA device, the module's own envelope
+      (:meth:`StaticShapes.of`), so that the graphs XLA compiles repeat; elsewhere none;
+    * ``None``: never pad.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2)
+    >>> envelope_for("auto", model, torch.device("cpu")) is None
+    True
+    >>> envelope_for("auto", model, torch.device("xla")) is StaticShapes.of(model)
+    True
+    """
+    if isinstance(shapes, StaticShapes):
+        return shapes
+    if shapes == "auto" and device is not None and device.type == "xla":
+        return StaticShapes.of(module)
+    return None
 
 
 def _unpadded(plan: PlanData, method: str) -> PlanData:

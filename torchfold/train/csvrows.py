@@ -13,15 +13,27 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "DIGITS",
+    "MAX_TRACE_STEPS",
+    "NUMBER",
+    "check_num_steps",
+    "csv_rows",
+    "looks_numeric",
+    "parse_int",
+    "show",
+    "text_lines",
+]
+
 # More steps than any real run takes (large runs take ~1e6): a longer trace comes from a unit
 # mistake (a step time in hours read as seconds, a time gap of years) and would not fit in memory.
 MAX_TRACE_STEPS = 10_000_000
 _INT64_MAX = 2**63 - 1
-_DIGITS = re.compile(r"[0-9]+")  # ASCII only: \d would also take Arabic-Indic and other digits
-_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+DIGITS = re.compile(r"[0-9]+")  # ASCII only: \d would also take Arabic-Indic and other digits
+NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
-def _rows(reader: Any, path: Path) -> Iterator[tuple[int, list[str], list[str]]]:
+def csv_rows(reader: Any, path: Path) -> Iterator[tuple[int, list[str], list[str]]]:
     """The non-blank rows of a ``csv.reader`` as (line number, stripped fields, row as read)."""
     while True:
         try:
@@ -35,7 +47,7 @@ def _rows(reader: Any, path: Path) -> Iterator[tuple[int, list[str], list[str]]]
             yield reader.line_num, fields, row
 
 
-def _text_lines(handle: Iterable[str], path: Path) -> Iterator[str]:
+def text_lines(handle: Iterable[str], path: Path) -> Iterator[str]:
     """The lines of an open text file; a byte that is not UTF-8 is an error naming its line."""
     try:
         yield from handle
@@ -55,14 +67,14 @@ def _text_lines(handle: Iterable[str], path: Path) -> Iterator[str]:
         ) from e
 
 
-def _show(text: str, limit: int = 24) -> str:
+def show(text: str, limit: int = 24) -> str:
     """``text`` quoted for an error message, cut to ``limit`` characters (a bad field may be huge)."""
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def _looks_numeric(text: str) -> bool:
+def looks_numeric(text: str) -> bool:
     """Whether a field was meant as a number (so a first row starting with it is not a header)."""
     return re.match(r"[+-]?\d", text) is not None
 
@@ -76,18 +88,19 @@ def _int_to_python(text: str) -> bool:
     return True
 
 
-def _parse_int(text: str, what: str, where: str) -> int:
+def parse_int(text: str, what: str, where: str) -> int:
     """A plain decimal integer: ASCII digits with an optional ``-``, within int64; else a short ValueError."""
     digits = text[1:] if text.startswith("-") else text
-    if not _DIGITS.fullmatch(digits):
+    if not DIGITS.fullmatch(digits):
         rule = "a plain integer (ASCII digits 0-9 only)" if _int_to_python(text) else "an integer"
-        raise ValueError(f"{where}: {what} should be {rule}, got {_show(text)}")
+        raise ValueError(f"{where}: {what} should be {rule}, got {show(text)}")
     if len(digits) > len(str(_INT64_MAX)) or abs(int(text)) > _INT64_MAX:
-        raise ValueError(f"{where}: {what} {_show(text)} is too large (at most {_INT64_MAX})")
+        raise ValueError(f"{where}: {what} {show(text)} is too large (at most {_INT64_MAX})")
     return int(text)
 
 
-def _check_num_steps(what: str, num_steps: int) -> None:
+def check_num_steps(what: str, num_steps: int) -> None:
+    """Refuse a trace of more than :data:`MAX_TRACE_STEPS` steps (``what`` names it in the message)."""
     if num_steps > MAX_TRACE_STEPS:
         raise ValueError(
             f"{what} has {num_steps} steps, more than the {MAX_TRACE_STEPS} a trace may have; "

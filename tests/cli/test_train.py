@@ -374,3 +374,11 @@ def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
     assert code == 0 and "run: " not in out and "done: 5 steps" in out, out + err
     code, out, err = run_train([*args, "--no-progress", "--max-steps", "2"], capsys)
     assert code == 0 and "run: stops before step 2 of the trace's 5 (--max-steps 2)" in out, out + err
+
+
+def test_default_minibatch_size_is_a_deprecated_alias_of_largest_minibatch_size() -> None:
+    from torchfold.cli.train import default_minibatch_size
+    from torchfold.train.trace import BatchSizeTrace
+
+    with pytest.warns(FutureWarning, match=r"BatchSizeTrace\.largest_minibatch_size"):
+        assert default_minibatch_size(BatchSizeTrace([176, 224, 240])) == 16

@@ -556,3 +556,17 @@ def test_plotting_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
         "plotting a trace needs matplotlib" in done.stdout
         and "pip install 'pytorch-fold[plot]'" in done.stdout
     )
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=8), st.integers(1, 64))
+def test_largest_minibatch_size_divides_every_batch_and_no_larger_one_does(
+    sizes: list[int], at_most: int
+) -> None:
+    size = BatchSizeTrace(sizes).largest_minibatch_size(at_most)
+    assert 1 <= size <= at_most and all(batch % size == 0 for batch in sizes)
+    assert not any(all(batch % larger == 0 for batch in sizes) for larger in range(size + 1, at_most + 1))
+
+
+def test_largest_minibatch_size_refuses_a_bound_below_one() -> None:
+    with pytest.raises(ValueError, match="at_most"):
+        BatchSizeTrace([8]).largest_minibatch_size(0)

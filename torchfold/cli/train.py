@@ -16,7 +16,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from torchfold._deprecation import warn_renamed
 from torchfold._validate import (
     non_negative_float,
     non_negative_int,
@@ -50,8 +50,8 @@ from torchfold.train.checkpoint import (
     HyperparameterMismatch,
     keep_hyperparameters,
     latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
+    set_aside_checkpoints,
 )
 from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context
 from torchfold.train.loader import StepLoader
@@ -328,7 +328,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         trace = BatchSizeTrace.parse(args.trace)
         if args.minibatch_size is None and args.max_device_batch_size is None:
-            args.minibatch_size = default_minibatch_size(trace)
+            args.minibatch_size = trace.largest_minibatch_size(DEFAULT_MINIBATCH_SIZE)
         elif args.minibatch_size is not None:
             try:
                 trace.check_minibatch_size(args.minibatch_size)
@@ -386,18 +386,11 @@ def _option_names(message: str) -> str:
 
 
 def default_minibatch_size(trace: BatchSizeTrace, largest: int = DEFAULT_MINIBATCH_SIZE) -> int:
-    """The largest minibatch size up to ``largest`` that divides every batch size of ``trace``.
-
-    A trace converted from an availability trace holds multiples of its per-device batch (176,
-    224, 240, ... trees), which a fixed default (25) would not divide.
-
-    >>> default_minibatch_size(BatchSizeTrace([176, 224, 240]))
-    16
-    >>> default_minibatch_size(BatchSizeTrace([100, 50]))
-    25
-    """
-    common = math.gcd(*trace.batch_sizes)
-    return max(size for size in range(1, min(largest, common) + 1) if common % size == 0)
+    """Deprecated: :meth:`BatchSizeTrace.largest_minibatch_size` (``trace.largest_minibatch_size(largest)``)."""
+    warn_renamed(
+        "torchfold.cli.train.default_minibatch_size(trace)", "BatchSizeTrace.largest_minibatch_size()"
+    )
+    return trace.largest_minibatch_size(largest)
 
 
 def _stop_line(args: argparse.Namespace, trace: BatchSizeTrace, loader: StepLoader) -> str | None:
@@ -598,32 +591,18 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO])
 
 
 def _set_aside(args: argparse.Namespace) -> None:
-    """--no-resume: move the checkpoints in --checkpoint-dir to a new subdirectory ``earlier-N``.
-
-    Left beside the fresh run's, they would be mixed with them: pruning keeps the highest steps
-    (maybe the earlier run's) and a resume takes the highest. Moved, nothing is lost, and the
-    fresh run's checkpoints are the ones kept and resumed from.
-    """
+    """--no-resume: the checkpoints in --checkpoint-dir move to ``earlier-N`` (:func:`set_aside_checkpoints`)."""
     if args.checkpoint_dir is None:
         return
-    found = [path for _, path in list_checkpoints(args.checkpoint_dir)]
-    if not found:
-        return
-    directory = Path(args.checkpoint_dir)
-    number = 1
-    while (directory / f"earlier-{number}").exists():
-        number += 1
-    aside = directory / f"earlier-{number}"
     try:
-        aside.mkdir()
-        for path in found:
-            path.rename(aside / path.name)
+        moved = set_aside_checkpoints(args.checkpoint_dir)
     except OSError as e:
-        raise OSError(
-            e.errno,
-            f"--no-resume: cannot move the earlier checkpoints in {directory} to {aside} ({e.strerror or e})",
-        ) from e
-    print(f"--no-resume: moved the {len(found)} earlier checkpoint(s) in {directory} to {aside}")
+        raise OSError(e.errno, f"--no-resume: {e.strerror}") from e
+    if moved is not None:
+        aside, count = moved
+        print(
+            f"--no-resume: moved the {count} earlier checkpoint(s) in {Path(args.checkpoint_dir)} to {aside}"
+        )
 
 
 def _checkpoint_settings(

@@ -55,6 +55,7 @@ __all__ = [
     "load_checkpoint",
     "prune_checkpoints",
     "save_checkpoint",
+    "set_aside_checkpoints",
 ]
 
 # Names that moved to another module: the old path still works, warning once with the new one.
@@ -123,6 +124,41 @@ def prune_checkpoints(directory: str | os.PathLike[str], keep: int) -> list[Path
     for path in old:
         path.unlink(missing_ok=True)
     return old
+
+
+def set_aside_checkpoints(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """Move the checkpoints in ``directory`` to a new subdirectory ``earlier-N`` (the first free N).
+
+    For a fresh run in a directory that holds an earlier run's checkpoints: left beside the new
+    run's, they would mix with them (pruning keeps the highest steps, maybe the earlier run's, and
+    a resume takes the highest). Moved, nothing is lost. Returns the subdirectory and how many
+    checkpoints moved there, or ``None`` when there were none.
+
+    Example:
+        >>> import tempfile
+        >>> directory = Path(tempfile.mkdtemp())
+        >>> _ = save_checkpoint({"step": 3}, checkpoint_path(directory, 3))
+        >>> aside, moved = set_aside_checkpoints(directory)
+        >>> aside.name, moved, list_checkpoints(directory)
+        ('earlier-1', 1, [])
+    """
+    found = [path for _, path in list_checkpoints(directory)]
+    if not found:
+        return None
+    directory = Path(directory)
+    number = 1
+    while (directory / f"earlier-{number}").exists():
+        number += 1
+    aside = directory / f"earlier-{number}"
+    try:
+        aside.mkdir()
+        for path in found:
+            path.rename(aside / path.name)
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot move the earlier checkpoints in {directory} to {aside} ({e.strerror or e})"
+        ) from e
+    return aside, len(found)
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:

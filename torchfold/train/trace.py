@@ -488,6 +488,21 @@ class BatchSizeTrace:
         text = f"constant:{self._sizes[0]}" if self._unbounded else ",".join(map(str, self._sizes))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def largest_minibatch_size(self, at_most: int = 25) -> int:
+        """The largest minibatch size up to ``at_most`` that divides every batch size of this trace.
+
+        A trace converted from an availability trace holds multiples of its per-device batch (176,
+        224, 240, ... samples), which a fixed minibatch size would not divide.
+
+        >>> BatchSizeTrace([176, 224, 240]).largest_minibatch_size()
+        16
+        >>> BatchSizeTrace([100, 50]).largest_minibatch_size()
+        25
+        """
+        at_most = check_int("at_most", at_most)
+        common = math.gcd(*self._sizes)
+        return max(size for size in range(1, min(at_most, common) + 1) if common % size == 0)
+
     def where(self, step: int) -> str:
         """Where step ``step`` was defined, for error messages: ``"file.csv, line 12 (step 10)"``."""
         if self._lines is not None and 0 <= step < len(self._lines):

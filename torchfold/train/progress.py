@@ -47,7 +47,7 @@ class StepProgress:
     """
 
     def __init__(
-        self, start: int, end: int, *, bar: bool, log_every: int, log: Callable[[str], None], is_main: bool
+        self, start: int, end: int, bar: bool, log_every: int, log: Callable[[str], None], is_main: bool
     ) -> None:
         self.end, self.log_every, self.log, self.is_main = end, log_every, log, is_main
         self.bar = tqdm(total=max(0, end - start), unit="step", disable=not bar, dynamic_ncols=True)

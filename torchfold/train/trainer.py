@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
 from torchfold.train.capture.compiled import CompiledLoss
 from torchfold.train.capture.cuda_replay import CudaStepReplay
@@ -57,7 +55,13 @@ from torchfold.train.preemption import SigtermGuard
 from torchfold.train.progress import DEFAULT_LOG_EVERY, StepProgress, progress_defaults
 from torchfold.train.rng import derived_seed, seed_generators
 from torchfold.train.stats import StepLoss, StepStats, read_loss, step_stats, summed_over_ranks
-from torchfold.train.trainer_args import check_arguments, check_loader_rank, check_parts, fit_end
+from torchfold.train.trainer_args import (
+    check_arguments,
+    check_loader_rank,
+    check_parts,
+    fit_end,
+    warn_if_unpadded,
+)
 from torchfold.train.trainer_state import (
     checkpoint_due,
     load_trainer_state,
@@ -213,11 +217,8 @@ class TraceTrainer:
     def minibatch_size(self) -> int | None:
         """What each minibatch's gradient is weighted by: the optimizer's ``minibatch_size``, else the
         loader's ``batch_size`` (the optimizer's own setting is left as the user made it)."""
-        return (
-            self.optimizer.minibatch_size
-            if self.optimizer.minibatch_size is not None
-            else self.loader.minibatch_size
-        )
+        own = self.optimizer.minibatch_size
+        return own if own is not None else self.loader.minibatch_size
 
     @property
     def loss(self) -> PlanLoss:
@@ -278,14 +279,7 @@ class TraceTrainer:
             if self.handle_sigterm
             else contextlib.nullcontext()
         )
-        shown = StepProgress(
-            self.next_step,
-            end,
-            bar=self.progress,
-            log_every=self.log_every,
-            log=self.log,
-            is_main=self.is_main,
-        )
+        shown = StepProgress(self.next_step, end, self.progress, self.log_every, self.log, self.is_main)
         with sigterm, shown:
             run = _Fit(end, shown)
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
@@ -392,14 +386,7 @@ class TraceTrainer:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
             plan, targets = to_device(minibatch.data, self.device)
-            if self.device.type == "xla" and not isinstance(plan, StaticPlan) and not self._warned_unpadded:
-                self._warned_unpadded = True
-                warnings.warn(
-                    "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
-                    "graph; build static-shape plans with padded targets instead (Fold(shapes=StaticShapes(...)) and "
-                    "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
-                    stacklevel=3,
-                )
+            self._warned_unpadded = self._warned_unpadded or warn_if_unpadded(plan, self.device)
             self.runner.minibatch(plan, targets, minibatch.num_samples, alone=alone)
             nodes += len(plan)
             samples += minibatch.num_samples

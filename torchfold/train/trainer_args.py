@@ -1,21 +1,24 @@
-"""What :class:`~torchfold.train.TraceTrainer` is given, checked up front, and where its :meth:`fit` stops.
+"""What :class:`~torchfold.train.TraceTrainer` is given, checked, and where its :meth:`fit` stops.
 
 A bad argument gets a ``TypeError`` (the wrong kind of thing) or a ``ValueError`` (out of range)
-naming the argument, the rule and the value, before anything is built.
+naming the argument, the rule and the value, before anything is built; an unpadded plan from the
+loader's build on XLA gets one warning.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 
+from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.distributed import world
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
 
-__all__ = ["check_arguments", "check_loader_rank", "check_parts", "fit_end"]
+__all__ = ["check_arguments", "check_loader_rank", "check_parts", "fit_end", "warn_if_unpadded"]
 
 
 def check_parts(model: object, optimizer: object, loader: object, loss: object) -> None:
@@ -97,3 +100,16 @@ def fit_end(
     if max_steps is not None:
         end = min(end, max_steps)
     return int(end), epochs
+
+
+def warn_if_unpadded(plan: Any, device: torch.device) -> bool:
+    """Whether a plan from the loader's build runs unpadded on XLA (then a warning says how to pad)."""
+    if device.type != "xla" or isinstance(plan, StaticPlan):
+        return False
+    warnings.warn(
+        "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "
+        "graph; build static-shape plans with padded targets instead (Fold(shapes=StaticShapes(...)) and "
+        "plan.pad, e.g. TreeLSTMBuild(vocab, shapes=...))",
+        stacklevel=4,  # TraceTrainer's step (the frame the trainer's own warning named)
+    )
+    return True

@@ -50,11 +50,14 @@ class StepProgress:
         self, start: int, end: int, bar: bool, log_every: int, log: Callable[[str], None], is_main: bool
     ) -> None:
         self.end, self.log_every, self.log, self.is_main = end, log_every, log, is_main
-        self.bar = tqdm(total=max(0, end - start), unit="step", disable=not bar, dynamic_ncols=True)
+        self._total, self._show = max(0, end - start), bar
         self._loss = self._samples = 0.0
         self._since = time.perf_counter()
 
     def __enter__(self) -> StepProgress:
+        """Show the bar (where asked) and start counting."""
+        self.bar = tqdm(total=self._total, unit="step", disable=not self._show, dynamic_ncols=True)
+        self._since = time.perf_counter()
         return self
 
     def __exit__(

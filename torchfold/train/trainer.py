@@ -279,9 +279,9 @@ class TraceTrainer:
             if self.handle_sigterm
             else contextlib.nullcontext()
         )
-        shown = StepProgress(self.next_step, end, self.progress, self.log_every, self.log, self.is_main)
-        with sigterm, shown:
-            run = _Fit(end, shown)
+        progress = StepProgress(self.next_step, end, self.progress, self.log_every, self.log, self.is_main)
+        with sigterm, progress:
+            run = _Fit(end, progress)
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
                 self.loader.set_epoch(epoch)
                 self._fit_epoch(iter(self.loader), run)

@@ -613,7 +613,7 @@ def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() 
     plan, targets = TreeLSTMBuild(vocab, shapes=shapes)(trees)
     unpadded, unpadded_targets = TreeLSTMBuild(vocab)(trees)
     losses, expected = [], []
-    with pytest.warns(UserWarning, match=r"settings \(betas\) took 5 values on one layout"):
+    with pytest.warns(UserWarning, match=r"options \(betas\) took 5 values on one layout"):
         for number in range(7):
             for opt in (optimizer, plain):
                 opt.param_groups[0]["betas"] = (0.9 - 0.01 * number, 0.999)

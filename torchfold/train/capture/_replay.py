@@ -1,6 +1,7 @@
 """What the whole-step replays (:mod:`~torchfold.train.capture.xla_replay`, :mod:`~torchfold.train.capture.cuda_replay`) share.
 
-A replayed step keeps the optimizer's settings (all but the learning rates, which are inputs)
+A replayed step keeps the optimizer's options (its param groups' keys but the learning rates, which
+are inputs)
 as constants of its graph, reads the batch's targets as tensors in a fixed order, and steps with
 learning rates it sets itself: the rules for each live here, once.
 """
@@ -19,11 +20,11 @@ from torchfold.train.capture.compiled import check_loss
 from torchfold.train.loss import PlanLoss
 
 __all__ = [
-    "MAX_SETTINGS",
-    "Settings",
+    "MAX_OPTIONS",
+    "Options",
     "StepReplay",
     "gradients_into",
-    "optimizer_settings",
+    "optimizer_options",
     "stepping",
     "target_tensors",
 ]
@@ -37,8 +38,8 @@ class StepReplay:
         self.model, self.loss, self.optimizer = model, loss, optimizer
         #: why steps cannot be replayed (found at the first capture that failed), or None
         self.refused: str | None = None
-        # per layout: the optimizer settings captured for it
-        self._seen_settings: dict[Hashable, list[Settings]] = {}
+        # per layout: the optimizer options captured for it
+        self._seen_options: dict[Hashable, list[Options]] = {}
 
     def _check_call(self, plan: Any, lrs: list[float]) -> None:
         """A step's arguments: a static-shape plan, and one learning rate per param group."""
@@ -50,10 +51,10 @@ class StepReplay:
         if len(lrs) != len(groups):
             raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
 
-    def _settings(self, plan: StaticPlan) -> tuple[Settings, str | None]:
-        """The optimizer's settings but the learning rates, and why they cannot be replayed
-        (:func:`optimizer_settings`, over the settings seen on ``plan``'s layout)."""
-        return optimizer_settings(self.optimizer, self._seen_settings, plan.layout.key)
+    def _options(self, plan: StaticPlan) -> tuple[Options, str | None]:
+        """The optimizer's options but the learning rates, and why they cannot be replayed
+        (:func:`optimizer_options`, over the options seen on ``plan``'s layout)."""
+        return optimizer_options(self.optimizer, self._seen_options, plan.layout.key)
 
     def _refuse(self, why: str) -> None:
         """Steps are not replayed from now on (the caller runs them another way); one warning."""
@@ -79,20 +80,22 @@ def gradients_into(loss: torch.Tensor, params: list[torch.Tensor]) -> None:
         p.grad = grad
 
 
-# Distinct optimizer settings (other than learning rates) captured for one layout before a
-# setting that keeps changing is refused: a few changes are a new graph each, a schedule is not.
-MAX_SETTINGS = 4
-Settings = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
+# An optimizer's options are its param groups' keys (torch's word: ``Optimizer(params, **options)``);
+# ``settings`` is what a checkpoint is only valid with (``TraceTrainer(settings=)``). Distinct
+# options (other than learning rates) captured for one layout before an option that keeps changing
+# is refused: a few changes are a new graph each, a schedule is not.
+MAX_OPTIONS = 4
+Options = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
 
 
-def optimizer_settings(
-    optimizer: torch.optim.Optimizer, seen: dict[Hashable, list[Settings]], layout: Hashable
-) -> tuple[Settings, str | None]:
-    """The optimizer's settings but the learning rates (constants of a replayed graph), and why
+def optimizer_options(
+    optimizer: torch.optim.Optimizer, seen: dict[Hashable, list[Options]], layout: Hashable
+) -> tuple[Options, str | None]:
+    """The optimizer's options but the learning rates (constants of a replayed graph), and why
     they cannot be replayed: a tensor among them (its value would be frozen into the graph), or
     values that keep changing on ``layout`` (e.g. a schedule of Adam's betas: a new graph at every
-    step). ``seen`` keeps, per layout, the settings already captured (this call adds to it)."""
-    settings: list[tuple[tuple[str, str], ...]] = []
+    step). ``seen`` keeps, per layout, the options already captured (this call adds to it)."""
+    options: list[tuple[tuple[str, str], ...]] = []
     for number, group in enumerate(optimizer.param_groups):
         for name, value in group.items():
             values = value if isinstance(value, tuple | list) else (value,)
@@ -101,17 +104,17 @@ def optimizer_settings(
                     f"param group {number}'s {name!r} is a tensor, which a replayed step would keep at its "
                     "captured value; give it as a number"
                 )
-        settings.append(tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr"))))
-    frozen = tuple(settings)
+        options.append(tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr"))))
+    frozen = tuple(options)
     known = seen.setdefault(layout, [])
     if frozen not in known:
-        if len(known) >= MAX_SETTINGS:
+        if len(known) >= MAX_OPTIONS:
             last = known[-1]
             changed = sorted(
                 {name for now, then in zip(frozen, last, strict=False) for name, _ in set(now) ^ set(then)}
             )
             return frozen, (
-                f"the optimizer's settings ({', '.join(changed) or 'param groups'}) took "
+                f"the optimizer's options ({', '.join(changed) or 'param groups'}) took "
                 f"{len(known) + 1} values on one layout, and each is a new graph to compile; a schedule of them "
                 "runs the usual way instead, not replayed whole (the learning rate alone may change freely)"
             )

@@ -17,9 +17,10 @@ default) use ``inductor``'s default mode. On CUDA, CUDA graphs come from
 :class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`, which replays a whole step of one minibatch;
 inductor's own CUDA graphs (``mode="reduce-overhead"``) are not the default: in the trainer,
 steps of several minibatches failed with them in a backward ("accessing tensor output of
-CUDAGraphs that has been overwritten by a subsequent run"; an H200, torch 2.11, also with
-``torch.compiler.cudagraph_mark_step_begin()`` before every minibatch). Pass ``mode=`` to
-choose them anyway; the losses returned are then copies.
+CUDAGraphs that has been overwritten by a subsequent run"), also with
+``torch.compiler.cudagraph_mark_step_begin()`` before every minibatch (the run:
+``benchmarks/results/gpu.md``). Pass ``mode=`` to choose them anyway; the losses returned are
+then copies.
 
 The optimizer's update is captured separately, by :class:`CompiledUpdate`: on XLA it would
 otherwise be traced op by op at every step too (a few ops per parameter). It runs after the

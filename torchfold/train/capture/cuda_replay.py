@@ -14,7 +14,7 @@ the depth of the trees.
 A CUDA graph reads and writes fixed addresses, so what a graph depends on is checked at every
 step: the layout, the module's parameters and the optimizer's (which tensors, where their data
 lives, shapes, dtypes, ``requires_grad``), the module's buffers, the optimizer's state tensors (a
-loaded state dict installs new ones), its settings but the learning rate (an input), the shapes
+loaded state dict installs new ones), its options but the learning rate (an input), the shapes
 of the batch's tensors and the module's ``training`` flag. A change in any of them is a new
 warm-up and capture, never a stale graph; graphs made for memory that is no longer the
 parameters' or the state's are dropped then. Not checked, and frozen into a graph as captured:
@@ -36,7 +36,7 @@ import torch
 
 from torchfold.engine.static import StaticInputs, StaticPlan
 from torchfold.train.capture._replay import (
-    Settings,
+    Options,
     StepReplay,
     gradients_into,
     stepping,
@@ -109,7 +109,7 @@ class CudaStepReplay(StepReplay):
     GPU) and the learning rate of each parameter group runs the step: the parameters and the
     optimizer's state are updated in place, the gradients are left ``None``, and the loss (a
     scalar tensor on the GPU, not read back) is returned. The first step of each layout (and of
-    each parameter, state or settings change, see the module's notes) runs eagerly and captures
+    each parameter, state or options change, see the module's notes) runs eagerly and captures
     the graph after it; the others replay it. A step that cannot be captured (it reads a value
     back to the host, or its targets hold more than tensors) runs eagerly instead, with one
     warning, and :attr:`refused` says why: run the next steps another way.
@@ -158,7 +158,7 @@ class CudaStepReplay(StepReplay):
 
     @property
     def captures(self) -> int:
-        """How many CUDA graphs have been captured (one per layout and parameter, state or settings
+        """How many CUDA graphs have been captured (one per layout and parameter, state or options
         change), the ones since dropped included."""
         return self._captured
 
@@ -172,7 +172,7 @@ class CudaStepReplay(StepReplay):
         if reason is not None:
             self._refuse(f"the optimizer's update cannot be captured in a CUDA graph: {reason}")
             return self._eager_step(plan, targets, lrs)
-        settings, reason = self._settings(plan)
+        options, reason = self._options(plan)
         if reason is not None:
             self._refuse(reason)
             return self._eager_step(plan, targets, lrs)
@@ -186,9 +186,9 @@ class CudaStepReplay(StepReplay):
             raise ValueError(
                 f"CudaStepReplay needs the model on a CUDA device, its parameters are on {device}"
             )
-        captured = self._graphs.get(self._key(plan, params, batch, settings))
+        captured = self._graphs.get(self._key(plan, params, batch, options))
         if captured is None:
-            return self._warm_up_and_capture(plan, targets, batch, lrs, params, settings)
+            return self._warm_up_and_capture(plan, targets, batch, lrs, params, options)
         inputs = captured.inputs
         inputs.ints.copy_(torch.from_numpy(plan.ints), non_blocking=True)
         inputs.floats.copy_(torch.from_numpy(plan.floats), non_blocking=True)
@@ -206,7 +206,7 @@ class CudaStepReplay(StepReplay):
         return captured.loss.clone()  # the next replay overwrites the graph's own
 
     def _key(
-        self, plan: StaticPlan, params: list[torch.Tensor], batch: list[torch.Tensor], settings: Settings
+        self, plan: StaticPlan, params: list[torch.Tensor], batch: list[torch.Tensor], options: Options
     ) -> tuple[Any, ...]:
         """Everything a captured graph depends on besides its inputs' values (addresses included)."""
         state = self.optimizer.state
@@ -226,7 +226,7 @@ class CudaStepReplay(StepReplay):
             ),
             (plan.ints.shape, plan.floats.shape, tuple((tuple(g.shape), g.dtype) for g in plan.given)),
             tuple((tuple(t.shape), t.dtype, t.device) for t in batch),
-            settings,
+            options,
             self.model.training,
         )
 
@@ -237,7 +237,7 @@ class CudaStepReplay(StepReplay):
         batch: list[torch.Tensor],
         lrs: list[float],
         params: list[torch.Tensor],
-        settings: Settings,
+        options: Options,
     ) -> torch.Tensor:
         """This step eagerly, on the graph's own input buffers and on a side stream (CUDA graphs
         want their kernels' lazy set-up done before capture); then the capture; the step's loss."""
@@ -286,7 +286,7 @@ class CudaStepReplay(StepReplay):
                 f"CPU){synced}, which a CUDA graph cannot replay"
             )
             return self._eager_step(plan, targets, lrs)
-        key = self._key(plan, params, batch, settings)  # the warm-up made the optimizer's state
+        key = self._key(plan, params, batch, options)  # the warm-up made the optimizer's state
         graph = torch.cuda.CUDAGraph()
         try:
             with (

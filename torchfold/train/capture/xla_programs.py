@@ -16,7 +16,7 @@ is made of two kinds of programs, each traced once and replayed from XLA's compi
   learning rates as tensor inputs, and the zeroing of the buffers.
 
 What a program depends on is part of its key (the layout, every module parameter and buffer: which
-tensor, shape, dtype, ``requires_grad``; the batch's tensor shapes; the optimizer's settings but
+tensor, shape, dtype, ``requires_grad``; the batch's tensor shapes; the optimizer's options but
 the learning rate, and its state's structure; ``model.training``), and what a traced program
 reads is checked: every module parameter and buffer is an input (a parameter left out of the
 optimizer that changes between steps is followed); a value that is neither an input nor the same
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture._replay import optimizer_settings, stepping, target_tensors
+from torchfold.train.capture._replay import optimizer_options, stepping, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, materialize, replay_unavailable
@@ -205,7 +205,7 @@ class XlaPrograms:
         self.refused: str | None = None
         self._minibatch: dict[Hashable, _Program] = {}
         self._update: dict[Hashable, _Program] = {}
-        self._seen_settings: dict[Hashable, list[Any]] = {}
+        self._seen_options: dict[Hashable, list[Any]] = {}
         self._scalars: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
         self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
         self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
@@ -297,7 +297,7 @@ class XlaPrograms:
             if self.refused is not None:
                 self._lazy_update(lrs, divisor)
                 return loss_sum
-            settings, why = optimizer_settings(self.optimizer, self._seen_settings, "update")
+            options, why = optimizer_options(self.optimizer, self._seen_options, "update")
             why = why or uncapturable_update(self.optimizer) or _host_state(self.optimizer)
             if why is not None:
                 self._refuse(why)
@@ -319,7 +319,7 @@ class XlaPrograms:
                 tuple(
                     (id(p), name, tuple(t.shape), t.dtype) for (p, name), t in zip(slots, states, strict=True)
                 ),
-                settings,
+                options,
             )
             with TRACE_LOCK:
                 materialize(live)

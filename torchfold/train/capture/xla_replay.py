@@ -21,7 +21,7 @@ missing (another torch_xla version), :func:`replay_unavailable` says so and the 
 What a replayed graph depends on is checked at every step, never assumed: the layout, the
 parameters (which tensors, shapes, dtypes, ``requires_grad``), the module's buffers (which
 tensors, shapes, dtypes: their values are inputs, and a buffer the step changes is written
-back), the shapes and dtypes of the batch's tensors, the optimizer's groups (every setting but
+back), the shapes and dtypes of the batch's tensors, the optimizer's groups (every option but
 the learning rate, which is an input) and its state (names, shapes, dtypes), and the module's
 ``training`` flag. A change in any of them is a new capture, never a stale graph. Only the
 tensors the step changes are written back: a frozen parameter, or one without a gradient, stays
@@ -181,7 +181,7 @@ class XlaStepReplay(StepReplay):
         if reason is not None:  # e.g. a loaded state dict turned capturable off
             self._refuse(f"the optimizer's update cannot be captured: {reason}")
             return self._lazy_step(plan, targets, lrs)
-        settings, reason = self._settings(plan)
+        options, reason = self._options(plan)
         if reason is not None:
             self._refuse(reason)
             return self._lazy_step(plan, targets, lrs)
@@ -202,7 +202,7 @@ class XlaStepReplay(StepReplay):
         held = {id(p) for p in params}
         others = [p for p in self.model.parameters() if id(p) not in held]
         live = [*params, *buffers, *(state[p][name] for p, name in slots), *rates, *data, *others]
-        key = (self._key(plan, params, buffers, slots, data, settings), _describe(others))
+        key = (self._key(plan, params, buffers, slots, data, options), _describe(others))
         with TRACE_LOCK:
             materialize(live)
             capture = self._captures.get(key)
@@ -240,7 +240,7 @@ class XlaStepReplay(StepReplay):
         buffers: list[torch.Tensor],
         slots: list[tuple[Any, str]],
         data: list[torch.Tensor],
-        settings: Hashable,
+        options: Hashable,
     ) -> Hashable:
         """Everything a traced step depends on besides its inputs' values."""
         tensors = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in params)
@@ -250,7 +250,7 @@ class XlaStepReplay(StepReplay):
             tuple((id(b), tuple(b.shape), b.dtype) for b in buffers),
             tuple((tuple(t.shape), t.dtype) for t in data),
             tuple((id(p), name, tuple(state.shape), state.dtype) for p, name, state in self._states(slots)),
-            settings,
+            options,
             self.model.training,
         )
 

@@ -112,6 +112,46 @@ def test_engine_imports_nothing_above_it(forbidden: str) -> None:
     assert {name: deps for name, deps in offenders.items() if deps} == {}
 
 
+# The training half's layers, each importing only below it: the step mechanisms (capture) know
+# nothing of the loop that calls them or of what it writes; the library nothing of its examples.
+_LAYERS_BELOW = [
+    ("torchfold.train", ("torchfold.examples", "torchfold.cli")),
+    ("torchfold.examples", ("torchfold.cli",)),
+    (
+        "torchfold.train.capture",
+        (
+            "torchfold.train.trainer",
+            "torchfold.train.trainer_state",
+            "torchfold.train.trainer_args",
+            "torchfold.train.progress",
+            "torchfold.train.deferral",
+            "torchfold.train.checkpoint",
+            "torchfold.train.elastic",
+        ),
+    ),
+]
+
+
+def _upward(layer: str, above: tuple[str, ...]) -> dict[str, list[str]]:
+    """Each module of ``layer`` that imports a module of ``above``, with those modules."""
+    offenders = {
+        name: sorted(d for d in deps if any(d == up or d.startswith(up + ".") for up in above))
+        for name, deps in _graph().items()
+        if name == layer or name.startswith(layer + ".")
+    }
+    return {name: deps for name, deps in offenders.items() if deps}
+
+
+@pytest.mark.parametrize(("layer", "above"), _LAYERS_BELOW, ids=[layer for layer, _ in _LAYERS_BELOW])
+def test_no_import_points_up(layer: str, above: tuple[str, ...]) -> None:
+    assert _upward(layer, above) == {}
+
+
+def test_the_layer_check_finds_an_import_between_layers() -> None:
+    # the examples build on the training half: seen from the other side, that is an import "up"
+    assert _upward("torchfold.examples", ("torchfold.train",))
+
+
 def test_nothing_imports_the_cli() -> None:
     graph = _graph()
     users = {name for name, deps in graph.items() if any(d.startswith("torchfold.cli") for d in deps)}

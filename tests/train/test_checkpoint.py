@@ -124,7 +124,7 @@ def test_an_intact_file_is_never_called_corrupt(tmp_path: Path) -> None:
     assert torch.equal(load_checkpoint(path)["w"], torch.ones(2))
 
 
-def test_the_device_settings_of_a_checkpoint_follow_this_run(saved: Path) -> None:
+def test_the_device_options_of_a_checkpoint_follow_this_run(saved: Path) -> None:
     # Optimizer.load_state_dict took `capturable` and `fused` from the file: an XLA checkpoint
     # (capturable) resumed on the CPU failed, a CPU one (fused) on XLA too.
     state = load_checkpoint(saved)

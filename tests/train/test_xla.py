@@ -437,7 +437,7 @@ def test_a_failing_replica_thread_stops_the_others_at_once(tmp_path: Path) -> No
 def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
     """XlaStepReplay: forward, loss, backward and update of each layout traced once, then replayed
     with new batches and a learning rate that changes at every step; losses and parameters equal
-    plain eager steps on the CPU. A changed optimizer setting is a new capture, never a stale
+    plain eager steps on the CPU. A changed optimizer option is a new capture, never a stale
     graph. SGD turns a tensor learning rate into a Python number (a host read inside the step):
     refused with a warning, and that step still runs right (lazily)."""
     import warnings
@@ -473,7 +473,7 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
             rate = (0.01 if kind == "adam" else 0.1) * (1 + number % 3) / 2
             if number == 10 and kind == "adam":
                 for group in optimizer.param_groups + plain.param_groups:
-                    group["betas"] = (0.8, 0.99)  # a setting the graph holds as a constant
+                    group["betas"] = (0.8, 0.99)  # an option the graph holds as a constant
             plan, targets = build(trees)
             losses.append(float(replay(plan, to_device(targets, device), [rate])))
             for group in plain.param_groups:
@@ -587,9 +587,9 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     assert replay.refused is not None and lazy == pytest.approx(loss.item(), rel=1e-4)
 
 
-def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() -> None:
+def test_a_schedule_of_optimizer_options_or_a_tensor_option_is_not_replayed() -> None:
     """Adam's betas changed at every step would be a new graph to compile at every step: after a
-    few captures of one layout the replay refuses, naming the setting, and the steps still train
+    few captures of one layout the replay refuses, naming the option, and the steps still train
     as on the CPU. A tensor in a param group would be frozen at its captured value: refused."""
     import torch_xla
 
@@ -627,7 +627,7 @@ def test_a_schedule_of_optimizer_settings_or_a_tensor_setting_is_not_replayed() 
     assert replay.captures <= 5 and replay.refused is not None
 
     fresh = XlaStepReplay(model, tree_lstm_loss, optimizer)
-    optimizer.param_groups[0]["scale"] = torch.ones((), device=device)  # a setting of the user's
+    optimizer.param_groups[0]["scale"] = torch.ones((), device=device)  # an option of the user's
     with pytest.warns(UserWarning, match="param group 0's 'scale' is a tensor"):
         fresh(plan, to_device(targets, device), [0.01])
     assert fresh.captures == 0

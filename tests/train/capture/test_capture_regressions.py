@@ -228,7 +228,7 @@ def test_the_train_cli_on_xla_resumes_from_its_own_checkpoint(tmp_path: Path) ->
 @pytest.mark.xla
 @pytest.mark.timeout(600)  # compiles on a shared CPU
 def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back(tmp_path: Path) -> None:
-    # The optimizer's param groups carried the device's settings: a CPU checkpoint (fused Adam)
+    # The optimizer's param groups carried the device's options: a CPU checkpoint (fused Adam)
     # failed on XLA in the fused kernel, an XLA one (capturable) on the CPU in Adam's checks.
     for steps, device in enumerate(("cpu", "xla", "cpu"), start=1):
         done = _train_cli(device, steps, tmp_path / "ck")

@@ -95,7 +95,7 @@ class TraceTrainer:
     Args:
         model: the module whose methods are the fold ops; trained in place.
         optimizer: an :class:`~torchfold.train.AccumulatingOptimizer` over ``model``'s parameters (where
-            its ``minibatch_size`` is unset, gradients are weighted by the loader's ``batch_size``:
+            its ``minibatch_size`` is unset, gradients are weighted by the loader's ``minibatch_size``:
             see :attr:`minibatch_size`; the optimizer itself is left as it is).
         loader: this rank's :class:`~torchfold.train.StepLoader`, with a ``build`` returning
             ``(FoldPlan, targets)`` (a trace, or PopTorch's constant batch, sets the steps).
@@ -217,7 +217,7 @@ class TraceTrainer:
     @property
     def minibatch_size(self) -> int | None:
         """What each minibatch's gradient is weighted by: the optimizer's ``minibatch_size``, else the
-        loader's ``batch_size`` (the optimizer's own setting is left as the user made it)."""
+        loader's ``minibatch_size`` (the optimizer itself is left as the user made it)."""
         own = self.optimizer.minibatch_size
         return own if own is not None else self.loader.minibatch_size
 

@@ -111,12 +111,10 @@ class TraceTrainer:
             finds no terminal, else none (a bar, or ``progress=False``: a quiet run).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
-        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint,
-            and before the next step is launched, on every device: a change it makes (e.g. a
-            learning-rate scheduler's ``step()``) applies from the next step. In one process on
-            an accelerator, :meth:`fit` without ``on_step`` reads a step's loss back after it has
-            launched the next one (the host runs ahead of the device); with ``on_step``, only the
-            next step's data is fetched before the loss is read.
+        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint
+            and before the next step is launched: a change it makes (e.g. a scheduler's ``step()``)
+            applies from the next step on every device. Without it, in one process on an
+            accelerator, a step's loss is read back after the next step is launched.
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
@@ -128,18 +126,12 @@ class TraceTrainer:
             (e.g. a command line's ``{"--hidden-dim": 64}``; plain values). Saved in every
             checkpoint; a resume with a different value is refused naming the setting and both
             values.
-        compile: capture each minibatch's forward, loss and backward once per static-shape
-            layout and replay it (:class:`~torchfold.train.capture.compiled.CompiledLoss`): ``"auto"``
-            (default) on XLA and CUDA, ``"on"`` on any device, ``"off"`` never. Needs the build
-            to return static-shape plans (``StaticPlan``); other plans run eagerly. Except on
-            CUDA, the optimizer's update is captured too
-            (:class:`~torchfold.train.capture.compiled.CompiledUpdate`), if it can be (``Adam`` and
-            others need ``capturable=True``; a warning names the fix otherwise). In one
-            process, steps of one minibatch are replayed whole (forward, loss, backward and
-            update as one graph): on XLA by :class:`~torchfold.train.capture.xla_replay.XlaStepReplay`,
-            on CUDA by :class:`~torchfold.train.capture.cuda_replay.CudaStepReplay` (one CUDA graph; the
-            optimizer needs ``capturable=True`` or ``fused=True``). Optimizer and tensor hooks
-            then run when a step is captured, not at every replay.
+        compile: capture steps once per static-shape layout and replay them (how, on each device:
+            :mod:`torchfold.train.capture`): ``"auto"`` (default) on XLA and CUDA, ``"on"`` on any
+            device, ``"off"`` never. Needs the build to return static-shape plans (``StaticPlan``;
+            others run eagerly) and an update that can be captured (``Adam`` and others need
+            ``capturable=True``, or ``fused=True`` on CUDA; a warning names the fix otherwise).
+            Optimizer and tensor hooks then run when a step is captured, not at every replay.
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
 

@@ -22,11 +22,8 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
 from torchfold import engine
+from torchfold._deprecation import moved_names
 from torchfold._version import __version__
 from torchfold.engine import *  # noqa: F403 (the root holds the engine's public names)
 
@@ -57,24 +54,8 @@ _MOVED = {
         )
     },
 }
-_warned: set[str] = set()
-
-
-def __getattr__(name: str) -> Any:
-    # PEP 562: the subpackages load on first use, and moved names resolve with one warning.
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"torchfold.{name}")
-    if name in _MOVED:
-        module, attribute, new = _MOVED[name]
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(
-                f"torchfold.{name} is deprecated since torchfold 0.2; use {new}",
-                FutureWarning,
-                stacklevel=2,
-            )
-        return getattr(importlib.import_module(module), attribute)
-    raise AttributeError(f"module 'torchfold' has no attribute {name!r}")
+# PEP 562: the subpackages load on first use, and moved names resolve with one warning.
+__getattr__ = moved_names("torchfold", _MOVED, since="torchfold 0.2", lazy=_SUBPACKAGES)
 
 
 def __dir__() -> list[str]:

@@ -2,22 +2,63 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-__all__ = ["RenamedAttribute", "warn_renamed"]
+__all__ = ["RenamedAttribute", "moved_names", "warn_renamed"]
 
 _warned: set[str] = set()
 
 
-def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """Warn once per process that ``old`` is deprecated in favour of ``new`` (a ``FutureWarning``).
+def warn_renamed(old: str, new: str, *, since: str | None = None, stacklevel: int = 3) -> None:
+    """Warn once per process that ``old`` is deprecated (``since`` a release) in favour of ``new``.
 
-    ``stacklevel`` 3 points at the caller of the function that calls this one.
+    A ``FutureWarning``, as for every renamed public name; ``stacklevel`` 3 points at the caller of
+    the function that calls this one.
     """
     if old not in _warned:
         _warned.add(old)
-        warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=stacklevel)
+        when = f" since {since}" if since else ""
+        warnings.warn(f"{old} is deprecated{when}; use {new}", FutureWarning, stacklevel=stacklevel)
+
+
+def moved_names(
+    module: str,
+    names: Mapping[str, tuple[str, str, str]],
+    *,
+    since: str | None = None,
+    lazy: Collection[str] = (),
+) -> Callable[[str], Any]:
+    """A PEP 562 ``__getattr__`` for ``module`` under which names that moved still resolve.
+
+    ``names`` maps an old name to ``(where, attribute, new)``: reading it imports ``where`` and
+    returns its ``attribute``, after :func:`warn_renamed` says once that ``module.old`` is
+    deprecated in favour of ``new`` (the spelling users should write). The submodules named in
+    ``lazy`` load on first use, without a warning.
+
+    Example:
+        >>> import warnings
+        >>> resolve = moved_names("pkg", {"Old": ("collections", "OrderedDict", "pkg.New")})
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     resolve("Old").__name__
+        'OrderedDict'
+        >>> str(caught[0].message)
+        'pkg.Old is deprecated; use pkg.New'
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in lazy:
+            return importlib.import_module(f"{module}.{name}")
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        where, attribute, new = names[name]
+        warn_renamed(f"{module}.{name}", new, since=since)
+        return getattr(importlib.import_module(where), attribute)
+
+    return __getattr__
 
 
 class RenamedAttribute:

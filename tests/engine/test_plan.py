@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import torchfold
+import torchfold._deprecation
 import torchfold.engine.executor
 import torchfold.engine.planner
 from torchfold import Fold, FoldError, FoldPlan
@@ -243,6 +244,7 @@ def test_a_plan_pickled_with_its_groups_named_steps_still_loads_and_runs() -> No
 
 def test_the_compiler_module_and_compile_fold_still_work_and_warn() -> None:
     sys.modules.pop("torchfold.engine.compiler", None)  # its import warns once per process
+    torchfold._deprecation._warned.discard("torchfold.engine.compiler.compile_fold")  # and so does its name
     with pytest.warns(
         FutureWarning, match=r"torchfold\.engine\.compiler moved to torchfold\.engine\.planner"
     ):

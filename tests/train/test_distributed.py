@@ -30,6 +30,7 @@ from _dist_worker import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+import torchfold._deprecation
 from torchfold.train import distributed
 from torchfold.train.lr import scaled_lr
 from torchfold.train.optim import AccumulatingOptimizer
@@ -391,9 +392,9 @@ def test_single_process_helpers() -> None:
 
 def test_get_world_size_and_get_rank_are_deprecated_aliases_of_world() -> None:
     import torchfold.train as tt
-    from torchfold.train import distributed
 
-    distributed._deprecation_warned.clear()
+    for old in ("get_world_size()", "get_rank()"):  # each warns once per process
+        torchfold._deprecation._warned.discard(f"torchfold.train.{old}")
     with pytest.warns(
         FutureWarning, match=r"get_world_size\(\) is deprecated; use torchfold.train.world\(\).size"
     ):

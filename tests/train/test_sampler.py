@@ -19,6 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
+import torchfold._deprecation
 from torchfold.train.sampler import StepSplit, TraceBatchSampler, minibatches_per_rank
 from torchfold.train.trace import BatchSizeTrace
 
@@ -488,7 +489,7 @@ def test_step_plan_is_a_deprecated_alias_of_step_split() -> None:
 
     import torchfold.train as tt
 
-    tt._warned.discard("StepPlan")
+    torchfold._deprecation._warned.discard("torchfold.train.StepPlan")  # it warns once per process
     with pytest.warns(
         FutureWarning, match=r"torchfold.train.StepPlan is deprecated; use torchfold.train.StepSplit"
     ):

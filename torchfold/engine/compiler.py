@@ -8,8 +8,8 @@
 """
 
 import warnings
-from typing import Any
 
+from torchfold._deprecation import moved_names
 from torchfold.engine.planner import *  # noqa: F403
 from torchfold.engine.planner import plan_fold
 
@@ -22,13 +22,8 @@ warnings.warn(
 )
 
 
-def __getattr__(name: str) -> Any:
-    # PEP 562: the old function name resolves, with a warning at every use.
-    if name == "compile_fold":
-        warnings.warn(
-            "torchfold.engine.compiler.compile_fold is deprecated; use torchfold.engine.planner.plan_fold",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return plan_fold
-    raise AttributeError(f"module 'torchfold.engine.compiler' has no attribute {name!r}")
+# PEP 562: the old function name resolves, warning once.
+__getattr__ = moved_names(
+    "torchfold.engine.compiler",
+    {"compile_fold": ("torchfold.engine.planner", "plan_fold", "torchfold.engine.planner.plan_fold")},
+)

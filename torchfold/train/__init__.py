@@ -9,9 +9,7 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 [[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
 """
 
-import warnings
-from typing import Any
-
+from torchfold._deprecation import moved_names
 from torchfold.train.capture import CapturedStep, captured_step
 from torchfold.train.distributed import (
     RunContext,
@@ -79,22 +77,8 @@ __all__ = [
 ]
 
 
-# Names that were renamed: the old spelling still works, warning once with the new one.
-_RENAMED = {"StepPlan": ("StepSplit", StepSplit)}
-_warned: set[str] = set()
-
-
-def __getattr__(name: str) -> Any:
-    # PEP 562, as torchfold's own _MOVED: resolve a renamed name with one FutureWarning.
-    if name in _RENAMED:
-        new, value = _RENAMED[name]
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(
-                f"torchfold.train.{name} is deprecated; use torchfold.train.{new} (in torchfold a plan is a "
-                "compiled fold)",
-                FutureWarning,
-                stacklevel=2,
-            )
-        return value
-    raise AttributeError(f"module 'torchfold.train' has no attribute {name!r}")
+# Names that were renamed (in torchfold a plan is a compiled fold): the old spelling still works,
+# warning once with the new one.
+__getattr__ = moved_names(
+    "torchfold.train", {"StepPlan": ("torchfold.train.sampler", "StepSplit", "torchfold.train.StepSplit")}
+)

@@ -30,7 +30,6 @@ import os
 import pickle
 import re
 import socket
-import warnings
 import zipfile
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from torchfold._deprecation import moved_names
 from torchfold._validate import brief
 from torchfold.train import rng as generators
 from torchfold.train.distributed import CHECKPOINT_MAP_LOCATION
@@ -59,22 +59,13 @@ __all__ = [
 ]
 
 # Names that moved to another module: the old path still works, warning once with the new one.
-_MOVED = {"rng_state": "torchfold.train.rng", "set_rng_state": "torchfold.train.rng"}
-_warned: set[str] = set()
-
-
-def __getattr__(name: str) -> Any:
-    # PEP 562, as torchfold's own _MOVED: resolve a moved name with one FutureWarning.
-    if name in _MOVED:
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(
-                f"torchfold.train.checkpoint.{name} is deprecated; use {_MOVED[name]}.{name}",
-                FutureWarning,
-                stacklevel=2,
-            )
-        return getattr(generators, name)
-    raise AttributeError(f"module 'torchfold.train.checkpoint' has no attribute {name!r}")
+__getattr__ = moved_names(
+    "torchfold.train.checkpoint",
+    {
+        name: ("torchfold.train.rng", name, f"torchfold.train.rng.{name}")
+        for name in ("rng_state", "set_rng_state")
+    },
+)
 
 
 CHECKPOINT_FORMAT = "torchfold.checkpoint"

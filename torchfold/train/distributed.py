@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from torchfold._deprecation import warn_renamed
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
 
@@ -159,26 +160,15 @@ def check_rank(rank: object, world_size: int) -> int:
     return rank
 
 
-_deprecation_warned: set[str] = set()
-
-
-def _deprecated(old: str, new: str) -> None:
-    if old not in _deprecation_warned:
-        _deprecation_warned.add(old)
-        warnings.warn(
-            f"torchfold.train.{old}() is deprecated; use torchfold.train.{new}", FutureWarning, stacklevel=3
-        )
-
-
 def get_world_size() -> int:
     """Deprecated: ``world().size`` (see :func:`world`)."""
-    _deprecated("get_world_size", "world().size")
+    warn_renamed("torchfold.train.get_world_size()", "torchfold.train.world().size")
     return world().size
 
 
 def get_rank() -> int:
     """Deprecated: ``world().rank`` (see :func:`world`)."""
-    _deprecated("get_rank", "world().rank")
+    warn_renamed("torchfold.train.get_rank()", "torchfold.train.world().rank")
     return world().rank
 
 

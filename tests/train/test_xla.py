@@ -401,9 +401,12 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
         torch.testing.assert_close(r, q, rtol=1e-3, atol=1e-4)
     # the runner replayed programs, none refused (the loaded, equal step counts of Adam have a
-    # buffer each: test_capture_regressions.py)
+    # buffer each: test_capture_regressions.py); the one warning says that random draws of a run
+    # resumed on another number of devices differ without seed=
     assert resumed["replays"] >= 1
-    assert resumed["refused"] is None and not resumed["warnings"], (resumed["refused"], resumed["warnings"])
+    assert resumed["refused"] is None, resumed["refused"]
+    assert not [w for w in resumed["warnings"] if "not replayed" in w], resumed["warnings"]
+    assert [w for w in resumed["warnings"] if "world-size invariantly" in w] == resumed["warnings"]
     compilations = resumed["compilations"]
     assert len(compilations) == len(TRACE) - CHECKPOINT_STEP
     assert compilations[-1] == compilations[7], str(compilations)

@@ -636,3 +636,35 @@ def test_num_replicas_is_the_process_count_and_replication_factor_a_deprecated_a
         assert old[0].replication_factor == 2
     with pytest.raises(TypeError, match="give num_replicas=2, not also the deprecated replication_factor=3"):
         StepLoader(list(range(12)), 2, num_replicas=2, replication_factor=3)
+
+
+def test_layout_examples_hold_one_minibatch_of_each_layout_a_pass_makes() -> None:
+    from torchfold import StaticShapesOverflow
+    from torchfold.train import fit_static_shapes
+
+    trees = sst_trees(60)
+    vocab = Vocab.build(trees)
+    shapes = fit_static_shapes(trees, TreeLSTMBuild(vocab), 5)  # depth buckets: several layouts
+    counters = (shapes.plans, shapes.real_calls, shapes.padded_calls)
+    loader = StepLoader(trees, 5, build=TreeLSTMBuild(vocab, shapes=shapes), trace=[10])
+    examples = loader.layout_examples()
+    keys = [example.data[0].layout.key for example in examples]
+    assert len(set(keys)) == len(keys) >= 2
+    # every minibatch of the pass (split where it does not fit) has one of those layouts
+    order = np.random.default_rng(0).permutation(len(trees)).tolist()
+    build = TreeLSTMBuild(vocab, shapes=shapes)
+    for start in range(0, len(trees), 5):
+        items = [trees[i] for i in order[start : start + 5]]
+        try:
+            plans = [build(items)[0]]
+        except StaticShapesOverflow:
+            plans = [build(items[:3])[0], build(items[3:])[0]]
+        assert all(plan.layout.key in keys for plan in plans)
+        assert all(len(example.indices) == example.num_samples for example in examples)
+    shapes.plans, shapes.real_calls, shapes.padded_calls = counters  # (the check above counted)
+    # the loader's envelope was left as it was: its copy did the building
+    assert loader.layout_examples(max_minibatches=1)[0].data[0].layout.key in keys
+    assert (shapes.plans, shapes.real_calls, shapes.padded_calls) == counters
+    assert StepLoader(trees, 5, trace=[10]).layout_examples() == []  # no build: no plan, no layout
+    with pytest.raises(ValueError, match=r"layout_examples\(max_minibatches\)"):
+        loader.layout_examples(max_minibatches=0)

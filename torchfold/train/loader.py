@@ -19,6 +19,7 @@ out, also with workers and read-ahead in flight (the read-ahead is simply built 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import multiprocessing
 import os
@@ -630,6 +631,52 @@ class StepLoader(Generic[T, R]):
             return self.sampler.step_splits(self.sampler.epoch + 1)
         self._anchor()
         return self.sampler.steps()
+
+    def layout_examples(self, *, max_minibatches: int | None = None, seed: int = 0) -> list[Minibatch[R]]:
+        """One minibatch of each static-shape layout that a pass over the dataset makes: what a
+        runner compiles its programs on before training needs them (a warm-up).
+
+        The pass cuts a seeded permutation of the dataset into minibatches of the loader's size
+        (``minibatch_size``, or ``max_device_batch_size``) and builds them here, in this process,
+        with a copy of ``build`` (the envelope's own counters stay as they are); a minibatch
+        that does not fit a frozen envelope is split as in training. Builds that make no
+        :class:`~torchfold.StaticPlan` have no layout: the list is then empty.
+
+        Args:
+            max_minibatches: build at most this many minibatches (default: the whole pass).
+            seed: the permutation's seed.
+
+        Example:
+            >>> import torchfold
+            >>> from torchfold.examples.datasets import Vocab, generate_sst
+            >>> from torchfold.examples.models import TreeLSTMBuild, tree_lstm_shapes
+            >>> trees = generate_sst(40, seed=0)
+            >>> vocab = Vocab.build(trees)
+            >>> shapes = tree_lstm_shapes(trees, vocab, 8)
+            >>> loader = StepLoader(trees, 8, build=TreeLSTMBuild(vocab, shapes=shapes), trace=[16])
+            >>> examples = loader.layout_examples()
+            >>> len({example.data[0].layout.key for example in examples}) == len(examples) >= 1
+            True
+        """
+        check_int("layout_examples(max_minibatches)", max_minibatches, optional=True)
+        if self.build is None:
+            return []
+        size = self.minibatch_size or self.max_device_batch_size or 1
+        builder = _Builder(self.dataset, copy.deepcopy(self.build))
+        order = np.random.default_rng(seed).permutation(len(self.dataset)).tolist()
+        starts = range(0, len(order), size)
+        if max_minibatches is not None:
+            starts = starts[:max_minibatches]
+        found: dict[Any, Minibatch[R]] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StaticShapesWarning)  # training says it, for its own minibatch
+            for start in starts:
+                built = builder._build(order[start : start + size])
+                for part in built if isinstance(built, tuple) else (built,):
+                    plan = part.data[0] if isinstance(part.data, tuple) and part.data else None
+                    if isinstance(plan, StaticPlan):
+                        found.setdefault(plan.layout.key, part)
+        return list(found.values())
 
     def __len__(self) -> int:
         """Steps the next ``iter()`` yields (see :meth:`steps`)."""

@@ -134,6 +134,11 @@ class TraceTrainer:
             Optimizer and tensor hooks then run when a step is captured, not at every replay.
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
+        warm_up: with steps replayed (XLA), compile the programs of every static-shape layout
+            that a pass over the dataset makes (:meth:`StepLoader.layout_examples()
+            <torchfold.train.StepLoader.layout_examples>`) once the optimizer has its state
+            (after the first step, or at a resume), so that no later step stops to compile
+            (default ``True``); the compiling counts in the time of the step before.
 
     Example:
         >>> import torchfold
@@ -172,6 +177,7 @@ class TraceTrainer:
         settings: dict[str, Any] | None = None,
         compile: str = "auto",
         compile_backend: str | None = None,
+        warm_up: bool = True,
     ) -> None:
         check_parts(model, optimizer, loader, loss)
         check_arguments(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
@@ -203,6 +209,8 @@ class TraceTrainer:
             lambda held, until: self._complete(*held, until=until)
         )
         self._warned_unpadded = False
+        self.warm_up = warm_up
+        self._warmed = False
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
 
@@ -293,6 +301,7 @@ class TraceTrainer:
         deferred = self._deferred
         with deferred.reporting_the_last():
             while self.next_step < run.end and (step := next(steps, None)) is not None:
+                self._warm_up_once()
                 started = time.perf_counter()
                 if self.on_step is not None:
                     # on_step may change the next step (a learning-rate schedule): it runs
@@ -309,6 +318,21 @@ class TraceTrainer:
                 self._complete(run, stats, loss_sum, started)
                 if stats.stop_requested:
                     raise Preempted(self.next_step, self._final_checkpoint())
+
+    def _warm_up_once(self) -> None:
+        """The runner's programs for every layout, compiled once the optimizer has its state (see ``warm_up``)."""
+        if self._warmed or not self.warm_up or not self.optimizer.optimizer.state:
+            return
+        self._warmed = True
+        if not isinstance(self.runner, XlaRunner):  # the one runner that compiles ahead
+            return
+        started = time.perf_counter()
+        counts = [split.local_minibatches for split in self.loader.steps()]
+        compiled = self.runner.warm_up(
+            self.loader.layout_examples(), whole_steps=1 in counts, minibatches=any(n > 1 for n in counts)
+        )
+        if compiled and self.is_main and (self.progress or self.log_every):
+            self.log(f"warm-up: compiled {compiled} programs in {time.perf_counter() - started:.1f} s")
 
     def _complete(
         self,

@@ -104,6 +104,41 @@ def test_steps_of_any_minibatch_count_replay_and_equal_eager_steps_on_the_cpu(ki
         assert messages and "read a value back to the host" in messages[0]
 
 
+@pytest.mark.timeout(1200)  # the warm-up compiles two programs per layout, on a loaded machine
+def test_the_warm_up_compiles_every_layout_so_that_no_later_step_compiles() -> None:
+    import torch_xla
+
+    from torchfold.examples.models import TreeLSTMBuild
+    from torchfold.train import fit_static_shapes
+
+    # steps of 1-4 minibatches of 4 trees; depth buckets: several layouts, met in any order
+    trace = [4, 4, 8, 4, 12, 16, 4, 8, 12, 4, 16, 8]
+    trees, vocab = _sst(sum(trace))
+    shapes = fit_static_shapes(
+        trees, TreeLSTMBuild(vocab), 4
+    )  # frozen: a minibatch that does not fit is split
+    xla = _trainer(torch_xla.device(), trees, vocab, shapes, "adam", trace)
+    cpu = _trainer(torch.device("cpu"), trees, vocab, shapes, "adam", trace)
+    layouts = len(xla.loader.layout_examples())
+    assert layouts >= 2, "the test needs several layouts"
+    counts: list[int] = []
+    xla.on_step = lambda stats: counts.append(_compilations())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = xla.fit(max_steps=len(trace))
+    expected = cpu.fit(max_steps=len(trace))
+    assert not [str(w.message) for w in caught if "not replayed" in str(w.message)]
+    # the warm-up ran before step 1 (step 0 made Adam's state): from step 2 on, nothing compiles
+    assert counts[2:] == [counts[1]] * (len(trace) - 2), counts
+    # per layout: the whole step and the minibatch program; the update; the whole step that made the state
+    assert xla.runner.whole.captures == layouts + 1, (xla.runner.whole.captures, layouts)
+    assert xla.runner.programs.captures == layouts + 1, (xla.runner.programs.captures, layouts)
+    # compiled ahead, nothing changed: the steps equal eager steps on the CPU
+    assert [s.loss for s in got] == pytest.approx([s.loss for s in expected], rel=1e-5)
+    for p, q in zip(xla.model.parameters(), cpu.model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
 def test_a_python_number_the_loss_reads_is_followed_or_refused() -> None:
     """A loss that multiplies by a Python number changing between steps: the second trace of the
     program sees another constant, so replays are refused (with a warning) rather than keep the

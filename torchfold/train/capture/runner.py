@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_ste
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
 from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.distributed import accumulation_dtype, world, xla_sync
+from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim import AccumulatingOptimizer
 
@@ -68,6 +70,21 @@ class StepRunner:
     @property
     def captures(self) -> int:
         """How many programs (graphs) this runner has captured so far."""
+        return 0
+
+    def warm_up(self, examples: Sequence[Any], *, whole_steps: bool = True, minibatches: bool = True) -> int:
+        """Compile the programs of each example's layout now, without running a step (nothing
+        changes), so that no step after it compiles; the number of programs compiled (0 for a
+        runner that compiles nothing ahead: the eager and CUDA runners).
+
+        Args:
+            examples: minibatches (``.data`` = ``(plan, targets)``, ``.num_samples``), one per
+                layout: :meth:`StepLoader.layout_examples() <torchfold.train.StepLoader.layout_examples>`.
+            whole_steps: compile the programs of steps of one minibatch.
+            minibatches: compile the programs of steps of several minibatches (and their update).
+
+        Call it once the optimizer has its state (after the first step, or a resume).
+        """
         return 0
 
     def _loss_weight(self, num_samples: int) -> float:
@@ -175,6 +192,27 @@ class XlaRunner(StepRunner):
         self.programs.minibatch(plan, targets, num_samples)
         self._samples += num_samples
         self._count += 1
+
+    def warm_up(self, examples: Sequence[Any], *, whole_steps: bool = True, minibatches: bool = True) -> int:
+        base = self.optimizer.optimizer
+        lrs = [float(group["lr"]) for group in base.param_groups]
+        params = [p for group in base.param_groups for p in group["params"]]
+        compiled, graded, samples = 0, set(), 0
+        for example in examples:
+            plan, targets = to_device(example.data, params[0].device)
+            if whole_steps and self.whole_steps:
+                compiled += self.whole.warm_up(plan, targets, lrs)
+            if minibatches:
+                found = self.programs.warm_up(plan, targets, example.num_samples)
+                if found is not None:
+                    compiled += 1
+                    graded |= {id(p) for p in found}
+                samples = max(samples, example.num_samples)
+        if minibatches and samples:
+            # as a step of two such minibatches (the batch size is an input: any would do)
+            with_grad = [p for p in params if id(p) in graded] or [p for p in params if p.requires_grad]
+            compiled += self.programs.warm_up_update(lrs, 2 * samples, with_grad)
+        return compiled
 
     def update(self) -> tuple[torch.Tensor | None, float]:
         if self._whole_loss is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,7 +38,14 @@ from torchfold.engine.static import StaticPlan
 from torchfold.train.capture._replay import optimizer_options, stepping, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.xla_linear import transposed_weights
-from torchfold.train.capture.xla_replay import TRACE_LOCK, executions, materialize, replay_unavailable
+from torchfold.train.capture.xla_replay import (
+    TRACE_LOCK,
+    executions,
+    graph_sources,
+    materialize,
+    replay_unavailable,
+    untouched,
+)
 from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 
@@ -111,10 +118,11 @@ def _positions(live: list[torch.Tensor]) -> dict[int, int]:
 
 
 def _compile(
-    roots: list[torch.Tensor], position: dict[int, int], executed: int
+    roots: list[torch.Tensor], position: dict[int, int], executed: int, *, run: bool = True
 ) -> tuple[_Program, list[Any]]:
     """Compile the lazy trace ending in ``roots`` (those that changed: the others are returned
-    as ``None``), run it once on its own inputs; the program and each root's value."""
+    as ``None``), run it once on its own inputs; the program and each root's value (``run=False``:
+    compiled only, every value ``None``; the caller drops the trace)."""
     xla = _xla()
     changed = xla._check_tensor_need_materialization(roots)
     outputs = [where for where, need in enumerate(changed) if need]
@@ -133,13 +141,11 @@ def _compile(
         )
     graph = xla._get_graph_hash(kept)
     xla._xla_warm_up_cache(kept, [])
-    sources = [
-        (0, position[number]) if number in position else (1, value)
-        for number, value in zip(ids, values, strict=True)
-    ]
-    program = _Program(graph, sources, outputs)
-    results = list(xla._run_cached_graph(graph, list(values)))
+    program = _Program(graph, graph_sources(ids, values, position), outputs)
     found: list[Any] = [None] * len(roots)
+    if not run:
+        return program, found
+    results = list(xla._run_cached_graph(graph, list(values)))
     for where, value in zip(outputs, results, strict=True):
         found[where] = value
     return program, found
@@ -152,6 +158,31 @@ def _same_constants(program: _Program, other: _Program) -> bool:
         a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
         for a, b in zip(program.constants, other.constants, strict=True)
     )
+
+
+class _MinibatchSetup(NamedTuple):
+    """What a minibatch program reads and is keyed by (see ``XlaPrograms._minibatch_setup``)."""
+
+    trainable: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    accs: list[torch.Tensor]
+    inputs: Any
+    weight: torch.Tensor
+    loss_weight: torch.Tensor
+    loss_sum: torch.Tensor
+    live: list[torch.Tensor]
+    key: Hashable
+
+
+class _UpdateSetup(NamedTuple):
+    """What the update program reads and is keyed by (see ``XlaPrograms._update_setup``)."""
+
+    accs: list[torch.Tensor]
+    rates: list[torch.Tensor]
+    divisors: list[torch.Tensor]
+    slots: list[tuple[torch.Tensor, str]]
+    live: list[torch.Tensor]
+    key: Hashable
 
 
 class XlaPrograms:
@@ -223,34 +254,16 @@ class XlaPrograms:
     def minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
         """Accumulate one minibatch of ``num_samples`` samples (forward, loss, backward) into the step."""
         params = self._params()
-        device = params[0].device
-        targets = to_device(targets, device)  # a replayed program reads device tensors only
+        targets = to_device(targets, params[0].device)  # a replayed program reads device tensors only
         if self.refused is not None or not isinstance(plan, StaticPlan):  # an unpadded plan: traced op by op
             self._lazy_minibatch(plan, targets, num_samples)
             return
-        trainable = [p for p in params if p.requires_grad]
-        accs = [self._acc_of(p) for p in trainable]
-        buffers = list(self.model.buffers())
-        others = [p for p in self.model.parameters() if id(p) not in {id(q) for q in params}]
-        inputs = plan.inputs(device)
-        batch, why = target_tensors(targets)
-        if why is not None:
-            self._refuse(why)
+        setup, why = self._minibatch_setup(plan, targets, num_samples)
+        if setup is None:
+            self._refuse(str(why))
             self._lazy_minibatch(plan, targets, num_samples)
             return
-        weight = self._scalar(num_samples / self.unit if self.reduction == "mean" else 1.0, params[0])
-        loss_weight = self._scalar(float(num_samples) if self.reduction == "mean" else 1.0, None, device)
-        loss_sum = self._loss_sum if self._loss_sum is not None else self._scalar(0.0, None, device)
-        data = [inputs.ints, inputs.floats, *inputs.given, *batch]
-        live = [*params, *others, *buffers, *accs, weight, loss_weight, loss_sum, *data]
-        key = (
-            plan.layout.key,
-            _describe(params),
-            _describe(others),
-            tuple((id(b), tuple(b.shape), b.dtype) for b in buffers),
-            tuple((tuple(t.shape), t.dtype) for t in data),
-            self.model.training,
-        )
+        trainable, buffers, live, key = setup.trainable, setup.buffers, setup.live, setup.key
         with TRACE_LOCK:
             materialize(live)
             program = self._minibatch.get(key)
@@ -259,9 +272,7 @@ class XlaPrograms:
                 results = program.run(live)
             else:
                 try:
-                    traced, found = self._trace_minibatch(
-                        plan, inputs, targets, trainable, buffers, accs, weight, loss_weight, loss_sum, live
-                    )
+                    traced, found = self._trace_minibatch(plan, targets, setup)
                 except _Refused as refusal:  # this minibatch's trace still counts: run as it is
                     self._refuse(str(refusal))
                     self._store_minibatch(refusal.roots, trainable, buffers, len(refusal.roots))
@@ -280,55 +291,62 @@ class XlaPrograms:
             full[where] = value
         self._store_minibatch(full, trainable, buffers, len(full))
 
+    def warm_up(self, plan: Any, targets: Any, num_samples: int) -> list[torch.Tensor] | None:
+        """Compile the minibatch program of ``plan``'s layout now, without running it: the
+        parameters, buffers, optimizer state and the step under way stay as they are, and the first
+        minibatch of that layout replays the program (after its second trace, as always) instead
+        of compiling it. Returns the parameters the minibatch has gradients for (what
+        :meth:`warm_up_update` needs), or None: no program (a program of this layout exists, or
+        the plan cannot be replayed)."""
+        params = self._params()
+        targets = to_device(targets, params[0].device)
+        if self.refused is not None or not isinstance(plan, StaticPlan):
+            return None
+        setup, _ = self._minibatch_setup(plan, targets, num_samples, first=True)
+        if setup is None:
+            return None
+        with TRACE_LOCK:
+            materialize(setup.live)
+            if setup.key in self._minibatch:
+                return None
+            try:
+                with untouched([*params, *setup.buffers], self.optimizer):
+                    traced, _ = self._trace_minibatch(plan, targets, setup, run=False)
+            except _Refused as refusal:  # (its steps would be refused: say so now)
+                self._refuse(str(refusal))
+                return None
+            self._minibatch[setup.key] = traced  # (traced.step: none, so the first use verifies it)
+        changed = set(traced.outputs)
+        return [p for number, p in enumerate(setup.trainable) if number in changed]
+
     def update(self, lrs: list[float], batch_size: int) -> torch.Tensor:
         """The step's update with learning rate ``lrs[i]`` for param group ``i``, on the mean gradient
         over ``batch_size`` samples; returns the step's loss sum (losses times sample counts with
         ``reduction="mean"``) and starts a new step."""
-        groups = self.optimizer.param_groups
-        if len(lrs) != len(groups):
-            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
+        self._check_rates(lrs)
         if not self._minibatches:
             raise RuntimeError("update() with no minibatch in the step")
         params = self._params()
         loss_sum = self._loss_sum
         assert loss_sum is not None
-        divisor = batch_size / self.unit if self.reduction == "mean" else 1.0
+        divisor = self._divisor(batch_size)
         try:
             if self.refused is not None:
                 self._lazy_update(lrs, divisor)
                 return loss_sum
-            options, why = optimizer_options(self.optimizer, self._seen_options, "update")
-            why = why or uncapturable_update(self.optimizer) or _host_state(self.optimizer)
-            if why is not None:
-                self._refuse(why)
+            graded = [p for p in params if id(p) in self._has_grad]
+            setup, why = self._update_setup(lrs, divisor, graded)
+            if setup is None:
+                self._refuse(str(why))
                 self._lazy_update(lrs, divisor)
                 return loss_sum
-            graded = [p for p in params if id(p) in self._has_grad]
-            accs = [self._acc_of(p) for p in graded]
-            state = self.optimizer.state
-            slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
-            rates = [
-                self._scalar(float(rate), group["params"][0]) for group, rate in zip(groups, lrs, strict=True)
-            ]
-            divisors = [self._scalar(divisor, p) for p in graded]
-            states = [state[p][name] for p, name in slots]
-            live = [*params, *accs, *states, *rates, *divisors]
-            key = (
-                _describe(params),
-                tuple(id(p) for p in graded),
-                tuple(
-                    (id(p), name, tuple(t.shape), t.dtype) for (p, name), t in zip(slots, states, strict=True)
-                ),
-                options,
-            )
+            live, key, slots = setup.live, setup.key, setup.slots
             with TRACE_LOCK:
                 materialize(live)
                 program = self._update.get(key)
                 if program is None or not program.verified:
                     try:
-                        traced, found, new_slots = self._trace_update(
-                            params, graded, accs, rates, divisors, live
-                        )
+                        traced, found, new_slots = self._trace_update(params, graded, setup)
                     except _Refused as refusal:  # this update's trace still counts: run as it is
                         self._refuse(str(refusal))
                         state = self.optimizer.state
@@ -355,35 +373,129 @@ class XlaPrograms:
             self._has_grad.clear()
             self._minibatches = 0
 
+    def warm_up_update(self, lrs: list[float], batch_size: int, graded: Sequence[torch.Tensor]) -> bool:
+        """Compile the update program now, without running it (nothing changes), for a step whose
+        minibatches have gradients for ``graded`` (see :meth:`warm_up`); whether one was compiled
+        (not: it exists, the optimizer has no state yet, or the update cannot be replayed).
+
+        Warm up after the optimizer has its state (after a first step, or a resume): an update
+        that creates the state is a program of its own, which no later step replays.
+        """
+        self._check_rates(lrs)
+        if self.refused is not None or not self.optimizer.state:
+            return False
+        params = self._params()
+        setup, _ = self._update_setup(lrs, self._divisor(batch_size), list(graded))
+        if setup is None:
+            return False
+        with TRACE_LOCK:
+            materialize(setup.live)
+            if setup.key in self._update:
+                return False
+            try:
+                with untouched(params, self.optimizer):
+                    traced, _, new_slots = self._trace_update(params, list(graded), setup, run=False)
+            except _Refused as refusal:
+                self._refuse(str(refusal))
+                return False
+            if new_slots != setup.slots:  # the update would create state: not the program steps replay
+                return False
+            self._update[setup.key] = traced
+        return True
+
+    # -- what a program reads --------------------------------------------------------------------
+
+    def _minibatch_setup(
+        self, plan: StaticPlan, targets: Any, num_samples: int, *, first: bool = False
+    ) -> tuple[_MinibatchSetup | None, str | None]:
+        """A minibatch program's inputs (``live``) and key, or why it cannot be replayed.
+        ``first``: as the step's first minibatch (a loss sum of zero)."""
+        params = self._params()
+        device = params[0].device
+        trainable = [p for p in params if p.requires_grad]
+        accs = [self._acc_of(p) for p in trainable]
+        buffers = list(self.model.buffers())
+        held = {id(q) for q in params}
+        others = [p for p in self.model.parameters() if id(p) not in held]
+        inputs = plan.inputs(device)
+        batch, why = target_tensors(targets)
+        if why is not None:
+            return None, why
+        weight = self._scalar(num_samples / self.unit if self.reduction == "mean" else 1.0, params[0])
+        loss_weight = self._scalar(float(num_samples) if self.reduction == "mean" else 1.0, None, device)
+        loss_sum = (
+            self._loss_sum if self._loss_sum is not None and not first else self._scalar(0.0, None, device)
+        )
+        data = [inputs.ints, inputs.floats, *inputs.given, *batch]
+        live = [*params, *others, *buffers, *accs, weight, loss_weight, loss_sum, *data]
+        key = (
+            plan.layout.key,
+            _describe(params),
+            _describe(others),
+            tuple((id(b), tuple(b.shape), b.dtype) for b in buffers),
+            tuple((tuple(t.shape), t.dtype) for t in data),
+            self.model.training,
+        )
+        return _MinibatchSetup(
+            trainable, buffers, accs, inputs, weight, loss_weight, loss_sum, live, key
+        ), None
+
+    def _update_setup(
+        self, lrs: list[float], divisor: float, graded: list[torch.Tensor]
+    ) -> tuple[_UpdateSetup | None, str | None]:
+        """The update program's inputs (``live``), key and the optimizer's state slots, or why it
+        cannot be replayed."""
+        groups = self.optimizer.param_groups
+        options, why = optimizer_options(self.optimizer, self._seen_options, "update")
+        why = why or uncapturable_update(self.optimizer) or _host_state(self.optimizer)
+        if why is not None:
+            return None, why
+        params = self._params()
+        accs = [self._acc_of(p) for p in graded]
+        state = self.optimizer.state
+        slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
+        rates = [
+            self._scalar(float(rate), group["params"][0]) for group, rate in zip(groups, lrs, strict=True)
+        ]
+        divisors = [self._scalar(divisor, p) for p in graded]
+        states = [state[p][name] for p, name in slots]
+        live = [*params, *accs, *states, *rates, *divisors]
+        key = (
+            _describe(params),
+            tuple(id(p) for p in graded),
+            tuple((id(p), name, tuple(t.shape), t.dtype) for (p, name), t in zip(slots, states, strict=True)),
+            options,
+        )
+        return _UpdateSetup(accs, rates, divisors, slots, live, key), None
+
+    def _check_rates(self, lrs: list[float]) -> None:
+        groups = self.optimizer.param_groups
+        if len(lrs) != len(groups):
+            raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
+
+    def _divisor(self, batch_size: int) -> float:
+        return batch_size / self.unit if self.reduction == "mean" else 1.0
+
     # -- tracing -------------------------------------------------------------------------------
 
     def _trace_minibatch(
-        self,
-        plan: StaticPlan,
-        inputs: Any,
-        targets: Any,
-        trainable: list[torch.Tensor],
-        buffers: list[torch.Tensor],
-        accs: list[torch.Tensor],
-        weight: torch.Tensor,
-        loss_weight: torch.Tensor,
-        loss_sum: torch.Tensor,
-        live: list[torch.Tensor],
+        self, plan: StaticPlan, targets: Any, setup: _MinibatchSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any]]:
-        executed, position = executions(), _positions(live)
+        executed, position = executions(), _positions(setup.live)
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
+        trainable = setup.trainable
         with torch.enable_grad(), linear:
             loss = check_loss(
-                self.loss(self.model, plan.layout.run(self.model, inputs, padded=True), targets)
+                self.loss(self.model, plan.layout.run(self.model, setup.inputs, padded=True), targets)
             )
             grads = torch.autograd.grad(loss, trainable, allow_unused=True) if trainable else ()
         with torch.no_grad():
             new_accs = [
-                acc if grad is None else acc + grad * weight.to(grad.dtype)
-                for acc, grad in zip(accs, grads, strict=True)
+                acc if grad is None else acc + grad * setup.weight.to(grad.dtype)
+                for acc, grad in zip(setup.accs, grads, strict=True)
             ]
-            total = loss_sum + loss.detach().to(loss_sum.dtype) * loss_weight
-        return _compile([*new_accs, *buffers, total], position, executed)
+            total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight
+        return _compile([*new_accs, *setup.buffers, total], position, executed, run=run)
 
     def _store_minibatch(
         self, found: list[Any], trainable: list[torch.Tensor], buffers: list[torch.Tensor], count: int
@@ -400,24 +512,18 @@ class XlaPrograms:
         self._minibatches += 1
 
     def _trace_update(
-        self,
-        params: list[torch.Tensor],
-        graded: list[torch.Tensor],
-        accs: list[torch.Tensor],
-        rates: list[torch.Tensor],
-        divisors: list[torch.Tensor],
-        live: list[torch.Tensor],
+        self, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
-        executed, position = executions(), _positions(live)
-        with stepping(self.optimizer, rates):
-            for p, acc, divisor in zip(graded, accs, divisors, strict=True):
+        executed, position = executions(), _positions(setup.live)
+        with stepping(self.optimizer, setup.rates):
+            for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
                 p.grad = acc / divisor
             self.optimizer.step()
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
-        zeros = [torch.zeros_like(acc) for acc in accs]
+        zeros = [torch.zeros_like(acc) for acc in setup.accs]
         program, found = _compile(
-            [*params, *(state[p][name] for p, name in slots), *zeros], position, executed
+            [*params, *(state[p][name] for p, name in slots), *zeros], position, executed, run=run
         )
         return program, found, slots
 
@@ -488,7 +594,8 @@ class XlaPrograms:
     def _acc_of(self, p: torch.Tensor) -> torch.Tensor:
         acc = self._acc.get(id(p))
         if acc is None or acc.shape != p.shape or acc.dtype != p.dtype or acc.device != p.device:
-            acc = self._acc[id(p)] = torch.zeros_like(p)
+            # made on the host and sent: device data, not one more (tiny) program to compile
+            acc = self._acc[id(p)] = torch.zeros(p.shape, dtype=p.dtype).to(p.device)
         return acc
 
     def _scalar(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 
-__all__ = ["TRACE_LOCK", "XlaStepReplay", "executions", "replay_unavailable"]
+__all__ = ["TRACE_LOCK", "XlaStepReplay", "executions", "graph_sources", "replay_unavailable", "untouched"]
 
 _NEEDED = (
     "_get_graph_hash",
@@ -168,6 +168,22 @@ class XlaStepReplay(StepReplay):
 
     def __call__(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
         """Run one step of ``plan`` with learning rate ``lrs[i]`` for param group ``i``; the loss."""
+        return self._step(plan, targets, lrs, dry=False)
+
+    def warm_up(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> bool:
+        """Compile the step program of ``plan``'s layout now, without running it (nothing changes:
+        the parameters, buffers and optimizer state stay as they are), so that the first step of
+        that layout replays it instead of compiling; whether a program was compiled (not: it
+        exists already, or the step cannot be replayed).
+
+        Warm up after the optimizer has its state (after a first step, or a resume): a step
+        that creates the state is a program of its own, which no later step replays.
+        """
+        before = self.captures
+        self._step(plan, targets, lrs, dry=True)
+        return self.captures > before
+
+    def _step(self, plan: StaticPlan, targets: Any, lrs: list[float], *, dry: bool) -> Any:
         import torch_xla
 
         xla = torch_xla._XLAC
@@ -179,10 +195,14 @@ class XlaStepReplay(StepReplay):
             targets = to_device(targets, device)
         reason = uncapturable_update(self.optimizer)
         if reason is not None:  # e.g. a loaded state dict turned capturable off
+            if dry:
+                return None
             self._refuse(f"the optimizer's update cannot be captured: {reason}")
             return self._lazy_step(plan, targets, lrs)
         options, reason = self._options(plan)
         if reason is not None:
+            if dry:
+                return None
             self._refuse(reason)
             return self._lazy_step(plan, targets, lrs)
         params = [p for group in groups for p in group["params"]]
@@ -206,6 +226,15 @@ class XlaStepReplay(StepReplay):
         with TRACE_LOCK:
             materialize(live)
             capture = self._captures.get(key)
+            if dry:
+                if capture is None and why is None and self.refused is None:
+                    with untouched([*params, *buffers], self.optimizer):
+                        _, capture = self._trace(
+                            plan, inputs, targets, params, buffers, rates, live, why, dry=True
+                        )
+                    if capture.refused is None:  # (a refusal warned: the steps of this layout would be)
+                        self._captures[key] = capture
+                return None
             if capture is None or capture.refused is not None:
                 loss, capture = self._trace(plan, inputs, targets, params, buffers, rates, live, why)
                 self._captures[key] = capture
@@ -268,9 +297,12 @@ class XlaStepReplay(StepReplay):
         rates: list[torch.Tensor],
         live: list[torch.Tensor],
         why: str | None,
-    ) -> tuple[torch.Tensor, _Capture]:
+        *,
+        dry: bool = False,
+    ) -> tuple[torch.Tensor | None, _Capture]:
         """Trace the step lazily; compile it and run it once on this batch (or, refused, run the
-        trace as it is); the loss and the capture."""
+        trace as it is); the loss and the capture. ``dry``: compile only (the caller puts back
+        what the trace changed in place: :func:`untouched`); no loss."""
         import torch_xla
 
         xla = torch_xla._XLAC
@@ -304,20 +336,22 @@ class XlaStepReplay(StepReplay):
             why = "it draws random numbers (dropout?), and a replay would repeat the draws of its capture"
         if why is not None:  # run the trace as it is: an ordinary lazy step
             self._refuse(why)
+            if dry:
+                return None, _Capture(None, [], refused=why)
             torch_xla.sync()
             return roots[-1], _Capture(None, [], refused=why)
         graph = xla._get_graph_hash(roots)
         xla._xla_warm_up_cache(roots, [])
         capture = _Capture(graph, [], targets_of, slots)
+        if dry:
+            capture.sources = graph_sources(ids, values, position)
+            return None, capture
         # this step's results: the compiled graph on this step's inputs (the trace is dropped)
         results = xla._run_cached_graph(graph, list(values))
         self._write_back(params, buffers, capture, results)
         # a device data knows the tensor that made it: a parameter or state the last replay made,
         # a batch tensor sent this step; any other is a constant of the trace (e.g. a scalar)
-        capture.sources = [
-            (0, position[number]) if number in position else (1, value)
-            for number, value in zip(ids, values, strict=True)
-        ]
+        capture.sources = graph_sources(ids, values, position)
         return results[-1], capture
 
     def _lazy_step(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
@@ -330,6 +364,17 @@ class XlaStepReplay(StepReplay):
 
     def __repr__(self) -> str:
         return f"XlaStepReplay({type(self.optimizer).__name__}, captures={self.captures})"
+
+
+def graph_sources(
+    ids: Sequence[int], values: Sequence[torch.Tensor], position: dict[int, int]
+) -> list[tuple[int, Any]]:
+    """Per graph input: ``(0, its position among the live tensors)``, or ``(1, the value)`` for a
+    constant of the trace (device data that no live tensor held before it, e.g. a scalar)."""
+    return [
+        (0, position[number]) if number in position else (1, value)
+        for number, value in zip(ids, values, strict=True)
+    ]
 
 
 def _describe(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
@@ -345,6 +390,43 @@ def materialize(live: list[torch.Tensor]) -> None:
     pending = [t for t, need in zip(live, xla._check_tensor_need_materialization(live), strict=True) if need]
     if pending:
         xla._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
+
+
+@contextlib.contextmanager
+def untouched(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, a step may be traced (never run): afterwards ``tensors`` (materialized: device
+    data) and the optimizer's state are what they were before, whatever the trace did to them in
+    place (an update), and state the trace created is gone; gradients are ``None``.
+
+    The trace's pending operations are dropped with it: a program compiled from it
+    (``_xla_warm_up_cache``) waits in XLA's cache for the step that will run it, the warm-up
+    of :meth:`XlaStepReplay.warm_up` and :meth:`~torchfold.train.capture.xla_programs.XlaPrograms.warm_up`.
+    """
+    import torch_xla
+
+    data = torch_xla._XLAC._get_tensors_xla_device_data_node
+
+    def held(value: Any) -> Any:  # a tensor's device data as a tensor of its own (in-place ops leave it)
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.device.type != "xla":
+            return value.clone()
+        return data([value])[1][0]
+
+    kept = [held(t) for t in tensors]
+    state = optimizer.state
+    before = {p: {name: held(value) for name, value in entry.items()} for p, entry in state.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, kept, strict=True):
+                tensor.data = value
+                tensor.grad = None
+        for p in [p for p in state if p not in before]:
+            del state[p]
+        for p, entry in before.items():
+            state[p] = entry
 
 
 def executions() -> int:

@@ -142,10 +142,14 @@ class Fold:
             and a._tape is tape
             and b._tape is tape
         ):
-            key: tuple[Any, ...] = (a._handle, b._handle)
-            depth = depths[key[0]]
-            below = depths[key[1]]
-            depth = (depth if depth > below else below) + 1
+            left = a._handle
+            right = b._handle
+            key: tuple[Any, ...] = (left, right)
+            depth = depths[left]
+            below = depths[right]
+            if below > depth:
+                depth = below
+            depth += 1
             plain = True
         elif (
             count == 4  # an LSTM cell over two children: (h, c) of each
@@ -233,9 +237,9 @@ class Fold:
         if not plain:
             group.plain = False
         nodes = group.nodes
-        handle = nodes.get(key)
-        if handle is None:
-            handle = nodes[key] = len(depths)  # tape.new_handle, without a call frame
+        fresh = len(depths)  # tape.new_handle, without a call frame
+        handle = nodes.setdefault(key, fresh)  # (one lookup of the key, new or identical call)
+        if handle == fresh:
             tape.index.append(len(nodes) - 1)
             tape.source.append(group.source)
             depths.append(depth)

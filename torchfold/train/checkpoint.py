@@ -490,10 +490,7 @@ def keep_hyperparameters(
             + (f", not {unknown}" if unknown and not isinstance(override, str) else "")
         )
     try:
-        saved_optimizer = state["optimizer"]
-        if "param_groups" not in saved_optimizer:  # written by torchfold 0.1.0: the inner state nested
-            saved_optimizer = saved_optimizer["optimizer"]
-        group = saved_optimizer["param_groups"][0]
+        group = _torch_optimizer_state(state["optimizer"])["param_groups"][0]
         saved_kind = _optimizer_kind(group)
     except (KeyError, IndexError, TypeError):  # not a trainer's checkpoint: load_state_dict says how
         group, saved_kind = {}, None
@@ -540,9 +537,22 @@ def _check_step_and_generators(state: Mapping[str, Any], source: str) -> None:
             )
 
 
+def _torch_optimizer_state(saved: Any) -> Any:
+    """The wrapped torch optimizer's state dict in a saved ``AccumulatingOptimizer`` state (its
+    keys at the top; torchfold 0.1.0 nested them under ``"optimizer"``); anything else as it is.
+
+    >>> _torch_optimizer_state({"optimizer": {"state": {}, "param_groups": []}, "steps": 3})
+    {'state': {}, 'param_groups': []}
+    >>> _torch_optimizer_state({"state": {}, "param_groups": [], "steps": 3})["steps"]
+    3
+    """
+    if isinstance(saved, dict) and "param_groups" not in saved and isinstance(saved.get("optimizer"), dict):
+        return saved["optimizer"]
+    return saved
+
+
 def _check_learning_rates(optimizer: Any, source: str) -> None:
-    if isinstance(optimizer, dict) and "param_groups" not in optimizer:  # torchfold 0.1.0: nested
-        optimizer = optimizer.get("optimizer")
+    optimizer = _torch_optimizer_state(optimizer)
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     for index, group in enumerate(groups if isinstance(groups, list) else []):
         lr = group.get("lr") if isinstance(group, dict) else None
@@ -565,8 +575,7 @@ def _check_adam_state(saved: Any, optimizer: torch.optim.Optimizer, source: str)
     """
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or not isinstance(saved, dict):
         return
-    if "state" not in saved and isinstance(saved.get("optimizer"), dict):  # torchfold 0.1.0: nested
-        saved = saved["optimizer"]
+    saved = _torch_optimizer_state(saved)
     per_param, groups = saved.get("state"), saved.get("param_groups")
     if not isinstance(per_param, dict) or not isinstance(groups, list):
         return  # load_state_dict says what does not fit

@@ -170,6 +170,14 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
     return save_checkpoint(state, tmp_path / saved.name)
 
 
+def _as_written_by_0_1_0(state: dict[str, Any], change: Any) -> None:
+    """``change`` the torch optimizer's state, then nest it as torchfold 0.1.0 did."""
+    optimizer = state["optimizer"]
+    mine = optimizer.pop("torchfold")
+    change(optimizer)
+    state["optimizer"] = {"optimizer": optimizer, "torchfold": mine}
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -249,6 +257,15 @@ def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
         (
             lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")),
             r"the lr of its optimizer's param group 0 should be a finite number >= 0, got nan; the file was damaged",
+        ),
+        # the same two in the form torchfold 0.1.0 wrote (the torch optimizer's state nested)
+        (
+            lambda s: _as_written_by_0_1_0(s, lambda o: o["state"][1].pop("exp_avg")),
+            r"its optimizer state of parameter 1 lacks \['exp_avg'\]",
+        ),
+        (
+            lambda s: _as_written_by_0_1_0(s, lambda o: o["param_groups"][0].update(lr=float("nan"))),
+            r"the lr of its optimizer's param group 0 should be a finite number >= 0, got nan",
         ),
     ],
 )

@@ -191,6 +191,7 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
         result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
         result["update"] = type(getattr(straight.runner, "compiled_update", None)).__name__
         result["replays"] = straight.replay.captures if straight.replay is not None else None
+        result["programs"] = straight.runner.captures  # every program the runner replays (0: none)
         # why the runner's replays stopped (its whole-step replay's, or its minibatch and update programs')
         refusals = [
             getattr(getattr(straight.runner, part, None), "refused", None) for part in ("whole", "programs")

@@ -488,22 +488,31 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """:meth:`external_step` of one minibatch (kept for compatibility)."""
         return self.external_step(num_samples, 1, run)
 
-    def external_step(self, num_samples: int, num_minibatches: int, run: Callable[[list[float]], _T]) -> _T:
+    def external_step(
+        self,
+        num_samples: int,
+        num_minibatches: int,
+        run: Callable[[list[float]], _T],
+        *,
+        reduced: bool = False,
+    ) -> _T:
         """One step whose gradients and update ``run`` computes itself (e.g. replayed programs); its result.
 
         ``run(lrs)`` gets each param group's learning rate after the LR rule for ``num_samples``
         samples and must do what the step's minibatches (weighted by sample count),
         :meth:`synchronize` and the wrapped optimizer's update would do; this records the step as
-        :meth:`step` would (its counts, the rule's factor). In one process only.
+        :meth:`step` would (its counts, the rule's factor). In one process, or, with ``reduced``,
+        in several whose gradients the caller has summed over the ranks already: then
+        ``num_samples`` and ``num_minibatches`` are the step's over all ranks.
 
         Raises:
-            RuntimeError: several processes (their gradients must be all-reduced: use
-                :meth:`minibatch` and :meth:`step`), ``lr_rule="adascale"`` (it needs the
-                gradients' statistics), or a step already under way.
+            RuntimeError: several processes without ``reduced`` (their gradients must be
+                all-reduced: use :meth:`minibatch` and :meth:`step`), ``lr_rule="adascale"`` (it
+                needs the gradients' statistics), or a step already under way.
         """
         check_int("num_samples", num_samples)
         check_int("num_minibatches", num_minibatches)
-        if world().size != 1:
+        if world().size != 1 and not reduced:
             raise RuntimeError(
                 f"external_step() in a run of {world().size} processes: their gradients must be all-reduced; use "
                 "optimizer.minibatch(num_samples) and optimizer.step()"

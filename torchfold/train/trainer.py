@@ -328,8 +328,11 @@ class TraceTrainer:
             return
         started = time.perf_counter()
         counts = [split.local_minibatches for split in self.loader.steps()]
+        alone = world().size == 1  # (as in _run_minibatches: a step of one minibatch runs whole)
         compiled = self.runner.warm_up(
-            self.loader.layout_examples(), whole_steps=1 in counts, minibatches=any(n > 1 for n in counts)
+            self.loader.layout_examples(),
+            whole_steps=alone and 1 in counts,
+            minibatches=not alone or any(n > 1 for n in counts),
         )
         if compiled and self.is_main and (self.progress or self.log_every):
             self.log(f"warm-up: compiled {compiled} programs in {time.perf_counter() - started:.1f} s")

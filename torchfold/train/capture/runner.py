@@ -9,10 +9,12 @@ from the device, the number of processes, the optimizer and ``compile=``:
   ``optimizer.minibatch(n)``, then ``optimizer.step()``), each minibatch's forward, loss and
   backward optionally compiled by :func:`torch.compile` (:class:`~torchfold.train.capture.compiled.CompiledLoss`);
   the CPU's default, and every device's with ``compile="off"``;
-* :class:`XlaRunner`: on one XLA device, a step of one minibatch replayed whole
-  (:class:`~torchfold.train.capture.xla_replay.XlaStepReplay`), a step of several as replays of one
-  minibatch program and one update program
-  (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`), whatever their number;
+* :class:`XlaRunner`: on XLA, a step of several minibatches as replays of one minibatch program
+  and one update program (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`), whatever
+  their number; on one device a step of one minibatch replayed whole
+  (:class:`~torchfold.train.capture.xla_replay.XlaStepReplay`); with several replicas (threads or
+  processes) every step as minibatch programs, an all-reduce of the gradients, and the update
+  program, the same programs on every replica;
 * :class:`CudaRunner`: on one GPU, a step of one minibatch replayed whole from one CUDA graph
   (:class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`); a step of several runs eagerly (no
   inductor compile on the default path: its compiles took seconds per new minibatch count).
@@ -150,7 +152,7 @@ class EagerRunner(StepRunner):
 
 
 class XlaRunner(StepRunner):
-    """One XLA device: every step replayed, however many minibatches it has (see the module)."""
+    """XLA: every step replayed, however many minibatches it has, on one device or several replicas (see the module)."""
 
     def __init__(
         self,
@@ -221,12 +223,24 @@ class XlaRunner(StepRunner):
             return loss
         samples, count = self._samples, self._count
         self._samples = self._count = 0
+        if world().size == 1:
+            if not count:
+                return None, 0.0
+            loss_sum = self.optimizer.external_step(
+                samples, count, functools.partial(_update, self.programs, samples)
+            )
+            return loss_sum, 1.0
+        # several replicas: their gradients summed (a program of its own), then the same update program on each
+        samples, count = self.programs.all_reduce(samples, count)
         if not count:
-            return None, 0.0
+            raise RuntimeError(
+                "a step with no minibatch on any replica: the trace gave it no samples, or every replica's loader "
+                "skipped them"
+            )
         loss_sum = self.optimizer.external_step(
-            samples, count, functools.partial(_update, self.programs, samples)
+            samples, count, functools.partial(_update, self.programs, samples), reduced=True
         )
-        return loss_sum, 1.0
+        return loss_sum, 1.0  # (zero on a replica without minibatches; the trainer sums over the replicas)
 
 
 def _update(programs: XlaPrograms, samples: int, lrs: list[float]) -> torch.Tensor:
@@ -285,10 +299,10 @@ def step_runner(
     if not wants_compile(compile, device):
         return EagerRunner(model, loss, optimizer)
     single = world().size == 1 and optimizer.lr_rule != "adascale" and backend is None
-    if single and device.type == "xla":
+    if device.type == "xla" and optimizer.lr_rule != "adascale" and backend is None:
         why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
-        if why is None:
-            return XlaRunner(model, loss, optimizer)
+        if why is None:  # (several replicas: the minibatch and update programs, an all-reduce between them)
+            return XlaRunner(model, loss, optimizer, whole_steps=single)
         warnings.warn(
             f"compile={compile!r}: steps are not replayed on XLA, they run as with compile='off': {why}",
             stacklevel=3,

@@ -46,6 +46,7 @@ from torchfold.train.capture.xla_replay import (
     replay_unavailable,
     untouched,
 )
+from torchfold.train.distributed import all_reduce_sum_
 from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 
@@ -324,11 +325,11 @@ class XlaPrograms:
         over ``batch_size`` samples; returns the step's loss sum (losses times sample counts with
         ``reduction="mean"``) and starts a new step."""
         self._check_rates(lrs)
-        if not self._minibatches:
+        if not self._minibatches and not self._has_grad:
             raise RuntimeError("update() with no minibatch in the step")
         params = self._params()
-        loss_sum = self._loss_sum
-        assert loss_sum is not None
+        # (a replica without minibatches in this step, its gradients summed in by all_reduce: no loss of its own)
+        loss_sum = self._loss_sum if self._loss_sum is not None else self._scalar(0.0, None, params[0].device)
         divisor = self._divisor(batch_size)
         try:
             if self.refused is not None:
@@ -372,6 +373,31 @@ class XlaPrograms:
             self._loss_sum = None
             self._has_grad.clear()
             self._minibatches = 0
+
+    def all_reduce(self, num_samples: int, num_minibatches: int) -> tuple[int, int]:
+        """Sum the step's accumulated gradients over the replicas (processes, or threads of one),
+        before :meth:`update`; every replica calls it once per step, also one without minibatches.
+        Returns the step's samples and minibatches over all replicas.
+
+        The all-reduce is a program of its own (:func:`~torchfold.train.distributed.all_reduce_sum_`),
+        the same at every step; the minibatch and update programs stay those of one device, so
+        every replica replays the same programs. With the gradients goes what each replica had a
+        gradient for, so that a parameter no replica has one for is left out of the update, as by
+        ``AccumulatingOptimizer.synchronize``.
+        """
+        params = self._params()
+        trainable = [p for p in params if p.requires_grad]
+        accs = [self._acc_of(p) for p in trainable]
+        local = [
+            float(num_samples),
+            float(num_minibatches),
+            *(float(id(p) in self._has_grad) for p in trainable),
+        ]
+        stats = torch.tensor(local, dtype=torch.float32).to(params[0].device)
+        all_reduce_sum_([*accs, stats])
+        totals = stats.tolist()  # (read back: which parameters the update program steps is part of its key)
+        self._has_grad = {id(p) for p, had in zip(trainable, totals[2:], strict=True) if had > 0}
+        return round(totals[0]), round(totals[1])
 
     def warm_up_update(self, lrs: list[float], batch_size: int, graded: Sequence[torch.Tensor]) -> bool:
         """Compile the update program now, without running it (nothing changes), for a step whose

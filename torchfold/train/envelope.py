@@ -22,9 +22,27 @@ from torchfold._validate import check_int
 from torchfold.engine.ir import PlanData
 from torchfold.engine.static.shapes import StaticPlan, StaticShapes, StaticShapesWarning
 
-__all__ = ["fit_static_shapes"]
+__all__ = ["fit_static_shapes", "seeded_pass"]
 
 T = TypeVar("T")
+
+
+def seeded_pass(
+    length: int, minibatch_size: int, seed: int, max_minibatches: int | None = None
+) -> list[list[int]]:
+    """The minibatches (dataset indices) of a pass over a dataset of ``length`` samples: a seeded
+    permutation cut into ``minibatch_size`` samples (the last one short), at most
+    ``max_minibatches`` of them; what :func:`fit_static_shapes` fits the envelope to, and what
+    ``StepLoader.layout_examples`` builds its examples from.
+
+    >>> seeded_pass(5, 2, seed=0)
+    [[2, 4], [3, 0], [1]]
+    """
+    order = np.random.default_rng(seed).permutation(length).tolist()
+    starts = range(0, length, minibatch_size)
+    if max_minibatches is not None:
+        starts = starts[:max_minibatches]
+    return [order[start : start + minibatch_size] for start in starts]
 
 
 def fit_static_shapes(
@@ -83,13 +101,8 @@ def fit_static_shapes(
         raise TypeError(
             f"fit_static_shapes(shapes=...) must be a torchfold.StaticShapes, got {type(shapes).__name__}"
         )
-    order = np.random.default_rng(seed).permutation(len(dataset))
-    starts = range(0, len(dataset), minibatch_size)
-    if max_minibatches is not None:
-        starts = starts[:max_minibatches]
     plans = []
-    for start in starts:
-        indices = order[start : start + minibatch_size].tolist()
+    for indices in seeded_pass(len(dataset), minibatch_size, seed, max_minibatches):
         built = build([dataset[i] for i in indices])
         plan = built[0] if isinstance(built, tuple) and built else built
         if isinstance(plan, StaticPlan) or not isinstance(plan, PlanData):

@@ -42,6 +42,7 @@ from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapesOverflow, StaticShapesWarning
 from torchfold.train.distributed import world_or
+from torchfold.train.envelope import seeded_pass
 from torchfold.train.sampler import StepSplit, TraceBatchSampler
 from torchfold.train.trace import TraceLike
 
@@ -636,9 +637,10 @@ class StepLoader(Generic[T, R]):
         """One minibatch of each static-shape layout that a pass over the dataset makes: what a
         runner compiles its programs on before training needs them (a warm-up).
 
-        The pass cuts a seeded permutation of the dataset into minibatches of the loader's size
-        (``minibatch_size``, or ``max_device_batch_size``) and builds them here, in this process,
-        with a copy of ``build`` (the envelope's own counters stay as they are); a minibatch
+        The pass is :func:`~torchfold.train.envelope.seeded_pass`, the one an envelope is fitted
+        to, in minibatches of the loader's size (``minibatch_size``, or ``max_device_batch_size``),
+        built here, in this process, with a copy of ``build`` (the envelope's own counters stay
+        as they are); a minibatch
         that does not fit a frozen envelope is split as in training. Builds that make no
         :class:`~torchfold.StaticPlan` have no layout: the list is then empty.
 
@@ -663,15 +665,11 @@ class StepLoader(Generic[T, R]):
             return []
         size = self.minibatch_size or self.max_device_batch_size or 1
         builder = _Builder(self.dataset, copy.deepcopy(self.build))
-        order = np.random.default_rng(seed).permutation(len(self.dataset)).tolist()
-        starts = range(0, len(order), size)
-        if max_minibatches is not None:
-            starts = starts[:max_minibatches]
         found: dict[Any, Minibatch[R]] = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", StaticShapesWarning)  # training says it, for its own minibatch
-            for start in starts:
-                built = builder._build(order[start : start + size])
+            for indices in seeded_pass(len(self.dataset), size, seed, max_minibatches):
+                built = builder._build(indices)
                 for part in built if isinstance(built, tuple) else (built,):
                     plan = part.data[0] if isinstance(part.data, tuple) and part.data else None
                     if isinstance(plan, StaticPlan):

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -51,6 +51,8 @@ from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 
 __all__ = ["XlaPrograms", "xla_programs_unavailable"]
+
+_T = TypeVar("_T")
 
 
 def xla_programs_unavailable() -> str | None:
@@ -306,17 +308,17 @@ class XlaPrograms:
         setup, _ = self._minibatch_setup(plan, targets, num_samples, first=True)
         if setup is None:
             return None
-        with TRACE_LOCK:
-            materialize(setup.live)
-            if setup.key in self._minibatch:
-                return None
-            try:
-                with untouched([*params, *setup.buffers], self.optimizer):
-                    traced, _ = self._trace_minibatch(plan, targets, setup, run=False)
-            except _Refused as refusal:  # (its steps would be refused: say so now)
-                self._refuse(str(refusal))
-                return None
-            self._minibatch[setup.key] = traced  # (traced.step: none, so the first use verifies it)
+        ahead = self._compile_ahead(
+            self._minibatch,
+            setup.live,
+            setup.key,
+            [*params, *setup.buffers],
+            lambda: self._trace_minibatch(plan, targets, setup, run=False),
+        )
+        if ahead is None:
+            return None
+        traced, _ = ahead
+        self._minibatch[setup.key] = traced  # (traced.step: none, so the first use verifies it)
         changed = set(traced.outputs)
         return [p for number, p in enumerate(setup.trainable) if number in changed]
 
@@ -414,20 +416,43 @@ class XlaPrograms:
         setup, _ = self._update_setup(lrs, self._divisor(batch_size), list(graded))
         if setup is None:
             return False
+        ahead = self._compile_ahead(
+            self._update,
+            setup.live,
+            setup.key,
+            params,
+            lambda: self._trace_update(params, list(graded), setup, run=False),
+        )
+        if ahead is None:
+            return False
+        traced, _, new_slots = ahead
+        if new_slots != setup.slots:  # the update would create state: not the program steps replay
+            return False
+        self._update[setup.key] = traced
+        return True
+
+    def _compile_ahead(
+        self,
+        programs: dict[Hashable, _Program],
+        live: list[torch.Tensor],
+        key: Hashable,
+        changed: list[torch.Tensor],
+        trace: Callable[[], _T],
+    ) -> _T | None:
+        """``trace()`` (a trace with ``run=False``: compiled, never run) unless ``programs`` has
+        ``key``, with ``changed`` and the optimizer's state put back afterwards (:func:`untouched`);
+        its result, or None: the program exists, or its trace is refused (refused from now on:
+        the steps would be)."""
         with TRACE_LOCK:
-            materialize(setup.live)
-            if setup.key in self._update:
-                return False
+            materialize(live)
+            if key in programs:
+                return None
             try:
-                with untouched(params, self.optimizer):
-                    traced, _, new_slots = self._trace_update(params, list(graded), setup, run=False)
+                with untouched(changed, self.optimizer):
+                    return trace()
             except _Refused as refusal:
                 self._refuse(str(refusal))
-                return False
-            if new_slots != setup.slots:  # the update would create state: not the program steps replay
-                return False
-            self._update[setup.key] = traced
-        return True
+                return None
 
     # -- what a program reads --------------------------------------------------------------------
 

@@ -377,10 +377,24 @@ def test_unsupported_argument_types_are_rejected_at_add(bad: Any) -> None:
         Fold().add("leaf", bad)
 
 
-def test_split_arguments_are_checked() -> None:
-    node = Fold().add("leaf", 1)
-    with pytest.raises(ValueError, match="positive int"):
+@pytest.mark.parametrize("twin", ["fold", "eager"])
+def test_split_arguments_are_checked(twin: str) -> None:
+    node = Fold().add("leaf", 1) if twin == "fold" else EagerFold(_SplitTwo()).add("two", torch.ones(1))
+    with pytest.raises(ValueError, match=r"^split\(num\) must be a positive int, got 0; how many outputs"):
         node.split(0)
+    with pytest.raises(TypeError, match=r"^split\(num\) must be an int, got float 2.0; how many outputs"):
+        node.split(2.0)
+    with pytest.raises(TypeError, match=r"^split\(num\) must be an int, got bool True"):
+        node.split(True)
+
+
+class _SplitTwo(torch.nn.Module):
+    def two(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, -x
+
+
+def test_a_split_of_a_split_node_is_refused() -> None:
+    node = Fold().add("leaf", 1)
     with pytest.raises(FoldError, match="already output 0 of a split"):
         node.split(2)[0].split(2)
 

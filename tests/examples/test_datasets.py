@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,11 +206,17 @@ def test_vocab_build_counts_ranks_and_maps_unknown_words() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [({"min_count": 0}, "min_count must be an int >= 1"), ({"max_size": -1}, "max_size")],
+    ("kwargs", "error", "message"),
+    [
+        ({"min_count": 0}, ValueError, r"^min_count must be a positive int, got 0; how often a word"),
+        ({"max_size": -1}, ValueError, r"^max_size must be None or an int >= 0, got -1; how many words"),
+        ({"max_size": 2.5}, TypeError, r"^max_size must be None or an int, got float 2.5; how many words"),
+    ],
 )
-def test_vocab_build_rejects_bad_arguments(kwargs: dict[str, int], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_vocab_build_rejects_bad_arguments(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
         Vocab.build([], **kwargs)
 
 

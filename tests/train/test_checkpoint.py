@@ -49,9 +49,9 @@ def test_list_latest_and_prune(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000100.pt"
     assert prune_checkpoints(tmp_path, keep=2) == [tmp_path / "step-00000003.pt"]
     assert [s for s, _ in list_checkpoints(tmp_path)] == [12, 100]
-    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+    with pytest.raises(ValueError, match="keep must be a positive int, got 0; how many checkpoints to keep"):
         prune_checkpoints(tmp_path, keep=0)
-    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1; the optimizer step"):
         checkpoint_path(tmp_path, -1)
 
 

@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchfold._errors import FoldError
+from torchfold._validate import check_int
 
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
+    "SPLIT_HINT",
     "Group",
     "Node",
     "Tape",
@@ -31,6 +33,9 @@ __all__ = [
 Op = str | Callable[..., Any]
 
 new_node = object.__new__  # makes a Node without running __init__ (recording's hot path sets its slots)
+
+#: what ``split(num)``'s number is, ending its error
+SPLIT_HINT = "how many outputs the op returns (a tuple of that many tensors)"
 
 # ints become int64 tensors: what fits
 INT64_MIN = -(2**63)
@@ -268,8 +273,8 @@ class Node:
         group = tape.source_group[source if batch else ~source]
         first = tape.outputs_of.get(handle)
         if first is None or num != group.num_outputs:
-            if (num.__class__ is not int and (isinstance(num, bool) or not isinstance(num, int))) or num < 1:
-                raise ValueError(f"split(num) needs a positive int, got {num!r}")
+            if num.__class__ is not int or num < 1:
+                check_int("split(num)", num, hint=SPLIT_HINT)
             output = tape.source_output[source if batch else ~source]
             if output is not None:
                 raise FoldError(

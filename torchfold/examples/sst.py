@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchfold._validate import check_int
 from torchfold.examples.datadir import ENV_VAR, data_root
 
 __all__ = [
@@ -367,10 +368,8 @@ class Vocab:
             max_size: keep at most this many words (besides ``unk``); ``None``: no limit.
             unk: the unknown-word token.
         """
-        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise ValueError(f"min_count must be an int >= 1, got {min_count!r}")
-        if max_size is not None and (isinstance(max_size, bool) or max_size < 0):
-            raise ValueError(f"max_size must be None or an int >= 0, got {max_size!r}")
+        check_int("min_count", min_count, hint="how often a word must be seen to be kept")
+        check_int("max_size", max_size, 0, optional=True, hint="how many words to keep; None: all")
         counts = Counter(word for tree in trees for word in tree.words())
         ranked = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
         return cls(ranked[:max_size] if max_size is not None else ranked, unk=unk)

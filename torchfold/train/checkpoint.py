@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from torchfold._deprecation import moved_names
-from torchfold._validate import brief
+from torchfold._validate import brief, check_int
 from torchfold.train import rng as generators
 from torchfold.train.distributed import CHECKPOINT_MAP_LOCATION
 
@@ -79,8 +79,7 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
     >>> checkpoint_path("runs/a", 120).as_posix()
     'runs/a/step-00000120.pt'
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    check_int("step", step, 0, hint="the optimizer step the checkpoint is taken after")
     return Path(directory) / f"step-{step:08d}.pt"
 
 
@@ -109,8 +108,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 def prune_checkpoints(directory: str | os.PathLike[str], keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest checkpoints in ``directory``; returns the deleted paths."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
+    check_int("keep", keep, hint="how many checkpoints to keep")
     old = [path for _, path in list_checkpoints(directory)[:-keep]]
     for path in old:
         path.unlink(missing_ok=True)

@@ -74,6 +74,12 @@ from torchfold.train.trainer_state import (
 __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 
+def _runs_whole(local_minibatches: int) -> bool:
+    """Whether a step of ``local_minibatches`` minibatches on this rank runs whole (forward,
+    backward and update as one, ``runner.minibatch(..., alone=True)``): one minibatch, one process."""
+    return local_minibatches == 1 and world().size == 1
+
+
 @dataclass
 class _Fit:
     """One call of :meth:`TraceTrainer.fit`: the step it stops before, its bar and log lines, the steps run."""
@@ -327,12 +333,9 @@ class TraceTrainer:
         if not isinstance(self.runner, XlaRunner):  # the one runner that compiles ahead
             return
         started = time.perf_counter()
-        counts = [split.local_minibatches for split in self.loader.steps()]
-        alone = world().size == 1  # (as in _run_minibatches: a step of one minibatch runs whole)
+        whole = [_runs_whole(split.local_minibatches) for split in self.loader.steps()]
         compiled = self.runner.warm_up(
-            self.loader.layout_examples(),
-            whole_steps=alone and 1 in counts,
-            minibatches=not alone or any(n > 1 for n in counts),
+            self.loader.layout_examples(), whole_steps=any(whole), minibatches=not all(whole)
         )
         if compiled and self.is_main and (self.progress or self.log_every):
             self.log(f"warm-up: compiled {compiled} programs in {time.perf_counter() - started:.1f} s")
@@ -400,7 +403,7 @@ class TraceTrainer:
         """This rank's minibatches of ``step`` through the runner; their samples and plan nodes."""
         split = step.split
         samples, nodes = 0, 0
-        alone = split.local_minibatches == 1 and world().size == 1
+        alone = _runs_whole(split.local_minibatches)
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)

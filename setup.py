@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "torchfold" / "_version.py").read_text()).group(1)  # type: ignore[union-attr]
@@ -22,7 +22,10 @@ setup(
     license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["torchfold", "torchfold.*"]),
-    package_data={"torchfold": ["py.typed"]},
+    package_data={"torchfold": ["py.typed", "engine/_record.pyi"]},
+    # Fold.add's common calls in C; optional: without a C compiler torchfold installs and runs
+    # the same recorder in Python (torchfold.engine.fold.RECORDER says which is in use)
+    ext_modules=[Extension("torchfold.engine._record", ["torchfold/engine/_record.c"], optional=True)],
     install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60"],
     extras_require={
         # Fold.draw, trace and replay plots

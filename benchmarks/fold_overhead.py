@@ -13,7 +13,8 @@ time the same ops take when called directly once per group on ready batched tens
 floor any batching scheme pays), and the time to run the graph eagerly, one call per node.
 
 ``--recording``: recording and compiling alone, from 1,000 to 1,000,000 nodes: ``Fold.add``
-microseconds per call and ``Fold.plan`` microseconds per node on a forest of random binary
+microseconds per call (as installed, with its C part where it is built, and the pure-Python
+``add`` in turn) and ``Fold.plan`` microseconds per node on a forest of random binary
 trees (2-20 leaves, distinct words, so every node is distinct), best of ``--repeats`` fresh
 folds, with Python's cyclic garbage collector on (as users run). The trees are laid out as a
 post-order program first; the timed loop only pops children and calls ``add``, and the same
@@ -200,24 +201,32 @@ def record_program(fold: torchfold.Fold | _Nothing, program: list[int]) -> list[
     return stack
 
 
+class PythonFold(torchfold.Fold):
+    """A fold whose ``add`` is the Python one alone (where torchfold is built with its C ``add``)."""
+
+    add = getattr(torchfold.Fold.add, "__wrapped__", torchfold.Fold.add)
+
+
 def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
-    """One row of the recording table: add us/call, plan us/node, the loop's own us/call."""
+    """One row of the recording table: add us/call (C, where built, and Python), plan us/node,
+    the loop's own us/call; each repeat times them in turn on fresh folds."""
     program = forest_program(n, random.Random(seed))
     clock = harness.CLOCKS[harness.clock_name()]
-    add_s, plan_s, loop_s = [], [], []
+    add_s, python_add_s, plan_s, loop_s = [], [], [], []
     nodes = 0
     for _ in range(repeats):
-        fold = torchfold.Fold()
-        gc.collect()  # each fold starts from the same heap
-        start = clock()
-        roots = record_program(fold, program)
-        middle = clock()
-        fold.plan([roots])
-        end = clock()
-        add_s.append(middle - start)
-        plan_s.append(end - middle)
-        nodes = len(fold)
-        del fold, roots
+        for kind, times in ((torchfold.Fold, add_s), (PythonFold, python_add_s)):
+            fold = kind()
+            gc.collect()  # each fold starts from the same heap
+            start = clock()
+            roots = record_program(fold, program)
+            middle = clock()
+            times.append(middle - start)
+            if kind is torchfold.Fold:
+                fold.plan([roots])
+                plan_s.append(clock() - middle)
+                nodes = len(fold)
+            del fold, roots
         start = clock()
         record_program(_Nothing(), program)
         loop_s.append(clock() - start)
@@ -225,6 +234,7 @@ def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
         n,
         nodes,
         min(add_s) / len(program) * 1e6,
+        min(python_add_s) / len(program) * 1e6,
         min(plan_s) / nodes * 1e6,
         min(loop_s) / len(program) * 1e6,
     ]
@@ -287,9 +297,20 @@ def recording_table(args: argparse.Namespace) -> list[list[object]]:
     print("## Recording and compiling: Fold.add us per call, Fold.plan us per node (binary forests)\n")
     extra = [f"best of {args.repeats} fresh folds per size; cyclic GC {'on' if gc.isenabled() else 'off'}"]
     print("\n".join(harness.machine_lines(extra)) + "\n")
-    header = ["nodes asked", "distinct nodes", "add us/call", "plan us/node", "loop us/call"]
+    header = [
+        "nodes asked",
+        "distinct nodes",
+        "add us/call",
+        "Python add us/call",
+        "plan us/node",
+        "loop us/call",
+    ]
     print(harness.markdown_table(header, rows))
-    print("\n`loop`: the same recording loop calling an `add` that does nothing (part of `add us/call`).")
+    print(
+        f"\n`add`: `Fold.add` as installed ({torchfold.engine.fold.RECORDER}); `Python add`: the pure-Python "
+        "`Fold.add` (what runs without a C compiler), timed in turn with it.\n"
+        "`loop`: the same recording loop calling an `add` that does nothing (part of both `add` columns)."
+    )
     return rows
 
 

@@ -102,7 +102,10 @@ def wheel(work: Path) -> Path:
     source.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, source / name)
-    shutil.copytree(ROOT / "torchfold", source / "torchfold", ignore=shutil.ignore_patterns("__pycache__"))
+    # (without the extension built in place for the editable install: the wheel builds its own)
+    shutil.copytree(
+        ROOT / "torchfold", source / "torchfold", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+    )
     dist = work / "dist"
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, source], work)
     (built,) = dist.glob(
@@ -145,6 +148,9 @@ def test_wheel_holds_the_package_and_requires_no_extra(wheel: Path) -> None:
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "torchfold").rglob("*.py")}
     assert modules <= names, f"missing from the wheel: {sorted(modules - names)}"
     assert "torchfold/py.typed" in names
+    # Fold.add's C part, compiled from its source by the build, with its stub
+    assert any(re.fullmatch(r"torchfold/engine/_record\.[\w.-]+\.so", n) for n in names), sorted(names)
+    assert "torchfold/engine/_record.pyi" in names
     assert {n.split("/")[0] for n in names} == {"torchfold", metadata.split("/")[0]}
     plain = sorted(re.split(r"[<>=! ;\[]", r)[0] for r in requires if "extra ==" not in r)
     assert plain == ["numpy", "torch", "tqdm"]
@@ -187,11 +193,14 @@ def test_clean_install_runs_the_readme_outside_the_repository(work: Path, wheel:
     assert printed == "torch.Size([3, 16])\n" + shown
 
     probe = (
-        "import importlib.util, torchfold; "
+        "import importlib.util, torchfold, torchfold.engine.fold; "
         "print(torchfold.__file__); print(torchfold.__version__); "
-        "print(importlib.util.find_spec('matplotlib') is None)"
+        "print(importlib.util.find_spec('matplotlib') is None); print(torchfold.engine.fold.RECORDER)"
     )
-    where, version, no_matplotlib = run([python, "-c", probe], outside).stdout.split()
+    where, version, no_matplotlib, recorder = run([python, "-c", probe], outside).stdout.split()
+    assert recorder == "C", (
+        "the installed wheel records in Python: its extension is missing or fails to import"
+    )
     for module in ("numpy", "tqdm"):  # installed by pip from the wheel's requirements, into the venv
         found = run([python, "-c", f"import {module}; print({module}.__file__)"], outside).stdout.strip()
         assert Path(found).is_relative_to(venv), found

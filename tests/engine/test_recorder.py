@@ -15,13 +15,15 @@ import itertools
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import torchfold.engine.fold
 import torchfold.engine.planner
 from tests.engine.test_fold_properties import instruction, requested, run_program
-from torchfold import Fold
+from torchfold import Fold, FoldError
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.plan import FoldPlan
 
@@ -199,3 +201,126 @@ def test_recording_a_large_fold_leaves_nothing_per_node_for_the_garbage_collecto
     assert len(fold) == nodes  # the two trees recorded first are recorded again: once
     assert growth < 0.05, f"{growth:.3f} tracked objects per node"  # the roots the caller holds: 1/31
     assert len(roots) == 500
+
+
+# -- Fold.add in C (torchfold.engine._record) against the Python add it wraps ------------------
+
+
+class PythonFold(Fold):
+    """A fold that records with the Python ``Fold.add`` alone (its own ``add`` overrides the C one)."""
+
+    add = getattr(Fold.add, "__wrapped__", Fold.add)  # type: ignore[assignment]
+
+
+def _recorded(fold: Fold) -> tuple[Any, ...]:
+    """Everything a fold recorded: its tape and its groups, with each group's calls in order."""
+    tape = fold._tape
+    groups = [
+        (
+            g.op,
+            g.depth,
+            g.order,
+            g.source,
+            list(g.output_sources),
+            g.num_outputs,
+            g.plain,
+            list(g.nodes.items()),
+        )
+        for g in fold.groups()
+    ]
+    sources = [
+        (fold.groups().index(g), output)
+        for g, output in zip(tape.source_group, tape.source_output, strict=True)
+    ]
+    return (tape.depth, tape.source, tape.index, sources, tape.outputs_of, tape.nobatch_of, groups)
+
+
+def test_fold_add_is_built_in_c() -> None:
+    """The development environments build the extension: a failed build (it is optional) would
+    leave the Python add alone and the comparisons below comparing it with itself."""
+    assert torchfold.engine.fold.RECORDER == "C", (
+        "torchfold.engine._record is not built: run `pip install -e .` (or `make env`) with a C compiler"
+    )
+    assert type(Fold.add).__name__ == "FastAdd" and PythonFold.add is not Fold.add
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    program=st.lists(instruction, min_size=1, max_size=40), picks=st.lists(st.integers(0, 1000), max_size=12)
+)
+def test_the_c_add_records_what_the_python_add_records(
+    program: list[tuple[Any, ...]], picks: list[int]
+) -> None:
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
+    fast, python = Fold(), PythonFold()
+    fast_values = run_program(fast, program, inputs)
+    python_values = run_program(python, program, inputs)
+    assert [repr(v) for v in fast_values] == [repr(v) for v in python_values]
+    assert _recorded(fast) == _recorded(python)
+    fast_plan, python_plan = (
+        fast.plan(requested(fast_values, picks)),
+        python.plan(requested(python_values, picks)),
+    )
+    assert isinstance(fast_plan, FoldPlan) and isinstance(python_plan, FoldPlan)
+    assert planned(fast_plan) == planned(python_plan)
+
+
+def test_the_c_add_records_lstm_cells_and_leaves_what_the_python_add_records() -> None:
+    """Four nodes per call (a binary LSTM cell over split children), leaves by int, dedup."""
+    fast, python = Fold(), PythonFold()
+    assert [repr(r) for r in _record_forest(fast, 20)] == [repr(r) for r in _record_forest(python, 20)]
+    assert _recorded(fast) == _recorded(python)
+    # every call again: identical calls are found, nothing new is recorded
+    assert [repr(r) for r in _record_forest(fast, 20)] == [repr(r) for r in _record_forest(python, 20)]
+    assert _recorded(fast) == _recorded(python) and len(fast) == 20 * 31
+
+
+def test_the_c_add_leaves_new_groups_odd_calls_and_errors_to_the_python_add() -> None:
+    fold = Fold()
+    leaf = fold.add(op="leaf")  # keywords, no arguments: the Python add
+    assert repr(leaf) == "Node('leaf', depth=0, index=0)" and fold.add("leaf") == leaf
+    big = 2**63
+    with pytest.raises(FoldError, match=r"argument 1 of 'leaf' is 9223372036854775808, outside int64"):
+        fold.add("leaf", big)
+    other = Fold().add("leaf", 1)
+    fold.add("pair", leaf, leaf)  # the group exists: the next call with a node of another fold is refused
+    with pytest.raises(FoldError, match="belongs to another Fold"):
+        fold.add("pair", leaf, other)
+    with pytest.raises(TypeError, match="unhashable type: 'list'"):
+        fold.add(["not", "an", "op"], leaf)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="op must be a method name"):
+        fold.add(3, leaf)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'op'"):
+        fold.add()  # type: ignore[call-arg]
+    with pytest.raises(FoldError, match=r"argument 1 of 'leaf' is a bool \(True\)"):
+        fold.add("leaf", True)  # an int subclass: not an int to either add
+
+
+def test_a_subclass_add_overrides_the_c_add_and_super_reaches_it() -> None:
+    calls: list[str] = []
+
+    class Logged(Fold):
+        def add(self, op: Any, *args: Any) -> Any:
+            calls.append(op)
+            return super().add(op, *args)
+
+    fold = Logged()
+    a, b = fold.add("leaf", 1), fold.add("leaf", 2)
+    fold.add("pair", a, b)
+    assert calls == ["leaf", "leaf", "pair"] and len(fold) == 3
+
+
+def test_a_copied_or_pickled_fold_records_on_in_c() -> None:
+    import copy
+    import pickle
+
+    fold = Fold()
+    leaves = [fold.add("leaf", i) for i in range(3)]
+    fold.add("pair", leaves[0], leaves[1])
+    for twin in (copy.deepcopy(fold), pickle.loads(pickle.dumps(fold))):
+        first, second = twin.add("leaf", 0), twin.add("leaf", 1)  # recorded before: the same handles
+        assert (first._handle, second._handle) == (leaves[0]._handle, leaves[1]._handle)
+        twin.add("pair", second, first)
+        assert len(twin) == 5 and len(fold) == 4
+        assert twin._recorder is not None and twin._recorder is not fold._recorder

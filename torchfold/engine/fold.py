@@ -40,6 +40,16 @@ __all__ = ["Fold"]
 _Tensor = torch.Tensor
 _LITERALS = (int, float)
 
+try:  # Fold.add's common calls in C (built from source at install; optional)
+    from torchfold.engine._record import FastAdd as _FastAdd
+    from torchfold.engine._record import Recorder as _Recorder
+except ImportError:  # built without a C compiler: the same recorder, in Python
+    _FastAdd = _Recorder = None  # type: ignore[assignment,misc]
+
+#: how ``Fold.add`` records: ``"C"`` (the extension built at install, with the Python ``add``
+#: for the calls it leaves) or ``"Python"`` (built without a C compiler)
+RECORDER = "Python" if _Recorder is None else "C"
+
 
 def _tag(literal: int | float) -> tuple[str, int | float]:
     """An int or float as stored above depth 0, where a bare int is a node's handle (see ``Group``)."""
@@ -115,6 +125,20 @@ class Fold:
         self.shapes = shapes
         self._groups: dict[tuple[int, Op, int], Group] = {}
         self._tape = Tape()  # what this Fold's nodes are numbers into (see Node)
+        self._recorder = self._new_recorder()
+
+    def _new_recorder(self) -> Any:
+        """What the C ``add`` records into (``_record.c``): this fold's tape and groups; None without it."""
+        return None if _Recorder is None else _Recorder(self._tape, self._groups, Node, Group)
+
+    def __getstate__(self) -> dict[str, Any]:  # (copy and pickle: the C recorder is made anew)
+        state = dict(self.__dict__)
+        state["_recorder"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._recorder = self._new_recorder()
 
     # -- recording --------------------------------------------------------------------------
 
@@ -367,3 +391,10 @@ class Fold:
         from torchfold.engine.draw import draw_fold
 
         return draw_fold(self, path, **kwargs)
+
+
+if _FastAdd is not None:
+    # Fold.add in C for the calls dynamic models make per node (nodes or an int into a group
+    # that exists), the Python add above for every other call: the same nodes, groups and errors.
+    # It binds to a fold as a function does; a subclass's own add still overrides it.
+    Fold.add = _FastAdd(Fold.add)  # type: ignore[method-assign]

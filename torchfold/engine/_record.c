@@ -1,0 +1,473 @@
+/* Fold.add in C for the calls dynamic models make per node, with the results of the Python one.
+ *
+ * Two types:
+ * - Recorder: one per fold (``fold._recorder``), holding its tape lists (depth, source, index:
+ *   see torchfold.engine.node.Tape), its groups dict and a cache of the groups found lately.
+ * - FastAdd: what ``Fold.add`` is when this module is built. It wraps the Python ``Fold.add``
+ *   and binds to a fold as a function does (``fold.add`` is a bound method: no reference
+ *   cycle, a fold is freed as soon as it is dropped). A call of two, four or one nodes of
+ *   the fold (binary trees, a binary LSTM cell, chains), or of one int (a leaf), into a group
+ *   that already exists, is recorded here; any other call goes to the Python ``Fold.add``,
+ *   which makes every new group and every error message.
+ * Nodes and groups are the Python classes; their slots are read and written at the offsets
+ * their member descriptors give.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdint.h>
+
+#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+
+/* Groups found lately, by (op, depth, arity): a group stays in its fold's dict for good, and an
+ * entry holds its op, so that no other op can take its address while it is here. */
+#define CACHE_SIZE 64
+
+typedef struct {
+    PyObject *op; /* a strong reference (NULL: empty) */
+    Py_ssize_t depth, count;
+    PyObject *group; /* borrowed from the groups dict, which never drops a group */
+} CacheEntry;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tape;   /* the Tape that nodes point to */
+    PyObject *depth;  /* tape.depth: list of int */
+    PyObject *source; /* tape.source: list of int */
+    PyObject *index;  /* tape.index: list of int */
+    PyObject *groups; /* Fold._groups: dict (depth, op, count) -> Group */
+    PyTypeObject *node_type;
+    Py_ssize_t node_tape, node_handle;    /* offsets of Node._tape, Node._handle */
+    Py_ssize_t group_nodes, group_source; /* offsets of Group.nodes, Group.source */
+    CacheEntry cache[CACHE_SIZE];
+} Recorder;
+
+static PyTypeObject RecorderType;
+
+/* The offset of the object slot `name` of `type` (a class with __slots__), or -1 with an error. */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, const char *name)
+{
+    PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
+    if (descr == NULL) {
+        return -1;
+    }
+    Py_ssize_t offset = -1;
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) {
+            offset = member->offset;
+        }
+    }
+    Py_DECREF(descr);
+    if (offset < 0) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, name);
+    }
+    return offset;
+}
+
+/* A list attribute of `tape` (a new reference), or NULL with an error. */
+static PyObject *
+tape_list(PyObject *tape, const char *name)
+{
+    PyObject *list = PyObject_GetAttrString(tape, name);
+    if (list != NULL && !PyList_CheckExact(list)) {
+        PyErr_Format(PyExc_TypeError, "tape.%s must be a list", name);
+        Py_CLEAR(list);
+    }
+    return list;
+}
+
+static int
+Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
+{
+    static char *keywords[] = {"tape", "groups", "node_type", "group_type", NULL};
+    PyObject *tape, *groups;
+    PyTypeObject *node_type, *group_type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!:Recorder", keywords, &tape, &PyDict_Type, &groups,
+                                     &PyType_Type, &node_type, &PyType_Type, &group_type)) {
+        return -1;
+    }
+    PyObject *depth = tape_list(tape, "depth");
+    PyObject *source = depth ? tape_list(tape, "source") : NULL;
+    PyObject *index = source ? tape_list(tape, "index") : NULL;
+    if (index == NULL) {
+        Py_XDECREF(depth);
+        Py_XDECREF(source);
+        return -1;
+    }
+    Py_XSETREF(self->depth, depth);
+    Py_XSETREF(self->source, source);
+    Py_XSETREF(self->index, index);
+    Py_XSETREF(self->tape, Py_NewRef(tape));
+    Py_XSETREF(self->groups, Py_NewRef(groups));
+    Py_XSETREF(self->node_type, (PyTypeObject *)Py_NewRef((PyObject *)node_type));
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        Py_CLEAR(self->cache[i].op);
+    }
+    if ((self->node_tape = slot_offset(node_type, "_tape")) < 0 ||
+        (self->node_handle = slot_offset(node_type, "_handle")) < 0 ||
+        (self->group_nodes = slot_offset(group_type, "nodes")) < 0 ||
+        (self->group_source = slot_offset(group_type, "source")) < 0) {
+        Py_CLEAR(self->tape); /* not usable: FastAdd leaves every call to Python */
+        return -1;
+    }
+    return 0;
+}
+
+static int
+Recorder_traverse(Recorder *self, visitproc visit, void *arg)
+{
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        Py_VISIT(self->cache[i].op);
+    }
+    Py_VISIT(self->tape);
+    Py_VISIT(self->depth);
+    Py_VISIT(self->source);
+    Py_VISIT(self->index);
+    Py_VISIT(self->groups);
+    Py_VISIT(self->node_type);
+    return 0;
+}
+
+static int
+Recorder_clear(Recorder *self)
+{
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        Py_CLEAR(self->cache[i].op);
+    }
+    Py_CLEAR(self->tape);
+    Py_CLEAR(self->depth);
+    Py_CLEAR(self->source);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->groups);
+    Py_CLEAR(self->node_type);
+    return 0;
+}
+
+static void
+Recorder_dealloc(Recorder *self)
+{
+    PyObject_GC_UnTrack(self);
+    Recorder_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The handle of `arg` if it is a node of this fold (borrowed), else NULL (no error set). */
+static PyObject *
+own_handle(Recorder *self, PyObject *arg)
+{
+    if (Py_TYPE(arg) != self->node_type || SLOT(arg, self->node_tape) != self->tape) {
+        return NULL;
+    }
+    PyObject *handle = SLOT(arg, self->node_handle);
+    return handle != NULL && PyLong_CheckExact(handle) ? handle : NULL;
+}
+
+/* depth[handle] as a C integer, or -1 (no error set) when it is not one of the tape's rows. */
+static Py_ssize_t
+depth_of(Recorder *self, PyObject *handle)
+{
+    Py_ssize_t row = PyLong_AsSsize_t(handle);
+    if (row < 0 || row >= PyList_GET_SIZE(self->depth)) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t depth = PyLong_AsSsize_t(PyList_GET_ITEM(self->depth, row));
+    if (depth < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return depth;
+}
+
+/* The group of (op, depth, count) if it exists (borrowed), else NULL (no error set). */
+static PyObject *
+find_group(Recorder *self, PyObject *op, Py_ssize_t depth, Py_ssize_t count, PyObject *depth_value)
+{
+    CacheEntry *entry =
+        &self->cache[(((uintptr_t)op >> 4) ^ ((uintptr_t)depth * 31u) ^ (uintptr_t)count) % CACHE_SIZE];
+    if (entry->op == op && entry->depth == depth && entry->count == count) {
+        return entry->group;
+    }
+    PyObject *count_value = PyLong_FromSsize_t(count);
+    PyObject *where = count_value ? PyTuple_Pack(3, depth_value, op, count_value) : NULL;
+    Py_XDECREF(count_value);
+    PyObject *group = where ? PyDict_GetItemWithError(self->groups, where) : NULL;
+    Py_XDECREF(where);
+    if (group == NULL) {
+        PyErr_Clear(); /* a new group, or an op that is not hashable: the Python add */
+        return NULL;
+    }
+    Py_XSETREF(entry->op, Py_NewRef(op));
+    entry->depth = depth;
+    entry->count = count;
+    entry->group = group;
+    return group;
+}
+
+/* Append a new reference to `list`, stealing it; -1 with an error on failure. */
+static int
+append_new(PyObject *list, PyObject *item)
+{
+    if (item == NULL) {
+        return -1;
+    }
+    int failed = PyList_Append(list, item);
+    Py_DECREF(item);
+    return failed;
+}
+
+/* Returned by record() for a call it leaves to the Python add. */
+#define NOT_HANDLED ((PyObject *)&RecorderType)
+
+/* Record op(*items): the new node (a new reference), NULL with an error, or NOT_HANDLED. */
+static PyObject *
+record(Recorder *self, PyObject *op, PyObject *const *items, Py_ssize_t count)
+{
+    PyObject *handles[4];
+    Py_ssize_t depth = 0;
+    if (count == 1 && PyLong_CheckExact(items[0])) {
+        int overflow = 0;
+        (void)PyLong_AsLongLongAndOverflow(items[0], &overflow);
+        if (overflow) { /* outside int64: the Python add names it */
+            return NOT_HANDLED;
+        }
+        handles[0] = items[0]; /* a leaf: its key is its argument */
+    }
+    else if (count == 1 || count == 2 || count == 4) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *handle = own_handle(self, items[i]);
+            Py_ssize_t below = handle ? depth_of(self, handle) : -1;
+            if (below < 0) {
+                return NOT_HANDLED;
+            }
+            handles[i] = handle;
+            if (below >= depth) {
+                depth = below + 1;
+            }
+        }
+    }
+    else {
+        return NOT_HANDLED;
+    }
+    PyObject *depth_value = PyLong_FromSsize_t(depth);
+    if (depth_value == NULL) {
+        return NULL;
+    }
+    PyObject *group = find_group(self, op, depth, count, depth_value);
+    PyObject *nodes = group ? SLOT(group, self->group_nodes) : NULL;
+    PyObject *group_source = group ? SLOT(group, self->group_source) : NULL;
+    if (nodes == NULL || !PyDict_CheckExact(nodes) || group_source == NULL) {
+        Py_DECREF(depth_value);
+        return NOT_HANDLED; /* a new group */
+    }
+    PyObject *result = NULL, *fresh = NULL, *handle = NULL;
+    PyObject *key = PyTuple_New(count);
+    if (key == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyTuple_SET_ITEM(key, i, Py_NewRef(handles[i]));
+    }
+    fresh = PyLong_FromSsize_t(PyList_GET_SIZE(self->depth));
+    if (fresh == NULL) {
+        goto done;
+    }
+    handle = PyDict_SetDefault(nodes, key, fresh); /* borrowed: a new call, or an identical one */
+    if (handle == NULL) {
+        goto done;
+    }
+    if (handle == fresh) {
+        if (append_new(self->index, PyLong_FromSsize_t(PyDict_GET_SIZE(nodes) - 1)) < 0 ||
+            PyList_Append(self->source, group_source) < 0 || PyList_Append(self->depth, depth_value) < 0) {
+            goto done;
+        }
+    }
+    result = self->node_type->tp_alloc(self->node_type, 0);
+    if (result != NULL) {
+        SLOT(result, self->node_tape) = Py_NewRef(self->tape);
+        SLOT(result, self->node_handle) = Py_NewRef(handle);
+    }
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(fresh);
+    Py_DECREF(depth_value);
+    return result;
+}
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchfold.engine._record.Recorder",
+    .tp_doc = "Recorder(tape, groups, node_type, group_type): a fold's tape and groups, as Fold.add in C "
+              "records into them.",
+    .tp_basicsize = sizeof(Recorder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Recorder_init,
+    .tp_dealloc = (destructor)Recorder_dealloc,
+    .tp_traverse = (traverseproc)Recorder_traverse,
+    .tp_clear = (inquiry)Recorder_clear,
+};
+
+/* ----------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *function; /* the Python Fold.add */
+    PyObject *recorder_name; /* "_recorder" */
+    vectorcallfunc vectorcall;
+} FastAdd;
+
+/* FastAdd(fold, op, *args): the fold's recorder records it, or the Python add does. */
+static PyObject *
+FastAdd_vectorcall(FastAdd *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs >= 3 && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
+        PyObject *recorder = PyObject_GetAttr(args[0], self->recorder_name);
+        if (recorder == NULL) {
+            PyErr_Clear(); /* a fold made without __init__: all in Python */
+        }
+        else {
+            PyObject *node = NOT_HANDLED;
+            if (Py_IS_TYPE(recorder, &RecorderType) && ((Recorder *)recorder)->tape != NULL) {
+                node = record((Recorder *)recorder, args[1], args + 2, nargs - 2);
+            }
+            Py_DECREF(recorder);
+            if (node != NOT_HANDLED) {
+                return node;
+            }
+        }
+    }
+    return PyObject_Vectorcall(self->function, args, nargsf, kwnames);
+}
+
+static PyObject *
+FastAdd_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *function;
+    if (!PyArg_ParseTuple(args, "O:FastAdd", &function)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(function)) {
+        PyErr_SetString(PyExc_TypeError, "FastAdd(function): function must be callable");
+        return NULL;
+    }
+    FastAdd *self = (FastAdd *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->recorder_name = PyUnicode_InternFromString("_recorder");
+    if (self->recorder_name == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->function = Py_NewRef(function);
+    self->vectorcall = (vectorcallfunc)FastAdd_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+FastAdd_traverse(FastAdd *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->function);
+    return 0;
+}
+
+static int
+FastAdd_clear(FastAdd *self)
+{
+    Py_CLEAR(self->function);
+    return 0;
+}
+
+static void
+FastAdd_dealloc(FastAdd *self)
+{
+    PyObject_GC_UnTrack(self);
+    FastAdd_clear(self);
+    Py_CLEAR(self->recorder_name);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* As a function: a bound method on an instance, itself on the class. */
+static PyObject *
+FastAdd_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, obj);
+}
+
+/* Its name, documentation and any attribute it lacks are the wrapped function's, which is its
+ * __wrapped__ (what inspect.signature and help() read). */
+static PyObject *
+FastAdd_getattro(FastAdd *self, PyObject *name)
+{
+    if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) {
+        return Py_NewRef(self->function);
+    }
+    static const char *forwarded[] = {"__doc__", "__module__", "__name__", "__qualname__", "__annotations__", NULL};
+    for (int i = 0; PyUnicode_Check(name) && forwarded[i] != NULL; i++) {
+        if (PyUnicode_CompareWithASCIIString(name, forwarded[i]) == 0) {
+            return PyObject_GetAttr(self->function, name);
+        }
+    }
+    PyObject *value = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        value = PyObject_GetAttr(self->function, name);
+    }
+    return value;
+}
+
+static PyObject *
+FastAdd_repr(FastAdd *self)
+{
+    return PyUnicode_FromFormat("<Fold.add in C, wrapping %R>", self->function);
+}
+
+static PyTypeObject FastAddType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchfold.engine._record.FastAdd",
+    .tp_doc = "FastAdd(function): Fold.add, in C for its common calls and `function` for the others.",
+    .tp_basicsize = sizeof(FastAdd),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(FastAdd, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = FastAdd_new,
+    .tp_dealloc = (destructor)FastAdd_dealloc,
+    .tp_traverse = (traverseproc)FastAdd_traverse,
+    .tp_clear = (inquiry)FastAdd_clear,
+    .tp_descr_get = FastAdd_get,
+    .tp_getattro = (getattrofunc)FastAdd_getattro,
+    .tp_repr = (reprfunc)FastAdd_repr,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "torchfold.engine._record",
+    .m_doc = "Fold.add's common calls in C (optional: without it torchfold records in Python).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__record(void)
+{
+    if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&FastAddType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Recorder", (PyObject *)&RecorderType) < 0 ||
+        PyModule_AddObjectRef(m, "FastAdd", (PyObject *)&FastAddType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

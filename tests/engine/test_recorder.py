@@ -324,3 +324,86 @@ def test_a_copied_or_pickled_fold_records_on_in_c() -> None:
         twin.add("pair", second, first)
         assert len(twin) == 5 and len(fold) == 4
         assert twin._recorder is not None and twin._recorder is not fold._recorder
+
+
+class _ShiftingOp:
+    """An op whose hash and equality follow a value that changes (a callable, not a str)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ShiftingOp) and other.value == self.value
+
+    def __call__(self, *args: Any) -> Any:
+        return args[0]
+
+
+def test_an_op_whose_hash_changes_is_looked_up_anew_by_both_adds() -> None:
+    def record(fold: Fold) -> list[tuple[int, int]]:
+        op = _ShiftingOp()
+        leaf = fold.add("leaf", 1)
+        fold.add(op, leaf)
+        fold.add(op, leaf)  # the group exists: the C add's path
+        op.value = 1  # now another key of the groups dict: a new group
+        fold.add(op, leaf)
+        return [(g.depth, len(g.nodes)) for g in fold.groups()]
+
+    assert record(Fold()) == record(PythonFold()) == [(0, 1), (1, 1), (1, 1)]
+
+
+def test_python_code_run_by_the_group_lookup_cannot_pull_the_arguments_away() -> None:
+    """An op's __hash__ runs inside the C add; dropping an argument node's handle there must
+    leave the call recorded as given (the C add holds its own references to it)."""
+    fold = Fold()
+    leaves = [fold.add("leaf", i) for i in range(400)]
+    _, second = leaves[-1].split(2)  # its handle, a large int, is held by this node alone
+    given = second._handle
+    armed = False
+
+    class Dropping:
+        def __call__(self, *args: Any) -> Any:
+            return args[0]
+
+        def __hash__(self) -> int:
+            if armed:
+                second._handle = None  # type: ignore[assignment]
+                _ = [float(i) for i in range(1000)]  # the freed memory, reused
+            return 1
+
+    op = Dropping()
+    fold.add(op, leaves[0])  # the group (depth 1, op, 1), made by the Python add
+    armed = True
+    node = fold.add(op, second)
+    group = fold._groups[(1, op, 1)]
+    assert list(group.nodes)[-1] == (given,) and node._handle == len(fold._tape.depth) - 1
+
+
+def test_what_the_c_add_reads_by_slot_is_checked_to_be_what_it_expects() -> None:
+    from torchfold.engine._record import Recorder
+    from torchfold.engine.node import Group, Node
+
+    fold = Fold()
+    fold.add("leaf", 1)
+    fold._groups[(0, "x", 1)] = 7  # type: ignore[index]  # not a Group: the Python add, which says so
+    with pytest.raises(AttributeError, match="'int' object has no attribute 'nodes'"):
+        fold.add("x", 1)
+
+    class Borrowing:  # Node's slot descriptors on a type without those slots
+        __slots__ = ()
+        _tape = Node._tape
+        _handle = Node._handle
+
+    with pytest.raises(TypeError, match=r"Borrowing\._tape is not a writable object slot"):
+        Recorder(fold._tape, fold._groups, Borrowing, Group)
+
+
+def test_fold_add_pickles_and_copies_as_the_function_it_wraps() -> None:
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(Fold.add)) is Fold.add
+    assert copy.deepcopy(Fold.add) is Fold.add

@@ -20,8 +20,10 @@
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
-/* Groups found lately, by (op, depth, arity): a group stays in its fold's dict for good, and an
- * entry holds its op, so that no other op can take its address while it is here. */
+/* Groups found lately, by (op, depth, arity), for ops whose hash and equality cannot change (a
+ * str, a plain function). A fold never removes a group from its dict nor replaces the dict
+ * (`_groups`), its tape or the tape's lists; a group also stays alive in `tape.source_group`.
+ * An entry holds its op, so that no other op can take its address while it is here. */
 #define CACHE_SIZE 64
 
 typedef struct {
@@ -37,7 +39,7 @@ typedef struct {
     PyObject *source; /* tape.source: list of int */
     PyObject *index;  /* tape.index: list of int */
     PyObject *groups; /* Fold._groups: dict (depth, op, count) -> Group */
-    PyTypeObject *node_type;
+    PyTypeObject *node_type, *group_type;
     Py_ssize_t node_tape, node_handle;    /* offsets of Node._tape, Node._handle */
     Py_ssize_t group_nodes, group_source; /* offsets of Group.nodes, Group.source */
     CacheEntry cache[CACHE_SIZE];
@@ -54,7 +56,7 @@ slot_offset(PyTypeObject *type, const char *name)
         return -1;
     }
     Py_ssize_t offset = -1;
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
         if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) {
             offset = member->offset;
@@ -97,15 +99,16 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
         Py_XDECREF(source);
         return -1;
     }
+    for (int i = 0; i < CACHE_SIZE; i++) { /* (a second __init__: its groups are other groups) */
+        Py_CLEAR(self->cache[i].op);
+    }
     Py_XSETREF(self->depth, depth);
     Py_XSETREF(self->source, source);
     Py_XSETREF(self->index, index);
     Py_XSETREF(self->tape, Py_NewRef(tape));
     Py_XSETREF(self->groups, Py_NewRef(groups));
     Py_XSETREF(self->node_type, (PyTypeObject *)Py_NewRef((PyObject *)node_type));
-    for (int i = 0; i < CACHE_SIZE; i++) {
-        Py_CLEAR(self->cache[i].op);
-    }
+    Py_XSETREF(self->group_type, (PyTypeObject *)Py_NewRef((PyObject *)group_type));
     if ((self->node_tape = slot_offset(node_type, "_tape")) < 0 ||
         (self->node_handle = slot_offset(node_type, "_handle")) < 0 ||
         (self->group_nodes = slot_offset(group_type, "nodes")) < 0 ||
@@ -128,6 +131,7 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
     Py_VISIT(self->index);
     Py_VISIT(self->groups);
     Py_VISIT(self->node_type);
+    Py_VISIT(self->group_type);
     return 0;
 }
 
@@ -143,6 +147,7 @@ Recorder_clear(Recorder *self)
     Py_CLEAR(self->index);
     Py_CLEAR(self->groups);
     Py_CLEAR(self->node_type);
+    Py_CLEAR(self->group_type);
     return 0;
 }
 
@@ -182,29 +187,34 @@ depth_of(Recorder *self, PyObject *handle)
     return depth;
 }
 
-/* The group of (op, depth, count) if it exists (borrowed), else NULL (no error set). */
+/* The group of (op, depth, count) if it exists (a new reference), else NULL (no error set).
+ * It may run the op's __hash__ and __eq__ (Python code), unless the op is in the cache: only
+ * ops whose hash and equality cannot change are cached (a str, a plain function). */
 static PyObject *
 find_group(Recorder *self, PyObject *op, Py_ssize_t depth, Py_ssize_t count, PyObject *depth_value)
 {
+    int cached = PyUnicode_CheckExact(op) || PyFunction_Check(op);
     CacheEntry *entry =
         &self->cache[(((uintptr_t)op >> 4) ^ ((uintptr_t)depth * 31u) ^ (uintptr_t)count) % CACHE_SIZE];
-    if (entry->op == op && entry->depth == depth && entry->count == count) {
-        return entry->group;
+    if (cached && entry->op == op && entry->depth == depth && entry->count == count) {
+        return Py_NewRef(entry->group);
     }
     PyObject *count_value = PyLong_FromSsize_t(count);
     PyObject *where = count_value ? PyTuple_Pack(3, depth_value, op, count_value) : NULL;
     Py_XDECREF(count_value);
     PyObject *group = where ? PyDict_GetItemWithError(self->groups, where) : NULL;
     Py_XDECREF(where);
-    if (group == NULL) {
-        PyErr_Clear(); /* a new group, or an op that is not hashable: the Python add */
+    if (group == NULL || !Py_IS_TYPE(group, self->group_type)) {
+        PyErr_Clear(); /* a new group, an op that is not hashable, not a group: the Python add */
         return NULL;
     }
-    Py_XSETREF(entry->op, Py_NewRef(op));
-    entry->depth = depth;
-    entry->count = count;
-    entry->group = group;
-    return group;
+    if (cached) {
+        Py_XSETREF(entry->op, Py_NewRef(op));
+        entry->depth = depth;
+        entry->count = count;
+        entry->group = group;
+    }
+    return Py_NewRef(group);
 }
 
 /* Append a new reference to `list`, stealing it; -1 with an error on failure. */
@@ -252,33 +262,41 @@ record(Recorder *self, PyObject *op, PyObject *const *items, Py_ssize_t count)
     else {
         return NOT_HANDLED;
     }
-    PyObject *depth_value = PyLong_FromSsize_t(depth);
-    if (depth_value == NULL) {
-        return NULL;
-    }
-    PyObject *group = find_group(self, op, depth, count, depth_value);
-    PyObject *nodes = group ? SLOT(group, self->group_nodes) : NULL;
-    PyObject *group_source = group ? SLOT(group, self->group_source) : NULL;
-    if (nodes == NULL || !PyDict_CheckExact(nodes) || group_source == NULL) {
-        Py_DECREF(depth_value);
-        return NOT_HANDLED; /* a new group */
-    }
-    PyObject *result = NULL, *fresh = NULL, *handle = NULL;
+    /* The key holds its own references now: the lookup below may run Python code (an op's
+     * __hash__ and __eq__, a tensor key's __eq__) that changes or drops the argument nodes. */
     PyObject *key = PyTuple_New(count);
     if (key == NULL) {
-        goto done;
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyTuple_SET_ITEM(key, i, Py_NewRef(handles[i]));
     }
+    PyObject *result = NOT_HANDLED, *nodes = NULL, *group_source = NULL, *fresh = NULL, *handle = NULL;
+    PyObject *depth_value = PyLong_FromSsize_t(depth);
+    PyObject *group = depth_value ? find_group(self, op, depth, count, depth_value) : NULL;
+    if (depth_value == NULL) {
+        result = NULL;
+        goto done;
+    }
+    if (group != NULL) {
+        nodes = SLOT(group, self->group_nodes);
+        group_source = SLOT(group, self->group_source);
+        Py_XINCREF(nodes);
+        Py_XINCREF(group_source);
+    }
+    if (nodes == NULL || !PyDict_CheckExact(nodes) || group_source == NULL) {
+        goto done; /* a new group: the Python add */
+    }
+    result = NULL;
     fresh = PyLong_FromSsize_t(PyList_GET_SIZE(self->depth));
     if (fresh == NULL) {
         goto done;
     }
-    handle = PyDict_SetDefault(nodes, key, fresh); /* borrowed: a new call, or an identical one */
+    handle = PyDict_SetDefault(nodes, key, fresh); /* a new call, or an identical one */
     if (handle == NULL) {
         goto done;
     }
+    Py_INCREF(handle); /* (borrowed from the dict, which Python code could change from here on) */
     if (handle == fresh) {
         if (append_new(self->index, PyLong_FromSsize_t(PyDict_GET_SIZE(nodes) - 1)) < 0 ||
             PyList_Append(self->source, group_source) < 0 || PyList_Append(self->depth, depth_value) < 0) {
@@ -291,9 +309,13 @@ record(Recorder *self, PyObject *op, PyObject *const *items, Py_ssize_t count)
         SLOT(result, self->node_handle) = Py_NewRef(handle);
     }
 done:
-    Py_XDECREF(key);
+    Py_DECREF(key);
+    Py_XDECREF(depth_value);
+    Py_XDECREF(group);
+    Py_XDECREF(nodes);
+    Py_XDECREF(group_source);
     Py_XDECREF(fresh);
-    Py_DECREF(depth_value);
+    Py_XDECREF(handle);
     return result;
 }
 
@@ -424,6 +446,18 @@ FastAdd_getattro(FastAdd *self, PyObject *name)
     return value;
 }
 
+/* Pickled (and copied) as the function it wraps is: by its qualified name. */
+static PyObject *
+FastAdd_reduce(FastAdd *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyObject_GetAttrString(self->function, "__qualname__");
+}
+
+static PyMethodDef FastAdd_methods[] = {
+    {"__reduce__", (PyCFunction)FastAdd_reduce, METH_NOARGS, "Pickled by its qualified name, as a function is."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyObject *
 FastAdd_repr(FastAdd *self)
 {
@@ -445,6 +479,7 @@ static PyTypeObject FastAddType = {
     .tp_descr_get = FastAdd_get,
     .tp_getattro = (getattrofunc)FastAdd_getattro,
     .tp_repr = (reprfunc)FastAdd_repr,
+    .tp_methods = FastAdd_methods,
 };
 
 static struct PyModuleDef module = {

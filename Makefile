@@ -20,7 +20,8 @@ DEMO_ARGS ?=
 
 env: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml
+# (the install builds Fold.add's C part in place: a change of its source installs again)
+$(STAMP): setup.py pyproject.toml torchfold/engine/_record.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,notebooks,plot,docs]'
@@ -28,7 +29,7 @@ $(STAMP): setup.py pyproject.toml
 
 env-xla: $(XLA_STAMP)
 
-$(XLA_STAMP): setup.py pyproject.toml
+$(XLA_STAMP): setup.py pyproject.toml torchfold/engine/_record.c
 	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 mlxtend

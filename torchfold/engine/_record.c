@@ -81,6 +81,15 @@ tape_list(PyObject *tape, const char *name)
     return list;
 }
 
+/* Empty the group cache (its entries' ops are strong references). */
+static void
+clear_cache(Recorder *self)
+{
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        Py_CLEAR(self->cache[i].op);
+    }
+}
+
 static int
 Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
 {
@@ -99,9 +108,7 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
         Py_XDECREF(source);
         return -1;
     }
-    for (int i = 0; i < CACHE_SIZE; i++) { /* (a second __init__: its groups are other groups) */
-        Py_CLEAR(self->cache[i].op);
-    }
+    clear_cache(self); /* (a second __init__: its groups are other groups) */
     Py_XSETREF(self->depth, depth);
     Py_XSETREF(self->source, source);
     Py_XSETREF(self->index, index);
@@ -138,9 +145,7 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
 static int
 Recorder_clear(Recorder *self)
 {
-    for (int i = 0; i < CACHE_SIZE; i++) {
-        Py_CLEAR(self->cache[i].op);
-    }
+    clear_cache(self);
     Py_CLEAR(self->tape);
     Py_CLEAR(self->depth);
     Py_CLEAR(self->source);
@@ -271,13 +276,13 @@ record(Recorder *self, PyObject *op, PyObject *const *items, Py_ssize_t count)
     for (Py_ssize_t i = 0; i < count; i++) {
         PyTuple_SET_ITEM(key, i, Py_NewRef(handles[i]));
     }
-    PyObject *result = NOT_HANDLED, *nodes = NULL, *group_source = NULL, *fresh = NULL, *handle = NULL;
     PyObject *depth_value = PyLong_FromSsize_t(depth);
-    PyObject *group = depth_value ? find_group(self, op, depth, count, depth_value) : NULL;
     if (depth_value == NULL) {
-        result = NULL;
-        goto done;
+        Py_DECREF(key);
+        return NULL;
     }
+    PyObject *result = NOT_HANDLED, *nodes = NULL, *group_source = NULL, *fresh = NULL, *handle = NULL;
+    PyObject *group = find_group(self, op, depth, count, depth_value);
     if (group != NULL) {
         nodes = SLOT(group, self->group_nodes);
         group_source = SLOT(group, self->group_source);
@@ -310,7 +315,7 @@ record(Recorder *self, PyObject *op, PyObject *const *items, Py_ssize_t count)
     }
 done:
     Py_DECREF(key);
-    Py_XDECREF(depth_value);
+    Py_DECREF(depth_value);
     Py_XDECREF(group);
     Py_XDECREF(nodes);
     Py_XDECREF(group_source);

@@ -32,7 +32,9 @@ env-xla: $(XLA_STAMP)
 $(XLA_STAMP): setup.py pyproject.toml torchfold/engine/_record.c
 	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 mlxtend
+	# (--no-cache-dir: these wheels, CUDA libraries included, come from the index, several GB that
+	# pip would otherwise also keep in its cache)
+	$(XLA_VENV)/bin/python -m pip install --quiet --no-cache-dir torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 mlxtend
 	$(XLA_VENV)/bin/python -m pip install --quiet -e '.[dev,xla]'
 	touch $@
 

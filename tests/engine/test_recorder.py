@@ -10,8 +10,10 @@ mixed with nodes) the compiled plan must read exactly that.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ import torchfold.engine.planner
 from tests.engine.test_fold_properties import instruction, requested, run_program
 from torchfold import Fold, FoldError
 from torchfold.engine.ir import Arg, Gather
+from torchfold.engine.node import Node
 from torchfold.engine.plan import FoldPlan
 
 Item = tuple[Any, ...]  # ("node", group number, output, call), ("int", v), ("float", v), ("tensor", id)
@@ -212,6 +215,17 @@ class PythonFold(Fold):
     add = getattr(Fold.add, "__wrapped__", Fold.add)  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def python_split() -> Iterator[None]:
+    """``Node.split`` is the Python split alone while inside (nodes of every fold share it)."""
+    fast = Node.split
+    Node.split = getattr(fast, "__wrapped__", fast)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Node.split = fast  # type: ignore[method-assign]
+
+
 def _recorded(fold: Fold) -> tuple[Any, ...]:
     """Everything a fold recorded: its tape and its groups, with each group's calls in order."""
     tape = fold._tape
@@ -242,6 +256,9 @@ def test_fold_add_is_built_in_c() -> None:
         "torchfold.engine._record is not built: run `pip install -e .` (or `make env`) with a C compiler"
     )
     assert type(Fold.add).__name__ == "FastAdd" and PythonFold.add is not Fold.add
+    assert type(Node.split).__name__ == "FastSplit"
+    with python_split():
+        assert type(Node.split).__name__ == "function"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -255,7 +272,8 @@ def test_the_c_add_records_what_the_python_add_records(
     inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
     fast, python = Fold(), PythonFold()
     fast_values = run_program(fast, program, inputs)
-    python_values = run_program(python, program, inputs)
+    with python_split():
+        python_values = run_program(python, program, inputs)
     assert [repr(v) for v in fast_values] == [repr(v) for v in python_values]
     assert _recorded(fast) == _recorded(python)
     fast_plan, python_plan = (
@@ -269,10 +287,15 @@ def test_the_c_add_records_what_the_python_add_records(
 def test_the_c_add_records_lstm_cells_and_leaves_what_the_python_add_records() -> None:
     """Four nodes per call (a binary LSTM cell over split children), leaves by int, dedup."""
     fast, python = Fold(), PythonFold()
-    assert [repr(r) for r in _record_forest(fast, 20)] == [repr(r) for r in _record_forest(python, 20)]
+
+    def in_python(trees: int) -> list[str]:
+        with python_split():
+            return [repr(r) for r in _record_forest(python, trees)]
+
+    assert [repr(r) for r in _record_forest(fast, 20)] == in_python(20)
     assert _recorded(fast) == _recorded(python)
     # every call again: identical calls are found, nothing new is recorded
-    assert [repr(r) for r in _record_forest(fast, 20)] == [repr(r) for r in _record_forest(python, 20)]
+    assert [repr(r) for r in _record_forest(fast, 20)] == in_python(20)
     assert _recorded(fast) == _recorded(python) and len(fast) == 20 * 31
 
 
@@ -407,3 +430,95 @@ def test_fold_add_pickles_and_copies_as_the_function_it_wraps() -> None:
 
     assert pickle.loads(pickle.dumps(Fold.add)) is Fold.add
     assert copy.deepcopy(Fold.add) is Fold.add
+
+
+def test_node_split_pickles_and_copies_as_the_function_it_wraps() -> None:
+    import copy
+    import inspect
+    import pickle
+
+    assert pickle.loads(pickle.dumps(Node.split)) is Node.split
+    assert copy.deepcopy(Node.split) is Node.split
+    assert str(inspect.signature(Node.split)) == "(self, num: 'int') -> 'tuple[Node, ...]'"
+    assert Node.split.__doc__ and Node.split.__doc__.startswith("One handle per output")
+    assert repr(Node.split).startswith("<Node.split in C, wrapping <function Node.split")
+
+
+# -- Node.split in C against the Python split it wraps -----------------------------------------
+
+
+def _splits(fold: Fold) -> list[Any]:
+    """Splits of every kind, recorded on ``fold``; what each returned, or the error it raised."""
+    results: list[Any] = []
+
+    def attempt(call: Any) -> None:
+        try:
+            results.append(repr(call()))
+        except (FoldError, TypeError, ValueError) as error:
+            results.append(f"{type(error).__name__}: {error}")
+
+    leaves = [fold.add("leaf", i) for i in range(4)]
+    attempt(lambda: leaves[0].split(2))  # the group's first split: the Python split
+    attempt(lambda: leaves[1].split(2))  # its outputs known: the C split
+    attempt(lambda: leaves[1].split(2))  # split before: the same handles
+    attempt(lambda: leaves[2].nobatch().split(2))  # a nobatch handle's outputs are nobatch
+    attempt(lambda: leaves[2].split(2))
+    attempt(lambda: leaves[3].split(3))  # another number of outputs than the group's
+    attempt(lambda: leaves[3].split(0))
+    attempt(lambda: leaves[3].split(True))  # type: ignore[arg-type]  # a bool is not a count
+    attempt(lambda: leaves[3].split(2.0))  # type: ignore[arg-type]
+    attempt(lambda: leaves[1].split(2)[0].split(2))  # an output of a split
+    attempt(lambda: leaves[3].split(num=2))  # a keyword: the Python split
+    wide = [fold.add("wide", leaf) for leaf in leaves]  # more outputs than the C split makes
+    attempt(lambda: [node.split(12) for node in wide])
+    pair = fold.add("pair", leaves[0], leaves[1])
+    attempt(lambda: pair.split(2))
+    attempt(lambda: fold.add("pair", leaves[2], leaves[3]).split(2))
+    attempt(lambda: pair.split(2))
+    return results
+
+
+def test_the_c_split_splits_as_the_python_split_does() -> None:
+    fast, python = Fold(), PythonFold()
+    fast_results = _splits(fast)
+    with python_split():
+        python_results = _splits(python)
+    assert fast_results == python_results
+    assert _recorded(fast) == _recorded(python)
+    assert (
+        fast_results[1]
+        == "(Node('leaf', depth=0, index=1, output=0), Node('leaf', depth=0, index=1, output=1))"
+    )
+    assert fast_results[1] == fast_results[2]
+    assert "nobatch" in fast_results[3]
+    assert fast_results[5].startswith(
+        "FoldError: op 'leaf' at depth 0 was split into 2 outputs before, now into 3"
+    )
+    assert fast_results[7].startswith("TypeError: split(num)")
+
+
+def test_what_the_c_split_reads_by_slot_is_checked_to_be_what_it_expects() -> None:
+    from torchfold.engine._record import FastSplit
+    from torchfold.engine.node import Group, Tape
+
+    fold = Fold()
+    leaves = [fold.add("leaf", i) for i in range(3)]
+    leaves[0].split(2)
+    leaves[1]._tape = object()  # type: ignore[assignment]  # not a Tape: the Python split, which fails
+    with pytest.raises(AttributeError, match="'object' object has no attribute 'source'"):
+        leaves[1].split(2)
+    leaves[2]._handle = 10**30  # not a row of the tape: the Python split, which says so
+    with pytest.raises(IndexError):
+        leaves[2].split(2)
+    fold._tape.outputs_of = {}  # type: ignore[misc]  # the tape's own dict replaced: still read by slot
+    assert [n._handle for n in fold.add("leaf", 7).split(2)] == [
+        len(fold._tape.source) - 2,
+        len(fold._tape.source) - 1,
+    ]
+
+    class Borrowing:  # Tape's slot descriptors on a type without those slots
+        __slots__ = ()
+        depth = Tape.depth
+
+    with pytest.raises(TypeError, match=r"Borrowing\.depth is not a writable object slot"):
+        FastSplit(Node.split.__wrapped__, Node, Borrowing, Group)  # type: ignore[attr-defined]

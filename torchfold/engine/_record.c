@@ -9,8 +9,11 @@
  *   the fold (binary trees, a binary LSTM cell, chains), or of one int (a leaf), into a group
  *   that already exists, is recorded here; any other call goes to the Python ``Fold.add``,
  *   which makes every new group and every error message.
- * Nodes and groups are the Python classes; their slots are read and written at the offsets
- * their member descriptors give.
+ * - FastSplit: what ``Node.split`` is when this module is built, the same kind of wrapper around
+ *   the Python ``Node.split``. Splitting a node of a group whose outputs are known already (every
+ *   split but a group's first) is done here; anything else goes to the Python ``split``.
+ * Nodes, tapes and groups are the Python classes; their slots are read and written at the
+ * offsets their member descriptors give.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -340,11 +343,19 @@ static PyTypeObject RecorderType = {
 
 /* ----------------------------------------------------------------------------------------- */
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *function; /* the Python Fold.add */
-    PyObject *recorder_name; /* "_recorder" */
+/* What FastAdd and FastSplit share: the Python function they wrap and their vectorcall. */
+#define WRAPPER_HEAD   \
+    PyObject_HEAD      \
+    PyObject *function; \
     vectorcallfunc vectorcall;
+
+typedef struct {
+    WRAPPER_HEAD
+} Wrapper;
+
+typedef struct {
+    WRAPPER_HEAD       /* function: the Python Fold.add */
+    PyObject *recorder_name; /* "_recorder" */
 } FastAdd;
 
 /* FastAdd(fold, op, *args): the fold's recorder records it, or the Python add does. */
@@ -371,15 +382,26 @@ FastAdd_vectorcall(FastAdd *self, PyObject *const *args, size_t nargsf, PyObject
     return PyObject_Vectorcall(self->function, args, nargsf, kwnames);
 }
 
+/* The function a wrapper wraps, checked callable (borrowed from `args`), or NULL with an error. */
 static PyObject *
-FastAdd_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+wrapped_function(const char *name, PyObject *args)
 {
     PyObject *function;
-    if (!PyArg_ParseTuple(args, "O:FastAdd", &function)) {
+    if (!PyArg_ParseTuple(args, "O", &function)) {
         return NULL;
     }
     if (!PyCallable_Check(function)) {
-        PyErr_SetString(PyExc_TypeError, "FastAdd(function): function must be callable");
+        PyErr_Format(PyExc_TypeError, "%s(function): function must be callable", name);
+        return NULL;
+    }
+    return function;
+}
+
+static PyObject *
+FastAdd_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *function = wrapped_function("FastAdd", args);
+    if (function == NULL) {
         return NULL;
     }
     FastAdd *self = (FastAdd *)type->tp_alloc(type, 0);
@@ -397,14 +419,14 @@ FastAdd_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 static int
-FastAdd_traverse(FastAdd *self, visitproc visit, void *arg)
+Wrapper_traverse(Wrapper *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->function);
     return 0;
 }
 
 static int
-FastAdd_clear(FastAdd *self)
+Wrapper_clear(Wrapper *self)
 {
     Py_CLEAR(self->function);
     return 0;
@@ -414,14 +436,14 @@ static void
 FastAdd_dealloc(FastAdd *self)
 {
     PyObject_GC_UnTrack(self);
-    FastAdd_clear(self);
+    Wrapper_clear((Wrapper *)self);
     Py_CLEAR(self->recorder_name);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* As a function: a bound method on an instance, itself on the class. */
 static PyObject *
-FastAdd_get(PyObject *self, PyObject *obj, PyObject *type)
+Wrapper_get(PyObject *self, PyObject *obj, PyObject *type)
 {
     if (obj == NULL || obj == Py_None) {
         return Py_NewRef(self);
@@ -432,7 +454,7 @@ FastAdd_get(PyObject *self, PyObject *obj, PyObject *type)
 /* Its name, documentation and any attribute it lacks are the wrapped function's, which is its
  * __wrapped__ (what inspect.signature and help() read). */
 static PyObject *
-FastAdd_getattro(FastAdd *self, PyObject *name)
+Wrapper_getattro(Wrapper *self, PyObject *name)
 {
     if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) {
         return Py_NewRef(self->function);
@@ -453,51 +475,314 @@ FastAdd_getattro(FastAdd *self, PyObject *name)
 
 /* Pickled (and copied) as the function it wraps is: by its qualified name. */
 static PyObject *
-FastAdd_reduce(FastAdd *self, PyObject *Py_UNUSED(ignored))
+Wrapper_reduce(Wrapper *self, PyObject *Py_UNUSED(ignored))
 {
     return PyObject_GetAttrString(self->function, "__qualname__");
 }
 
-static PyMethodDef FastAdd_methods[] = {
-    {"__reduce__", (PyCFunction)FastAdd_reduce, METH_NOARGS, "Pickled by its qualified name, as a function is."},
+static PyMethodDef Wrapper_methods[] = {
+    {"__reduce__", (PyCFunction)Wrapper_reduce, METH_NOARGS, "Pickled by its qualified name, as a function is."},
     {NULL, NULL, 0, NULL},
 };
 
+/* <Fold.add in C, wrapping <function Fold.add at ...>> */
 static PyObject *
-FastAdd_repr(FastAdd *self)
+Wrapper_repr(Wrapper *self)
 {
-    return PyUnicode_FromFormat("<Fold.add in C, wrapping %R>", self->function);
+    PyObject *name = PyObject_GetAttrString(self->function, "__qualname__");
+    if (name == NULL) {
+        return NULL;
+    }
+    PyObject *repr = PyUnicode_FromFormat("<%S in C, wrapping %R>", name, self->function);
+    Py_DECREF(name);
+    return repr;
 }
+
+#define WRAPPER_FLAGS \
+    (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR)
 
 static PyTypeObject FastAddType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "torchfold.engine._record.FastAdd",
     .tp_doc = "FastAdd(function): Fold.add, in C for its common calls and `function` for the others.",
     .tp_basicsize = sizeof(FastAdd),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_flags = WRAPPER_FLAGS,
     .tp_vectorcall_offset = offsetof(FastAdd, vectorcall),
     .tp_call = PyVectorcall_Call,
     .tp_new = FastAdd_new,
     .tp_dealloc = (destructor)FastAdd_dealloc,
-    .tp_traverse = (traverseproc)FastAdd_traverse,
-    .tp_clear = (inquiry)FastAdd_clear,
-    .tp_descr_get = FastAdd_get,
-    .tp_getattro = (getattrofunc)FastAdd_getattro,
-    .tp_repr = (reprfunc)FastAdd_repr,
-    .tp_methods = FastAdd_methods,
+    .tp_traverse = (traverseproc)Wrapper_traverse,
+    .tp_clear = (inquiry)Wrapper_clear,
+    .tp_descr_get = Wrapper_get,
+    .tp_getattro = (getattrofunc)Wrapper_getattro,
+    .tp_repr = (reprfunc)Wrapper_repr,
+    .tp_methods = Wrapper_methods,
+};
+
+/* ----------------------------------------------------------------------------------------- */
+
+/* The most outputs FastSplit splits into itself; more go to the Python split. */
+#define MAX_OUTPUTS 8
+
+typedef struct {
+    WRAPPER_HEAD /* function: the Python Node.split */
+    PyTypeObject *node_type, *tape_type, *group_type;
+    Py_ssize_t node_tape, node_handle;                                     /* Node's slots */
+    Py_ssize_t tape_depth, tape_source, tape_index;                        /* Tape's lists of int */
+    Py_ssize_t tape_outputs_of, tape_source_group, tape_source_output;     /* and the rest it reads */
+    Py_ssize_t group_num_outputs, group_output_sources;                    /* Group's */
+} FastSplit;
+
+/* `SLOT(object, offset)` if it is an object of exactly `type` (borrowed), else NULL. */
+static PyObject *
+slot_of_type(PyObject *object, Py_ssize_t offset, PyTypeObject *type)
+{
+    PyObject *value = SLOT(object, offset);
+    return value != NULL && Py_IS_TYPE(value, type) ? value : NULL;
+}
+
+/* `value` as a C integer >= 0, or -1 (no error set) when it is not one. */
+static Py_ssize_t
+as_row(PyObject *value)
+{
+    Py_ssize_t row = PyLong_CheckExact(value) ? PyLong_AsSsize_t(value) : -1;
+    if (row < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return row;
+}
+
+/* node.split(num): a tuple of `num` new nodes, NULL with an error, or NOT_HANDLED. The same
+ * handles and the same appends to the tape as the Python split, for a group whose number of
+ * outputs is `num` already; its first split, a wrong `num` and every error are the Python one's. */
+static PyObject *
+split(FastSplit *self, PyObject *node, PyObject *num_value)
+{
+    if (!Py_IS_TYPE(node, self->node_type) || !PyLong_CheckExact(num_value)) {
+        return NOT_HANDLED;
+    }
+    Py_ssize_t num = as_row(num_value);
+    PyObject *tape = slot_of_type(node, self->node_tape, self->tape_type);
+    PyObject *handle = slot_of_type(node, self->node_handle, &PyLong_Type);
+    if (num < 1 || num > MAX_OUTPUTS || tape == NULL || handle == NULL) {
+        return NOT_HANDLED;
+    }
+    PyObject *depths = slot_of_type(tape, self->tape_depth, &PyList_Type);
+    PyObject *sources = slot_of_type(tape, self->tape_source, &PyList_Type);
+    PyObject *indexes = slot_of_type(tape, self->tape_index, &PyList_Type);
+    PyObject *outputs_of = slot_of_type(tape, self->tape_outputs_of, &PyDict_Type);
+    PyObject *source_group = slot_of_type(tape, self->tape_source_group, &PyList_Type);
+    PyObject *source_output = slot_of_type(tape, self->tape_source_output, &PyList_Type);
+    if (depths == NULL || sources == NULL || indexes == NULL || outputs_of == NULL || source_group == NULL ||
+        source_output == NULL) {
+        return NOT_HANDLED;
+    }
+    Py_ssize_t row = as_row(handle);
+    if (row < 0 || row >= PyList_GET_SIZE(sources) || row >= PyList_GET_SIZE(depths) ||
+        row >= PyList_GET_SIZE(indexes)) {
+        return NOT_HANDLED;
+    }
+    PyObject *source_value = PyList_GET_ITEM(sources, row);
+    Py_ssize_t source = PyLong_CheckExact(source_value) ? PyLong_AsSsize_t(source_value) : -1;
+    if (source == -1 && (!PyLong_CheckExact(source_value) || PyErr_Occurred())) {
+        PyErr_Clear();
+        return NOT_HANDLED;
+    }
+    int batch = source >= 0;
+    Py_ssize_t owner = batch ? source : ~source;
+    if (owner >= PyList_GET_SIZE(source_group) || owner >= PyList_GET_SIZE(source_output)) {
+        return NOT_HANDLED;
+    }
+    PyObject *group = PyList_GET_ITEM(source_group, owner);
+    if (!Py_IS_TYPE(group, self->group_type)) {
+        return NOT_HANDLED;
+    }
+    PyObject *num_outputs = slot_of_type(group, self->group_num_outputs, &PyLong_Type);
+    if (num_outputs == NULL || as_row(num_outputs) != num) {
+        return NOT_HANDLED; /* the group's first split, or a wrong num: the Python split */
+    }
+    /* (a dict of int keys: the look-up runs no Python code) */
+    PyObject *first_value = PyDict_GetItemWithError(outputs_of, handle);
+    Py_ssize_t first;
+    if (first_value != NULL) { /* split before: the same handles again */
+        first = as_row(first_value);
+        if (first < 0) {
+            return NOT_HANDLED;
+        }
+    }
+    else if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return NOT_HANDLED;
+    }
+    else {
+        if (PyList_GET_ITEM(source_output, owner) != Py_None) {
+            return NOT_HANDLED; /* an output of a split itself: the Python split's error */
+        }
+        PyObject *output_sources = SLOT(group, self->group_output_sources);
+        if (output_sources == NULL || !PyRange_Check(output_sources) || PyObject_Length(output_sources) != num) {
+            PyErr_Clear();
+            return NOT_HANDLED;
+        }
+        /* Everything that can fail first; then the same appends as the Python split. */
+        PyObject *outputs[MAX_OUTPUTS] = {NULL};
+        PyObject *depth = Py_NewRef(PyList_GET_ITEM(depths, row));
+        PyObject *index = Py_NewRef(PyList_GET_ITEM(indexes, row));
+        first = PyList_GET_SIZE(sources);
+        PyObject *first_new = PyLong_FromSsize_t(first);
+        int failed = first_new == NULL;
+        for (Py_ssize_t k = 0; k < num && !failed; k++) {
+            PyObject *output = PySequence_GetItem(output_sources, k);
+            outputs[k] = output == NULL || batch ? output : PyNumber_Invert(output);
+            if (!batch) {
+                Py_XDECREF(output);
+            }
+            failed = outputs[k] == NULL;
+        }
+        if (!failed) {
+            failed = PyDict_SetItem(outputs_of, handle, first_new) < 0;
+        }
+        for (Py_ssize_t k = 0; k < num && !failed; k++) {
+            failed = PyList_Append(depths, depth) < 0 || PyList_Append(indexes, index) < 0 ||
+                     PyList_Append(sources, outputs[k]) < 0;
+        }
+        for (Py_ssize_t k = 0; k < num; k++) {
+            Py_XDECREF(outputs[k]);
+        }
+        Py_DECREF(depth);
+        Py_DECREF(index);
+        Py_XDECREF(first_new);
+        if (failed) {
+            return NULL;
+        }
+    }
+    /* The nodes last: making them may run the garbage collector, and with it Python code. */
+    tape = Py_NewRef(tape);
+    PyObject *result = PyTuple_New(num);
+    for (Py_ssize_t k = 0; k < num && result != NULL; k++) {
+        PyObject *output = self->node_type->tp_alloc(self->node_type, 0);
+        PyObject *output_handle = output ? PyLong_FromSsize_t(first + k) : NULL;
+        if (output_handle == NULL) {
+            Py_XDECREF(output);
+            Py_CLEAR(result);
+            break;
+        }
+        SLOT(output, self->node_tape) = Py_NewRef(tape);
+        SLOT(output, self->node_handle) = output_handle;
+        PyTuple_SET_ITEM(result, k, output);
+    }
+    Py_DECREF(tape);
+    return result;
+}
+
+/* FastSplit(node, num): split here, or by the Python split. */
+static PyObject *
+FastSplit_vectorcall(FastSplit *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) == 2 && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
+        PyObject *nodes = split(self, args[0], args[1]);
+        if (nodes != NOT_HANDLED) {
+            return nodes;
+        }
+    }
+    return PyObject_Vectorcall(self->function, args, nargsf, kwnames);
+}
+
+static PyObject *
+FastSplit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *keywords[] = {"function", "node_type", "tape_type", "group_type", NULL};
+    PyObject *function;
+    PyTypeObject *node_type, *tape_type, *group_type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!:FastSplit", keywords, &function, &PyType_Type, &node_type,
+                                     &PyType_Type, &tape_type, &PyType_Type, &group_type)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(function)) {
+        PyErr_SetString(PyExc_TypeError, "FastSplit(function, ...): function must be callable");
+        return NULL;
+    }
+    FastSplit *self = (FastSplit *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->function = Py_NewRef(function);
+    self->vectorcall = (vectorcallfunc)FastSplit_vectorcall;
+    self->node_type = (PyTypeObject *)Py_NewRef((PyObject *)node_type);
+    self->tape_type = (PyTypeObject *)Py_NewRef((PyObject *)tape_type);
+    self->group_type = (PyTypeObject *)Py_NewRef((PyObject *)group_type);
+    if ((self->node_tape = slot_offset(node_type, "_tape")) < 0 ||
+        (self->node_handle = slot_offset(node_type, "_handle")) < 0 ||
+        (self->tape_depth = slot_offset(tape_type, "depth")) < 0 ||
+        (self->tape_source = slot_offset(tape_type, "source")) < 0 ||
+        (self->tape_index = slot_offset(tape_type, "index")) < 0 ||
+        (self->tape_outputs_of = slot_offset(tape_type, "outputs_of")) < 0 ||
+        (self->tape_source_group = slot_offset(tape_type, "source_group")) < 0 ||
+        (self->tape_source_output = slot_offset(tape_type, "source_output")) < 0 ||
+        (self->group_num_outputs = slot_offset(group_type, "num_outputs")) < 0 ||
+        (self->group_output_sources = slot_offset(group_type, "output_sources")) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+FastSplit_traverse(FastSplit *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->node_type);
+    Py_VISIT(self->tape_type);
+    Py_VISIT(self->group_type);
+    return Wrapper_traverse((Wrapper *)self, visit, arg);
+}
+
+static int
+FastSplit_clear(FastSplit *self)
+{
+    Py_CLEAR(self->node_type);
+    Py_CLEAR(self->tape_type);
+    Py_CLEAR(self->group_type);
+    return Wrapper_clear((Wrapper *)self);
+}
+
+static void
+FastSplit_dealloc(FastSplit *self)
+{
+    PyObject_GC_UnTrack(self);
+    FastSplit_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject FastSplitType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchfold.engine._record.FastSplit",
+    .tp_doc = "FastSplit(function, node_type, tape_type, group_type): Node.split, in C for a group whose "
+              "outputs are known and `function` for the rest.",
+    .tp_basicsize = sizeof(FastSplit),
+    .tp_flags = WRAPPER_FLAGS,
+    .tp_vectorcall_offset = offsetof(FastSplit, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = FastSplit_new,
+    .tp_dealloc = (destructor)FastSplit_dealloc,
+    .tp_traverse = (traverseproc)FastSplit_traverse,
+    .tp_clear = (inquiry)FastSplit_clear,
+    .tp_descr_get = Wrapper_get,
+    .tp_getattro = (getattrofunc)Wrapper_getattro,
+    .tp_repr = (reprfunc)Wrapper_repr,
+    .tp_methods = Wrapper_methods,
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "torchfold.engine._record",
-    .m_doc = "Fold.add's common calls in C (optional: without it torchfold records in Python).",
+    .m_doc = "Fold.add's and Node.split's common calls in C (optional: without it torchfold records in Python).",
     .m_size = -1,
 };
 
 PyMODINIT_FUNC
 PyInit__record(void)
 {
-    if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&FastAddType) < 0) {
+    if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&FastAddType) < 0 || PyType_Ready(&FastSplitType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
@@ -505,7 +790,8 @@ PyInit__record(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "Recorder", (PyObject *)&RecorderType) < 0 ||
-        PyModule_AddObjectRef(m, "FastAdd", (PyObject *)&FastAddType) < 0) {
+        PyModule_AddObjectRef(m, "FastAdd", (PyObject *)&FastAddType) < 0 ||
+        PyModule_AddObjectRef(m, "FastSplit", (PyObject *)&FastSplitType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

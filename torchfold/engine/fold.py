@@ -21,6 +21,7 @@ from torchfold.engine.node import (
     Node,
     Op,
     Tape,
+    _record,  # the C part of recording, or None (built without a C compiler)
     new_node,
     op_name,
     outside_int64,
@@ -40,15 +41,9 @@ __all__ = ["Fold"]
 _Tensor = torch.Tensor
 _LITERALS = (int, float)
 
-try:  # Fold.add's common calls in C (built from source at install; optional)
-    from torchfold.engine._record import FastAdd as _FastAdd
-    from torchfold.engine._record import Recorder as _Recorder
-except ImportError:  # built without a C compiler: the same recorder, in Python
-    _FastAdd = _Recorder = None  # type: ignore[assignment,misc]
-
-#: how ``Fold.add`` records: ``"C"`` (the extension built at install, with the Python ``add``
-#: for the calls it leaves) or ``"Python"`` (built without a C compiler)
-RECORDER = "Python" if _Recorder is None else "C"
+#: how ``Fold.add`` and ``Node.split`` record: ``"C"`` (the extension built at install, with the
+#: Python ``add`` and ``split`` for the calls it leaves) or ``"Python"`` (built without a C compiler)
+RECORDER = "Python" if _record is None else "C"
 
 
 def _tag(literal: int | float) -> tuple[str, int | float]:
@@ -129,7 +124,7 @@ class Fold:
 
     def _new_recorder(self) -> Any:
         """What the C ``add`` records into (``_record.c``): this fold's tape and groups; None without it."""
-        return None if _Recorder is None else _Recorder(self._tape, self._groups, Node, Group)
+        return None if _record is None else _record.Recorder(self._tape, self._groups, Node, Group)
 
     def __getstate__(self) -> dict[str, Any]:  # (copy and pickle: the C recorder is made anew)
         state = dict(self.__dict__)
@@ -393,8 +388,8 @@ class Fold:
         return draw_fold(self, path, **kwargs)
 
 
-if _FastAdd is not None:
+if _record is not None:
     # Fold.add in C for the calls dynamic models make per node (nodes or an int into a group
     # that exists), the Python add above for every other call: the same nodes, groups and errors.
     # It binds to a fold as a function does; a subclass's own add still overrides it.
-    Fold.add = _FastAdd(Fold.add)  # type: ignore[method-assign]
+    Fold.add = _record.FastAdd(Fold.add)  # type: ignore[method-assign]

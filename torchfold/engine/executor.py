@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
-from torchfold.engine.ir import INT32_LIMIT, Arg, Gather, GroupCall, PlanData, call_offsets
+from torchfold.engine.ir import Arg, Gather, GroupCall, PlanData, call_offsets, stored_index
 from torchfold.engine.node import Op
 from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
 from torchfold.engine.resolve import device_for, resolve_ops
@@ -351,8 +351,7 @@ def _combined_gathered(group: GroupCall, results: _Results, device: torch.device
         own = np.arange(gather.total_calls) if gather.index is None else gather.index.astype(np.int64)
         indices.append(own + base)
         base += gather.total_calls
-    index = np.concatenate(indices)
-    index = index.astype(np.int32) if base < INT32_LIMIT else index
+    index = stored_index(np.concatenate(indices), base)
     taken = torch.cat(pieces, 0).index_select(0, _rows_index(index, rows, device))
     return list(taken.split_with_sizes([size * rows for gather in group.gathers for size in gather.sizes]))
 

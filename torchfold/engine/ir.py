@@ -31,6 +31,7 @@ __all__ = [
     "check_portable_op",
     "check_request_number",
     "portable_tensors",
+    "stored_index",
 ]
 
 _Tensor = torch.Tensor
@@ -41,6 +42,12 @@ def call_offsets(counts: Sequence[int]) -> np.ndarray:
     """Where each piece starts in a concatenation of pieces of ``counts`` calls (and the total, last)."""
     # A few pieces per gather: summed in Python, 3x faster than np.cumsum on a list (its conversion dominates)
     return np.fromiter(itertools.accumulate(counts, initial=0), dtype=np.int64, count=len(counts) + 1)
+
+
+def stored_index(index: np.ndarray, total: int) -> np.ndarray:
+    """A gather's index (int64) as a plan keeps it: int32 when ``total`` calls fit, half the
+    bytes to ship from a DataLoader worker (``index_select`` takes both)."""
+    return index.astype(np.int32) if total < INT32_LIMIT else index
 
 
 class GroupCall:
@@ -143,10 +150,30 @@ class Gather:
         index = offsets[item_piece] + item_call if len(pieces) > 1 else item_call
         total = self.total_calls = int(offsets[-1])  # calls in the concatenation of all pieces
         in_order = len(index) == total and bool((index == np.arange(total)).all())
-        # int32 when it fits: half the bytes to ship from a DataLoader worker (index_select takes both)
-        self.index: np.ndarray | None = (
-            None if in_order else index.astype(np.int32) if total < INT32_LIMIT else index
+        self.index: np.ndarray | None = None if in_order else stored_index(index, total)
+
+    @classmethod
+    def of_index(
+        cls,
+        pieces: list[int | _Tensor],
+        piece_calls: list[int],
+        index: list[int],
+        positions: list[int],
+        sizes: list[int],
+    ) -> Gather:
+        """The gather whose items are ``index`` (calls in the concatenation of the pieces),
+        worked out in Python (a group of a few calls: see ``torchfold.engine.planner._SMALL``)."""
+        gather = cls.__new__(cls)
+        gather.pieces, gather.piece_calls, gather.positions, gather.sizes = (
+            pieces,
+            piece_calls,
+            positions,
+            sizes,
         )
+        total = gather.total_calls = sum(piece_calls)
+        in_order = len(index) == total and index == list(range(total))
+        gather.index = None if in_order else stored_index(np.array(index, dtype=np.int64), total)
+        return gather
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Each item's piece and call in it (for messages and compaction: not kept, recomputed)."""

@@ -12,6 +12,7 @@ and shipped (pickled) to the training process, which then only runs tensor ops
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -166,21 +167,17 @@ class _Planner:
         if len(calls) == 1:
             self.single_call(batched, calls[0], nodes)
             return batched
+        if len(calls) <= _SMALL and group.plain and nodes:  # a few calls: Python beats numpy's cost per call
+            self.few_node_calls(batched, calls)
+            self.set_combined(batched)
+            return batched
         columns: list[_Column] = []
         # NOTE: columns are taken one at a time, not with zip(*calls): that holds an iterator (an
         # object the garbage collector tracks) per call at once, and a large group's set them off.
-        small = len(calls) <= _SMALL  # a few calls: Python beats numpy's cost per call
-        table = (
-            np.array(calls, dtype=np.int64).reshape(len(calls), batched.arity)
-            if group.plain and not small
-            else None
-        )
+        table = np.array(calls, dtype=np.int64).reshape(len(calls), batched.arity) if group.plain else None
         for position in range(batched.arity):
             if table is not None:
                 self.int_column(batched, position, table[:, position], nodes, columns)
-                continue
-            if small and group.plain and nodes:
-                self.small_node_column(batched, position, [call[position] for call in calls], columns)
                 continue
             column = list(map(operator.itemgetter(position), calls))
             kinds = set(map(type, column))
@@ -221,36 +218,68 @@ class _Planner:
             else:
                 columns.append(self.mixed_column(position, column, batched.where(position)))
         batched.gathers = self.merge(batched, columns)
-        # Combined only where some gather concatenates anyway: gathers that each read one earlier
-        # result are cheaper as one index_select each than as a concatenation of all of them.
+        self.set_combined(batched)
+        return batched
+
+    @staticmethod
+    def set_combined(batched: GroupCall) -> None:
+        """Combined only where some gather concatenates anyway: gathers that each read one earlier
+        result are cheaper as one ``index_select`` each than as a concatenation of all of them."""
         batched.combined = (
             len(batched.gathers) > 1
             and any(len(gather.pieces) > 1 for gather in batched.gathers)
             and all(isinstance(piece, int) for gather in batched.gathers for piece in gather.pieces)
         )
-        return batched
 
-    def small_node_column(
-        self, batched: GroupCall, position: int, handles: list[int], columns: list[_Column]
-    ) -> None:
-        """``int_column`` of a few handles, in Python (see ``_SMALL``)."""
-        tape_source, tape_index = self.tape.source, self.tape.index
-        sources = [tape_source[handle] for handle in handles]
-        first, count = sources[0], len(sources)
-        if first < 0 or min(sources) < 0:
-            batched.fixed.append((position, self.shared(handles, batched.where(position))))
-            return
-        item_call = np.array([tape_index[handle] for handle in handles], dtype=np.int64)
-        if sources.count(first) == count:
-            keys = [first]
-            item_piece = np.zeros(count, dtype=np.int64)
-        else:
-            numbers = {source: number for number, source in enumerate(dict.fromkeys(sources))}
-            keys = list(numbers)
-            item_piece = np.fromiter(map(numbers.__getitem__, sources), dtype=np.int64, count=count)
-        source_calls = self.source_calls
-        pieces = _Pieces.of_sources(keys, [source_calls[s] for s in keys])
-        columns.append(_Column(position, pieces, item_piece, item_call))
+    def few_node_calls(self, batched: GroupCall, calls: list[tuple[int, ...]]) -> None:
+        """A group of a few calls (see ``_SMALL``) whose arguments are all node handles, in Python
+        lists, with one array per gather: what ``int_column`` per position and ``merge`` make."""
+        source_of, call_of, source_calls = (
+            self.tape.source.__getitem__,
+            self.tape.index.__getitem__,
+            self.source_calls,
+        )
+        count = len(calls)
+        in_order = list(range(count))
+        wholes: list[tuple[int, Arg]] = []
+        columns: list[tuple[int, list[int], list[int], list[int]]] = []  # position, sources, calls, keys
+        for position, handles in enumerate(zip(*calls, strict=True)):
+            sources = list(map(source_of, handles))
+            if min(sources) < 0:
+                batched.fixed.append((position, self.shared(handles, batched.where(position))))
+                continue
+            item_call = list(map(call_of, handles))
+            keys = list(dict.fromkeys(sources))  # its sources in first-use order
+            if len(keys) == 1 and source_calls[keys[0]] == count and item_call == in_order:
+                wholes.append((position, Arg("whole", keys[0])))  # an earlier result whole and in order
+            else:
+                columns.append((position, sources, item_call, keys))
+        batched.fixed.extend(wholes)
+        clusters: list[list[tuple[int, list[int], list[int], list[int]]]] = []  # (as merge)
+        for column in columns:
+            found = set(column[3])
+            home = next((c for c in clusters if any(not found.isdisjoint(other[3]) for other in c)), None)
+            if home is None:
+                clusters.append([column])
+            else:
+                home.append(column)
+        for cluster in clusters:
+            # the cluster's sources in first-use order, column after column (as gather)
+            pieces: list[int | _Tensor] = list(
+                dict.fromkeys(itertools.chain.from_iterable(c[3] for c in cluster))
+            )
+            piece_calls = [source_calls[piece] for piece in pieces]
+            item_calls = itertools.chain.from_iterable(column[2] for column in cluster)
+            if len(pieces) == 1:
+                index = list(item_calls)
+            else:
+                start = dict(zip(pieces, itertools.accumulate(piece_calls, initial=0), strict=False))
+                item_sources = itertools.chain.from_iterable(column[1] for column in cluster)
+                index = list(map(operator.add, map(start.__getitem__, item_sources), item_calls))
+            positions = [column[0] for column in cluster]
+            batched.gathers.append(
+                Gather.of_index(pieces, piece_calls, index, positions, [count] * len(cluster))
+            )
 
     def int_column(
         self, batched: GroupCall, position: int, values: np.ndarray, nodes: bool, columns: list[_Column]

@@ -47,8 +47,11 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
 def _graph() -> dict[str, set[str]]:
     paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
-    modules = set(paths)
+    # compiled modules (their stubs say they exist) import no torchfold module
+    compiled = {_module_name(path) for path in PACKAGE.rglob("*.pyi")} - set(paths)
+    modules = set(paths) | compiled
     graph = {name: _imports(path, modules) - {name} for name, path in paths.items()}
+    graph.update({name: set() for name in compiled})
     # A module's import also runs its package's __init__: count that edge too.
     for name, deps in graph.items():
         for dep in list(deps):

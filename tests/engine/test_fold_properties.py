@@ -156,18 +156,29 @@ def outputs_and_gradients(
     return outs, [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)]
 
 
+#: how the planner plans a group of nodes: in C (as built), in Python lists (a few calls, as
+#: without the C part), or as whole numpy arrays (large groups, without the C part)
+PLANNERS = ("C", "lists", "arrays")
+
+
 @contextmanager
-def compaction(always: bool, arrays: bool = False) -> Iterator[None]:
+def compaction(always: bool, planner: str = "C") -> Iterator[None]:
     """Force the engine to gather partly used sources on their own (the path big models take),
-    and with ``arrays`` to compile every group as large ones are (whole int arrays, not Python)."""
-    saved, small = torchfold.engine.executor.COMPACT_BYTES, torchfold.engine.planner._SMALL
+    and plan groups of nodes the way ``planner`` says (see ``PLANNERS``)."""
+    saved, small, native = (
+        torchfold.engine.executor.COMPACT_BYTES,
+        torchfold.engine.planner._SMALL,
+        torchfold.engine.planner.NATIVE,
+    )
     torchfold.engine.executor.COMPACT_BYTES = -1 if always else saved
-    torchfold.engine.planner._SMALL = 0 if arrays else small
+    torchfold.engine.planner._SMALL = 0 if planner == "arrays" else small
+    torchfold.engine.planner.NATIVE = native and planner == "C"
     try:
         yield
     finally:
         torchfold.engine.executor.COMPACT_BYTES = saved
         torchfold.engine.planner._SMALL = small
+        torchfold.engine.planner.NATIVE = native
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -176,12 +187,12 @@ def compaction(always: bool, arrays: bool = False) -> Iterator[None]:
     picks=st.lists(st.integers(0, 1000), max_size=12),
     compact=st.booleans(),
     via=st.sampled_from(VIA),
-    arrays=st.booleans(),
+    planner=st.sampled_from(PLANNERS),
 )
 def test_fold_equals_eager_on_random_graphs(
-    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str, arrays: bool
+    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str, planner: str
 ) -> None:
-    with compaction(compact, arrays):
+    with compaction(compact, planner):
         folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks, via)
     eager, eager_grads = outputs_and_gradients(EagerFold, program, picks)
     assert len(folded) == len(eager)
@@ -229,11 +240,11 @@ def forest_outputs_and_gradients(
 
 
 @settings(max_examples=60, deadline=None)
-@given(trees=forests(), compact=st.booleans(), via=st.sampled_from(VIA), arrays=st.booleans())
+@given(trees=forests(), compact=st.booleans(), via=st.sampled_from(VIA), planner=st.sampled_from(PLANNERS))
 def test_fold_equals_eager_on_random_tree_forests(
-    trees: list[Any], compact: bool, via: str, arrays: bool
+    trees: list[Any], compact: bool, via: str, planner: str
 ) -> None:
-    with compaction(compact, arrays):
+    with compaction(compact, planner):
         r1, s1, g1 = forest_outputs_and_gradients(lambda model: Fold(), trees, via)
     r2, s2, g2 = forest_outputs_and_gradients(EagerFold, trees)
     torch.testing.assert_close(r1, r2)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import torchfold.engine.fold
 import torchfold.engine.planner
-from tests.engine.test_fold_properties import instruction, requested, run_program
+from tests.engine.test_fold_properties import PLANNERS, compaction, instruction, requested, run_program
 from torchfold import Fold, FoldError
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.node import Node
@@ -140,26 +140,78 @@ def planned(plan: FoldPlan) -> tuple[list[tuple[Any, ...]], list[list[Item]]]:
 @given(
     program=st.lists(instruction, min_size=1, max_size=40),
     picks=st.lists(st.integers(0, 1000), max_size=12),
-    arrays=st.booleans(),
+    planner=st.sampled_from(PLANNERS),
 )
 def test_the_recorder_plans_what_a_plain_reference_recorder_records(
-    program: list[tuple[Any, ...]], picks: list[int], arrays: bool
+    program: list[tuple[Any, ...]], picks: list[int], planner: str
 ) -> None:
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
     fold, reference = Fold(), ReferenceFold()
-    small = torchfold.engine.planner._SMALL
-    torchfold.engine.planner._SMALL = (
-        0 if arrays else small
-    )  # every group through the numpy path, or as sized
-    try:
+    with compaction(False, planner):  # groups of nodes planned in C, in Python lists or as numpy arrays
         plan = fold.plan(requested(run_program(fold, program, inputs), picks))
-    finally:
-        torchfold.engine.planner._SMALL = small
     expected = reference.expected(requested(run_program(reference, program, inputs), picks))
     assert isinstance(plan, FoldPlan)
     assert planned(plan) == expected
     assert len(fold) == sum(len(calls) for calls in reference.groups.values())
+
+
+def _structure(plan: FoldPlan) -> list[Any]:
+    """A plan as built, not only what it reads: each group's fixed arguments and its gathers
+    (pieces, index, positions), and whether they run combined."""
+
+    def value(arg: Arg) -> Any:
+        if isinstance(arg.value, np.ndarray):
+            return (arg.value.dtype.str, arg.value.tolist())
+        if isinstance(arg.value, torch.Tensor):
+            return id(arg.value)
+        if isinstance(arg.value, list):
+            return [id(t) for t in arg.value]
+        return arg.value
+
+    return [
+        (
+            [(position, arg.kind, value(arg)) for position, arg in group.fixed],
+            [
+                (
+                    [p if isinstance(p, int) else id(p) for p in g.pieces],
+                    g.piece_calls,
+                    None if g.index is None else (g.index.dtype.str, g.index.tolist()),
+                    g.positions,
+                    g.sizes,
+                    g.total_calls,
+                )
+                for g in group.gathers
+            ],
+            group.combined,
+        )
+        for group in plan.groups
+    ]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    program=st.lists(instruction, min_size=1, max_size=40),
+    picks=st.lists(st.integers(0, 1000), max_size=12),
+    trees=st.integers(1, 12),
+)
+def test_the_c_planner_builds_the_plan_the_python_planner_builds(
+    program: list[tuple[Any, ...]], picks: list[int], trees: int
+) -> None:
+    """Not only the same reads (above): the same gathers, index arrays and combining, on random
+    programs and on forests of LSTM cells (groups of many calls, read out of order)."""
+    assert torchfold.engine.planner.NATIVE
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
+    fold = Fold()
+    requests = requested(run_program(fold, program, inputs), picks)
+    forest = Fold()
+    roots = _record_forest(forest, trees)
+    built = {}
+    for planner in PLANNERS:
+        with compaction(False, planner):
+            built[planner] = (_structure(fold.plan(requests)), _structure(forest.plan([roots])))
+    assert built["C"] == built["lists"] == built["arrays"]
 
 
 def test_the_reference_comparison_tells_children_apart() -> None:
@@ -522,3 +574,73 @@ def test_what_the_c_split_reads_by_slot_is_checked_to_be_what_it_expects() -> No
 
     with pytest.raises(TypeError, match=r"Borrowing\.depth is not a writable object slot"):
         FastSplit(Node.split.__wrapped__, Node, Borrowing, Group)  # type: ignore[attr-defined]
+
+
+def test_without_the_c_part_torchfold_records_and_plans_in_python() -> None:
+    """As installed where no C compiler was found: the extension missing, everything in Python."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["torchfold.engine._record"] = None  # the import fails, as when it was not built
+import torch, torchfold, torchfold.engine.fold, torchfold.engine.planner
+from torchfold.engine.node import Node
+assert torchfold.engine.fold.RECORDER == "Python" and not torchfold.engine.planner.NATIVE
+assert type(Node.split).__name__ == "function" and type(torchfold.Fold.add).__name__ == "function"
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 3)
+        self.mix = torch.nn.Linear(6, 6)
+    def leaf(self, word):
+        return self.embed(word).repeat(1, 2).split(3, dim=1)
+    def node(self, h1, c1, h2, c2):
+        return self.mix(torch.cat((h1 + c1, h2 * c2), 1)).split(3, dim=1)
+
+model, fold = Model(), torchfold.Fold()
+level = [fold.add("leaf", w).split(2) for w in (1, 2, 3, 4)]
+root = fold.add("node", *fold.add("node", *level[0], *level[1]).split(2), *fold.add("node", *level[2], *level[3]).split(2))
+(out,) = fold.apply(model, [[root.split(2)[0]]])
+def eager(w):
+    return model.leaf(torch.tensor([w]))
+def cell(a, b):
+    return model.node(*a, *b)
+expected = cell(cell(eager(1), eager(2)), cell(eager(3), eager(4)))[0]
+torch.testing.assert_close(out, expected)
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_c_planner_reads_a_group_and_leaves_its_scratch_as_given() -> None:
+    from torchfold.engine import _record
+    from torchfold.engine.planner import _Planner
+
+    fold = Fold()
+    leaves = [fold.add("leaf", i) for i in range(6)]
+    for i in range(3):
+        fold.add("pair", leaves[i], leaves[5 - i])
+    tape, group = fold._tape, fold._groups[(1, "pair", 2)]
+    blank = bytearray(b"\xff") * (_record.SCRATCH_BYTES_PER_SOURCE * tape.sources)
+    scratch = bytearray(blank)
+    found = _record.plain_group(group.nodes, 2, tape.source, tape.index, _Planner(fold).source_calls, scratch)
+    # both positions read the leaves (source 0, 6 calls): one gather, out of order
+    index = np.array([0, 1, 2, 5, 4, 3], dtype=np.int64).tobytes()
+    assert found == ([], [([0], [6], index, [0, 1])])
+    assert scratch == blank
+    shared = leaves[0].nobatch()
+    fold.add("pair", shared, leaves[1])  # a nobatch handle: left to the Python planner
+    planner = _Planner(fold)
+    blank = bytearray(b"\xff") * (_record.SCRATCH_BYTES_PER_SOURCE * tape.sources)
+    scratch = bytearray(blank)
+    assert _record.plain_group(group.nodes, 2, tape.source, tape.index, planner.source_calls, scratch) is None
+    assert scratch == blank
+    assert (
+        _record.plain_group(group.nodes, 2, tape.source, tape.index, planner.source_calls, bytearray(8))
+        is None
+    )

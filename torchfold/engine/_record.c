@@ -772,11 +772,259 @@ static PyTypeObject FastSplitType = {
     .tp_methods = Wrapper_methods,
 };
 
+/* ----------------------------------------------------------------------------------------- */
+
+/* A column's (argument position's) sources, first-use order, and whether it is a whole result. */
+typedef struct {
+    Py_ssize_t first_key, num_keys; /* its distinct sources: keys[first_key:first_key + num_keys] */
+    Py_ssize_t cluster;             /* the gather it joins; -1: a whole earlier result */
+} Column;
+
+/* `value` (an int) as a C integer, or -1 with no error set when it is not an int >= 0 or is
+ * `limit` or more. */
+static Py_ssize_t
+as_index(PyObject *value, Py_ssize_t limit)
+{
+    Py_ssize_t row = as_row(value);
+    return row < limit ? row : -1;
+}
+
+/* plain_group(nodes, arity, tape_source, tape_index, source_calls, scratch): a group's gathers,
+ * for a group whose every argument is a batched node's handle (see torchfold.engine.planner).
+ *
+ * Returns (wholes, gathers): wholes a list of (position, source) for positions that take an
+ * earlier result whole and in order, gathers a list of (pieces, piece_calls, index, positions),
+ * index being bytes of int64 (each item's call in the concatenation of the pieces, position
+ * after position) or None when that is the items' order. Positions that read a common source
+ * share a gather: a position joins the first gather, in order, that reads any of its sources.
+ * None when a handle is a nobatch one, or anything is not as expected: the Python planner then
+ * plans the group (and words any error).
+ *
+ * `scratch` (a bytearray of SCRATCH_PER_SOURCE * sizeof(Py_ssize_t) bytes per source, every
+ * byte 0xff) holds marks per source: it is left as it was given (the sources marked are reset),
+ * so that a call costs time in its items, not in the fold's sources. */
+#define SCRATCH_PER_SOURCE 3
+
+static PyObject *
+plain_group(PyObject *module, PyObject *args)
+{
+    PyObject *nodes, *tape_source, *tape_index, *source_calls;
+    Py_ssize_t arity;
+    Py_buffer scratch;
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!w*:plain_group", &PyDict_Type, &nodes, &arity, &PyList_Type, &tape_source,
+                          &PyList_Type, &tape_index, &PyList_Type, &source_calls, &scratch)) {
+        return NULL;
+    }
+    Py_ssize_t count = PyDict_GET_SIZE(nodes), num_sources = PyList_GET_SIZE(source_calls);
+    Py_ssize_t handles = PyList_GET_SIZE(tape_source);
+    if (count < 1 || arity < 1 || arity > 64 || PyList_GET_SIZE(tape_index) != handles ||
+        scratch.len < (Py_ssize_t)sizeof(Py_ssize_t) * SCRATCH_PER_SOURCE * num_sources) {
+        PyBuffer_Release(&scratch);
+        Py_RETURN_NONE;
+    }
+    /* per source (all -1 between calls): the column or piece that marked it, the first cluster
+     * reading it, its calls */
+    Py_ssize_t *mark = scratch.buf, *owner = mark + num_sources, *calls_of = owner + num_sources;
+    PyObject *result = NULL, *wholes = NULL, *gathers = NULL;
+    Py_ssize_t items = count * arity, touched = 0;
+    /* per item, column after column: its source and its call; the sources marked; ... */
+    Py_ssize_t *source = PyMem_Malloc(sizeof(Py_ssize_t) * items);
+    Py_ssize_t *call = PyMem_Malloc(sizeof(Py_ssize_t) * items);
+    Py_ssize_t *marked = PyMem_Malloc(sizeof(Py_ssize_t) * items);
+    Py_ssize_t *keys = PyMem_Malloc(sizeof(Py_ssize_t) * items);         /* each column's distinct sources */
+    Py_ssize_t *piece_source = PyMem_Malloc(sizeof(Py_ssize_t) * items); /* a gather's pieces */
+    Py_ssize_t *piece_start = PyMem_Malloc(sizeof(Py_ssize_t) * items);  /* and where each starts */
+    Column *columns = PyMem_Malloc(sizeof(Column) * arity);
+    int64_t *index = PyMem_Malloc(sizeof(int64_t) * items);
+    if (!source || !call || !marked || !keys || !piece_source || !piece_start || !columns || !index) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* the handles' sources and calls (the tape's lists hold ints: no Python code runs here, and
+     * nothing is read from the lists after the first object is made below, which may run the
+     * garbage collector and with it Python code) */
+    PyObject *key;
+    Py_ssize_t position = 0, item = 0;
+    while (PyDict_Next(nodes, &position, &key, NULL)) {
+        if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) != arity || item >= count) {
+            goto not_plain;
+        }
+        for (Py_ssize_t p = 0; p < arity; p++) {
+            Py_ssize_t row = as_index(PyTuple_GET_ITEM(key, p), handles);
+            Py_ssize_t s = row < 0 ? -1 : as_index(PyList_GET_ITEM(tape_source, row), num_sources);
+            Py_ssize_t c = s < 0 ? -1 : as_row(PyList_GET_ITEM(tape_index, row));
+            if (c < 0) {
+                goto not_plain; /* a nobatch handle (source < 0) */
+            }
+            if (calls_of[s] < 0) {
+                marked[touched++] = s;
+                calls_of[s] = as_row(PyList_GET_ITEM(source_calls, s));
+            }
+            if (calls_of[s] <= c) {
+                goto not_plain; /* not a call of its source */
+            }
+            source[p * count + item] = s;
+            call[p * count + item] = c;
+        }
+        item++;
+    }
+    if (item != count) {
+        goto not_plain;
+    }
+    /* each column's distinct sources in first-use order; whole results; clusters */
+    Py_ssize_t num_keys = 0, clusters = 0;
+    for (Py_ssize_t p = 0; p < arity; p++) {
+        Column *column = &columns[p];
+        column->first_key = num_keys;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t s = source[p * count + i];
+            if (mark[s] != p) {
+                mark[s] = p;
+                keys[num_keys++] = s;
+            }
+        }
+        column->num_keys = num_keys - column->first_key;
+        int whole = column->num_keys == 1 && calls_of[keys[column->first_key]] == count;
+        for (Py_ssize_t i = 0; whole && i < count; i++) {
+            whole = call[p * count + i] == i;
+        }
+        if (whole) {
+            column->cluster = -1;
+            continue;
+        }
+        Py_ssize_t home = clusters; /* the first cluster that reads any of its sources, or a new one */
+        for (Py_ssize_t k = column->first_key; k < num_keys; k++) {
+            Py_ssize_t found = owner[keys[k]];
+            if (found >= 0 && found < home) {
+                home = found;
+            }
+        }
+        if (home == clusters) {
+            clusters++;
+        }
+        column->cluster = home;
+        for (Py_ssize_t k = column->first_key; k < num_keys; k++) {
+            if (owner[keys[k]] < 0 || owner[keys[k]] > home) {
+                owner[keys[k]] = home;
+            }
+        }
+    }
+    for (Py_ssize_t t = 0; t < touched; t++) {
+        mark[marked[t]] = -1; /* from here: a source's piece number in the gather being made */
+    }
+    /* each gather's index, in C; then the Python objects */
+    Py_ssize_t gather_pieces[64], gather_end[64];
+    int gather_in_order[64];
+    Py_ssize_t size = 0, pieces_before = 0;
+    for (Py_ssize_t cluster = 0; cluster < clusters; cluster++) {
+        /* its pieces: its columns' sources in first-use order, column after column */
+        Py_ssize_t pieces = 0, total = 0, start = size;
+        for (Py_ssize_t p = 0; p < arity; p++) {
+            Column *column = &columns[p];
+            for (Py_ssize_t k = column->first_key; column->cluster == cluster && k < column->first_key + column->num_keys;
+                 k++) {
+                Py_ssize_t s = keys[k];
+                if (mark[s] < 0) {
+                    mark[s] = pieces;
+                    piece_source[pieces_before + pieces] = s;
+                    piece_start[pieces_before + pieces] = total;
+                    total += calls_of[s];
+                    pieces++;
+                }
+            }
+        }
+        int in_order = 1;
+        for (Py_ssize_t p = 0; p < arity; p++) {
+            for (Py_ssize_t i = 0; columns[p].cluster == cluster && i < count; i++, size++) {
+                index[size] = piece_start[pieces_before + mark[source[p * count + i]]] + call[p * count + i];
+                in_order = in_order && index[size] == size - start;
+            }
+        }
+        for (Py_ssize_t k = 0; k < pieces; k++) {
+            mark[piece_source[pieces_before + k]] = -1;
+        }
+        gather_pieces[cluster] = pieces;
+        gather_end[cluster] = size;
+        gather_in_order[cluster] = in_order && size - start == total;
+        pieces_before += pieces;
+    }
+    wholes = PyList_New(0);
+    gathers = PyList_New(0);
+    if (wholes == NULL || gathers == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < arity; p++) {
+        if (columns[p].cluster < 0 && append_new(wholes, Py_BuildValue("(nn)", p, keys[columns[p].first_key])) < 0) {
+            goto done;
+        }
+    }
+    for (Py_ssize_t cluster = 0, first_piece = 0; cluster < clusters; cluster++) {
+        Py_ssize_t pieces = gather_pieces[cluster], start = cluster ? gather_end[cluster - 1] : 0;
+        PyObject *piece_list = PyList_New(pieces), *call_list = PyList_New(pieces), *positions = PyList_New(0);
+        PyObject *index_bytes =
+            gather_in_order[cluster]
+                ? Py_NewRef(Py_None)
+                : PyBytes_FromStringAndSize((const char *)(index + start), sizeof(int64_t) * (gather_end[cluster] - start));
+        int failed = !piece_list || !call_list || !positions || !index_bytes;
+        for (Py_ssize_t k = 0; !failed && k < pieces; k++) {
+            Py_ssize_t s = piece_source[first_piece + k];
+            PyObject *number = PyLong_FromSsize_t(s), *calls = PyLong_FromSsize_t(calls_of[s]);
+            if (number) {
+                PyList_SET_ITEM(piece_list, k, number);
+            }
+            if (calls) {
+                PyList_SET_ITEM(call_list, k, calls);
+            }
+            failed = !number || !calls;
+        }
+        for (Py_ssize_t p = 0; !failed && p < arity; p++) {
+            failed = columns[p].cluster == cluster && append_new(positions, PyLong_FromSsize_t(p)) < 0;
+        }
+        PyObject *gather = failed ? NULL : PyTuple_Pack(4, piece_list, call_list, index_bytes, positions);
+        Py_XDECREF(piece_list);
+        Py_XDECREF(call_list);
+        Py_XDECREF(positions);
+        Py_XDECREF(index_bytes);
+        if (append_new(gathers, gather) < 0) {
+            goto done;
+        }
+        first_piece += pieces;
+    }
+    result = PyTuple_Pack(2, wholes, gathers);
+    goto done;
+not_plain:
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t t = 0; t < touched; t++) { /* the scratch as it was given */
+        mark[marked[t]] = owner[marked[t]] = calls_of[marked[t]] = -1;
+    }
+    PyBuffer_Release(&scratch);
+    Py_XDECREF(wholes);
+    Py_XDECREF(gathers);
+    PyMem_Free(source);
+    PyMem_Free(call);
+    PyMem_Free(marked);
+    PyMem_Free(keys);
+    PyMem_Free(piece_source);
+    PyMem_Free(piece_start);
+    PyMem_Free(columns);
+    PyMem_Free(index);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"plain_group", plain_group, METH_VARARGS,
+     "plain_group(nodes, arity, tape_source, tape_index, source_calls, scratch): (wholes, gathers) of a group whose "
+     "every argument is a batched node, or None."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "torchfold.engine._record",
     .m_doc = "Fold.add's and Node.split's common calls in C (optional: without it torchfold records in Python).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC
@@ -791,7 +1039,8 @@ PyInit__record(void)
     }
     if (PyModule_AddObjectRef(m, "Recorder", (PyObject *)&RecorderType) < 0 ||
         PyModule_AddObjectRef(m, "FastAdd", (PyObject *)&FastAddType) < 0 ||
-        PyModule_AddObjectRef(m, "FastSplit", (PyObject *)&FastSplitType) < 0) {
+        PyModule_AddObjectRef(m, "FastSplit", (PyObject *)&FastSplitType) < 0 ||
+        PyModule_AddIntConstant(m, "SCRATCH_BYTES_PER_SOURCE", SCRATCH_PER_SOURCE * sizeof(Py_ssize_t)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

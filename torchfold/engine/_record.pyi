@@ -17,3 +17,14 @@ class FastSplit:
     ) -> None: ...
     def __get__(self, obj: Any, objtype: Any = None) -> Any: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+SCRATCH_BYTES_PER_SOURCE: int
+
+def plain_group(
+    nodes: dict[tuple[int, ...], int],
+    arity: int,
+    tape_source: list[int],
+    tape_index: list[int],
+    source_calls: list[int],
+    scratch: bytearray,
+) -> tuple[list[tuple[int, int]], list[tuple[list[int], list[int], bytes | None, list[int]]]] | None: ...

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError
+from torchfold.engine import native
 from torchfold.engine.node import (
     INT64_MAX,
     INT64_MIN,
@@ -21,7 +22,6 @@ from torchfold.engine.node import (
     Node,
     Op,
     Tape,
-    _record,  # the C part of recording, or None (built without a C compiler)
     new_node,
     op_name,
     outside_int64,
@@ -43,7 +43,7 @@ _LITERALS = (int, float)
 
 #: how ``Fold.add`` and ``Node.split`` record: ``"C"`` (the extension built at install, with the
 #: Python ``add`` and ``split`` for the calls it leaves) or ``"Python"`` (built without a C compiler)
-RECORDER = "Python" if _record is None else "C"
+RECORDER = "C" if native.BUILT else "Python"
 
 
 def _tag(literal: int | float) -> tuple[str, int | float]:
@@ -124,7 +124,7 @@ class Fold:
 
     def _new_recorder(self) -> Any:
         """What the C ``add`` records into (``_record.c``): this fold's tape and groups; None without it."""
-        return None if _record is None else _record.Recorder(self._tape, self._groups, Node, Group)
+        return native.Recorder(self._tape, self._groups, Node, Group) if native.BUILT else None
 
     def __getstate__(self) -> dict[str, Any]:  # (copy and pickle: the C recorder is made anew)
         state = dict(self.__dict__)
@@ -388,8 +388,8 @@ class Fold:
         return draw_fold(self, path, **kwargs)
 
 
-if _record is not None:
+if native.BUILT:
     # Fold.add in C for the calls dynamic models make per node (nodes or an int into a group
     # that exists), the Python add above for every other call: the same nodes, groups and errors.
     # It binds to a fold as a function does; a subclass's own add still overrides it.
-    Fold.add = _record.FastAdd(Fold.add)  # type: ignore[method-assign]
+    Fold.add = native.FastAdd(Fold.add)  # type: ignore[method-assign]

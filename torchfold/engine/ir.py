@@ -157,12 +157,13 @@ class Gather:
         cls,
         pieces: list[int | _Tensor],
         piece_calls: list[int],
-        index: list[int],
+        index: list[int] | np.ndarray | None,
         positions: list[int],
         sizes: list[int],
     ) -> Gather:
-        """The gather whose items are ``index`` (calls in the concatenation of the pieces),
-        worked out in Python (a group of a few calls: see ``torchfold.engine.planner._SMALL``)."""
+        """The gather whose items are at ``index`` in the concatenation of the pieces (int64, or
+        a list), or in its order (None): made by the planner's paths that work the index out
+        whole (see ``torchfold.engine.planner``)."""
         gather = cls.__new__(cls)
         gather.pieces, gather.piece_calls, gather.positions, gather.sizes = (
             pieces,
@@ -171,8 +172,10 @@ class Gather:
             sizes,
         )
         total = gather.total_calls = sum(piece_calls)
-        in_order = len(index) == total and index == list(range(total))
-        gather.index = None if in_order else stored_index(np.array(index, dtype=np.int64), total)
+        if isinstance(index, list):
+            in_order = len(index) == total and index == list(range(total))
+            index = None if in_order else np.array(index, dtype=np.int64)
+        gather.index = None if index is None else stored_index(index, total)
         return gather
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:

@@ -13,11 +13,7 @@ from typing import Any
 
 from torchfold._errors import FoldError
 from torchfold._validate import check_int
-
-try:  # recording's common calls in C (built from source at install; optional)
-    from torchfold.engine import _record
-except ImportError:  # built without a C compiler: the same recorder, in Python
-    _record = None  # type: ignore[assignment]
+from torchfold.engine import native
 
 __all__ = [
     "INT64_MAX",
@@ -338,7 +334,7 @@ class Node:
         return self._tape.label(self._handle)
 
 
-if _record is not None:
+if native.BUILT:
     # Node.split in C for a group whose outputs are known (every split but its first), the
     # Python split above for the rest: the same handles, tape and errors (see Fold.add).
-    Node.split = _record.FastSplit(Node.split, Node, Tape, Group)  # type: ignore[method-assign]
+    Node.split = native.FastSplit(Node.split, Node, Tape, Group)  # type: ignore[method-assign]

@@ -15,12 +15,13 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from torchfold._errors import FoldError
+from torchfold.engine import native
 from torchfold.engine.ir import Arg, Gather, GroupCall
 from torchfold.engine.node import Group, Node, ints_and_floats_mixed, literals_and_rows_mixed
 from torchfold.engine.plan import FoldPlan
@@ -29,13 +30,17 @@ from torchfold.engine.resolve import check_requests
 if TYPE_CHECKING:
     from torchfold.engine.fold import Fold
 
-__all__ = ["plan_fold"]
+__all__ = ["NATIVE", "plan_fold"]
 
 _Tensor = torch.Tensor
 _handle = operator.attrgetter("_handle")
 # Groups of at most this many calls have their columns read in Python: numpy's ~1-3 us per call
 # outweighs its speed on a few dozen items (SST batches: most groups above the first depths).
 _SMALL = 64
+#: whether groups whose every argument is a batched node are planned in C (``native.plain_group``):
+#: True where torchfold was built with its C part; set it False to plan in Python alone, as
+#: without it (the same plans: the tests compare the two, the recording benchmark times both)
+NATIVE = native.BUILT
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
@@ -119,6 +124,7 @@ class _Planner:
             for output, source in enumerate(group.output_sources):
                 self.source_calls[source] = calls
                 self.source_owner[source] = (number, output)
+        self.scratch: bytearray | None = None  # marks per source for the C planner (see native_group)
         self.handle_source = np.array(tape.source, dtype=np.int64)  # ~source for a nobatch handle
         self.handle_index = np.array(tape.index, dtype=np.int64)
 
@@ -167,6 +173,9 @@ class _Planner:
         if len(calls) == 1:
             self.single_call(batched, calls[0], nodes)
             return batched
+        if group.plain and nodes and NATIVE and self.native_group(batched, group):
+            self.set_combined(batched)
+            return batched
         if len(calls) <= _SMALL and group.plain and nodes:  # a few calls: Python beats numpy's cost per call
             self.few_node_calls(batched, calls)
             self.set_combined(batched)
@@ -174,7 +183,13 @@ class _Planner:
         columns: list[_Column] = []
         # NOTE: columns are taken one at a time, not with zip(*calls): that holds an iterator (an
         # object the garbage collector tracks) per call at once, and a large group's set them off.
-        table = np.array(calls, dtype=np.int64).reshape(len(calls), batched.arity) if group.plain else None
+        table = (  # (fromiter: a third of the time np.array takes on a list of tuples)
+            np.fromiter(
+                itertools.chain.from_iterable(calls), dtype=np.int64, count=len(calls) * batched.arity
+            ).reshape(len(calls), batched.arity)
+            if group.plain
+            else None
+        )
         for position in range(batched.arity):
             if table is not None:
                 self.int_column(batched, position, table[:, position], nodes, columns)
@@ -230,6 +245,33 @@ class _Planner:
             and any(len(gather.pieces) > 1 for gather in batched.gathers)
             and all(isinstance(piece, int) for gather in batched.gathers for piece in gather.pieces)
         )
+
+    def native_group(self, batched: GroupCall, group: Group) -> bool:
+        """What ``few_node_calls`` makes, for a group of any size, in C; False (nothing made) where
+        some argument is a ``nobatch`` node, which the Python paths plan (and word any error)."""
+        tape = self.tape
+        if self.scratch is None:  # every byte 0xff: each mark -1 (plain_group leaves them so)
+            self.scratch = bytearray(b"\xff") * (native.SCRATCH_BYTES_PER_SOURCE * tape.sources)
+        found = native.plain_group(
+            group.nodes, batched.arity, tape.source, tape.index, self.source_calls, self.scratch
+        )
+        if found is None:
+            return False
+        wholes, gathers = found
+        batched.fixed.extend((position, Arg("whole", source)) for position, source in wholes)
+        count = batched.num_calls
+        for pieces, piece_calls, index, positions in gathers:
+            array = None if index is None else np.frombuffer(index, dtype=np.int64)
+            batched.gathers.append(
+                Gather.of_index(
+                    cast("list[int | _Tensor]", pieces),
+                    piece_calls,
+                    array,
+                    positions,
+                    [count] * len(positions),
+                )
+            )
+        return True
 
     def few_node_calls(self, batched: GroupCall, calls: list[tuple[int, ...]]) -> None:
         """A group of a few calls (see ``_SMALL``) whose arguments are all node handles, in Python

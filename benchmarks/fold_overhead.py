@@ -13,8 +13,8 @@ time the same ops take when called directly once per group on ready batched tens
 floor any batching scheme pays), and the time to run the graph eagerly, one call per node.
 
 ``--recording``: recording and compiling alone, from 1,000 to 1,000,000 nodes: ``Fold.add``
-microseconds per call (as installed, with its C part where it is built, and the pure-Python
-``add`` in turn) and ``Fold.plan`` microseconds per node on a forest of random binary
+microseconds per call and ``Fold.plan`` microseconds per node (each as installed, with its C
+part where it is built, and in pure Python in turn) on a forest of random binary
 trees (2-20 leaves, distinct words, so every node is distinct), best of ``--repeats`` fresh
 folds, with Python's cyclic garbage collector on (as users run). The trees are laid out as a
 post-order program first; the timed loop only pops children and calls ``add``, and the same
@@ -208,24 +208,31 @@ class PythonFold(torchfold.Fold):
 
 
 def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
-    """One row of the recording table: add us/call (C, where built, and Python), plan us/node,
+    """One row of the recording table: add us/call and plan us/node (C, where built, and Python),
     the loop's own us/call; each repeat times them in turn on fresh folds."""
     program = forest_program(n, random.Random(seed))
     clock = harness.CLOCKS[harness.clock_name()]
-    add_s, python_add_s, plan_s, loop_s = [], [], [], []
+    add_s, python_add_s, plan_s, python_plan_s, loop_s = [], [], [], [], []
     nodes = 0
+    native = torchfold.engine.planner.NATIVE
     for _ in range(repeats):
-        for kind, times in ((torchfold.Fold, add_s), (PythonFold, python_add_s)):
+        for kind, times, plan_times in (
+            (torchfold.Fold, add_s, plan_s),
+            (PythonFold, python_add_s, python_plan_s),
+        ):
             fold = kind()
             gc.collect()  # each fold starts from the same heap
             start = clock()
             roots = record_program(fold, program)
             middle = clock()
             times.append(middle - start)
-            if kind is torchfold.Fold:
+            torchfold.engine.planner.NATIVE = native and kind is torchfold.Fold  # the Python planner alone
+            try:
                 fold.plan([roots])
-                plan_s.append(clock() - middle)
-                nodes = len(fold)
+            finally:
+                torchfold.engine.planner.NATIVE = native
+            plan_times.append(clock() - middle)
+            nodes = len(fold)
             del fold, roots
         start = clock()
         record_program(_Nothing(), program)
@@ -236,6 +243,7 @@ def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
         min(add_s) / len(program) * 1e6,
         min(python_add_s) / len(program) * 1e6,
         min(plan_s) / nodes * 1e6,
+        min(python_plan_s) / nodes * 1e6,
         min(loop_s) / len(program) * 1e6,
     ]
 
@@ -303,12 +311,14 @@ def recording_table(args: argparse.Namespace) -> list[list[object]]:
         "add us/call",
         "Python add us/call",
         "plan us/node",
+        "Python plan us/node",
         "loop us/call",
     ]
     print(harness.markdown_table(header, rows))
     print(
-        f"\n`add`: `Fold.add` as installed ({torchfold.engine.fold.RECORDER}); `Python add`: the pure-Python "
-        "`Fold.add` (what runs without a C compiler), timed in turn with it.\n"
+        f"\n`add`, `plan`: `Fold.add` and `Fold.plan` as installed ({torchfold.engine.fold.RECORDER}); "
+        "`Python add`, `Python plan`: the pure-Python `Fold.add` and planner (what runs without a C "
+        "compiler), timed in turn with them.\n"
         "`loop`: the same recording loop calling an `add` that does nothing (part of both `add` columns)."
     )
     return rows

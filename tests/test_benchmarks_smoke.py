@@ -221,13 +221,16 @@ def test_fold_overhead_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_fold_overhead_recording_table_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    ((asked, nodes, add_us, python_add_us, plan_us, loop_us),) = fold_overhead.main(
+    ((asked, nodes, add_us, python_add_us, plan_us, python_plan_us, loop_us),) = fold_overhead.main(
         ["--quick", "--recording"]
     )
     assert asked == nodes == 100  # every node distinct
-    assert all(isinstance(t, float) and t > 0 for t in (add_us, python_add_us, plan_us, loop_us))
+    assert all(
+        isinstance(t, float) and t > 0 for t in (add_us, python_add_us, plan_us, python_plan_us, loop_us)
+    )
     out = capsys.readouterr().out
-    assert "plan us/node" in out and "Python add us/call" in out and "`Fold.add` as installed (C)" in out
+    assert "Python plan us/node" in out and "Python add us/call" in out and "as installed (C)" in out
+    assert torchfold.engine.planner.NATIVE  # switched back after the Python planner's turn
 
 
 @pytest.mark.parametrize("shape", list(fold_overhead.BUILDERS))

@@ -644,3 +644,40 @@ def test_the_c_planner_reads_a_group_and_leaves_its_scratch_as_given() -> None:
         _record.plain_group(group.nodes, 2, tape.source, tape.index, planner.source_calls, bytearray(8))
         is None
     )
+
+
+def test_python_code_run_by_the_split_lookup_cannot_pull_the_tape_away() -> None:
+    """A key of ``outputs_of`` whose hash matches a handle runs its ``__eq__`` inside the C split;
+    replacing the tape's dict and lists there must not crash it (it holds its own references and
+    reads the lists after the look-up)."""
+    fold = Fold()
+    first, second = fold.add("pair", fold.add("leaf", 1)), fold.add("pair", fold.add("leaf", 2))
+    first.split(2)  # the group's first split (Python): its outputs known from here
+    tape, handle = fold._tape, second._handle
+
+    class Colliding:
+        def __hash__(self) -> int:
+            return hash(handle)
+
+        def __eq__(self, other: object) -> bool:
+            tape.outputs_of = dict(tape.outputs_of)  # type: ignore[misc]  # frees the dict being searched
+            tape.source_output = list(tape.source_output)  # type: ignore[misc]
+            gc.collect()
+            return False
+
+    tape.outputs_of[Colliding()] = 0  # type: ignore[index]
+    outputs = second.split(2)
+    assert [repr(n) for n in outputs] == [
+        "Node('pair', depth=1, index=1, output=0)",
+        "Node('pair', depth=1, index=1, output=1)",
+    ]
+
+
+def test_a_split_whose_recorded_outputs_are_not_rows_of_the_tape_goes_to_python() -> None:
+    import sys
+
+    fold = Fold()
+    first, second = fold.add("leaf", 1), fold.add("leaf", 2)
+    first.split(2)
+    fold._tape.outputs_of[second._handle] = sys.maxsize  # beyond the tape (and a C integer, once added to)
+    assert [n._handle for n in second.split(2)] == [sys.maxsize, sys.maxsize + 1]

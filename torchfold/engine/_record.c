@@ -565,64 +565,65 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
     Py_ssize_t num = as_row(num_value);
     PyObject *tape = slot_of_type(node, self->node_tape, self->tape_type);
     PyObject *handle = slot_of_type(node, self->node_handle, &PyLong_Type);
-    if (num < 1 || num > MAX_OUTPUTS || tape == NULL || handle == NULL) {
+    PyObject *outputs_of = tape ? slot_of_type(tape, self->tape_outputs_of, &PyDict_Type) : NULL;
+    Py_ssize_t row = handle ? as_row(handle) : -1;
+    if (num < 1 || num > MAX_OUTPUTS || outputs_of == NULL || row < 0) {
         return NOT_HANDLED;
     }
+    /* Strong references first: the look-up in outputs_of may run Python code (the __eq__ of a
+     * key that is not an int), which may change the node, the tape and its lists; everything
+     * else is read after it. */
+    Py_INCREF(tape);
+    Py_INCREF(handle);
+    Py_INCREF(outputs_of);
+    PyObject *result = NOT_HANDLED;
+    PyObject *first_value = PyDict_GetItemWithError(outputs_of, handle);
+    Py_ssize_t first = first_value ? as_row(first_value) : -1; /* >= 0: split before */
+    if ((first_value != NULL && first < 0) || (first_value == NULL && PyErr_Occurred())) {
+        PyErr_Clear();
+        goto finish;
+    }
+    /* No Python code runs from here to the PyDict_SetItem below, which comes last. */
     PyObject *depths = slot_of_type(tape, self->tape_depth, &PyList_Type);
     PyObject *sources = slot_of_type(tape, self->tape_source, &PyList_Type);
     PyObject *indexes = slot_of_type(tape, self->tape_index, &PyList_Type);
-    PyObject *outputs_of = slot_of_type(tape, self->tape_outputs_of, &PyDict_Type);
     PyObject *source_group = slot_of_type(tape, self->tape_source_group, &PyList_Type);
     PyObject *source_output = slot_of_type(tape, self->tape_source_output, &PyList_Type);
-    if (depths == NULL || sources == NULL || indexes == NULL || outputs_of == NULL || source_group == NULL ||
-        source_output == NULL) {
-        return NOT_HANDLED;
-    }
-    Py_ssize_t row = as_row(handle);
-    if (row < 0 || row >= PyList_GET_SIZE(sources) || row >= PyList_GET_SIZE(depths) ||
-        row >= PyList_GET_SIZE(indexes)) {
-        return NOT_HANDLED;
+    if (depths == NULL || sources == NULL || indexes == NULL || source_group == NULL || source_output == NULL ||
+        row >= PyList_GET_SIZE(sources) || row >= PyList_GET_SIZE(depths) || row >= PyList_GET_SIZE(indexes)) {
+        goto finish;
     }
     PyObject *source_value = PyList_GET_ITEM(sources, row);
     Py_ssize_t source = PyLong_CheckExact(source_value) ? PyLong_AsSsize_t(source_value) : -1;
     if (source == -1 && (!PyLong_CheckExact(source_value) || PyErr_Occurred())) {
         PyErr_Clear();
-        return NOT_HANDLED;
+        goto finish;
     }
     int batch = source >= 0;
     Py_ssize_t owner = batch ? source : ~source;
     if (owner >= PyList_GET_SIZE(source_group) || owner >= PyList_GET_SIZE(source_output)) {
-        return NOT_HANDLED;
+        goto finish;
     }
     PyObject *group = PyList_GET_ITEM(source_group, owner);
-    if (!Py_IS_TYPE(group, self->group_type)) {
-        return NOT_HANDLED;
-    }
-    PyObject *num_outputs = slot_of_type(group, self->group_num_outputs, &PyLong_Type);
+    PyObject *num_outputs = Py_IS_TYPE(group, self->group_type)
+                                ? slot_of_type(group, self->group_num_outputs, &PyLong_Type)
+                                : NULL;
     if (num_outputs == NULL || as_row(num_outputs) != num) {
-        return NOT_HANDLED; /* the group's first split, or a wrong num: the Python split */
+        goto finish; /* the group's first split, or a wrong num: the Python split */
     }
-    /* (a dict of int keys: the look-up runs no Python code) */
-    PyObject *first_value = PyDict_GetItemWithError(outputs_of, handle);
-    Py_ssize_t first;
-    if (first_value != NULL) { /* split before: the same handles again */
-        first = as_row(first_value);
-        if (first < 0) {
-            return NOT_HANDLED;
+    if (first >= 0) { /* split before: the same handles again, if they are rows of the tape */
+        if (first > PyList_GET_SIZE(sources) - num) {
+            goto finish;
         }
-    }
-    else if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return NOT_HANDLED;
     }
     else {
         if (PyList_GET_ITEM(source_output, owner) != Py_None) {
-            return NOT_HANDLED; /* an output of a split itself: the Python split's error */
+            goto finish; /* an output of a split itself: the Python split's error */
         }
         PyObject *output_sources = SLOT(group, self->group_output_sources);
         if (output_sources == NULL || !PyRange_Check(output_sources) || PyObject_Length(output_sources) != num) {
             PyErr_Clear();
-            return NOT_HANDLED;
+            goto finish;
         }
         /* Everything that can fail first; then the same appends as the Python split. */
         PyObject *outputs[MAX_OUTPUTS] = {NULL};
@@ -639,12 +640,13 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
             }
             failed = outputs[k] == NULL;
         }
-        if (!failed) {
-            failed = PyDict_SetItem(outputs_of, handle, first_new) < 0;
-        }
         for (Py_ssize_t k = 0; k < num && !failed; k++) {
             failed = PyList_Append(depths, depth) < 0 || PyList_Append(indexes, index) < 0 ||
                      PyList_Append(sources, outputs[k]) < 0;
+        }
+        /* last, as it may run Python code (a colliding key's __eq__): nothing borrowed is read after it */
+        if (!failed) {
+            failed = PyDict_SetItem(outputs_of, handle, first_new) < 0;
         }
         for (Py_ssize_t k = 0; k < num; k++) {
             Py_XDECREF(outputs[k]);
@@ -653,12 +655,12 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
         Py_DECREF(index);
         Py_XDECREF(first_new);
         if (failed) {
-            return NULL;
+            result = NULL;
+            goto finish;
         }
     }
     /* The nodes last: making them may run the garbage collector, and with it Python code. */
-    tape = Py_NewRef(tape);
-    PyObject *result = PyTuple_New(num);
+    result = PyTuple_New(num);
     for (Py_ssize_t k = 0; k < num && result != NULL; k++) {
         PyObject *output = self->node_type->tp_alloc(self->node_type, 0);
         PyObject *output_handle = output ? PyLong_FromSsize_t(first + k) : NULL;
@@ -671,7 +673,10 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
         SLOT(output, self->node_handle) = output_handle;
         PyTuple_SET_ITEM(result, k, output);
     }
+finish:
     Py_DECREF(tape);
+    Py_DECREF(handle);
+    Py_DECREF(outputs_of);
     return result;
 }
 
@@ -802,7 +807,8 @@ as_index(PyObject *value, Py_ssize_t limit)
  *
  * `scratch` (a bytearray of SCRATCH_PER_SOURCE * sizeof(Py_ssize_t) bytes per source, every
  * byte 0xff) holds marks per source: it is left as it was given (the sources marked are reset),
- * so that a call costs time in its items, not in the fold's sources. */
+ * so that a call costs time in its items, not in the fold's sources. A scratch that is not all
+ * 0xff gives a wrong result: the caller makes it once and passes only it. */
 #define SCRATCH_PER_SOURCE 3
 
 static PyObject *
@@ -925,6 +931,9 @@ plain_group(PyObject *module, PyObject *args)
                  k++) {
                 Py_ssize_t s = keys[k];
                 if (mark[s] < 0) {
+                    if (calls_of[s] > PY_SSIZE_T_MAX - total) {
+                        goto not_plain; /* calls beyond a C integer: the Python planner refuses them */
+                    }
                     mark[s] = pieces;
                     piece_source[pieces_before + pieces] = s;
                     piece_start[pieces_before + pieces] = total;

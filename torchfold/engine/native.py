@@ -3,6 +3,8 @@
 Installing torchfold compiles the extension ``torchfold.engine._record`` where a C compiler is
 found (see ``docs/design/recording.md``). :data:`BUILT` says whether it was; its types and
 function are here, or None without it, and the callers then do everything in Python.
+``plain_group``'s last argument is a scratch buffer that must be all 0xff bytes; it is left so,
+and the planner makes one per plan (``torchfold.engine.planner``).
 
 >>> from torchfold.engine import native
 >>> native.BUILT in (True, False)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["NATIVE", "plan_fold"]
 
 _Tensor = torch.Tensor
+_Item = TypeVar("_Item")
 _handle = operator.attrgetter("_handle")
 # Groups of at most this many calls have their columns read in Python: numpy's ~1-3 us per call
 # outweighs its speed on a few dozen items (SST batches: most groups above the first depths).
@@ -297,15 +298,7 @@ class _Planner:
             else:
                 columns.append((position, sources, item_call, keys))
         batched.fixed.extend(wholes)
-        clusters: list[list[tuple[int, list[int], list[int], list[int]]]] = []  # (as merge)
-        for column in columns:
-            found = set(column[3])
-            home = next((c for c in clusters if any(not found.isdisjoint(other[3]) for other in c)), None)
-            if home is None:
-                clusters.append([column])
-            else:
-                home.append(column)
-        for cluster in clusters:
+        for cluster in _clustered(columns, operator.itemgetter(3)):
             # the cluster's sources in first-use order, column after column (as gather)
             pieces: list[int | _Tensor] = list(
                 dict.fromkeys(itertools.chain.from_iterable(c[3] for c in cluster))
@@ -386,21 +379,14 @@ class _Planner:
     def merge(self, batched: GroupCall, columns: list[_Column]) -> list[Gather]:
         """Columns taking a whole result in order pass it through; the others that read a
         common source share one gather (connected through shared sources)."""
-        clusters: list[list[_Column]] = []
+        gathered: list[_Column] = []
         for column in columns:
             whole = column.whole_source()
             if whole is not None:
                 batched.fixed.append((column.position, Arg("whole", whole)))
-                continue
-            keys = set(column.pieces.keys)
-            home = next(
-                (c for c in clusters if any(not keys.isdisjoint(other.pieces.keys) for other in c)), None
-            )
-            if home is None:
-                clusters.append([column])
             else:
-                home.append(column)
-        return [self.gather(cluster) for cluster in clusters]
+                gathered.append(column)
+        return [self.gather(cluster) for cluster in _clustered(gathered, lambda column: column.pieces.keys)]
 
     @staticmethod
     def gather(columns: list[_Column]) -> Gather:
@@ -458,6 +444,20 @@ class _Planner:
             items = [item._handle if item.__class__ is Node else item for item in request]
             column = self.mixed_column(0, items, f"apply request {number}")
         return self.gather([column])
+
+
+def _clustered(columns: list[_Item], keys: Callable[[_Item], Sequence[Any]]) -> list[list[_Item]]:
+    """Columns that read a common source (``keys``) in one cluster, in order: each column joins the
+    first cluster holding a column that shares a source with it (``native.plain_group``'s rule too)."""
+    clusters: list[list[_Item]] = []
+    for column in columns:
+        found = set(keys(column))
+        home = next((c for c in clusters if any(not found.isdisjoint(keys(other)) for other in c)), None)
+        if home is None:
+            clusters.append([column])
+        else:
+            home.append(column)
+    return clusters
 
 
 def _concatenable(column: Sequence[_Tensor]) -> bool:

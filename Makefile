@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 
 env: $(STAMP)
 
-# (the install builds Fold.add's C part in place: a change of its source installs again)
+# (the install builds the C part of recording and planning in place: a change of its source installs again)
 $(STAMP): setup.py pyproject.toml torchfold/engine/_record.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

@@ -23,8 +23,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["torchfold", "torchfold.*"]),
     package_data={"torchfold": ["py.typed", "engine/_record.pyi"]},
-    # Fold.add's common calls in C; optional: without a C compiler torchfold installs and runs
-    # the same recorder in Python (torchfold.engine.fold.RECORDER says which is in use)
+    # recording's and planning's common calls in C; optional: without a C compiler torchfold
+    # installs and runs the same code in Python (torchfold.engine.native.BUILT says which)
     ext_modules=[Extension("torchfold.engine._record", ["torchfold/engine/_record.c"], optional=True)],
     install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60"],
     extras_require={

@@ -1,6 +1,6 @@
-/* Fold.add in C for the calls dynamic models make per node, with the results of the Python one.
+/* Recording's and planning's common calls in C, with the results of the Python code.
  *
- * Two types:
+ * Three types and a function:
  * - Recorder: one per fold (``fold._recorder``), holding its tape lists (depth, source, index:
  *   see torchfold.engine.node.Tape), its groups dict and a cache of the groups found lately.
  * - FastAdd: what ``Fold.add`` is when this module is built. It wraps the Python ``Fold.add``
@@ -12,8 +12,11 @@
  * - FastSplit: what ``Node.split`` is when this module is built, the same kind of wrapper around
  *   the Python ``Node.split``. Splitting a node of a group whose outputs are known already (every
  *   split but a group's first) is done here; anything else goes to the Python ``split``.
+ * - plain_group: what the planner (torchfold.engine.planner) makes of a group whose every
+ *   argument is a batched node: its whole results and its gathers.
  * Nodes, tapes and groups are the Python classes; their slots are read and written at the
- * offsets their member descriptors give.
+ * offsets their member descriptors give. Python code reaches all of it through
+ * torchfold.engine.native.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -178,21 +181,33 @@ own_handle(Recorder *self, PyObject *arg)
     return handle != NULL && PyLong_CheckExact(handle) ? handle : NULL;
 }
 
+/* `value` as a C integer >= 0, or -1 (no error set) when it is not one. */
+static Py_ssize_t
+as_row(PyObject *value)
+{
+    Py_ssize_t row = PyLong_CheckExact(value) ? PyLong_AsSsize_t(value) : -1;
+    if (row < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return row;
+}
+
+/* `value` (an int) as a C integer, or -1 with no error set when it is not an int >= 0 or is
+ * `limit` or more. */
+static Py_ssize_t
+as_index(PyObject *value, Py_ssize_t limit)
+{
+    Py_ssize_t row = as_row(value);
+    return row < limit ? row : -1;
+}
+
 /* depth[handle] as a C integer, or -1 (no error set) when it is not one of the tape's rows. */
 static Py_ssize_t
 depth_of(Recorder *self, PyObject *handle)
 {
-    Py_ssize_t row = PyLong_AsSsize_t(handle);
-    if (row < 0 || row >= PyList_GET_SIZE(self->depth)) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t depth = PyLong_AsSsize_t(PyList_GET_ITEM(self->depth, row));
-    if (depth < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    return depth;
+    Py_ssize_t row = as_index(handle, PyList_GET_SIZE(self->depth));
+    return row < 0 ? -1 : as_row(PyList_GET_ITEM(self->depth, row));
 }
 
 /* The group of (op, depth, count) if it exists (a new reference), else NULL (no error set).
@@ -382,26 +397,22 @@ FastAdd_vectorcall(FastAdd *self, PyObject *const *args, size_t nargsf, PyObject
     return PyObject_Vectorcall(self->function, args, nargsf, kwnames);
 }
 
-/* The function a wrapper wraps, checked callable (borrowed from `args`), or NULL with an error. */
-static PyObject *
-wrapped_function(const char *name, PyObject *args)
+/* 0 if the function a wrapper wraps is callable, else -1 with an error naming the call. */
+static int
+check_wrapped(const char *call, PyObject *function)
 {
-    PyObject *function;
-    if (!PyArg_ParseTuple(args, "O", &function)) {
-        return NULL;
-    }
     if (!PyCallable_Check(function)) {
-        PyErr_Format(PyExc_TypeError, "%s(function): function must be callable", name);
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "%s: function must be callable", call);
+        return -1;
     }
-    return function;
+    return 0;
 }
 
 static PyObject *
 FastAdd_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *function = wrapped_function("FastAdd", args);
-    if (function == NULL) {
+    PyObject *function;
+    if (!PyArg_ParseTuple(args, "O:FastAdd", &function) || check_wrapped("FastAdd(function)", function) < 0) {
         return NULL;
     }
     FastAdd *self = (FastAdd *)type->tp_alloc(type, 0);
@@ -539,18 +550,6 @@ slot_of_type(PyObject *object, Py_ssize_t offset, PyTypeObject *type)
 {
     PyObject *value = SLOT(object, offset);
     return value != NULL && Py_IS_TYPE(value, type) ? value : NULL;
-}
-
-/* `value` as a C integer >= 0, or -1 (no error set) when it is not one. */
-static Py_ssize_t
-as_row(PyObject *value)
-{
-    Py_ssize_t row = PyLong_CheckExact(value) ? PyLong_AsSsize_t(value) : -1;
-    if (row < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    return row;
 }
 
 /* node.split(num): a tuple of `num` new nodes, NULL with an error, or NOT_HANDLED. The same
@@ -703,8 +702,7 @@ FastSplit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                                      &PyType_Type, &tape_type, &PyType_Type, &group_type)) {
         return NULL;
     }
-    if (!PyCallable_Check(function)) {
-        PyErr_SetString(PyExc_TypeError, "FastSplit(function, ...): function must be callable");
+    if (check_wrapped("FastSplit(function, ...)", function) < 0) {
         return NULL;
     }
     FastSplit *self = (FastSplit *)type->tp_alloc(type, 0);
@@ -784,15 +782,6 @@ typedef struct {
     Py_ssize_t first_key, num_keys; /* its distinct sources: keys[first_key:first_key + num_keys] */
     Py_ssize_t cluster;             /* the gather it joins; -1: a whole earlier result */
 } Column;
-
-/* `value` (an int) as a C integer, or -1 with no error set when it is not an int >= 0 or is
- * `limit` or more. */
-static Py_ssize_t
-as_index(PyObject *value, Py_ssize_t limit)
-{
-    Py_ssize_t row = as_row(value);
-    return row < limit ? row : -1;
-}
 
 /* plain_group(nodes, arity, tape_source, tape_index, source_calls, scratch): a group's gathers,
  * for a group whose every argument is a batched node's handle (see torchfold.engine.planner).

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,40 @@ def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     state = load_checkpoint(path)  # the previous content is intact
     assert state["step"] == 7 and torch.equal(state["w"], torch.arange(3))
     assert sorted(p.name for p in path.parent.iterdir()) == ["step-00000007.pt"]
+
+
+def test_ctrl_c_while_saving_is_a_keyboard_interrupt_and_leaves_the_earlier_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real SIGINT lands while torch.save writes: its C++ writer turns the KeyboardInterrupt raised
+    # in the write into a RuntimeError ("unexpected pos"); save_checkpoint raises the interrupt.
+    path = checkpoint_path(tmp_path, 1)
+    save_checkpoint({"step": 1}, path)
+    real_save = torch.save
+
+    class Interrupted(io.RawIOBase):
+        def __init__(self, handle: Any) -> None:
+            self.handle, self.writes = handle, 0
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            self.writes += 1
+            if self.writes == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
+            return int(self.handle.write(data))
+
+    monkeypatch.setattr(torch, "save", lambda state, handle: real_save(state, Interrupted(handle)))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            save_checkpoint({"step": 2, "w": torch.randn(1000)}, path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert caught.value.__suppress_context__  # not "During handling of ... RuntimeError"
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file
 
 
 def test_list_latest_and_prune(tmp_path: Path) -> None:

@@ -180,7 +180,12 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        cause = _os_error(e)
+        interrupt = next((c for c in _chain(e) if isinstance(c, KeyboardInterrupt)), None)
+        if interrupt is not None:
+            # Ctrl-C while torch.save wrote: its writer turns the KeyboardInterrupt raised in a
+            # write into "[enforce fail at inline_container.cc] unexpected pos"; the interrupt it is.
+            raise interrupt from None
+        cause = next((c for c in _chain(e) if isinstance(c, OSError) and c.errno is not None), None)
         if cause is None:
             raise
         # torch.save reports a failed write as "[enforce fail at inline_container.cc] unexpected pos";
@@ -208,16 +213,14 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
     return path
 
 
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError behind ``error`` (itself, or one in its chain of causes and contexts)."""
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then each exception in its chain of causes and contexts."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
+        yield current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return None
 
 
 class CheckpointDirLock:

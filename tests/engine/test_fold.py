@@ -359,7 +359,8 @@ def test_unknown_op_is_reported_before_any_op_runs() -> None:
 
 
 def test_nodes_of_another_fold_are_rejected() -> None:
-    other = Fold().add("leaf", 1)
+    other_fold = Fold()
+    other = other_fold.add("leaf", 1)
     fold = Fold()
     with pytest.raises(
         FoldError, match=r"Node\('leaf', depth=0, index=0\) passed to 'merge' belongs to another Fold"
@@ -379,7 +380,8 @@ def test_unsupported_argument_types_are_rejected_at_add(bad: Any) -> None:
 
 @pytest.mark.parametrize("twin", ["fold", "eager"])
 def test_split_arguments_are_checked(twin: str) -> None:
-    node = Fold().add("leaf", 1) if twin == "fold" else EagerFold(_SplitTwo()).add("two", torch.ones(1))
+    fold = Fold() if twin == "fold" else EagerFold(_SplitTwo())
+    node = fold.add("leaf", 1) if twin == "fold" else fold.add("two", torch.ones(1))
     with pytest.raises(ValueError, match=r"^split\(num\) must be a positive int, got 0; how many outputs"):
         node.split(0)
     with pytest.raises(TypeError, match=r"^split\(num\) must be an int, got float 2.0; how many outputs"):
@@ -394,7 +396,8 @@ class _SplitTwo(torch.nn.Module):
 
 
 def test_a_split_of_a_split_node_is_refused() -> None:
-    node = Fold().add("leaf", 1)
+    fold = Fold()
+    node = fold.add("leaf", 1)
     with pytest.raises(FoldError, match="already output 0 of a split"):
         node.split(2)[0].split(2)
 

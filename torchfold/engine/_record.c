@@ -40,13 +40,14 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *tape;   /* the Tape that nodes point to */
+    PyObject *tape;   /* the fold's Tape */
+    PyObject *ref;    /* tape.ref: the weak reference to it that its nodes hold */
     PyObject *depth;  /* tape.depth: list of int */
     PyObject *source; /* tape.source: list of int */
     PyObject *index;  /* tape.index: list of int */
     PyObject *groups; /* Fold._groups: dict (depth, op, count) -> Group */
     PyTypeObject *node_type, *group_type;
-    Py_ssize_t node_tape, node_handle;    /* offsets of Node._tape, Node._handle */
+    Py_ssize_t node_ref, node_handle;     /* offsets of Node._ref, Node._handle */
     Py_ssize_t group_nodes, group_source; /* offsets of Group.nodes, Group.source */
     CacheEntry cache[CACHE_SIZE];
 } Recorder;
@@ -73,6 +74,40 @@ slot_offset(PyTypeObject *type, const char *name)
         PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, name);
     }
     return offset;
+}
+
+/* What the weak reference `ref` refers to (a new reference), or NULL (no error set) when it is gone. */
+static PyObject *
+referent(PyObject *ref)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *object;
+    if (PyWeakref_GetRef(ref, &object) <= 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return object;
+#else
+    PyObject *object = PyWeakref_GET_OBJECT(ref);
+    return object == Py_None ? NULL : Py_NewRef(object);
+#endif
+}
+
+/* A new node of `type` holding `ref` (its tape's weak reference) and `handle` (stolen), or NULL
+ * with an error. The garbage collector does not track it: a node holds an int and a weak
+ * reference, nothing through which a cycle could come back to it, and a fold's nodes are many. */
+static PyObject *
+new_node(PyTypeObject *type, Py_ssize_t ref_slot, PyObject *ref, Py_ssize_t handle_slot, PyObject *handle)
+{
+    PyObject *node = type->tp_alloc(type, 0);
+    if (node == NULL) {
+        Py_DECREF(handle);
+        return NULL;
+    }
+    PyObject_GC_UnTrack(node);
+    SLOT(node, ref_slot) = Py_NewRef(ref);
+    SLOT(node, handle_slot) = handle;
+    return node;
 }
 
 /* A list attribute of `tape` (a new reference), or NULL with an error. */
@@ -109,9 +144,17 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
     PyObject *depth = tape_list(tape, "depth");
     PyObject *source = depth ? tape_list(tape, "source") : NULL;
     PyObject *index = source ? tape_list(tape, "index") : NULL;
-    if (index == NULL) {
+    PyObject *ref = index ? PyObject_GetAttrString(tape, "ref") : NULL;
+    PyObject *referred = ref != NULL && PyWeakref_CheckRefExact(ref) ? referent(ref) : NULL;
+    Py_XDECREF(referred); /* (only compared) */
+    if (ref != NULL && referred != tape) {
+        PyErr_SetString(PyExc_TypeError, "tape.ref must be weakref.ref(tape)");
+        Py_CLEAR(ref);
+    }
+    if (ref == NULL) {
         Py_XDECREF(depth);
         Py_XDECREF(source);
+        Py_XDECREF(index);
         return -1;
     }
     clear_cache(self); /* (a second __init__: its groups are other groups) */
@@ -119,10 +162,11 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->source, source);
     Py_XSETREF(self->index, index);
     Py_XSETREF(self->tape, Py_NewRef(tape));
+    Py_XSETREF(self->ref, ref);
     Py_XSETREF(self->groups, Py_NewRef(groups));
     Py_XSETREF(self->node_type, (PyTypeObject *)Py_NewRef((PyObject *)node_type));
     Py_XSETREF(self->group_type, (PyTypeObject *)Py_NewRef((PyObject *)group_type));
-    if ((self->node_tape = slot_offset(node_type, "_tape")) < 0 ||
+    if ((self->node_ref = slot_offset(node_type, "_ref")) < 0 ||
         (self->node_handle = slot_offset(node_type, "_handle")) < 0 ||
         (self->group_nodes = slot_offset(group_type, "nodes")) < 0 ||
         (self->group_source = slot_offset(group_type, "source")) < 0) {
@@ -139,6 +183,7 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
         Py_VISIT(self->cache[i].op);
     }
     Py_VISIT(self->tape);
+    Py_VISIT(self->ref);
     Py_VISIT(self->depth);
     Py_VISIT(self->source);
     Py_VISIT(self->index);
@@ -153,6 +198,7 @@ Recorder_clear(Recorder *self)
 {
     clear_cache(self);
     Py_CLEAR(self->tape);
+    Py_CLEAR(self->ref);
     Py_CLEAR(self->depth);
     Py_CLEAR(self->source);
     Py_CLEAR(self->index);
@@ -174,7 +220,7 @@ Recorder_dealloc(Recorder *self)
 static PyObject *
 own_handle(Recorder *self, PyObject *arg)
 {
-    if (Py_TYPE(arg) != self->node_type || SLOT(arg, self->node_tape) != self->tape) {
+    if (Py_TYPE(arg) != self->node_type || SLOT(arg, self->node_ref) != self->ref) {
         return NULL;
     }
     PyObject *handle = SLOT(arg, self->node_handle);
@@ -326,11 +372,7 @@ record(Recorder *self, PyObject *op, PyObject *const *items, Py_ssize_t count)
             goto done;
         }
     }
-    result = self->node_type->tp_alloc(self->node_type, 0);
-    if (result != NULL) {
-        SLOT(result, self->node_tape) = Py_NewRef(self->tape);
-        SLOT(result, self->node_handle) = Py_NewRef(handle);
-    }
+    result = new_node(self->node_type, self->node_ref, self->ref, self->node_handle, Py_NewRef(handle));
 done:
     Py_DECREF(key);
     Py_DECREF(depth_value);
@@ -538,7 +580,7 @@ static PyTypeObject FastAddType = {
 typedef struct {
     WRAPPER_HEAD /* function: the Python Node.split */
     PyTypeObject *node_type, *tape_type, *group_type;
-    Py_ssize_t node_tape, node_handle;                                     /* Node's slots */
+    Py_ssize_t node_ref, node_handle;                                      /* Node's slots */
     Py_ssize_t tape_depth, tape_source, tape_index;                        /* Tape's lists of int */
     Py_ssize_t tape_outputs_of, tape_source_group, tape_source_output;     /* and the rest it reads */
     Py_ssize_t group_num_outputs, group_output_sources;                    /* Group's */
@@ -562,19 +604,24 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
         return NOT_HANDLED;
     }
     Py_ssize_t num = as_row(num_value);
-    PyObject *tape = slot_of_type(node, self->node_tape, self->tape_type);
+    PyObject *ref = SLOT(node, self->node_ref);
+    PyObject *tape = ref && PyWeakref_CheckRefExact(ref) ? referent(ref) : NULL; /* NULL: a fold that is gone */
+    if (tape != NULL && !Py_IS_TYPE(tape, self->tape_type)) {
+        Py_CLEAR(tape);
+    }
     PyObject *handle = slot_of_type(node, self->node_handle, &PyLong_Type);
     PyObject *outputs_of = tape ? slot_of_type(tape, self->tape_outputs_of, &PyDict_Type) : NULL;
     Py_ssize_t row = handle ? as_row(handle) : -1;
     if (num < 1 || num > MAX_OUTPUTS || outputs_of == NULL || row < 0) {
+        Py_XDECREF(tape);
         return NOT_HANDLED;
     }
     /* Strong references first: the look-up in outputs_of may run Python code (the __eq__ of a
      * key that is not an int), which may change the node, the tape and its lists; everything
      * else is read after it. */
-    Py_INCREF(tape);
+    Py_INCREF(ref);
     Py_INCREF(handle);
-    Py_INCREF(outputs_of);
+    Py_INCREF(outputs_of); /* (tape: a new reference already) */
     PyObject *result = NOT_HANDLED;
     PyObject *first_value = PyDict_GetItemWithError(outputs_of, handle);
     Py_ssize_t first = first_value ? as_row(first_value) : -1; /* >= 0: split before */
@@ -661,18 +708,18 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
     /* The nodes last: making them may run the garbage collector, and with it Python code. */
     result = PyTuple_New(num);
     for (Py_ssize_t k = 0; k < num && result != NULL; k++) {
-        PyObject *output = self->node_type->tp_alloc(self->node_type, 0);
-        PyObject *output_handle = output ? PyLong_FromSsize_t(first + k) : NULL;
-        if (output_handle == NULL) {
-            Py_XDECREF(output);
+        PyObject *output_handle = PyLong_FromSsize_t(first + k);
+        PyObject *output = output_handle
+                               ? new_node(self->node_type, self->node_ref, ref, self->node_handle, output_handle)
+                               : NULL;
+        if (output == NULL) {
             Py_CLEAR(result);
             break;
         }
-        SLOT(output, self->node_tape) = Py_NewRef(tape);
-        SLOT(output, self->node_handle) = output_handle;
         PyTuple_SET_ITEM(result, k, output);
     }
 finish:
+    Py_DECREF(ref);
     Py_DECREF(tape);
     Py_DECREF(handle);
     Py_DECREF(outputs_of);
@@ -714,7 +761,7 @@ FastSplit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->node_type = (PyTypeObject *)Py_NewRef((PyObject *)node_type);
     self->tape_type = (PyTypeObject *)Py_NewRef((PyObject *)tape_type);
     self->group_type = (PyTypeObject *)Py_NewRef((PyObject *)group_type);
-    if ((self->node_tape = slot_offset(node_type, "_tape")) < 0 ||
+    if ((self->node_ref = slot_offset(node_type, "_ref")) < 0 ||
         (self->node_handle = slot_offset(node_type, "_handle")) < 0 ||
         (self->tape_depth = slot_offset(tape_type, "depth")) < 0 ||
         (self->tape_source = slot_offset(tape_type, "source")) < 0 ||

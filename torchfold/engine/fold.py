@@ -151,6 +151,7 @@ class Fold:
                 unsupported type.
         """
         tape = self._tape
+        ref = tape.ref  # what this fold's nodes hold (see Node)
         depths = tape.depth
         count = len(args)
         # Unrolled first: two nodes (binary trees), four (a binary LSTM cell), one node (chains), one int (leaves).
@@ -158,8 +159,8 @@ class Fold:
             count == 2
             and (a := args[0]).__class__ is Node
             and (b := args[1]).__class__ is Node
-            and a._tape is tape
-            and b._tape is tape
+            and a._ref is ref
+            and b._ref is ref
         ):
             left = a._handle
             right = b._handle
@@ -176,15 +177,15 @@ class Fold:
             and (b := args[1]).__class__ is Node
             and (c := args[2]).__class__ is Node
             and (d := args[3]).__class__ is Node
-            and a._tape is tape
-            and b._tape is tape
-            and c._tape is tape
-            and d._tape is tape
+            and a._ref is ref
+            and b._ref is ref
+            and c._ref is ref
+            and d._ref is ref
         ):
             key = (a._handle, b._handle, c._handle, d._handle)
             depth = max(depths[key[0]], depths[key[1]], depths[key[2]], depths[key[3]]) + 1
             plain = True
-        elif count == 1 and (a := args[0]).__class__ is Node and a._tape is tape:
+        elif count == 1 and (a := args[0]).__class__ is Node and a._ref is ref:
             key = (a._handle,)
             depth = depths[key[0]] + 1
             plain = True
@@ -197,7 +198,7 @@ class Fold:
             for arg in args:
                 cls = arg.__class__
                 if cls is Node:
-                    if arg._tape is not tape:
+                    if arg._ref is not ref:
                         raise FoldError(
                             f"{arg} passed to {op_name(op)!r} belongs to another Fold; nodes can only be used "
                             "in the Fold that created them (build the whole graph in one Fold)"
@@ -263,7 +264,7 @@ class Fold:
             tape.source.append(group.source)
             depths.append(depth)
         node = new_node(Node)  # Node(tape, handle), without a call frame
-        node._tape, node._handle = tape, handle
+        node._ref, node._handle = ref, handle
         return node
 
     # -- running ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ shared value (``nobatch``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,18 +96,22 @@ class Tape:
     ``Fold.add`` appends to them and stores each call's arguments as a tuple of ints and literals,
     so recording keeps no Python object per node that the cyclic garbage collector tracks.
     A source is one batched tensor that ``apply`` will produce: a group's result, or one output
-    of a multi-output group; ``source_group``/``source_output`` say which.
+    of a multi-output group; ``source_group``/``source_output`` say which. ``ref`` is the one weak
+    reference to the tape that all its nodes hold.
     """
 
     __slots__ = (
+        "__weakref__",
         "depth",
         "index",
         "nobatch_of",
         "outputs_of",
+        "ref",
         "source",
         "source_group",
         "source_output",
     )
+    _STATE = ("depth", "index", "nobatch_of", "outputs_of", "source", "source_group", "source_output")
 
     def __init__(self) -> None:
         self.depth: list[int] = []
@@ -116,6 +121,15 @@ class Tape:
         self.source_output: list[int | None] = []
         self.outputs_of: dict[int, int] = {}  # a split handle -> its output 0's handle (the others follow)
         self.nobatch_of: dict[int, int] = {}  # a handle -> its nobatch twin
+        self.ref = weakref.ref(self)
+
+    def __getstate__(self) -> dict[str, Any]:  # (copy and pickle: a weak reference is made anew)
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in self._STATE:
+            setattr(self, name, state[name])
+        self.ref = weakref.ref(self)
 
     @property
     def sources(self) -> int:
@@ -210,6 +224,9 @@ class Node:
     """A deferred result of ``Fold.add``: use it as an argument to later ``add`` calls or ask for
     its value in ``Fold.apply``.
 
+    A node refers to its fold weakly: keep the fold for as long as you use its nodes (a node of
+    a fold that is gone raises :class:`~torchfold.FoldError` when used).
+
     Example:
         >>> import torchfold
         >>> f = torchfold.Fold()
@@ -224,15 +241,31 @@ class Node:
     """
 
     # NOTE: a node is a handle, a number into its fold's tape (``Tape``), not a record. The fold
-    # keeps no Node objects: each add returns a fresh one, which the cyclic garbage collector
-    # sees only for as long as the caller holds it. A fold keeping one object per node made the
-    # collector rescan every node of a growing fold (three quarters of recording's time). Two
-    # handles of one value compare equal (``==``, and as dict keys) without being one object.
-    __slots__ = ("_handle", "_tape")
+    # keeps no Node objects: each add returns a fresh one. A fold keeping one object per node made
+    # the cyclic garbage collector rescan every node of a growing fold (three quarters of
+    # recording's time). A node holds an int and the tape's one weak reference (``Tape.ref``),
+    # nothing that can lead back to it, so the nodes the C part makes (``native``) are not tracked
+    # by the collector at all: holding a million of them costs it nothing. The fold keeps its
+    # tape alive; a node of a fold that is gone says so when used. Two handles of one value
+    # compare equal (``==``, and as dict keys) without being one object.
+    __slots__ = ("_handle", "_ref")
 
     def __init__(self, tape: Tape, handle: int) -> None:
-        self._tape = tape
+        self._ref = tape.ref
         self._handle = handle
+
+    @property
+    def _tape(self) -> Tape:
+        tape = self._ref()
+        if tape is None:
+            raise FoldError(
+                f"node {self._handle} belongs to a Fold that no longer exists; keep the Fold (a variable "
+                "that holds it) for as long as you use its nodes"
+            )
+        return tape
+
+    def __reduce__(self) -> tuple[type[Node], tuple[Tape, int]]:  # (pickled with its tape)
+        return Node, (self._tape, self._handle)
 
     @property
     def _source(self) -> int:
@@ -301,9 +334,9 @@ class Node:
         if num == 2:  # the common case (an LSTM's h and c), without a loop
             # Built in place (new_node + slots), not through __init__: a call frame less per handle.
             one = new_node(Node)
-            one._tape, one._handle = tape, first
+            one._ref, one._handle = tape.ref, first
             two = new_node(Node)
-            two._tape, two._handle = tape, first + 1
+            two._ref, two._handle = tape.ref, first + 1
             return one, two
         return tuple(Node(tape, first + number) for number in range(num))
 
@@ -325,13 +358,18 @@ class Node:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Node):
             return NotImplemented
-        return self._handle == other._handle and self._tape is other._tape
+        return self._handle == other._handle and self._ref is other._ref
 
     def __hash__(self) -> int:
-        return hash((id(self._tape), self._handle))
+        return hash((id(self._ref), self._handle))
 
     def __repr__(self) -> str:
-        return self._tape.label(self._handle)
+        tape = self._ref()
+        return (
+            f"<node {self._handle} of a Fold that no longer exists>"
+            if tape is None
+            else tape.label(self._handle)
+        )
 
 
 if native.BUILT:

@@ -39,7 +39,7 @@ __all__ = [
     "resolve_ops",
 ]
 
-_tape = operator.attrgetter("_tape")
+_ref = operator.attrgetter("_ref")
 
 
 class _Batched(Protocol):
@@ -98,11 +98,11 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
             raise FoldError(
                 f"request {i} is an empty list; every list given to apply needs at least one node"
             )
-        if set(map(type, request)) == {Node} and set(map(_tape, request)) == {fold._tape}:
+        if set(map(type, request)) == {Node} and set(map(_ref, request)) == {fold._tape.ref}:
             continue  # the common case, checked without a Python loop; else find the culprit
         check_request_items(i, request, Node)
         for j, node in enumerate(request):
-            if node.__class__ is Node and node._tape is not fold._tape:
+            if node.__class__ is Node and node._ref is not fold._tape.ref:
                 raise FoldError(
                     f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
                 )

@@ -286,6 +286,44 @@ def test_nodes_made_in_c_are_untracked_and_an_op_holding_nodes_is_still_collecte
     assert gone() is None
 
 
+class HoldsNodes(torch.nn.Module):
+    """An op's owner that keeps nodes (module level: pickled by reference)."""
+
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("copy", ["pickle", "deepcopy"])
+def test_a_node_loaded_before_its_tape_has_its_state_is_rebuilt_with_the_tapes_ref(copy: str) -> None:
+    # The op (a bound method of a module holding nodes) is part of the tape's state, so a node
+    # given first is loaded before its tape's state: it still gets the tape's one weak reference.
+    import copy as copying
+
+    holder, fold = HoldsNodes(), Fold()
+    holder.nodes = [fold.add(holder.leaf, i) for i in range(3)]
+    duplicate = (
+        pickle.loads(pickle.dumps((holder.nodes[1], fold)))
+        if copy == "pickle"
+        else copying.deepcopy((holder.nodes[1], fold))
+    )
+    node, loaded = duplicate
+    assert node._ref is loaded._tape.ref and loaded.add(HoldsNodes.leaf, 0) is not None
+    assert repr(node) == "Node('HoldsNodes.leaf', depth=0, index=1)"
+    inner = next(iter(loaded._groups.values())).op.__self__.nodes
+    assert all(n._ref is loaded._tape.ref for n in inner) and inner[1] == node
+
+
+@pytest.mark.skipif(torchfold.engine.fold.RECORDER != "C", reason="the C part was not built")
+def test_a_node_whose_ref_is_not_its_tapes_own_is_split_in_python() -> None:
+    fold = Fold()
+    fold.add("pair", fold.add("leaf", 0), fold.add("leaf", 1)).split(2)  # the group's outputs known
+    node = fold.add("pair", fold.add("leaf", 2), fold.add("leaf", 3))
+    node._ref = weakref.ref(fold._tape, lambda _: None)  # a weak reference with a callback: not tape.ref
+    outputs = node.split(2)
+    assert all(output._ref is fold._tape.ref for output in outputs)  # made from the tape, as Python does
+    assert all(gc.is_tracked(output) for output in outputs)  # by the Python split
+
+
 def test_a_node_of_a_fold_that_is_gone_says_so_and_nodes_pickle_with_their_fold() -> None:
     fold = Fold()
     leaf = fold.add("leaf", 1)
@@ -522,6 +560,8 @@ def test_what_the_c_add_reads_by_slot_is_checked_to_be_what_it_expects() -> None
 
     with pytest.raises(TypeError, match=r"Borrowing\._ref is not a writable object slot"):
         Recorder(fold._tape, fold._groups, Borrowing, Group)
+    with pytest.raises(TypeError, match=r"^Recorder: node_type int does not support the garbage collector"):
+        Recorder(fold._tape, fold._groups, int, Group)
     tape = Tape()
     tape.ref = weakref.ref(fold._tape)  # the nodes it would make would point to another tape
     with pytest.raises(TypeError, match=r"tape\.ref must be weakref\.ref\(tape\)"):
@@ -626,6 +666,8 @@ def test_what_the_c_split_reads_by_slot_is_checked_to_be_what_it_expects() -> No
 
     with pytest.raises(TypeError, match=r"Borrowing\.depth is not a writable object slot"):
         FastSplit(Node.split.__wrapped__, Node, Borrowing, Group)  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"^FastSplit: node_type int does not support the garbage collector"):
+        FastSplit(Node.split.__wrapped__, int, Tape, Group)  # type: ignore[attr-defined]
 
 
 def test_without_the_c_part_torchfold_records_and_plans_in_python() -> None:

@@ -76,6 +76,19 @@ slot_offset(PyTypeObject *type, const char *name)
     return offset;
 }
 
+/* 0 if `type` can be the type of the nodes made here (new_node untracks them: it must support
+ * the garbage collector, as every class defined in Python does), else -1 with a TypeError. */
+static int
+check_node_type(const char *where, PyTypeObject *type)
+{
+    if (!PyType_IS_GC(type)) {
+        PyErr_Format(PyExc_TypeError, "%s: node_type %s does not support the garbage collector", where,
+                     type->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
 /* What the weak reference `ref` refers to (a new reference), or NULL (no error set) when it is gone. */
 static PyObject *
 referent(PyObject *ref)
@@ -138,7 +151,8 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
     PyObject *tape, *groups;
     PyTypeObject *node_type, *group_type;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!:Recorder", keywords, &tape, &PyDict_Type, &groups,
-                                     &PyType_Type, &node_type, &PyType_Type, &group_type)) {
+                                     &PyType_Type, &node_type, &PyType_Type, &group_type) ||
+        check_node_type("Recorder", node_type) < 0) {
         return -1;
     }
     PyObject *depth = tape_list(tape, "depth");
@@ -583,6 +597,7 @@ typedef struct {
     Py_ssize_t node_ref, node_handle;                                      /* Node's slots */
     Py_ssize_t tape_depth, tape_source, tape_index;                        /* Tape's lists of int */
     Py_ssize_t tape_outputs_of, tape_source_group, tape_source_output;     /* and the rest it reads */
+    Py_ssize_t tape_ref;                                                   /* the ref its nodes hold */
     Py_ssize_t group_num_outputs, group_output_sources;                    /* Group's */
 } FastSplit;
 
@@ -606,8 +621,8 @@ split(FastSplit *self, PyObject *node, PyObject *num_value)
     Py_ssize_t num = as_row(num_value);
     PyObject *ref = SLOT(node, self->node_ref);
     PyObject *tape = ref && PyWeakref_CheckRefExact(ref) ? referent(ref) : NULL; /* NULL: a fold that is gone */
-    if (tape != NULL && !Py_IS_TYPE(tape, self->tape_type)) {
-        Py_CLEAR(tape);
+    if (tape != NULL && (!Py_IS_TYPE(tape, self->tape_type) || SLOT(tape, self->tape_ref) != ref)) {
+        Py_CLEAR(tape); /* not a tape's node, or one whose `_ref` is not its tape's own: Python */
     }
     PyObject *handle = slot_of_type(node, self->node_handle, &PyLong_Type);
     PyObject *outputs_of = tape ? slot_of_type(tape, self->tape_outputs_of, &PyDict_Type) : NULL;
@@ -749,7 +764,7 @@ FastSplit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                                      &PyType_Type, &tape_type, &PyType_Type, &group_type)) {
         return NULL;
     }
-    if (check_wrapped("FastSplit(function, ...)", function) < 0) {
+    if (check_wrapped("FastSplit(function, ...)", function) < 0 || check_node_type("FastSplit", node_type) < 0) {
         return NULL;
     }
     FastSplit *self = (FastSplit *)type->tp_alloc(type, 0);
@@ -769,6 +784,7 @@ FastSplit_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         (self->tape_outputs_of = slot_offset(tape_type, "outputs_of")) < 0 ||
         (self->tape_source_group = slot_offset(tape_type, "source_group")) < 0 ||
         (self->tape_source_output = slot_offset(tape_type, "source_output")) < 0 ||
+        (self->tape_ref = slot_offset(tape_type, "ref")) < 0 ||
         (self->group_num_outputs = slot_offset(group_type, "num_outputs")) < 0 ||
         (self->group_output_sources = slot_offset(group_type, "output_sources")) < 0) {
         Py_DECREF(self);

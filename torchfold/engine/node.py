@@ -129,7 +129,8 @@ class Tape:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name in self._STATE:
             setattr(self, name, state[name])
-        self.ref = weakref.ref(self)
+        if not hasattr(self, "ref"):  # (a node unpickled before its tape's state may have made it: _node_of)
+            self.ref = weakref.ref(self)
 
     @property
     def sources(self) -> int:
@@ -264,8 +265,8 @@ class Node:
             )
         return tape
 
-    def __reduce__(self) -> tuple[type[Node], tuple[Tape, int]]:  # (pickled with its tape)
-        return Node, (self._tape, self._handle)
+    def __reduce__(self) -> tuple[Callable[[Tape, int], Node], tuple[Tape, int]]:  # (pickled with its tape)
+        return _node_of, (self._tape, self._handle)
 
     @property
     def _source(self) -> int:
@@ -370,6 +371,18 @@ class Node:
             if tape is None
             else tape.label(self._handle)
         )
+
+
+def _node_of(tape: Tape, handle: int) -> Node:
+    """A node, unpickled. Its tape may not have its state yet (an op that holds nodes is part of
+    the tape's state, so one of them can be loaded first): the tape's ``ref`` is then made here."""
+    try:
+        ref = tape.ref
+    except AttributeError:
+        ref = tape.ref = weakref.ref(tape)
+    node = new_node(Node)
+    node._ref, node._handle = ref, handle
+    return node
 
 
 if native.BUILT:

@@ -40,8 +40,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *tape;   /* the fold's Tape */
-    PyObject *ref;    /* tape.ref: the weak reference to it that its nodes hold */
+    PyObject *ref;    /* tape.ref: the weak reference to the fold's Tape that its nodes hold (NULL: unusable) */
     PyObject *depth;  /* tape.depth: list of int */
     PyObject *source; /* tape.source: list of int */
     PyObject *index;  /* tape.index: list of int */
@@ -175,7 +174,6 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->depth, depth);
     Py_XSETREF(self->source, source);
     Py_XSETREF(self->index, index);
-    Py_XSETREF(self->tape, Py_NewRef(tape));
     Py_XSETREF(self->ref, ref);
     Py_XSETREF(self->groups, Py_NewRef(groups));
     Py_XSETREF(self->node_type, (PyTypeObject *)Py_NewRef((PyObject *)node_type));
@@ -184,7 +182,7 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
         (self->node_handle = slot_offset(node_type, "_handle")) < 0 ||
         (self->group_nodes = slot_offset(group_type, "nodes")) < 0 ||
         (self->group_source = slot_offset(group_type, "source")) < 0) {
-        Py_CLEAR(self->tape); /* not usable: FastAdd leaves every call to Python */
+        Py_CLEAR(self->ref); /* not usable: FastAdd leaves every call to Python */
         return -1;
     }
     return 0;
@@ -196,7 +194,6 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
     for (int i = 0; i < CACHE_SIZE; i++) {
         Py_VISIT(self->cache[i].op);
     }
-    Py_VISIT(self->tape);
     Py_VISIT(self->ref);
     Py_VISIT(self->depth);
     Py_VISIT(self->source);
@@ -211,7 +208,6 @@ static int
 Recorder_clear(Recorder *self)
 {
     clear_cache(self);
-    Py_CLEAR(self->tape);
     Py_CLEAR(self->ref);
     Py_CLEAR(self->depth);
     Py_CLEAR(self->source);
@@ -441,7 +437,7 @@ FastAdd_vectorcall(FastAdd *self, PyObject *const *args, size_t nargsf, PyObject
         }
         else {
             PyObject *node = NOT_HANDLED;
-            if (Py_IS_TYPE(recorder, &RecorderType) && ((Recorder *)recorder)->tape != NULL) {
+            if (Py_IS_TYPE(recorder, &RecorderType) && ((Recorder *)recorder)->ref != NULL) {
                 node = record((Recorder *)recorder, args[1], args + 2, nargs - 2);
             }
             Py_DECREF(recorder);

@@ -129,8 +129,13 @@ class Tape:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name in self._STATE:
             setattr(self, name, state[name])
-        if not hasattr(self, "ref"):  # (a node unpickled before its tape's state may have made it: _node_of)
+        self.own_ref()
+
+    def own_ref(self) -> weakref.ref[Tape]:
+        """``ref``, made first when missing: unpickling may load a node before its tape's state."""
+        if not hasattr(self, "ref"):
             self.ref = weakref.ref(self)
+        return self.ref
 
     @property
     def sources(self) -> int:
@@ -376,12 +381,8 @@ class Node:
 def _node_of(tape: Tape, handle: int) -> Node:
     """A node, unpickled. Its tape may not have its state yet (an op that holds nodes is part of
     the tape's state, so one of them can be loaded first): the tape's ``ref`` is then made here."""
-    try:
-        ref = tape.ref
-    except AttributeError:
-        ref = tape.ref = weakref.ref(tape)
     node = new_node(Node)
-    node._ref, node._handle = ref, handle
+    node._ref, node._handle = tape.own_ref(), handle
     return node
 
 

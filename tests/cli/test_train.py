@@ -282,6 +282,32 @@ def test_a_nan_lr_in_a_checkpoint_is_one_line_naming_the_file(
     assert "--lr nan" not in err
 
 
+@pytest.mark.parametrize(
+    ("changed", "needles"),
+    [
+        (
+            ["--lr-rule", "sqrt", "--ref-batch-size", "8"],
+            ["--lr-rule 'linear'", "this run has --lr-rule 'sqrt'"],
+        ),
+        (["--lr-rule", "linear"], ["--ref-batch-size 8", "this run has --ref-batch-size 12"]),  # the trace's
+        (
+            ["--lr-rule", "linear", "--ref-batch-size", "8", "--drop-last"],
+            ["--drop-last False", "this run has --drop-last True"],
+        ),
+    ],
+)
+def test_resuming_with_another_lr_rule_ref_batch_or_drop_last_names_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changed: list[str], needles: list[str]
+) -> None:
+    ck = ("--checkpoint-dir", str(tmp_path / "ck"))
+    first = _args(tmp_path, "--max-steps", "1", *ck, "--lr-rule", "linear", "--ref-batch-size", "8")
+    assert run_train(first, capsys)[0] == 0
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", *ck, *changed), capsys)
+    _usage_error(code, err, *needles, "resume with --")
+    for word in ("lr_rule=", "ref_batch_size=", "drop_last=", "sampler"):  # the library's words
+        assert word not in err, err
+
+
 @pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_status_130(tmp_path: Path) -> None:
     ck = tmp_path / "ck"

@@ -473,10 +473,7 @@ def _train(
         if args.optimizer == "adam"
         else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, fused=fused)
     )
-    ref = args.ref_batch_size if args.ref_batch_size is not None else trace[0]
-    optimizer = AccumulatingOptimizer(
-        base, lr_rule=args.lr_rule, ref_batch_size=None if args.lr_rule == "constant" else ref
-    )
+    optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=_ref_batch_size(args, trace))
     fold_trees = args.minibatch_size or args.max_device_batch_size
     loader = StepLoader(
         trees,
@@ -615,7 +612,20 @@ def _checkpoint_settings(
     }
     for name in ("embedding_dim", "hidden_dim", "dtype", "minibatch_size", "max_device_batch_size", "seed"):
         settings[f"--{name.replace('_', '-')}"] = getattr(args, name)
+    # The optimizer's and the sampler's states refuse these too, in the library's words (lr_rule=...):
+    # checked here first, a mismatch names the option. (Checkpoints written before they were
+    # settings lack them; the library's check still refuses a mismatch there.)
+    settings["--lr-rule"] = args.lr_rule
+    settings["--ref-batch-size"] = _ref_batch_size(args, trace)  # the one the run uses, default included
+    settings["--drop-last"] = args.drop_last
     return settings
+
+
+def _ref_batch_size(args: argparse.Namespace, trace: BatchSizeTrace) -> int | None:
+    """The optimizer's reference batch size: --ref-batch-size, else the trace's first; none for the constant rule."""
+    if args.lr_rule == "constant":
+        return None
+    return args.ref_batch_size if args.ref_batch_size is not None else trace[0]
 
 
 def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | None, list[str]]:

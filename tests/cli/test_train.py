@@ -308,6 +308,21 @@ def test_resuming_with_another_lr_rule_ref_batch_or_drop_last_names_the_option(
         assert word not in err, err
 
 
+def test_the_log_lines_and_the_done_line_say_what_their_loss_is_a_mean_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args(tmp_path, "--max-steps", "3")
+    args[args.index("--log-every") + 1] = "2"  # small_run's is 0
+    code, out, err = run_train(args, capsys)
+    assert code == 0, err
+    two, one, done = (line for line in out.splitlines() if line.startswith(("step ", "done:")))
+    assert two.startswith("step 2/3 | ") and " (mean over the last 2 steps) | " in two, two
+    assert one.startswith("step 3/3 | ") and " (mean over the last step) | " in one, one
+    # the last line's one step is the step the done line gives
+    last = one.split("| loss ")[1].split(" ")[0]
+    assert done.endswith(f"up to step 3; loss {last} (mean over the last step)"), done
+
+
 @pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_status_130(tmp_path: Path) -> None:
     ck = tmp_path / "ck"

@@ -296,7 +296,9 @@ def test_log_lines_and_progress_are_on_the_main_rank(trees: list[Tree]) -> None:
     assert len(history) == 4 and len(lines) == 2
     assert lines[0].startswith("step 2/4 | epoch 0 | batch 12 (2 minibatches) | lr 0.2 | loss ")
     loss = (history[0].loss + history[1].loss) / 2
-    assert f"| loss {loss:.4f} | " in lines[0] and lines[0].endswith(" samples/s")
+    assert f"| loss {loss:.4f} (mean over the last 2 steps) | " in lines[0] and lines[0].endswith(
+        " samples/s"
+    )
 
 
 def test_off_a_terminal_the_default_is_log_lines_every_50_steps_and_at_the_end(trees: list[Tree]) -> None:

@@ -579,7 +579,7 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO])
     if main_rank:
         samples = sum(s.batch_size for s in steps)
         seconds = sum(s.seconds for s in steps)
-        final = f", last loss {steps[-1].loss:.4f}" if steps else ""
+        final = f"; loss {steps[-1].loss:.4f} (mean over the last step)" if steps else ""
         print(
             f"done: {len(steps)} steps ({samples} samples, {samples / max(seconds, 1e-9):.1f} samples/s) up to "
             f"step {trainer.next_step}{final}"

@@ -4,7 +4,7 @@ On the main rank only, as tqdm and Lightning do it: a progress bar when stderr i
 and otherwise (a log file, a notebook, CI) a log line every ``log_every`` steps (default
 :data:`DEFAULT_LOG_EVERY`) and at the last one; ``progress=False`` alone is quiet. A line gives
 the step, the epoch, the global batch, the learning rate, and the loss and samples/s of the steps
-since the line before.
+since the line before (the loss: the mean over their samples, "mean over the last K steps").
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class StepProgress:
         self.end, self.log_every, self.log, self.is_main = end, log_every, log, is_main
         self._total, self._show = max(0, end - start), bar
         self._loss = self._samples = 0.0
+        self._steps = 0  # steps since the last line
         self._since = time.perf_counter()
 
     def __enter__(self) -> StepProgress:
@@ -69,6 +70,7 @@ class StepProgress:
         """Count a finished step, move the bar, and log a line where one is due."""
         self._loss += stats.loss * stats.batch_size if stats.num_minibatches else 0.0
         self._samples += stats.batch_size if stats.num_minibatches else 0
+        self._steps += 1
         self.bar.update(1)
         self.bar.set_postfix(batch=stats.batch_size, loss=f"{stats.loss:.3f}", refresh=False)
         if self.log_every and (next_step % self.log_every == 0 or next_step == self.end):
@@ -80,10 +82,12 @@ class StepProgress:
         if self.is_main:
             loss = self._loss / self._samples if self._samples else math.nan
             rate = self._samples / max(now - self._since, 1e-9)
+            steps = "the last step" if self._steps == 1 else f"the last {self._steps} steps"
             self.log(
                 f"step {next_step}/{self.end} | epoch {stats.epoch} | batch {stats.batch_size} "
-                f"({stats.num_minibatches} minibatches) | lr {stats.lr:.4g} | loss {loss:.4f} | "
-                f"{rate:.1f} samples/s"
+                f"({stats.num_minibatches} minibatches) | lr {stats.lr:.4g} | loss {loss:.4f} (mean over "
+                f"{steps}) | {rate:.1f} samples/s"
             )
         self._loss = self._samples = 0.0
+        self._steps = 0
         self._since = now

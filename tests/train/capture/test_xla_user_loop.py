@@ -186,3 +186,77 @@ def test_compile_off_on_xla_takes_targets_from_the_host() -> None:
             losses.append(float(step([(plan, targets, len(values))])))
         results.append([*losses, model.w.item()])
     assert results[0] == pytest.approx(results[1], rel=1e-6)
+
+
+class _Moded(torch.nn.Module):
+    """Two logits per leaf, through a dropout (``drop``) or doubled in train() (``double``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.w = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([x.double() * self.w, -x.double() * self.w], dim=1)
+        if self.kind == "drop":
+            return self.drop(logits)
+        return logits * 2 if self.training else logits
+
+
+def _moded_steps(model: _Moded, modes: list[bool]) -> tuple[list[float], Any]:
+    """Steps of one minibatch and of two, in the mode ``modes`` gives each; the model's mode is
+    checked after every step."""
+    import torchfold
+
+    def loss(model: Any, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs[0], targets, ignore_index=-100)
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, capturable=model.w.device.type == "xla")
+    step = torchfold.train.captured_step(model, loss, optimizer)
+    results = []
+    for number, training in enumerate(modes):
+        model.train(training)
+        items = []
+        for values in ([1, 2], [3, 1, 2])[: 1 + number % 2]:
+            fold = torchfold.Fold(shapes=torchfold.StaticShapes())
+            plan = fold.plan([[fold.add("leaf", v) for v in values]])
+            items.append((plan, plan.pad(0, [v % 2 for v in values], fill=-100), len(values)))
+        results.append(float(step(items)))
+        assert model.training is training and model.drop.training is training
+    return [*results, model.w.item()], step.runner
+
+
+@pytest.mark.timeout(300)
+def test_a_model_in_eval_stays_in_eval_and_its_steps_replay() -> None:
+    """A model in eval() with a dropout: ``captured_step`` keeps it in eval() (it once called
+    ``model.train()`` on every step, so the dropout drew random numbers and no step replayed); its
+    steps, of one minibatch and of several, replay and equal the same steps on the CPU."""
+    import torch_xla
+
+    from torchfold.train.capture import XlaRunner
+
+    modes = [False] * 6
+    model = _Moded("drop").to(torch_xla.device())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on_xla, runner = _moded_steps(model, modes)
+    assert not [str(w.message) for w in caught if "not replayed" in str(w.message)]
+    assert isinstance(runner, XlaRunner)
+    assert runner.whole.refused is None and runner.programs.refused is None and runner.captures >= 3
+    on_cpu, _ = _moded_steps(_Moded("drop"), modes)
+    assert on_xla == pytest.approx(on_cpu, rel=1e-4)  # (capturable Adam counts its steps in float32)
+
+
+@pytest.mark.timeout(300)
+def test_the_captured_programs_follow_the_models_mode() -> None:
+    """A model whose ops read ``self.training``: switching it between train() and eval() between
+    steps gives each mode programs of its own (never a replay of the other mode's), and the steps
+    equal the same steps on the CPU."""
+    import torch_xla
+
+    modes = [True, True, False, False, True, False, True, False]
+    on_xla, runner = _moded_steps(_Moded("double").to(torch_xla.device()), modes)
+    assert runner.whole.refused is None and runner.programs.refused is None
+    on_cpu, _ = _moded_steps(_Moded("double"), modes)
+    assert on_xla == pytest.approx(on_cpu, rel=1e-4)  # (capturable Adam counts its steps in float32)

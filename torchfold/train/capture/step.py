@@ -22,7 +22,8 @@ class CapturedStep:
     Call it with the step's minibatches, each ``(plan, targets, num_samples)`` (targets on the host
     or the device: they are moved to the model's); it runs their forward, loss and backward, then
     the update, and returns the step's mean loss over its samples as a 0-dim tensor on the device
-    (not read back: ``float()`` it when you want the number).
+    (not read back: ``float()`` it when you want the number). The model runs in the mode you set
+    (``model.train()`` or ``model.eval()``); the step never changes it.
     """
 
     def __init__(self, runner: StepRunner, device: torch.device) -> None:
@@ -48,7 +49,8 @@ class CapturedStep:
                 raise TypeError(
                     f"minibatch {number} must be a tuple (plan, targets, num_samples), got {type(item).__name__}"
                 )
-        self.runner.model.train()
+        # NOTE: the model keeps the mode its user set (a step in eval() runs without dropout); every
+        # capture keys its programs on ``model.training``, so a change of mode is a new capture
         total = 0
         for plan, targets, num_samples in batch:
             # targets from the host (plan.pad's, numpy) go to the device, as the trainer's loader moves

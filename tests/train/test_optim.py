@@ -339,6 +339,87 @@ def test_clipping_between_synchronize_and_step_equals_clipping_one_big_batch() -
         torch.testing.assert_close(p, q)
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda p: torch.optim.SGD(p, lr=LR), lambda p: torch.optim.Adam(p, lr=LR)],
+    ids=["sgd", "adam"],
+)
+def test_max_grad_norm_clips_the_steps_mean_gradient_as_clip_grad_norm_on_one_big_batch(make_opt) -> None:
+    """max_grad_norm= clips after the all-reduce and the division, before the update: as
+    clip_grad_norm_ on the gradient of one big batch, uneven minibatches included."""
+    model, ref_model = make_model(), make_model()
+    opt = AccumulatingOptimizer(
+        make_opt(model.parameters()), lr_rule="linear", ref_batch_size=REF, max_grad_norm=0.1
+    )
+    ref_opt = make_opt(ref_model.parameters())
+    for step, sizes in zip(_batches(STEPS), STEPS, strict=True):
+        for xb, yb in step:
+            with opt.minibatch(len(xb)):
+                F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        x = torch.cat([xb for xb, _ in step])
+        y = torch.cat([yb for _, yb in step])
+        ref_opt.param_groups[0]["lr"] = LR * sum(sizes) / REF
+        F.cross_entropy(ref_model(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.last_grad_norm is not None
+        torch.testing.assert_close(opt.last_grad_norm, ref_norm)
+        assert ref_norm > 0.1  # the clipping did something
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_grad_scaler_given_to_the_optimizer_unscales_clips_and_skips_as_the_manual_loop() -> None:
+    """grad_scaler=: synchronize() unscales (then clips), step() skips an overflowed update and
+    updates the scale: the same as scaler.unscale_ / clip_grad_norm_ / scaler.step by hand."""
+    model, ref_model = make_model().float(), make_model().float()
+    opt = AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=0.5, grad_scaler=torch.amp.GradScaler("cpu")
+    )
+    ref_opt = AccumulatingOptimizer(torch.optim.SGD(ref_model.parameters(), lr=LR))
+    ref_scaler = torch.amp.GradScaler("cpu")
+    for number, step in enumerate(_batches(STEPS)):
+        boost = 2.0**127 if number == 1 else 1.0  # step 1 overflows: skipped by both
+        for xb, yb in step:
+            with opt.minibatch(len(xb)):
+                assert opt.grad_scaler is not None
+                opt.grad_scaler.scale(F.cross_entropy(model(xb.float()), yb) * boost).backward()
+            with ref_opt.minibatch(len(xb)):
+                ref_scaler.scale(F.cross_entropy(ref_model(xb.float()), yb) * boost).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.synchronize()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.5)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert opt.grad_scaler.get_scale() == ref_scaler.get_scale()
+    assert ref_scaler.get_scale() < 2.0**16  # the overflow lowered the scale
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_external_step_refuses_to_skip_clipping_or_loss_scaling() -> None:
+    """A runner that computes the step itself must clip (clipped=True); loss scaling it cannot do."""
+    model = make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=1.0)
+    with pytest.raises(RuntimeError, match=r"max_grad_norm=1.0: .* does not clip it"):
+        opt.external_step(4, 1, lambda lrs: None)
+    assert opt.steps == 0
+    opt.external_step(4, 1, lambda lrs: None, clipped=True)
+    assert opt.steps == 1
+    opt.grad_scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match="with a grad_scaler"):
+        opt.external_step(4, 1, lambda lrs: None, clipped=True)
+    for bad, error in ((0.0, ValueError), (math.inf, ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_grad_norm must be"):
+            AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_grad_scaler_with_autocast_on_cpu_matches_one_big_batch(dtype: torch.dtype) -> None:
     def new() -> torch.nn.Module:

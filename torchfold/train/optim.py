@@ -35,7 +35,7 @@ from torchfold.train.distributed import accumulation_dtype, all_reduce_sum_, wor
 from torchfold.train.lr import scaled_lr
 
 _T = TypeVar("_T")
-__all__ = ["AccumulatingOptimizer"]
+__all__ = ["AccumulatingOptimizer", "check_max_grad_norm"]
 
 # The trace module's rules (constant, linear, sqrt: scaled_lr) plus AdaScale, which needs gradients.
 _LRRuleName = Literal["constant", "linear", "sqrt", "adascale"]
@@ -127,6 +127,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             leaving this attribute as it is.
         adascale_smoothing: weight of the past in the exponential moving averages of AdaScale's
             variance estimates, in ``[0, 1)`` (default 0.9; 0 uses each step's estimate alone).
+        max_grad_norm: clip the step's gradient to this total 2-norm (``clip_grad_norm_``) in
+            :meth:`synchronize`, after the all-reduce and the division, before the update: the norm
+            of the mean gradient over the global batch, the same on every rank (default ``None``: no
+            clipping).
+        grad_scaler: a ``torch.amp.GradScaler`` whose scale the step's losses were multiplied by
+            before their backward (``TraceTrainer(precision="fp16")`` does it): :meth:`synchronize`
+            unscales the all-reduced gradient (before clipping it), and :meth:`step` skips the update
+            of a step whose gradient overflowed and updates the scale (default ``None``).
 
     >>> model = torch.nn.Linear(3, 1)
     >>> opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -153,6 +161,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         module: torch.nn.Module | None = None,
         adascale_smoothing: float = 0.9,
         minibatch_size: int | None = None,
+        max_grad_norm: float | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is deliberately not called: the wrapped optimizer owns the
         # parameter groups and state; this class only forwards to it (schedulers need the isinstance).
@@ -183,6 +193,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if minibatch_size is not None:
             check_int("minibatch_size", minibatch_size)
         self.minibatch_size = minibatch_size
+        #: the step's gradient is clipped to this total norm in :meth:`synchronize` (None: not clipped);
+        #: a runner that computes a step itself (:meth:`external_step`) must clip to it as well
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        #: unscales the step's gradient and skips overflowed updates (see ``grad_scaler``)
+        self.grad_scaler = grad_scaler
+        #: the total norm of the last step's gradient before clipping (a tensor on the device: read
+        #: it when you like; ``None`` without ``max_grad_norm``)
+        self.last_grad_norm: torch.Tensor | None = None
         self._default_minibatch_size: int | None = None  # inside default_minibatch_size()
         self.module = module
         self._no_sync = contextlib.ExitStack()
@@ -495,6 +513,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         run: Callable[[list[float]], _T],
         *,
         reduced: bool = False,
+        clipped: bool = False,
     ) -> _T:
         """One step whose gradients and update ``run`` computes itself (e.g. replayed programs); its result.
 
@@ -503,12 +522,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         :meth:`synchronize` and the wrapped optimizer's update would do; this records the step as
         :meth:`step` would (its counts, the rule's factor). In one process, or, with ``reduced``,
         in several whose gradients the caller has summed over the ranks already: then
-        ``num_samples`` and ``num_minibatches`` are the step's over all ranks.
+        ``num_samples`` and ``num_minibatches`` are the step's over all ranks. With
+        :attr:`max_grad_norm`, ``run`` must clip the step's mean gradient to it before the update,
+        and say so with ``clipped=True``.
 
         Raises:
             RuntimeError: several processes without ``reduced`` (their gradients must be
                 all-reduced: use :meth:`minibatch` and :meth:`step`), ``lr_rule="adascale"`` (it
-                needs the gradients' statistics), or a step already under way.
+                needs the gradients' statistics), a :attr:`grad_scaler`, a :attr:`max_grad_norm`
+                without ``clipped``, or a step already under way.
         """
         check_int("num_samples", num_samples)
         check_int("num_minibatches", num_minibatches)
@@ -520,6 +542,17 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.lr_rule == "adascale":
             raise RuntimeError(
                 "external_step() with lr_rule='adascale', which needs the gradients' statistics; use step()"
+            )
+        if self.grad_scaler is not None:
+            raise RuntimeError(
+                "external_step() with a grad_scaler: the step's gradient never reaches p.grad here to be "
+                "unscaled and checked for overflow; use minibatch() and step() (TraceTrainer: compile='off')"
+            )
+        if self.max_grad_norm is not None and not clipped:
+            raise RuntimeError(
+                f"external_step() with max_grad_norm={self.max_grad_norm}: the step's gradient never reaches "
+                "p.grad here to be clipped, and this runner's update does not clip it (clipped=False); use "
+                "minibatch() and step() (TraceTrainer: compile='off')"
             )
         if self._step_in_progress() or self._synced:
             raise RuntimeError(
@@ -639,12 +672,22 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 if divisor != 1.0:
                     g.div_(divisor)  # the one place where gradients are divided
                 p.grad = g
+        self._finish_gradients()
         self._factor = factor
         self._synced = True
         self._needs_zero_grad = True
         self.last_batch_size = num_samples
         self.last_num_minibatches = num_minibatches or plain_ranks
         self.last_lr_factor = factor
+
+    def _finish_gradients(self) -> None:
+        """The step's mean gradient, unscaled (``grad_scaler``) and clipped (``max_grad_norm``), in that order."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+        if self.max_grad_norm is not None:
+            # one norm over every parameter's gradient (foreach where it can): no read back to the host
+            grads = [p for p in self._params() if p.grad is not None]
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
 
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, *, update: Callable[[], object] | None = None
@@ -665,7 +708,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
                 group["lr"] = lr * factor
             update = update if update is not None else self.update_fn
-            if update is not None:
+            scaler = self.grad_scaler
+            if scaler is not None and update is not None:
+                raise RuntimeError(
+                    "step(update=...) with a grad_scaler: a captured update cannot be skipped when the gradient "
+                    "overflowed; leave the update to the optimizer (TraceTrainer: compile='off')"
+                )
+            if scaler is not None:
+                scaler.step(self.optimizer)  # skipped where the unscaled gradient is not finite
+                scaler.update()
+            elif update is not None:
                 update()
             else:
                 self.optimizer.step()
@@ -775,6 +827,23 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._sqr_avg = mine["adascale_sqr_avg"]
             self.scale_invariant_steps = float(mine["scale_invariant_steps"])
             self.steps = int(mine["steps"])
+
+
+def check_max_grad_norm(value: object) -> float | None:
+    """``max_grad_norm`` as a float, or a ValueError/TypeError naming the rule and the value.
+
+    >>> check_max_grad_norm(1), check_max_grad_norm(None)
+    (1.0, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"max_grad_norm must be a positive number or None, got {type(value).__name__} {value!r}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"max_grad_norm must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 def _own_xla_scalar_buffers(optimizer: torch.optim.Optimizer) -> None:

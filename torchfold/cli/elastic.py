@@ -20,7 +20,8 @@ the replay compares the two runs' parameters: training is world-size invariant, 
 to float summation order.
 
 The run folder holds ``replay.csv`` (one row per step), ``segments.csv`` (one row per group or
-pause), ``replay.png``, ``logs/`` (each group's output), ``history/`` (each group's step stats),
+pause), ``replay.png`` (with the ``plot`` extra; without matplotlib the replay says so before it
+starts, and runs and compares all the same), ``logs/`` (each group's output), ``history/`` (each group's step stats),
 ``checkpoints/`` and ``reference/`` (the uninterrupted run).
 
 Example::
@@ -52,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from torchfold._validate import non_negative_float, positive_float, positive_int, seed_int
-from torchfold.cli.elastic_plot import plot_elastic
+from torchfold.cli.elastic_plot import plot_elastic, plot_unavailable
 from torchfold.cli.elastic_schedule import (
     ElasticSchedule,
     ScheduledStep,
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "1..--max-processes gloo processes, restart the run (SIGTERM, torchrun with the new count, resume from "
         "the newest checkpoint) at every change of the process count, pause while no device is available, and "
         "compare the final parameters with one uninterrupted process. Arguments after '--' go to every "
-        "`python -m torchfold train` run. Writes replay.csv, segments.csv and replay.png to --run-dir.",
+        "`python -m torchfold train` run. Writes replay.csv, segments.csv and (with matplotlib, the plot extra) replay.png to --run-dir.",
     )
     p.add_argument(
         "--availability", required=True, metavar="FILE", help="availability CSV (',Time,GPUs' rows)"
@@ -511,6 +512,9 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
         f"-> {args.max_processes} processes; {_count(len(groups), 'group')}, {_count(len(pauses), 'pause')}; run folder {run_dir}",
         flush=True,
     )
+    no_picture = plot_unavailable()
+    if no_picture is not None:  # said before the training, not found after it
+        print(f"replay.png will not be drawn: {no_picture}", flush=True)
     results: list[_GroupResult] = []
     segment_rows: list[dict[str, Any]] = []
     for segment in schedule.segments:
@@ -612,30 +616,35 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
             }
         )
     _write_csv(run_dir / "replay.csv", rows)
+    print(f"written: {run_dir / 'replay.csv'}, {run_dir / 'segments.csv'}", flush=True)
     restarts = sum(1 for r in results if r.rows) - 1
-    plot_elastic(
-        run_dir / "replay.png",
-        intervals,
-        schedule,
-        rows,
-        [r.first_step for r in results[1:] if r.rows],  # where a restarted group resumed
-        f"{Path(source).name}: {final_step} steps, {_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}",
-    )
-    print(
-        f"written: {run_dir / 'replay.csv'}, {run_dir / 'segments.csv'}, {run_dir / 'replay.png'}", flush=True
-    )
-    if reference is None:
-        return 0
-    from torchfold.train.checkpoint import checkpoint_path
+    close = True
+    if reference is not None:  # the result first: nothing after it can hide it
+        from torchfold.train.checkpoint import checkpoint_path
 
-    diff, count, close = compare_parameters(checkpoint_path(run_dir / "checkpoints", final_step), reference)
-    verdict = (
-        "within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
-        if close
-        else "NOT within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
-    )
-    print(
-        f"parameters after step {final_step}: replay ({_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}) vs one "
-        f"uninterrupted process: max abs difference {diff:.3g} over {count} values; {verdict}"
-    )
+        diff, count, close = compare_parameters(
+            checkpoint_path(run_dir / "checkpoints", final_step), reference
+        )
+        verdict = (
+            "within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
+            if close
+            else "NOT within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
+        )
+        print(
+            f"parameters after step {final_step}: replay ({_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}) vs one "
+            f"uninterrupted process: max abs difference {diff:.3g} over {count} values; {verdict}",
+            flush=True,
+        )
+    if no_picture is None:
+        plot_elastic(
+            run_dir / "replay.png",
+            intervals,
+            schedule,
+            rows,
+            [r.first_step for r in results[1:] if r.rows],  # where a restarted group resumed
+            f"{Path(source).name}: {final_step} steps, {_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}",
+        )
+        print(f"written: {run_dir / 'replay.png'}")
+    else:
+        print(f"replay.png not drawn: {no_picture}")
     return 0 if close else 1

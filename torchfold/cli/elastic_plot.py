@@ -10,7 +10,19 @@ from typing import Any
 from torchfold.cli.elastic_schedule import ElasticSchedule
 from torchfold.train.availability import AvailabilityInterval
 
-__all__ = ["plot_elastic"]
+__all__ = ["plot_elastic", "plot_unavailable"]
+
+
+def plot_unavailable() -> str | None:
+    """Why ``replay.png`` cannot be drawn here (matplotlib, the ``plot`` extra, does not import), else ``None``.
+
+    The replay asks before it trains, and then trains and compares without the picture.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"matplotlib could not be imported ({e}); pip install 'pytorch-fold[plot]' to draw it"
+    return None
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:

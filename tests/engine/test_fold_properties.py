@@ -76,7 +76,7 @@ instruction = st.tuples(
     st.integers(0, 1000),
     st.integers(0, 1000),
     st.booleans(),
-    st.sampled_from([0.5, -1.0, 2.0]),
+    st.sampled_from([0.5, -1.0, 2.0, 0.0, -0.0]),  # (the signs of zero: two calls)
 )
 
 

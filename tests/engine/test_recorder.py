@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import math
 import pickle
+import struct
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -25,9 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchfold.engine.fold
+import torchfold.engine.native
 import torchfold.engine.planner
 from tests.engine.test_fold_properties import PLANNERS, compaction, instruction, requested, run_program
-from torchfold import Fold, FoldError
+from torchfold import EagerFold, Fold, FoldError
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.node import Node
 from torchfold.engine.plan import FoldPlan
@@ -51,8 +54,16 @@ class ReferenceNode:
         return (self.key, self.index, self.output, self.batch)
 
 
+def _identified(arg: Any) -> Any:
+    """What makes a literal or tensor argument the same: a tensor's identity, a float's bits, an int."""
+    if isinstance(arg, torch.Tensor):
+        return id(arg)
+    return struct.pack("<d", arg) if isinstance(arg, float) else arg
+
+
 class ReferenceFold:
-    """Groups calls by (depth, op, arity) in first-use order; identical calls once (tensors by identity)."""
+    """Groups calls by (depth, op, arity) in first-use order; identical calls once (tensors by
+    identity, floats by their bits: -0.0 is not 0.0)."""
 
     def __init__(self) -> None:
         self.groups: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
@@ -61,12 +72,7 @@ class ReferenceFold:
     def add(self, op: Any, *args: Any) -> ReferenceNode:
         depth = 1 + max((a.depth for a in args if isinstance(a, ReferenceNode)), default=-1)
         key = (depth, op, len(args))
-        same = tuple(
-            a.same()
-            if isinstance(a, ReferenceNode)
-            else (type(a), id(a) if isinstance(a, torch.Tensor) else a)
-            for a in args
-        )
+        same = tuple(a.same() if isinstance(a, ReferenceNode) else (type(a), _identified(a)) for a in args)
         if (key, same) not in self.seen:
             calls = self.groups.setdefault(key, [])
             self.seen[(key, same)] = ReferenceNode(self, key, len(calls))
@@ -775,3 +781,96 @@ def test_a_split_whose_recorded_outputs_are_not_rows_of_the_tape_goes_to_python(
     first.split(2)
     fold._tape.outputs_of[second._handle] = sys.maxsize  # beyond the tape (and a C integer, once added to)
     assert [n._handle for n in second.split(2)] == [sys.maxsize, sys.maxsize + 1]
+
+
+# -- what both recorders do alike: the C one, and Python alone (as built without a C compiler) ---
+
+
+@pytest.fixture(params=["C", "Python"])
+def recording(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[Fold]]:
+    """The Fold class to record with: ``Fold`` in C, or ``PythonFold`` with the Python split and no
+    C recorder made, as where torchfold was built without its C part."""
+    if request.param == "C":
+        if torchfold.engine.fold.RECORDER != "C":
+            pytest.skip("the C part was not built")
+        yield Fold
+        return
+    monkeypatch.setattr(torchfold.engine.native, "BUILT", False)  # Fold._new_recorder makes none
+    with python_split():
+        yield PythonFold
+
+
+class Signs(torch.nn.Module):
+    """Ops whose results tell -0.0 from 0.0, and a NaN from a NaN of the other sign."""
+
+    def sign(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.copysign(torch.ones_like(x), x)
+
+    def leaf(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float()
+
+    def signed(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * torch.copysign(torch.ones_like(y), y)
+
+
+NAN = float("nan")
+# 0.0 and -0.0 compare equal, NAN and the second NaN do not (two objects), -NAN has the sign bit
+SIGNED = [0.0, -0.0, NAN, float("nan"), -NAN]
+
+
+def _record_signs(fold: Any) -> list[Any]:
+    leaf = fold.add("leaf", 3)
+    return [fold.add("sign", value) for value in SIGNED] + [
+        fold.add("signed", leaf, value) for value in SIGNED
+    ]
+
+
+def test_calls_are_one_exactly_when_their_floats_bits_are(recording: type[Fold]) -> None:
+    # -0.0 == 0.0, yet copysign (1 / x, atan2...) tells them apart: two calls, at depth 0 and above;
+    # NaNs of the same bits are one call whether or not they are one object, a NaN's sign is not
+    model, fold = Signs(), recording()
+    nodes = _record_signs(fold)
+    expected = [1.0, -1.0, 1.0, 1.0, -1.0]
+    eager = EagerFold(model)
+    assert [t.tolist() for t in fold.apply(model, [nodes[:5], nodes[5:]])] == [
+        expected,
+        [3 * s for s in expected],
+    ]
+    assert [t.tolist() for t in eager.apply(model, [_record_signs(eager)[:5]])] == [expected]
+    assert len(fold) == 1 + 4 + 4 and nodes[2] == nodes[3] and nodes[7] == nodes[8]
+    assert len({nodes[0], nodes[1], nodes[2], nodes[4]}) == 4
+    for group in fold.groups()[1:]:  # the arguments as given: plain floats, with their signs
+        given = [call[-1] for call in fold.arguments(group)]
+        assert [type(value) for value in given] == [float] * 4
+        assert [math.copysign(1.0, value) for value in given] == [1.0, -1.0, 1.0, -1.0]
+    copied = pickle.loads(pickle.dumps(fold))  # the calls stay apart in a copy too
+    assert [copied.add("sign", value)._handle for value in SIGNED] == [n._handle for n in nodes[:5]]
+
+
+def test_the_c_and_the_python_add_store_zeros_nans_ints_and_floats_alike() -> None:
+    fast, python = Fold(), PythonFold()
+    for fold in (fast, python):
+        _record_signs(fold)
+        for value in (1, 1.0, 1, -0.0, 0, 0.0):  # ints: the C add once their group exists
+            fold.add("leaf", value)
+            fold.add("signed", fold.add("leaf", 2), value)
+    assert _recorded(fast) == _recorded(python)
+
+
+def test_ints_floats_and_bools_are_told_apart_alike_by_both_recorders(recording: type[Fold]) -> None:
+    # 1 makes a LongTensor and 1.0 a float tensor: never one call; True is refused (not an int)
+    fold = recording()
+    one, one_float = fold.add("leaf", 1), fold.add("leaf", 1.0)
+    assert one != one_float and (fold.add("leaf", 1), fold.add("leaf", 1.0)) == (one, one_float)
+    with pytest.raises(FoldError, match=r"argument 1 of 'leaf' is a bool \(True\)"):
+        fold.add("leaf", True)
+    two = fold.add("leaf", 2)
+    above = [fold.add("signed", two, value) for value in (1, 1.0, 1, 1.0)]
+    assert above[0] != above[1] and above[2:] == above[:2] and len(fold) == 5
+    model = Signs()
+    eager, fold = EagerFold(model), recording()  # one group each: two dtypes
+    dtypes = [
+        [t.dtype for t in f.apply(model, [[f.add(torch.abs, 1)], [f.add(torch.neg, 1.0)]])]
+        for f in (fold, eager)
+    ]
+    assert dtypes == [[torch.int64, torch.float32]] * 2

@@ -6,6 +6,7 @@ appends to lists and dictionaries; all checks that can wait for ``apply`` do.
 
 from __future__ import annotations
 
+import struct
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,9 +47,47 @@ _LITERALS = (int, float)
 RECORDER = "C" if native.BUILT else "Python"
 
 
+class _Bitwise(float):
+    """A float in a stored call that equals only a stored float of the same bits.
+
+    Identical calls are recorded once, but ``-0.0 == 0.0`` although eager results tell them apart
+    (``copysign``, ``1 / x``, ``atan2``), and ``nan != nan`` unless it is the same object, although
+    two NaNs of the same bits give the same results (and a NaN's sign changes them). ``Fold.add``
+    stores zeros and NaNs as this, so that two calls are one exactly when their floats' bits are;
+    every other float already equals only the floats of its bits.
+
+    >>> _Bitwise(-0.0) == _Bitwise(0.0), _Bitwise("nan") == _Bitwise("nan")
+    (False, True)
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return other.__class__ is _Bitwise and _PACK(self) == _PACK(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(_PACK(self))
+
+
+_PACK = struct.Struct("<d").pack
+
+
+def _stored(value: float) -> float:
+    """A float as a call's key holds it (see ``_Bitwise``): zeros and NaNs compared by their bits."""
+    return value if value and value == value else _Bitwise(value)
+
+
+def _given(value: Any) -> Any:
+    """A stored literal's value as it was given to ``add`` (a plain float for a ``_Bitwise``)."""
+    return float(value) if value.__class__ is _Bitwise else value
+
+
 def _tag(literal: int | float) -> tuple[str, int | float]:
     """An int or float as stored above depth 0, where a bare int is a node's handle (see ``Group``)."""
-    return ("int" if literal.__class__ is int else "float", literal)
+    return ("int", literal) if literal.__class__ is int else ("float", _stored(literal))
 
 
 RequestItem = Node | torch.Tensor | int | float  # what the lists given to apply may hold
@@ -66,7 +105,8 @@ class Fold:
       float tensor), created on the fold's device;
     * a tensor argument is passed as is: its leading dimension is its rows.
 
-    Identical calls (same op, same arguments; tensors compared by identity) are recorded once.
+    Identical calls (same op, same arguments; tensors compared by identity, floats by their bits,
+    so ``-0.0`` and ``0.0`` are two calls) are recorded once.
 
     Args:
         device: where int/float arguments are materialised. ``None`` (default) uses the device
@@ -228,8 +268,9 @@ class Fold:
                     )
                 handles.append(arg)
             # Identical calls are found by their stored arguments: handles and ints by value, tensors
-            # by identity. Floats are tagged so that 1.0 and 1 (a float and a long tensor) stay
-            # different calls, and so are ints above depth 0, where a bare int is a node's handle.
+            # by identity, floats by their bits (-0.0 is not 0.0: see _Bitwise). Floats are tagged so
+            # that 1.0 and 1 (a float and a long tensor) stay different calls, and so are ints above
+            # depth 0, where a bare int is a node's handle.
             if depth:
                 if ints or floats:
                     key = tuple(
@@ -242,7 +283,7 @@ class Fold:
                     key = tuple(handles)
                 plain = not (ints or floats or tensors)
             elif floats:
-                key = tuple([("float", a) if a.__class__ is float else a for a in args])
+                key = tuple([("float", _stored(a)) if a.__class__ is float else a for a in args])
                 plain = False
             else:
                 key = args
@@ -361,7 +402,7 @@ class Fold:
             tuple(
                 Node(tape, arg)
                 if nodes and arg.__class__ is int
-                else arg[1]
+                else _given(arg[1])
                 if arg.__class__ is tuple
                 else arg
                 for arg in call

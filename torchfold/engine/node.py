@@ -180,7 +180,8 @@ class Group:
     ``nodes`` maps each distinct call's arguments to its handle, in call order (dicts keep it):
     the arguments as ``Fold.add`` stores them, a tuple holding, per position, a node's handle
     (a bare ``int``: only in groups above depth 0, where every call has a node argument), an
-    int (at depth 0; above it an int is stored as ``("int", value)``), ``("float", value)`` or a
+    int (at depth 0; above it an int is stored as ``("int", value)``), ``("float", value)`` (a
+    zero or NaN ``value`` as a float subclass that compares by its bits: see ``Fold.add``) or a
     tensor. A tuple of ints and tagged literals is one the garbage collector stops tracking at
     its first pass. ``plain`` says that every stored argument is a bare int.
     """

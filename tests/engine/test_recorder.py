@@ -874,3 +874,25 @@ def test_ints_floats_and_bools_are_told_apart_alike_by_both_recorders(recording:
         for f in (fold, eager)
     ]
     assert dtypes == [[torch.int64, torch.float32]] * 2
+
+
+def test_nodes_of_a_fold_that_is_gone_are_refused_by_apply_and_plan(recording: type[Fold]) -> None:
+    gone = recording()
+    leaf = gone.add("leaf", 1)
+    pair = gone.add("pair", leaf, leaf)
+    del gone
+    assert repr(pair) == "<node 1 of a Fold that no longer exists>"
+    fold = recording()
+    own = fold.add("leaf", 2)
+    message = (
+        r"^request {}, item {}: node {} belongs to a Fold that no longer exists; keep the Fold \(a variable"
+    )
+    for use in (fold.plan, lambda requests: fold.apply(torch.nn.Module(), requests)):
+        with pytest.raises(FoldError, match=message.format(0, 0, 1)):
+            use([[pair]])  # all nodes: the check without a loop finds it
+        with pytest.raises(FoldError, match=message.format(1, 1, 0)):
+            use([[own], [own, leaf]])
+        with pytest.raises(FoldError, match=message.format(0, 1, 0)):
+            use([[torch.ones(1, 6), leaf]])  # beside a tensor
+    with pytest.raises(FoldError, match=r"^node 1 belongs to a Fold that no longer exists"):
+        pair.split(2)  # as every use of such a node says

@@ -24,6 +24,7 @@ __all__ = [
     "Node",
     "Tape",
     "describe_arg_shapes",
+    "fold_gone",
     "ints_and_floats_mixed",
     "literals_and_rows_mixed",
     "new_node",
@@ -63,6 +64,14 @@ def ints_and_floats_mixed(where: str, int_value: int, float_value: float) -> str
     return (
         f"{where}: ints and floats are mixed ({int_value!r} and {float_value!r}); batched "
         f"together they make one tensor of one dtype: pass floats everywhere ({float(int_value)!r}, not {int_value!r})"
+    )
+
+
+def fold_gone(handle: int) -> str:
+    """The message for a node whose Fold no longer exists (a node refers to its fold weakly)."""
+    return (
+        f"node {handle} belongs to a Fold that no longer exists; keep the Fold (a variable that holds it) "
+        "for as long as you use its nodes"
     )
 
 
@@ -265,10 +274,7 @@ class Node:
     def _tape(self) -> Tape:
         tape = self._ref()
         if tape is None:
-            raise FoldError(
-                f"node {self._handle} belongs to a Fold that no longer exists; keep the Fold (a variable "
-                "that holds it) for as long as you use its nodes"
-            )
+            raise FoldError(fold_gone(self._handle))
         return tape
 
     def __reduce__(self) -> tuple[Callable[[Tape, int], Node], tuple[Tape, int]]:  # (pickled with its tape)

@@ -21,6 +21,7 @@ from torchfold.engine.node import (
     Node,
     Op,
     Tape,
+    fold_gone,
     ints_and_floats_mixed,
     node_label,
     outside_int64,
@@ -88,6 +89,7 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
         raise FoldError(f"apply expects a list of lists of nodes, like {example}; got {requests!r}")
     if len(requests) == 0:
         raise FoldError(f"empty request: apply was given no lists of nodes; ask for outputs like {example}")
+    ref = fold._tape.ref
     for i, request in enumerate(requests):
         if isinstance(request, Node) or not isinstance(request, Sequence):
             raise FoldError(
@@ -98,11 +100,15 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
             raise FoldError(
                 f"request {i} is an empty list; every list given to apply needs at least one node"
             )
-        if set(map(type, request)) == {Node} and set(map(_ref, request)) == {fold._tape.ref}:
-            continue  # the common case, checked without a Python loop; else find the culprit
+        # The common case, checked without a Python loop (else find the culprit). The refs are
+        # counted, not put in a set: a dead one (a node of a fold that is gone) cannot be hashed.
+        if set(map(type, request)) == {Node} and list(map(_ref, request)).count(ref) == len(request):
+            continue
         check_request_items(i, request, Node)
         for j, node in enumerate(request):
-            if node.__class__ is Node and node._ref is not fold._tape.ref:
+            if node.__class__ is Node and node._ref is not ref:
+                if node._ref() is None:
+                    raise FoldError(f"request {i}, item {j}: {fold_gone(node._handle)}")
                 raise FoldError(
                     f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
                 )

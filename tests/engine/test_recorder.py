@@ -896,3 +896,34 @@ def test_nodes_of_a_fold_that_is_gone_are_refused_by_apply_and_plan(recording: t
             use([[torch.ones(1, 6), leaf]])  # beside a tensor
     with pytest.raises(FoldError, match=r"^node 1 belongs to a Fold that no longer exists"):
         pair.split(2)  # as every use of such a node says
+
+
+class HoldsFold(torch.nn.Module):
+    """A module whose method is an op of the fold it holds (module level: pickled by reference)."""
+
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+@pytest.mark.parametrize("copy", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
+def test_a_fold_whose_op_holds_it_is_copied_in_any_order(
+    recording: type[Fold], copy: str, order: tuple[int, ...]
+) -> None:
+    # The fold is reached through its own tape's state (tape -> group -> op -> module -> fold), so
+    # a copy may build the fold before its tape has its lists.
+    import copy as copying
+
+    module, fold = HoldsFold(), recording()
+    module.fold = fold
+    nodes = [fold.add(module.leaf, i) for i in range(3)]
+    items = [(module, fold, nodes[1])[i] for i in order]
+    duplicate = pickle.loads(pickle.dumps(items)) if copy == "pickle" else copying.deepcopy(items)
+    loaded_module, loaded, node = (duplicate[order.index(i)] for i in range(3))
+    assert loaded_module.fold is loaded and node._ref is loaded._tape.ref
+    assert repr(node) == "Node('HoldsFold.leaf', depth=0, index=1)"
+    again, new = loaded.add(loaded_module.leaf, 1), loaded.add(loaded_module.leaf, 7)
+    assert again == node and new._handle == 3 and len(loaded) == 4 and len(fold) == 3
+    assert [t.tolist() for t in loaded.apply(loaded_module, [[node, new]])] == [[2, 14]]
+    if torchfold.engine.native.BUILT:  # (not in the Python case: no C recorder at all)
+        assert type(loaded._recorder).__name__ == "Recorder" and loaded._recorder is not fold._recorder

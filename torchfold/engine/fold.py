@@ -172,8 +172,12 @@ class Fold:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # NOTE: no recorder yet: it reads the tape's lists, which may not be set at this point. An
+        # op that holds this fold (a bound method of a module keeping it) is part of the tape's
+        # state, so a copy can build the fold inside its tape's state. The first add (the Python
+        # add: the C add leaves every call to it while there is no recorder) makes the recorder.
         self.__dict__.update(state)
-        self._recorder = self._new_recorder()
+        self._recorder = None
 
     # -- recording --------------------------------------------------------------------------
 
@@ -194,6 +198,8 @@ class Fold:
         ref = tape.ref  # what this fold's nodes hold (see Node)
         depths = tape.depth
         count = len(args)
+        if self._recorder is None and native.BUILT:  # a copy's first add (see __setstate__)
+            self._recorder = self._new_recorder()
         # Unrolled first: two nodes (binary trees), four (a binary LSTM cell), one node (chains), one int (leaves).
         if (
             count == 2

@@ -323,6 +323,22 @@ def test_the_log_lines_and_the_done_line_say_what_their_loss_is_a_mean_of(
     assert done.endswith(f"up to step 3; loss {last} (mean over the last step)"), done
 
 
+def test_a_label_outside_0_to_4_is_refused_naming_the_file_line_and_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "bad"
+    data.mkdir()
+    (data / "train.txt").write_text("(3 (2 a) (3 good))\n(3 (2 a) (7 good))\n")
+    code, _out, err = run_train(
+        ["--trace", "2", "--data", str(data), "--max-steps", "1", "--workers", "0"], capsys
+    )
+    assert code == 2, err
+    assert err.startswith(
+        f"torchfold train: error: {data / 'train.txt'}:2:11: expected a label from 0 to 4"
+    ), err
+    assert "got 7" in err and "Traceback" not in err and "IndexError" not in err
+
+
 @pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_status_130(tmp_path: Path) -> None:
     ck = tmp_path / "ck"

@@ -70,6 +70,8 @@ def test_parse_then_str_round_trips(line: str) -> None:
         ("(2 a b)", 6, r"expected '\)' after the word 'a' of a leaf, got 'b'"),
         ("(x a)", 2, "expected a non-negative integer label after '\\(', got 'x'"),
         ("(-1 a)", 2, "expected a non-negative integer label"),
+        ("(3 (2 a) (7 good))", 11, "expected a label from 0 to 4 \\(SST's sentiment classes\\), got 7"),
+        ("(5 a)", 2, "got 5"),
         ("(", 2, "expected a non-negative integer label after '\\(', got end of line"),
         ("(2 (2 a) (2 b) (2 c))", 21, "opened at column 1 has 3 children; SST trees are binary"),
         ("(2 (3 a))", 9, "opened at column 1 has 1 child;"),

@@ -153,7 +153,7 @@ def parse_tree(line: str, *, source: str = "<string>", line_number: int = 1) -> 
     """Parse one SST s-expression into a :class:`Tree`.
 
     Preterminals ``(label word)`` become leaves; every other node must have exactly two
-    children. Labels are non-negative integers (0-4 in SST).
+    children. Labels are SST's five sentiment classes, integers 0-4.
 
     Args:
         line: the s-expression, e.g. ``"(3 (2 The) (4 film))"``.
@@ -194,6 +194,11 @@ def parse_tree(line: str, *, source: str = "<string>", line_number: int = 1) -> 
             if not (label_token.isascii() and label_token.isdigit()):
                 raise fail(f"expected a non-negative integer label after '(', got {describe(i + 1)}", i + 1)
             label = int(label_token)
+            if label >= NUM_FINE_LABELS:  # else a model's loss fails later, naming no line
+                raise fail(
+                    f"expected a label from 0 to {NUM_FINE_LABELS - 1} (SST's sentiment classes), got {label}",
+                    i + 1,
+                )
             word = tokens[i + 2] if i + 2 < count else ""
             if word and word != "(" and word != ")":
                 if i + 3 >= count or tokens[i + 3] != ")":

@@ -388,6 +388,10 @@ def test_split_arguments_are_checked(twin: str) -> None:
         node.split(2.0)
     with pytest.raises(TypeError, match=r"^split\(num\) must be an int, got bool True"):
         node.split(True)
+    with pytest.raises(
+        ValueError, match=r"^split\(num\) must be an int <= 65536, got 1099511627776; how many"
+    ):
+        node.split(2**40)  # refused before a handle per output is made
 
 
 class _SplitTwo(torch.nn.Module):

@@ -15,6 +15,7 @@ import gc
 import itertools
 import math
 import pickle
+import re
 import struct
 import weakref
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ import torchfold.engine.planner
 from tests.engine.test_fold_properties import PLANNERS, compaction, instruction, requested, run_program
 from torchfold import EagerFold, Fold, FoldError
 from torchfold.engine.ir import Arg, Gather
-from torchfold.engine.node import Node
+from torchfold.engine.node import SPLIT_MAX, Node
 from torchfold.engine.plan import FoldPlan
 
 Item = tuple[Any, ...]  # ("node", group number, output, call), ("int", v), ("float", v), ("tensor", id)
@@ -927,3 +928,20 @@ def test_a_fold_whose_op_holds_it_is_copied_in_any_order(
     assert [t.tolist() for t in loaded.apply(loaded_module, [[node, new]])] == [[2, 14]]
     if torchfold.engine.native.BUILT:  # (not in the Python case: no C recorder at all)
         assert type(loaded._recorder).__name__ == "Recorder" and loaded._recorder is not fold._recorder
+
+
+def test_a_split_into_more_outputs_than_a_call_returns_is_refused_at_once(recording: type[Fold]) -> None:
+    fold = recording()
+    leaves = [fold.add("leaf", i) for i in range(3)]
+    leaves[0].split(2)  # the group's outputs known: a split of another node may be the C one
+    tape = fold._tape
+    before = (len(tape.source), len(tape.source_group))
+    for node in (leaves[1], fold.add("pair", leaves[0], leaves[2])):  # a known group, a new one
+        for num in (SPLIT_MAX + 1, 2**40, 10**400):
+            shown = re.escape(str(num)) if num.bit_length() <= 128 else "an int of 1329 bits"
+            with pytest.raises(
+                ValueError, match=rf"^split\(num\) must be an int <= 65536, got {shown}; how many outputs"
+            ):
+                node.split(num)
+    assert (len(tape.source) - 1, len(tape.source_group) - 1) == before  # nothing made (but the pair)
+    assert len(fold.add("wide", leaves[0]).split(SPLIT_MAX)) == SPLIT_MAX

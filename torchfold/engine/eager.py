@@ -12,12 +12,11 @@ from typing import Any
 import torch
 
 from torchfold._errors import FoldError
-from torchfold._validate import check_int
 from torchfold.engine.node import (
     INT64_MAX,
     INT64_MIN,
-    SPLIT_HINT,
     Op,
+    check_split,
     ints_and_floats_mixed,
     literals_and_rows_mixed,
     op_name,
@@ -41,7 +40,7 @@ class EagerNode:
 
     def split(self, num: int) -> tuple[EagerNode, ...]:
         """One node per output of a call that returned a tuple of ``num`` tensors."""
-        check_int("split(num)", num, hint=SPLIT_HINT)
+        check_split(num)
         if not isinstance(self.value, tuple | list):
             raise FoldError(
                 f"split index out of range: op {op_name(self.op)!r} returned a single tensor, not {num} outputs; "

@@ -20,9 +20,11 @@ __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "SPLIT_HINT",
+    "SPLIT_MAX",
     "Group",
     "Node",
     "Tape",
+    "check_split",
     "describe_arg_shapes",
     "fold_gone",
     "ints_and_floats_mixed",
@@ -39,6 +41,9 @@ new_node = object.__new__  # makes a Node without running __init__ (recording's 
 
 #: what ``split(num)``'s number is, ending its error
 SPLIT_HINT = "how many outputs the op returns (a tuple of that many tensors)"
+#: the most outputs ``split(num)`` takes: a split makes a handle per output at once, so a count
+#: beyond any tuple an op returns (a row count, a size in bytes) would exhaust memory first
+SPLIT_MAX = 2**16
 
 # ints become int64 tensors: what fits
 INT64_MIN = -(2**63)
@@ -65,6 +70,24 @@ def ints_and_floats_mixed(where: str, int_value: int, float_value: float) -> str
         f"{where}: ints and floats are mixed ({int_value!r} and {float_value!r}); batched "
         f"together they make one tensor of one dtype: pass floats everywhere ({float(int_value)!r}, not {int_value!r})"
     )
+
+
+def check_split(num: object) -> int:
+    """``num`` if it is a count of outputs ``split(num)`` takes (an int in [1, ``SPLIT_MAX``]), else an error.
+
+    >>> check_split(2**40)
+    Traceback (most recent call last):
+    ...
+    ValueError: split(num) must be an int <= 65536, got 1099511627776; how many outputs the op returns (a tuple of that many tensors): return more values than that as one tensor
+    """
+    num = check_int("split(num)", num, hint=SPLIT_HINT)
+    if num > SPLIT_MAX:
+        shown = repr(num) if num.bit_length() <= 128 else f"an int of {num.bit_length()} bits"
+        raise ValueError(
+            f"split(num) must be an int <= {SPLIT_MAX}, got {shown}; {SPLIT_HINT}: return more values than "
+            "that as one tensor"
+        )
+    return num
 
 
 def fold_gone(handle: int) -> str:
@@ -313,15 +336,22 @@ class Node:
         return self._tape.source[self._handle] >= 0
 
     def split(self, num: int) -> tuple[Node, ...]:
-        """One handle per output of an op that returns a tuple of ``num`` tensors."""
+        """One handle per output of an op that returns a tuple of ``num`` tensors.
+
+        Raises:
+            TypeError: ``num`` is not an int.
+            ValueError: ``num`` is not in [1, ``SPLIT_MAX``] (65,536).
+            FoldError: the node is an output of a split already, or its op was split into
+                another number of outputs before.
+        """
         tape, handle = self._tape, self._handle
         source = tape.source[handle]
         batch = source >= 0
         group = tape.source_group[source if batch else ~source]
         first = tape.outputs_of.get(handle)
         if first is None or num != group.num_outputs:
-            if num.__class__ is not int or num < 1:
-                check_int("split(num)", num, hint=SPLIT_HINT)
+            if num.__class__ is not int or not 1 <= num <= SPLIT_MAX:
+                check_split(num)
             output = tape.source_output[source if batch else ~source]
             if output is not None:
                 raise FoldError(

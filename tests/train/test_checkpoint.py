@@ -8,6 +8,9 @@ import os
 import pickle
 import re
 import signal
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from _loop_worker import make_trainer, sst_trees
 from _train_cli import run_train, small_run, train
 
 from torchfold.train.checkpoint import (
+    CheckpointDirLock,
     HyperparameterMismatch,
     checkpoint_path,
     keep_hyperparameters,
@@ -125,10 +129,13 @@ def _opaque(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
-        (_truncated, "cannot be read: it is truncated or corrupt"),
-        (_garbage, "cannot be read: it is truncated or corrupt"),
-        (_empty, "cannot be read: it is truncated or corrupt"),
-        (_opaque, "holds objects other than tensors and plain containers"),
+        (_truncated, r"cannot be read: it is truncated or damaged \(its zip archive: "),
+        (_garbage, r"cannot be read: it is not a torchfold checkpoint, or it is damaged \(not a zip archive"),
+        (_empty, "cannot be read: it is empty; "),
+        (
+            _opaque,
+            r"holds objects other than tensors and plain containers \(it holds a .*_Opaque\), so it is not a",
+        ),
         (_foreign, r"is not a torchfold checkpoint \(it holds a dict with keys \['state_dict'\]"),
         (_tensor, r"is not a torchfold checkpoint \(it holds Tensor"),
         (_newer, "has format version 99, but this torchfold reads versions up to 1; upgrade torchfold"),
@@ -204,7 +211,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _edit(saved: Path, tmp_path: Path, change: Any) -> Path:
     state = load_checkpoint(saved)
     change(state)
-    return save_checkpoint(state, tmp_path / saved.name)
+    return save_checkpoint(state, tmp_path / "edited.pt")  # (a step-N.pt name must say its step)
 
 
 def _as_written_by_0_1_0(state: dict[str, Any], change: Any) -> None:
@@ -482,3 +489,148 @@ def test_an_overridden_value_stays_after_loading_and_an_equal_one_is_not_reporte
         keep_hyperparameters(saved, run, "checkpoint a.pt", override="lr"),
     ):
         pass
+
+
+# -- damaged files and misleading names --------------------------------------------------------
+
+
+def _flipped(path: Path, position: int, mask: int) -> Path:
+    """A copy of ``path`` (under the same name, in a subdirectory) with byte ``position`` XORed with ``mask``."""
+    data = bytearray(path.read_bytes())
+    data[position] ^= mask
+    copy = path.parent / "flipped" / path.name
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(bytes(data))
+    return copy
+
+
+def test_a_flipped_bit_anywhere_is_refused_or_harmless(tmp_path: Path) -> None:
+    # One bit flipped in the newest checkpoint: 9 of 10 runs resumed silently from other values
+    # (torch.load reads no CRC, and the zip's CRCs were checked only after it failed).
+    path = save_checkpoint({"step": 3, "w": torch.randn(64)}, checkpoint_path(tmp_path, 3))
+    original = load_checkpoint(path)
+    size = path.stat().st_size
+    for position in range(size):  # every byte, one bit each
+        copy = _flipped(path, position, 1 << (position % 8))
+        try:
+            state = load_checkpoint(copy)
+        except ValueError as e:
+            assert str(e).startswith(f"checkpoint {copy} cannot be read: it is"), (position, str(e))
+            assert "damaged" in str(e), (position, str(e))
+            continue
+        # a flip in the few bytes that mark the digest leaves the zip, with its CRCs, to check
+        assert position >= size - 17 - 64 - 2, f"byte {position} flipped, and the file loaded"
+        assert state["step"] == 3 and torch.equal(state["w"], original["w"])
+
+
+def _central_entry(data: bytes, suffix: str) -> int:
+    """Where the central-directory entry of the zip member whose name ends with ``suffix`` starts."""
+    position = data.rfind(suffix.encode())  # the directory comes after the members' own headers
+    start = data.rfind(b"PK\x01\x02", 0, position)
+    assert start >= 0 and data[start + 46 : position + len(suffix)].endswith(suffix.encode())
+    return start
+
+
+def test_a_flip_the_zip_crcs_miss_is_refused(tmp_path: Path) -> None:
+    # A flipped bit in the directory's attributes of a tensor's member: zipfile.testzip() passes,
+    # and torch.load read that tensor as zeros.
+    path = save_checkpoint({"step": 3, "w": torch.randn(64)}, checkpoint_path(tmp_path, 3))
+    data = path.read_bytes()
+    copy = _flipped(path, _central_entry(data, "data/0") + 38, 0x10)  # the "directory" attribute
+    with zipfile.ZipFile(copy) as archive:
+        assert archive.testzip() is None  # what the CRCs say
+    with pytest.raises(
+        ValueError, match=r"cannot be read: it is damaged \(its SHA-256 digest does not match"
+    ):
+        load_checkpoint(copy)
+
+
+def test_a_damaged_directory_without_a_digest_is_called_damaged_not_intact(tmp_path: Path) -> None:
+    # A checkpoint written before the digest: a byte flipped in the zip's directory that zipfile
+    # does not read (the zip64 record's entry count) was refused as "intact, but its tensors cannot
+    # be loaded".
+    path = checkpoint_path(tmp_path, 3)
+    torch.save({"format": "torchfold.checkpoint", "version": 1, "step": 3}, path)
+    data = path.read_bytes()
+    copy = _flipped(path, data.rfind(b"PK\x06\x06") + 24, 0xFF)  # entries in this part of the archive
+    with zipfile.ZipFile(copy) as archive:
+        assert archive.testzip() is None  # what the CRCs say
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(copy)
+    message = str(info.value)
+    assert message.startswith(
+        f"checkpoint {copy} cannot be read: it is damaged (torch cannot read its archive"
+    )
+    assert "intact" not in message and "map_location" not in message
+    assert load_checkpoint(path)["step"] == 3  # intact, it loads
+
+
+def test_a_file_that_is_no_checkpoint_says_so_without_torchs_advice(tmp_path: Path) -> None:
+    # torch's message advised loading the file with weights_only=False: arbitrary code from a
+    # file that is not what it should be.
+    for damage in (_garbage, _opaque):
+        path = tmp_path / f"{damage.__name__}.pt"
+        damage(path)
+        with pytest.raises(ValueError) as info:
+            load_checkpoint(path)
+        message = str(info.value)
+        assert message.startswith(f"checkpoint {path} cannot be read: it ")
+        assert "not a torchfold checkpoint" in message
+        assert "delete it (or point to another checkpoint) and start without resuming" in message
+        for advice in ("weights_only", "Re-running", "trusted source", "WeightsUnpickler"):
+            assert advice not in message, message
+
+
+def test_a_checkpoint_under_another_steps_name_is_refused_naming_both(tmp_path: Path) -> None:
+    # A step-29 checkpoint copied to step-00000999.pt was taken for the newest (and kept by
+    # pruning), so every run went back to step 29.
+    path = save_checkpoint({"step": 29}, checkpoint_path(tmp_path, 29))
+    copy = tmp_path / "step-00000999.pt"
+    copy.write_bytes(path.read_bytes())
+    assert latest_checkpoint(tmp_path) == copy
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(copy)
+    assert str(info.value) == (
+        f"checkpoint {copy} holds step 29, but its name says step 999: it was renamed or copied, and resuming "
+        f"and pruning go by the name; delete it ({path} holds step 29 under its own name)"
+    )
+    path.unlink()
+    with pytest.raises(ValueError, match=f"; rename it to {re.escape(str(path))}, or delete it$"):
+        load_checkpoint(copy)
+    assert load_checkpoint(copy.rename(path))["step"] == 29  # renamed as told, it loads
+
+
+def test_the_cli_refuses_a_checkpoint_whose_name_says_another_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = small_run(tmp_path, "--workers", "0", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert train([*args, "--max-steps", "1"]) == 0
+    copy = tmp_path / "ck" / "step-00000999.pt"
+    copy.write_bytes((tmp_path / "ck" / "step-00000001.pt").read_bytes())
+    capsys.readouterr()
+    assert train([*args, "--max-steps", "2"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"torchfold train: error: checkpoint {copy} holds step 1, but its name says step 999"
+    )
+
+
+def test_a_write_killed_half_way_leaves_a_temporary_file_the_next_run_removes(tmp_path: Path) -> None:
+    # A kill during a write left `.step-N.pt.tmp-PID`, as large as a checkpoint, that no run removed.
+    directory = tmp_path / "ck"
+    kill = (
+        "import os, signal, sys, torch\n"
+        "from torchfold.train.checkpoint import checkpoint_path, save_checkpoint\n"
+        "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed with its data written\n"
+        "save_checkpoint({'step': 5, 'w': torch.ones(1000)}, checkpoint_path(sys.argv[1], 5))\n"
+    )
+    child = subprocess.run([sys.executable, "-c", kill, str(directory)], capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    [left] = directory.iterdir()
+    assert re.fullmatch(r"\.step-00000005\.pt\.tmp-\d+", left.name) and left.stat().st_size > 4000
+    ours = directory / f".step-00000006.pt.tmp-{os.getpid()}"  # a write of this process: not touched
+    ours.write_bytes(b"")
+    (directory / ".step-7.pt.tmp-x").write_bytes(b"")  # not a name save_checkpoint writes
+    with CheckpointDirLock(directory) as lock:
+        assert lock.removed == [left]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([".lock", ours.name, ".step-7.pt.tmp-x"])

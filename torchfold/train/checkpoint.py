@@ -4,9 +4,12 @@ A checkpoint is a dict of tensors and plain containers (dicts, lists, tuples, in
 strings, ``None``), so it loads without unpickling arbitrary objects. :func:`save_checkpoint`
 writes it to a temporary file in the same directory, flushes it to disk and renames it over the
 target with ``os.replace``: a run killed while saving leaves the previous checkpoint intact and
-never a half-written file under a checkpoint's name. :func:`load_checkpoint` turns every way a
-file can be unusable (missing, truncated, corrupt, not a torchfold checkpoint, a newer format)
-into an error that names the file and says what to do.
+never a half-written file under a checkpoint's name. The archive ends with a SHA-256 digest of
+itself (in the zip's comment), and :func:`load_checkpoint` checks it before ``torch.load`` trusts a
+byte: a flipped bit anywhere is an error, never a resume from other values. It turns every way a
+file can be unusable (missing, truncated, damaged, not a torchfold checkpoint, a newer format,
+a name that says another step than its content) into an error that names the file and says what
+to do.
 
 Checkpoints of a run live in one directory as ``step-00000120.pt`` (the number of optimizer
 steps completed, i.e. the global trace step to resume at); :func:`latest_checkpoint` finds the
@@ -17,7 +20,8 @@ A trainer checkpoint holds every process's generator states, captured by
 :func:`check_trainer_state` checks them with :func:`~torchfold.train.rng.rng_state_problem`.
 
 :class:`CheckpointDirLock` keeps a second run off a directory that a run is writing to (an
-``fcntl.flock`` on ``DIR/.lock``, released by the kernel when the holder exits, however it exits).
+``fcntl.flock`` on ``DIR/.lock``, released by the kernel when the holder exits, however it exits),
+and removes the temporary files that killed runs left there.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import io
 import math
 import os
 import pickle
 import re
 import socket
+import struct
 import zipfile
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -71,6 +78,8 @@ __getattr__ = moved_names(
 CHECKPOINT_FORMAT = "torchfold.checkpoint"
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+# What save_checkpoint writes before renaming it to the checkpoint's name (``PID``: the writer's).
+_TEMPORARY = re.compile(r"^\.step-\d+\.pt\.tmp-\d+$")
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -174,8 +183,10 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
     state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **_on_host(state)}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("wb") as handle:
-            torch.save(state, handle)
+        with tmp.open("w+b") as handle:
+            digest = _Digesting(handle)
+            torch.save(state, cast(IO[bytes], digest))  # (torch only calls its write())
+            _append_digest(handle, digest.sha256.hexdigest())
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -223,6 +234,93 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+# -- the digest at the end of a checkpoint -----------------------------------------------------
+#
+# NOTE: the zip's own CRCs do not cover everything torch's reader trusts: a flipped bit in an
+# entry's attributes in the central directory (it then reads a tensor as a directory) or in its
+# sizes loads other values without an error, and zipfile.testzip() passes. So the archive carries
+# a SHA-256 of all of itself, in the end-of-central-directory comment that zip readers (torch's
+# miniz, zipfile) skip; checking it costs one read of the file (about 1 GB/s), beside the read of
+# torch.load that follows from the page cache.
+
+_DIGEST_PREFIX = b"torchfold sha256 "
+_DIGEST_LENGTH = len(_DIGEST_PREFIX) + 64  # the comment: the prefix and 64 hex digits
+_END_OF_DIRECTORY = b"PK\x05\x06"  # the signature of the zip's last record (22 bytes, then the comment)
+
+
+class _Digesting(io.RawIOBase):
+    """A write-only stream that hashes what it passes on to ``handle`` (``torch.save`` writes in order)."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.sha256 = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        return self.handle.write(data)
+
+
+def _append_digest(handle: IO[bytes], digest: str) -> None:
+    """Put ``digest`` (of the archive as ``torch.save`` wrote it) into the zip's comment.
+
+    The archive ends with the 22-byte end-of-central-directory record, whose last two bytes are
+    the comment's length (0 as torch writes it): those become the digest's, and the digest follows.
+    An archive that does not end so is left as it is (checked by its CRCs when read).
+    """
+    handle.seek(-22, os.SEEK_END)
+    record = handle.read(22)
+    if not record.startswith(_END_OF_DIRECTORY) or record[-2:] != b"\x00\x00":
+        return
+    handle.seek(-2, os.SEEK_END)
+    handle.write(struct.pack("<H", _DIGEST_LENGTH) + _DIGEST_PREFIX + digest.encode("ascii"))
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with the bytes of checkpoint ``path``, as ``"it is ..."`` (``None``: nothing found).
+
+    A file with a digest (:func:`save_checkpoint` writes one) is checked against it; an older one
+    without, by its zip CRCs (``zipfile.testzip``).
+    """
+    size = path.stat().st_size
+    if size == 0:
+        return "it is empty"
+    with path.open("rb") as handle:
+        head = handle.read(4)
+        if size >= 22 + _DIGEST_LENGTH:
+            handle.seek(-(_DIGEST_LENGTH + 22), os.SEEK_END)
+            tail = handle.read()
+            record, comment = tail[:22], tail[22:]
+            if (
+                record.startswith(_END_OF_DIRECTORY)
+                and record[-2:] == struct.pack("<H", _DIGEST_LENGTH)
+                and comment.startswith(_DIGEST_PREFIX)
+            ):
+                sha256 = hashlib.sha256()
+                handle.seek(0)
+                remaining = size - _DIGEST_LENGTH - 2
+                while remaining > 0:
+                    chunk = handle.read(min(remaining, 1 << 20))
+                    if not chunk:
+                        break
+                    sha256.update(chunk)
+                    remaining -= len(chunk)
+                sha256.update(b"\x00\x00")  # the comment's length as torch.save wrote it
+                if sha256.hexdigest().encode("ascii") != comment[len(_DIGEST_PREFIX) :]:
+                    return "it is damaged (its SHA-256 digest does not match its content)"
+                return None
+    if head != b"PK\x03\x04":
+        return f"it is not a torchfold checkpoint, or it is damaged (not a zip archive as torch.save writes: it begins with {head!r})"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, RuntimeError, ValueError, NotImplementedError) as e:
+        return f"it is truncated or damaged (its zip archive: {e})"
+    return None if bad is None else f"it is damaged (its member {bad!r} fails its CRC check)"
+
+
 class CheckpointDirLock:
     """An exclusive lock on a checkpoint directory for the life of a run (``fcntl.flock`` on ``DIR/.lock``).
 
@@ -230,6 +328,10 @@ class CheckpointDirLock:
     and resume from a mixture. The lock file records the holder's pid and host, so the run
     refused can name it; the kernel releases the lock when the holder exits, also when it is
     killed, so a crashed run never leaves the directory locked. Creates the directory.
+
+    A run killed while it wrote a checkpoint leaves its temporary file (``.step-N.pt.tmp-PID``,
+    as large as a checkpoint); with the lock held no other run writes here, so those found are
+    leftovers: they are removed, and listed in :attr:`removed`.
 
     Raises:
         ValueError: ``directory`` is a file, or another process holds the lock.
@@ -260,6 +362,8 @@ class CheckpointDirLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
         self._fd: int | None = fd
+        #: the temporary files of interrupted writes found in the directory and removed
+        self.removed = _remove_temporaries(self.directory)
 
     def release(self) -> None:
         """Give the directory back (also done by the kernel when the process exits)."""
@@ -274,6 +378,17 @@ class CheckpointDirLock:
         self.release()
 
 
+def _remove_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporary files of :func:`save_checkpoint` in ``directory`` but this process's."""
+    mine = f".tmp-{os.getpid()}"
+    removed = []
+    for entry in sorted(directory.iterdir()):
+        if _TEMPORARY.match(entry.name) and not entry.name.endswith(mine) and entry.is_file():
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
 def _on_host(value: Any) -> Any:
     """``value`` with every tensor on a device other than the CPU copied to the CPU (containers rebuilt)."""
     if isinstance(value, torch.Tensor):
@@ -286,13 +401,37 @@ def _on_host(value: Any) -> Any:
     return value
 
 
-def _intact(path: Path) -> bool:
-    """Whether ``path`` is a whole, undamaged archive of ``torch.save``'s (every member's CRC checks out)."""
+def _loads_on_the_host(path: Path, map_location: str | torch.device) -> bool:
+    """Whether ``path`` loads on the CPU (only tried where ``map_location`` is another place)."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is None
-    except (OSError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError):
+        if torch.device(map_location).type == "cpu":
+            return False  # it failed there already
+    except (RuntimeError, TypeError):
+        pass  # a place torch.device does not parse: try the CPU
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
         return False
+    return True
+
+
+def _check_name(path: Path, step: Any) -> None:
+    """A checkpoint named ``step-N.pt`` must hold step N: resuming and pruning go by the name."""
+    match = _NAME.match(path.name)
+    if match is None or isinstance(step, bool) or not isinstance(step, int) or step == int(match.group(1)):
+        return
+    named = int(match.group(1))
+    right = checkpoint_path(path.parent, step) if step >= 0 else None
+    if right is None:
+        fix = "delete it"
+    elif right.exists():
+        fix = f"delete it ({right} holds step {step} under its own name)"
+    else:
+        fix = f"rename it to {right}, or delete it"
+    raise ValueError(
+        f"checkpoint {path} holds step {step}, but its name says step {named}: it was renamed or copied, and "
+        f"resuming and pruning go by the name; {fix}"
+    )
 
 
 def _fix(path: Path) -> str:
@@ -331,19 +470,26 @@ def load_checkpoint(
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if map_location is None:
         map_location = CHECKPOINT_MAP_LOCATION
+    damage = _damage(path)
+    if damage is not None:
+        raise ValueError(f"checkpoint {path} cannot be read: {damage}; {_fix(path)}")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
+        if isinstance(e, pickle.UnpicklingError):
+            # (torch's message goes on to advise weights_only=False: not for a file of unknown origin)
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            what = f" (it holds a {found.group(1)})" if found else ""
+            raise ValueError(
+                f"checkpoint {path} cannot be read: it holds objects other than tensors and plain containers"
+                f"{what}, so it is not a torchfold checkpoint; {_fix(path)}"
+            ) from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         cause = f"({type(e).__name__}: {reason})"
-        if not _intact(path):
+        if not _loads_on_the_host(path, map_location):
             raise ValueError(
-                f"checkpoint {path} cannot be read: it is truncated or corrupt {cause}; {_fix(path)}"
-            ) from e
-        if isinstance(e, pickle.UnpicklingError):
-            raise ValueError(
-                f"checkpoint {path} cannot be read: it holds objects other than tensors and plain containers "
-                f"{cause}; {_fix(path)}"
+                f"checkpoint {path} cannot be read: it is damaged (torch cannot read its archive: {cause[1:-1]}); "
+                f"{_fix(path)}"
             ) from e
         raise ValueError(
             f"checkpoint {path} is intact, but its tensors cannot be loaded with map_location={map_location!r} "
@@ -365,6 +511,7 @@ def load_checkpoint(
             f"checkpoint {path} has format version {version!r}, but this torchfold reads versions up to "
             f"{CHECKPOINT_VERSION}; upgrade torchfold, or {_fix(path)}"
         )
+    _check_name(path, state.get("step"))
     return state
 
 

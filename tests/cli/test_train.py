@@ -230,6 +230,17 @@ def test_no_data_is_a_usage_error_saying_how_to_get_it(
     _usage_error(code, err, "--data DIR", "TORCHFOLD_DATA", "--generate N")
 
 
+def test_a_missing_data_folder_is_a_usage_error_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nowhere"
+    code, _, err = run_train(["--trace", "12", "--data", str(missing), "--max-steps", "1"], capsys)
+    _usage_error(
+        code, err, f"{missing / 'train.txt'} does not exist; pass --data DIR where DIR holds train.txt"
+    )
+    assert "root=" not in err
+
+
 def test_no_resume_sets_the_earlier_checkpoints_aside(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -183,9 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         train, dev, origin = _load(args)
-    except (FileNotFoundError, TreeParseError) as error:
-        print(f"torchfold demo: error: {error}", file=sys.stderr)
-        return 1
+    except (FileNotFoundError, TreeParseError) as error:  # --data names no SST folder, or a bad file in it
+        # load_sst's advice names its argument (root=DIR); the command line's is --data DIR
+        message = str(error).replace("pass root=DIR", "pass --data DIR")
+        print(f"torchfold demo: error: {message}", file=sys.stderr)
+        return 2
     if not train or not dev:
         print(f"torchfold demo: error: no trees to train on or evaluate ({origin})", file=sys.stderr)
         return 1

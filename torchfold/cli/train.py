@@ -343,7 +343,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _check_paths(args)
         trees, origin = _trees(args)
     except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
-        print(f"torchfold train: error: {e}", file=sys.stderr)
+        print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     # The settings themselves (all small), so that a mismatch names the option and both values.
@@ -380,6 +380,7 @@ def _option_names(message: str) -> str:
     for argument, option in (
         ("the per-device maximum or max_accumulation_steps", "--max-device-batch-size or --max-accumulation"),
         ("max_accumulation_steps=", "--max-accumulation "),
+        ("pass root=DIR", "pass --data DIR"),  # load_sst's advice on a missing data folder
     ):
         message = message.replace(argument, option)
     return message

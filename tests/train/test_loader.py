@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -668,3 +670,70 @@ def test_layout_examples_hold_one_minibatch_of_each_layout_a_pass_makes() -> Non
     assert StepLoader(trees, 5, trace=[10]).layout_examples() == []  # no build: no plan, no layout
     with pytest.raises(ValueError, match=r"layout_examples\(max_minibatches\)"):
         loader.layout_examples(max_minibatches=0)
+
+
+class _CachedBuild(TreeLSTMBuild):
+    """A build with a cache behind a lock, as a tokenizer's: ``copy.deepcopy`` cannot copy the lock."""
+
+    def __init__(self, vocab: Vocab, shapes: object) -> None:
+        super().__init__(vocab, shapes=shapes)  # type: ignore[arg-type]
+        self.lock = threading.Lock()
+        self.cache: dict[int, int] = {}
+
+    def __call__(self, trees: list[object], shapes: object = None) -> object:  # type: ignore[override]
+        with self.lock:
+            self.cache[len(trees)] = self.cache.get(len(trees), 0) + 1
+        return super().__call__(trees, shapes)  # type: ignore[arg-type]
+
+
+def test_layout_examples_of_a_build_holding_a_lock_share_the_lock_and_leave_the_envelope_alone() -> None:
+    """The warm-up's copy of the build (which keeps the envelope as training left it) once failed on
+    the build's lock (``cannot pickle '_thread.lock' object``, after the first step on XLA): the
+    lock is now shared with the copy, everything else copied as before."""
+    from torchfold.train import fit_static_shapes
+
+    trees = sst_trees(60)
+    vocab = Vocab.build(trees)
+    shapes = fit_static_shapes(trees, TreeLSTMBuild(vocab), 5)
+    counters = (shapes.version, shapes.plans, shapes.real_calls, shapes.padded_calls)
+    plain = StepLoader(trees, 5, build=TreeLSTMBuild(vocab, shapes=shapes), trace=[10]).layout_examples()
+    assert (shapes.version, shapes.plans, shapes.real_calls, shapes.padded_calls) == counters
+    build = _CachedBuild(vocab, shapes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the examples are all there
+        examples = StepLoader(trees, 5, build=build, trace=[10]).layout_examples()
+    assert len(examples) >= 2
+    assert [e.data[0].layout.key for e in examples] == [e.data[0].layout.key for e in plain]
+    assert [e.indices for e in examples] == [e.indices for e in plain]
+    # the copy built them: the build's envelope and cache are as they were
+    assert (shapes.version, shapes.plans, shapes.real_calls, shapes.padded_calls) == counters
+    assert build.cache == {}
+    assert not build.lock.locked()
+
+
+class _UncopyableBuild(TreeLSTMBuild):
+    """A build holding what ``copy.deepcopy`` cannot copy, and a copy may not share: a generator."""
+
+    def __init__(self, vocab: Vocab, shapes: object) -> None:
+        super().__init__(vocab, shapes=shapes)  # type: ignore[arg-type]
+        self.ids = (i for i in range(10**6))
+
+
+def test_layout_examples_of_a_build_that_cannot_be_copied_are_none_with_one_warning_saying_why() -> None:
+    from torchfold.train import fit_static_shapes
+
+    trees = sst_trees(20)
+    vocab = Vocab.build(trees)
+    shapes = fit_static_shapes(trees, TreeLSTMBuild(vocab), 5)
+    loader = StepLoader(trees, 5, build=_UncopyableBuild(vocab, shapes), trace=[10])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert loader.layout_examples() == []
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert (
+        "the build (_UncopyableBuild) cannot be copied (TypeError: cannot pickle 'generator' object)"
+        in message
+    )
+    assert "Give _UncopyableBuild a __deepcopy__" in message
+    assert [len(mb.indices) for step in loader for mb in step] == [5, 5]  # training goes on

@@ -24,7 +24,9 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import threading
 import traceback
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -192,6 +194,59 @@ class _BuildFailure:
                 "training loop silently, so it is raised as this RuntimeError (the original is its __cause__)"
             ) from self.error
         raise self.error
+
+
+# What a build may hold that cannot be copied, and is safe to share with its copy: the locks of
+# its cache or its tokenizer (copy.deepcopy raises "cannot pickle '_thread.lock' object").
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
+# What copy.deepcopy shares rather than copies: a search for locks need not look inside them.
+_ATOMIC = (type, types.FunctionType, types.BuiltinFunctionType, types.CodeType, weakref.ref, property)
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _LockFinder(pickle.Pickler):
+    """Walks an object as pickling would, collecting the locks it holds (not descending into them)."""
+
+    def __init__(self) -> None:
+        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.locks: dict[int, Any] = {}  # by id: copy.deepcopy's memo
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _LOCKS):
+            self.locks[id(obj)] = obj
+            return id(obj)
+        return 0 if isinstance(obj, _ATOMIC) else None
+
+
+def _private_copy(build: Any) -> tuple[Any, Exception | None]:
+    """A deep copy of ``build`` to build with and leave ``build``'s state as it is; its locks are
+    shared, not copied. ``(None, why)`` when it cannot be copied even so.
+
+    >>> class Cached:
+    ...     def __init__(self):
+    ...         self.lock, self.cache = threading.Lock(), {}
+    >>> build = Cached()
+    >>> clone, why = _private_copy(build)
+    >>> clone.lock is build.lock, clone.cache is build.cache, why
+    (True, False, None)
+    """
+    try:
+        return copy.deepcopy(build), None
+    except Exception as error:
+        why = error
+    try:
+        finder = _LockFinder()
+        finder.dump(build)
+        if finder.locks:
+            # copy.deepcopy takes what its memo holds for an object as its copy: the lock itself
+            return copy.deepcopy(build, dict(finder.locks)), None
+    except Exception as error:
+        why = error
+    return None, why
 
 
 class _Builder(torch.utils.data.Dataset["Minibatch[Any] | tuple[Minibatch[Any], ...] | _BuildFailure"]):
@@ -639,10 +694,11 @@ class StepLoader(Generic[T, R]):
 
         The pass is :func:`~torchfold.train.envelope.seeded_pass`, the one an envelope is fitted
         to, in minibatches of the loader's size (``minibatch_size``, or ``max_device_batch_size``),
-        built here, in this process, with a copy of ``build`` (the envelope's own counters stay
-        as they are); a minibatch
-        that does not fit a frozen envelope is split as in training. Builds that make no
-        :class:`~torchfold.StaticPlan` have no layout: the list is then empty.
+        built here, in this process, with a deep copy of ``build`` (the envelope and its counters
+        stay as they are; the locks the build holds, of a cache or a tokenizer, are shared with the
+        copy); a minibatch that does not fit a frozen envelope is split as in training. Builds that
+        make no :class:`~torchfold.StaticPlan` have no layout: the list is then empty; so is it,
+        with a warning saying why, for a build that cannot be copied.
 
         Args:
             max_minibatches: build at most this many minibatches (default: the whole pass).
@@ -664,7 +720,21 @@ class StepLoader(Generic[T, R]):
         if self.build is None:
             return []
         size = self.minibatch_size or self.max_device_batch_size or 1
-        builder = _Builder(self.dataset, copy.deepcopy(self.build))
+        # NOTE: a copy, so that building here leaves the build (its envelope, growing or frozen,
+        # and its counters) as training left it: training is the same with or without a warm-up,
+        # and the layouts stay those of the workers' copies
+        build, why = _private_copy(self.build)
+        if build is None:
+            name = type(self.build).__name__
+            warnings.warn(
+                f"StepLoader.layout_examples: no examples, so each layout's programs compile when training first "
+                f"meets it: the build ({name}) cannot be copied ({type(why).__name__}: {why}), and its examples "
+                f"are built with a copy, to leave the build's state (its StaticShapes envelope) as training left "
+                f"it. Give {name} a __deepcopy__ that shares what cannot be copied to warm up",
+                stacklevel=2,
+            )
+            return []
+        builder = _Builder(self.dataset, build)
         found: dict[Any, Minibatch[R]] = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", StaticShapesWarning)  # training says it, for its own minibatch

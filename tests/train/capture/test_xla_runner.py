@@ -236,3 +236,64 @@ def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved
     assert programs.refused is None
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
+
+
+class _Leaves(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:  # two logits per call
+        return torch.stack([x.double() * self.w, -x.double() * self.w], dim=1)
+
+
+class _LockedBuild:
+    """Leaves into a frozen envelope, behind a lock (a cache's, a tokenizer's) when ``locked``."""
+
+    def __init__(self, shapes: Any, locked: bool) -> None:
+        import threading
+
+        self.shapes = shapes
+        self.lock = threading.Lock() if locked else None
+        self.cache: dict[int, int] = {}
+
+    def __call__(self, items: list[int]) -> Any:
+        import torchfold
+
+        if self.lock is not None:
+            with self.lock:
+                self.cache[len(items)] = len(items)
+        fold = torchfold.Fold(shapes=self.shapes)
+        plan = fold.plan([[fold.add("leaf", v) for v in items]])
+        return plan, plan.pad(0, [v % 2 for v in items], fill=-100).numpy()
+
+
+def _leaves_loss(model: Any, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(outputs[0], targets, ignore_index=-100)
+
+
+@pytest.mark.timeout(300)
+def test_a_build_holding_a_lock_warms_up_and_trains_past_the_first_step() -> None:
+    """The warm-up (after step 0) copies the build to build its layout examples; a build holding a
+    lock once stopped training there (``TypeError: cannot pickle '_thread.lock' object``). It now
+    trains, warmed up as a build without the lock: the same steps, the same programs."""
+    import torch_xla
+
+    from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, fit_static_shapes
+
+    items = list(range(1, 41))
+    shapes = fit_static_shapes(items, _LockedBuild(None, locked=False), 4)
+    results = []
+    for locked in (True, False):
+        model = _Leaves().to(torch_xla.device())
+        optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.1, capturable=True))
+        build = _LockedBuild(shapes, locked)
+        loader = StepLoader(items, 4, build=build, trace=[8, 4, 12, 8, 4], seed=0)
+        trainer = TraceTrainer(model, optimizer, loader, _leaves_loss, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stats = trainer.fit(max_steps=5)
+        assert not [str(w.message) for w in caught if "layout_examples" in str(w.message)]
+        results.append(([s.loss for s in stats], model.w.item(), trainer.runner.captures))
+    assert len(results[0][0]) == 5
+    assert results[0] == results[1]

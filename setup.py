@@ -33,6 +33,8 @@ setup(
         # TPUs (and XLA's CPU backend): a torch_xla only imports beside the torch it was built
         # against, so the extra pins a matching pair (the one the XLA tests run on)
         "xla": ["torch==2.9.0", "torch_xla==2.9.0"],
+        # TraceTrainer's metrics in TensorBoard (torchfold.train.tensorboard: torch's SummaryWriter needs it)
+        "tensorboard": ["tensorboard>=2.14"],
         "notebooks": [
             "matplotlib>=3.6",
             "torchvision>=0.16",
@@ -50,6 +52,7 @@ setup(
             "ruff>=0.5",
             "mypy>=1.8",
             "setuptools>=77",
+            "tensorboard>=2.14",  # the TensorBoard writer's test
         ],
     },
     entry_points={"console_scripts": ["torchfold=torchfold.cli:main"]},

@@ -95,8 +95,10 @@ def make_trainer(
     num_workers: int = 0,
     minibatch_seed: int | None = None,
     max_device_batch_size: int | None = None,
+    lr: float = LR,
+    **options: Any,
 ) -> Any:
-    """A TraceTrainer on ``trees`` for this process's rank, Adam with ``lr_rule``."""
+    """A TraceTrainer on ``trees`` for this process's rank, Adam with ``lr_rule``; ``options`` to TraceTrainer."""
     from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
     from torchfold.train.loader import StepLoader
     from torchfold.train.optim import AccumulatingOptimizer
@@ -106,7 +108,7 @@ def make_trainer(
     random.seed(seed)  # with make_model's torch seed: every run starts from the same generator states
     model = make_model(vocab, seed)
     optimizer = AccumulatingOptimizer(
-        torch.optim.Adam(model.parameters(), lr=LR),
+        torch.optim.Adam(model.parameters(), lr=lr),
         lr_rule=lr_rule,  # type: ignore[arg-type]
         ref_batch_size=None if lr_rule == "constant" else REF_BATCH,
     )
@@ -129,6 +131,7 @@ def make_trainer(
         progress=False,
         on_step=on_step,
         seed=minibatch_seed,
+        **options,
     )
 
 

@@ -65,8 +65,9 @@ def _tree_loss(model: torch.nn.Module, trees: list[Tree], vocab: Vocab) -> torch
 
 
 @functools.cache
-def _reference(lr_rule: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain PyTorch: each step's whole global batch as one batch, Adam with the rule's LR set by hand.
+def _reference(lr_rule: str, max_norm: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch: each step's whole global batch as one batch, Adam with the rule's LR set by hand
+    (its gradient clipped by ``clip_grad_norm_`` to ``max_norm``, where given).
 
     The global batches come from the epoch's permutation (``seed + epoch``) cut at EPOCH_SIZES.
     """
@@ -86,6 +87,8 @@ def _reference(lr_rule: str) -> tuple[dict[str, torch.Tensor], list[float]]:
             opt.zero_grad()
             loss = _tree_loss(model, batch, vocab)
             loss.backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
             losses.append(loss.item())
     return params_of(model), losses
@@ -525,3 +528,141 @@ def test_step_stats_num_replicas_and_its_deprecated_world_size_alias() -> None:
     assert stats.num_replicas == 2
     with pytest.warns(FutureWarning, match=r"StepStats.world_size is deprecated; use StepStats.num_replicas"):
         assert stats.world_size == 2
+
+
+def test_max_grad_norm_clips_each_steps_mean_gradient_as_one_big_batch_clipped(trees: list[Tree]) -> None:
+    """max_grad_norm= clips the step's gradient after the accumulation (the mean over the global
+    batch), before the update: the run equals clip_grad_norm_ on one big batch per step."""
+    params, losses = _reference("linear", max_norm=0.05)
+    trainer = make_trainer(trees, seed=100, max_grad_norm=0.05)
+    assert trainer.optimizer.max_grad_norm == 0.05
+    history = trainer.fit()
+    torch.testing.assert_close([s.loss for s in history], losses)
+    torch.testing.assert_close(params_of(trainer.model), params)
+    unclipped, _ = _reference("linear")
+    assert any(not torch.allclose(params[name], unclipped[name]) for name in params)  # it clipped
+
+
+def test_a_checkpoint_dir_with_a_run_in_it_is_resumed_and_resume_false_sets_it_aside(
+    trees: list[Tree], tmp_path: Path
+) -> None:
+    """A second trainer on the same directory continues the first run (never overwriting its
+    checkpoints from step 0); a different hyperparameter or setting is refused naming it;
+    resume=False moves the old checkpoints to earlier-1 and starts at step 0."""
+    lines: list[str] = []
+    first = make_trainer(trees, seed=100, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    first.fit(max_steps=4)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 4]
+    second = make_trainer(trees, seed=100, checkpoint_dir=str(tmp_path), log=lines.append)
+    assert second.next_step == 4 and second.resumed_from == tmp_path / "step-00000004.pt"
+    assert lines == [f"resumed from {tmp_path / 'step-00000004.pt'} at step 4"]
+    assert [s.step for s in second.fit(max_steps=6)] == [4, 5]
+    with pytest.raises(ValueError, match=r"step-00000006.pt was written with lr 0.01, this run has lr 0.02"):
+        make_trainer(trees, seed=100, checkpoint_dir=str(tmp_path), lr=0.02)
+    lines.clear()
+    kept = make_trainer(
+        trees,
+        seed=100,
+        checkpoint_dir=str(tmp_path),
+        lr=0.02,
+        override_hyperparameters=["lr"],
+        log=lines.append,
+    )
+    assert kept.next_step == 6 and kept.optimizer.param_groups[0]["lr"] == 0.02
+    assert lines[0].endswith("at step 6; lr 0.02 kept instead of the checkpoint's 0.01")
+    other = tmp_path / "other"
+    make_trainer(trees, checkpoint_dir=str(other), settings={"--hidden-dim": 8}).fit(max_steps=1)
+    with pytest.raises(ValueError, match="--hidden-dim"):
+        make_trainer(trees, checkpoint_dir=str(other), settings={"--hidden-dim": 9})
+    lines.clear()
+    fresh = make_trainer(trees, seed=100, checkpoint_dir=str(tmp_path), resume=False, log=lines.append)
+    assert fresh.next_step == 0 and fresh.resumed_from is None
+    assert lines == [
+        f"moved the 2 earlier checkpoint(s) in {tmp_path} to {tmp_path / 'earlier-1'} (resume=False: this run "
+        "starts at step 0)"
+    ]
+    assert list_checkpoints(tmp_path) == []
+    assert [step for step, _ in list_checkpoints(tmp_path / "earlier-1")] == [4, 6]
+
+
+def test_evaluation_every_n_steps_and_every_epoch_reaches_stats_log_and_metrics_callbacks(
+    trees: list[Tree],
+) -> None:
+    """evaluate(model, eval_data) runs in eval mode without grad after every eval_every steps and
+    at the end of every eval_every_epochs epochs; its metrics are in those steps' stats, a log
+    line and the metrics callbacks (eval/<name>), beside the training lines' train/<name>."""
+    calls: list[tuple[bool, bool, Any]] = []
+
+    def evaluate(model: torch.nn.Module, samples: list[Tree]) -> dict[str, Any]:
+        calls.append((model.training, torch.is_grad_enabled(), samples))
+        return {"count": len(samples), "zero": torch.zeros(())}
+
+    lines: list[str] = []
+    reported: list[tuple[int, dict[str, float]]] = []
+    options = dict(evaluate=evaluate, eval_data=trees[:3], log=lines.append, log_every=5)
+    trainer = make_trainer(
+        trees, seed=100, eval_every=3, on_metrics=lambda step, m: reported.append((step, dict(m))), **options
+    )
+    history = trainer.fit()  # 14 steps, epoch 0 ends after step 7 (8 steps)
+    assert [s.step for s in history if s.metrics] == [2, 5, 8, 11]
+    assert history[2].metrics == {"count": 3.0, "zero": 0.0} and history[3].metrics == {}
+    assert calls == [(False, False, trees[:3])] * 4 and trainer.model.training
+    assert "eval at step 3 | count 3 | zero 0" in lines
+    assert (3, {"eval/count": 3.0, "eval/zero": 0.0}) in reported
+    train_lines = [(step, m) for step, m in reported if "train/loss" in m]
+    assert [step for step, _ in train_lines] == [5, 10, 14]
+    assert set(train_lines[0][1]) == {"train/loss", "train/lr", "train/batch_size", "train/samples_per_s"}
+    by_epoch = make_trainer(trees, seed=100, **options)  # default: after every epoch
+    history = by_epoch.fit()
+    assert [s.step for s in history if s.metrics] == [7, 13]
+    _, expected = _loop_run("linear")  # evaluating changes nothing in the run
+    assert [s.loss for s in history] == [s.loss for s in expected]
+    with pytest.raises(ValueError, match="there is no evaluate="):
+        make_trainer(trees, eval_every=3)
+    with pytest.raises(ValueError, match="eval_every must be"):
+        make_trainer(trees, evaluate=evaluate, eval_every=0)
+
+
+def test_bf16_runs_the_forward_and_loss_under_autocast_and_fp16_needs_cuda(trees: list[Tree]) -> None:
+    """precision="bf16": each minibatch's forward and loss under CPU autocast; the parameters stay
+    in their dtype and the run stays close to fp32 (the Tree-LSTM's Linear layers in bfloat16)."""
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    def loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor:
+        seen.append((torch.is_autocast_enabled("cpu"), model.logits(outputs[0]).dtype))  # type: ignore[operator]
+        return tree_lstm_loss(model, outputs, targets)
+
+    def trainer(precision: str) -> TraceTrainer:
+        vocab = Vocab.build(trees)
+        model = make_model(vocab, seed=100).float()  # (autocast leaves float64 alone)
+        opt = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        loader = StepLoader(trees, MINIBATCH, build=TreeLSTMBuild(vocab), trace=12)
+        return TraceTrainer(model, opt, loader, loss, progress=False, precision=precision)
+
+    bf16 = trainer("bf16")
+    history = bf16.fit(max_steps=4)
+    assert seen and set(seen) == {(True, torch.bfloat16)}
+    assert all(p.dtype == torch.float32 and p.grad is None for p in bf16.model.parameters())
+    seen.clear()
+    expected = trainer("fp32").fit(max_steps=4)
+    assert set(seen) == {(False, torch.float32)}
+    torch.testing.assert_close([s.loss for s in history], [s.loss for s in expected], rtol=0.02, atol=0.02)
+    assert [s.loss for s in history] != [s.loss for s in expected]  # it did run in bfloat16
+    with pytest.raises(ValueError, match="precision='fp16' needs a CUDA device"):
+        make_trainer(trees, precision="fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        make_trainer(trees, precision="half")
+
+
+def test_fit_sets_one_intra_op_thread_unless_the_user_chose_and_says_so_once(trees: list[Tree]) -> None:
+    before = torch.get_num_threads()
+    lines: list[str] = []
+    try:
+        trainer = make_trainer(trees, seed=100, num_threads=2, log=lines.append, log_every=1)
+        trainer.fit(max_steps=1)
+        assert torch.get_num_threads() == 2
+        trainer.fit(max_steps=2)
+        said = [line for line in lines if "thread" in line]
+        assert said == ["2 intra-op CPU thread(s) per process (num_threads=2)"]  # once
+    finally:
+        torch.set_num_threads(before)

@@ -4,25 +4,83 @@ On the main rank only, as tqdm and Lightning do it: a progress bar when stderr i
 and otherwise (a log file, a notebook, CI) a log line every ``log_every`` steps (default
 :data:`DEFAULT_LOG_EVERY`) and at the last one; ``progress=False`` alone is quiet. A line gives
 the step, the epoch, the global batch, the learning rate, and the loss and samples/s of the steps
-since the line before (the loss: the mean over their samples, "mean over the last K steps").
+since the line before (the loss: the mean over their samples, "mean over the last K steps");
+an evaluation, its metrics.
+
+Lines go to the ``torchfold`` logger (:data:`LOGGER`) at INFO, or to a ``log`` callable instead;
+where the program has not configured :mod:`logging`, the logger shows them on stderr (through
+tqdm, so that a bar stays whole). Beside the lines, each metrics callback (``on_metrics``, e.g. a
+:class:`~torchfold.train.tensorboard.TensorBoardWriter`) gets the same numbers by name:
+``train/loss``, ``train/lr``, ``train/batch_size``, ``train/samples_per_s`` at every line, and
+``eval/<name>`` for each metric of an evaluation.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
 from tqdm import tqdm
 
 from torchfold.train.stats import StepStats
 
-__all__ = ["DEFAULT_LOG_EVERY", "StepProgress", "progress_defaults"]
+__all__ = [
+    "DEFAULT_LOG_EVERY",
+    "LOGGER",
+    "MetricsCallback",
+    "StepProgress",
+    "default_log",
+    "metrics_line",
+    "progress_defaults",
+]
 
 #: Steps between log lines where no progress bar is shown (Lightning's ``log_every_n_steps``).
 DEFAULT_LOG_EVERY = 50
+
+#: The logger of torchfold's training runs.
+LOGGER = logging.getLogger("torchfold")
+
+#: ``callback(step, metrics)``: the step the metrics are of (the number of steps run: a line's
+#: ``next_step``), and the metrics by name (``train/loss``, ``eval/accuracy``, ...)
+MetricsCallback = Callable[[int, Mapping[str, float]], None]
+
+
+class _TqdmHandler(logging.Handler):
+    """Writes records to stderr through ``tqdm.write``, which keeps a progress bar whole."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging's rule: a handler never raises
+            self.handleError(record)
+
+
+def default_log() -> Callable[[str], None]:
+    """Where a run's lines go without ``log=``: :data:`LOGGER` at INFO.
+
+    Where neither the logger nor the root logger has a handler (the program left :mod:`logging`
+    alone), the logger gets one that shows INFO lines on stderr, as a training run is expected to.
+    """
+    if not LOGGER.handlers and not logging.getLogger().handlers:
+        handler = _TqdmHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        LOGGER.addHandler(handler)
+        if LOGGER.level == logging.NOTSET:
+            LOGGER.setLevel(logging.INFO)
+    return LOGGER.info
+
+
+def metrics_line(step: int, metrics: Mapping[str, float]) -> str:
+    """An evaluation's log line.
+
+    >>> metrics_line(40, {"loss": 0.51234, "accuracy": 0.8})
+    'eval at step 40 | loss 0.5123 | accuracy 0.8'
+    """
+    return " | ".join([f"eval at step {step}", *(f"{name} {value:.4g}" for name, value in metrics.items())])
 
 
 def progress_defaults(progress: bool | None, log_every: int | None, is_main: bool) -> tuple[bool, int]:
@@ -47,9 +105,17 @@ class StepProgress:
     """
 
     def __init__(
-        self, start: int, end: int, bar: bool, log_every: int, log: Callable[[str], None], is_main: bool
+        self,
+        start: int,
+        end: int,
+        bar: bool,
+        log_every: int,
+        log: Callable[[str], None],
+        is_main: bool,
+        on_metrics: Sequence[MetricsCallback] = (),
     ) -> None:
         self.end, self.log_every, self.log, self.is_main = end, log_every, log, is_main
+        self.on_metrics = tuple(on_metrics)
         self._total, self._show = max(0, end - start), bar
         self._loss = self._samples = 0.0
         self._steps = 0  # steps since the last line
@@ -88,6 +154,25 @@ class StepProgress:
                 f"({stats.num_minibatches} minibatches) | lr {stats.lr:.4g} | loss {loss:.4f} (mean over "
                 f"{steps}) | {rate:.1f} samples/s"
             )
+            self._report(
+                next_step,
+                {
+                    "train/loss": loss,
+                    "train/lr": stats.lr,
+                    "train/batch_size": float(stats.batch_size),
+                    "train/samples_per_s": rate,
+                },
+            )
         self._loss = self._samples = 0.0
         self._steps = 0
         self._since = now
+
+    def evaluated(self, next_step: int, metrics: Mapping[str, float]) -> None:
+        """Log an evaluation's metrics after ``next_step`` steps (on the main rank), and report them."""
+        if self.is_main:
+            self.log(metrics_line(next_step, metrics))
+            self._report(next_step, {f"eval/{name}": value for name, value in metrics.items()})
+
+    def _report(self, next_step: int, metrics: Mapping[str, float]) -> None:
+        for callback in self.on_metrics:
+            callback(next_step, metrics)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,8 @@ class StepStats:
         seconds: wall time of the step on this rank.
         num_replicas: processes (replicas) that shared the step (:attr:`World.size`).
         stop_requested: some rank received SIGTERM by the end of the step: the run stops after it.
+        metrics: the metrics of the evaluation run after this step (``TraceTrainer(evaluate=...)``),
+            by name; empty where none ran.
     """
 
     step: int
@@ -58,6 +60,7 @@ class StepStats:
     seconds: float
     num_replicas: int = 1
     stop_requested: bool = False
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     world_size = RenamedAttribute("num_replicas", "processes that shared the step")
 

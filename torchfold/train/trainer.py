@@ -31,35 +31,51 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from torchfold._validate import check_int
 from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
 from torchfold.train.capture.compiled import CompiledLoss
 from torchfold.train.capture.cuda_replay import CudaStepReplay
 from torchfold.train.capture.xla_replay import XlaStepReplay
-from torchfold.train.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
+from torchfold.train.checkpoint import (
+    checkpoint_path,
+    keep_hyperparameters,
+    latest_checkpoint,
+    load_checkpoint,
+    set_aside_checkpoints,
+)
 from torchfold.train.deferral import DeferredReport
 from torchfold.train.distributed import abort_replica_threads, broadcast_parameters, run_context, world
 from torchfold.train.loader import Step, StepLoader, to_device
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.optim import AccumulatingOptimizer, check_max_grad_norm
+from torchfold.train.precision import ScaledLoss, autocast, check_precision, grad_scaler
 from torchfold.train.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE  # (imported from here too)
 from torchfold.train.preemption import Preempted as Preempted
 from torchfold.train.preemption import SigtermGuard
-from torchfold.train.progress import DEFAULT_LOG_EVERY, StepProgress, progress_defaults
+from torchfold.train.progress import (
+    DEFAULT_LOG_EVERY,
+    MetricsCallback,
+    StepProgress,
+    default_log,
+    progress_defaults,
+)
 from torchfold.train.rng import derived_seed, seed_generators
 from torchfold.train.stats import StepLoss, StepStats, read_loss, step_stats, summed_over_ranks
+from torchfold.train.threads import set_intra_op_threads
 from torchfold.train.trainer_args import (
+    Evaluate,
     check_arguments,
+    check_evaluation,
     check_loader_rank,
     check_parts,
+    ends_epoch,
     fit_end,
     warn_if_unpadded,
 )
@@ -109,14 +125,29 @@ class TraceTrainer:
         device: where targets go and plans run (default: the model's device); ``trainer.context``
             (:func:`~torchfold.train.run_context`) answers it with the backend, the accumulation
             dtype and where checkpoints are read to.
-        checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written).
+        checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written); one that
+            holds checkpoints already is resumed from (see ``resume``).
+        resume: where ``checkpoint_dir`` holds checkpoints, ``True`` (default) continues from the
+            newest (:meth:`resume`) at construction: a checkpoint of another run (other ``settings``,
+            another optimizer, ``lr`` or ``momentum``, model or trace) is refused with a ValueError
+            naming the difference; ``False`` starts at step 0 and first moves the old checkpoints to
+            a new ``checkpoint_dir/earlier-N`` (:func:`~torchfold.train.checkpoint.set_aside_checkpoints`),
+            so that nothing is overwritten and a later resume continues this run.
+        override_hyperparameters: on resume, train on with this run's values of these
+            hyperparameters (``"lr"``, ``"momentum"``) instead of refusing a checkpoint written with
+            others (:func:`~torchfold.train.checkpoint.keep_hyperparameters`).
         checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
         keep_checkpoints: how many of the newest checkpoints to keep (default 2).
         log_every: log a line every this many steps, and at the last one, on the main rank (0:
             never); ``None`` (default): every :data:`DEFAULT_LOG_EVERY` steps where ``progress=None``
             finds no terminal, else none (a bar, or ``progress=False``: a quiet run).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
-        log: where log lines go (default: ``tqdm.write``, i.e. stdout without breaking the bar).
+        log: where log lines go (default: the ``torchfold`` logger at INFO, shown on stderr where
+            the program has not configured :mod:`logging`: :mod:`torchfold.train.progress`).
+        on_metrics: ``callback(step, metrics)`` or a list of them, called on the main rank with
+            every log line's numbers (``train/loss``, ``train/lr``, ``train/batch_size``,
+            ``train/samples_per_s``) and every evaluation's (``eval/<name>``), e.g. a
+            :class:`~torchfold.train.tensorboard.TensorBoardWriter`.
         on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint
             and before the next step is launched: a change it makes (e.g. a scheduler's ``step()``)
             applies from the next step on every device. Without it, in one process on an
@@ -132,6 +163,27 @@ class TraceTrainer:
             (e.g. a command line's ``{"--hidden-dim": 64}``; plain values). Saved in every
             checkpoint; a resume with a different value is refused naming the setting and both
             values.
+        max_grad_norm: clip each step's gradient (the mean over its global batch, after the
+            all-reduce) to this total norm before the update: sets the optimizer's
+            :attr:`~torchfold.train.AccumulatingOptimizer.max_grad_norm` (default: the optimizer's own,
+            ``None`` unless given there).
+        precision: ``"fp32"`` (default), ``"bf16"`` (each minibatch's forward and loss under
+            ``torch.autocast`` to bfloat16, on any device) or ``"fp16"`` (float16 with a
+            ``GradScaler``: CUDA only); :mod:`torchfold.train.precision`. The parameters and the
+            update keep their dtype.
+        evaluate: ``evaluate(model, eval_data) -> {"name": value}``, called on every rank in
+            ``model.eval()`` and ``torch.no_grad()`` (and ``precision``'s autocast) after the steps
+            ``eval_every`` and ``eval_every_epochs`` name; its metrics go into that step's
+            :attr:`StepStats.metrics`, a log line and ``on_metrics``. The same signature as a
+            task's ``evaluate``.
+        eval_data: what ``evaluate`` gets beside the model (e.g. the validation samples).
+        eval_every: evaluate after every this many steps (counted from step 0).
+        eval_every_epochs: evaluate after the last step of every this many epochs (default 1 where
+            ``evaluate`` is given and ``eval_every`` is not).
+        num_threads: intra-op CPU threads for this process; ``None`` (default): the user's choice
+            where one was made (``OMP_NUM_THREADS``, ``torch.set_num_threads``), else
+            :data:`~torchfold.train.threads.DEFAULT_THREADS` (:mod:`torchfold.train.threads`); set
+            when :meth:`fit` starts, and said once in the log.
         compile: capture steps once per static-shape layout and replay them (how, on each device:
             :mod:`torchfold.train.capture`): ``"auto"`` (default) on XLA and CUDA, ``"on"`` on any
             device, ``"off"`` never. Needs the build to return static-shape plans (``StaticPlan``;
@@ -184,10 +236,24 @@ class TraceTrainer:
         compile: str = "auto",
         compile_backend: str | None = None,
         warm_up: bool = True,
+        resume: bool = True,
+        override_hyperparameters: Collection[str] = (),
+        max_grad_norm: float | None = None,
+        precision: str = "fp32",
+        evaluate: Evaluate | None = None,
+        eval_data: Any = None,
+        eval_every: int | None = None,
+        eval_every_epochs: int | None = None,
+        on_metrics: MetricsCallback | Sequence[MetricsCallback] = (),
+        num_threads: int | None = None,
     ) -> None:
         check_parts(model, optimizer, loader, loss)
         check_arguments(checkpoint_every, log_every, keep_checkpoints, seed, preemption_timeout)
+        check_int("num_threads", num_threads, 1, optional=True)
+        self.eval_every, self.eval_every_epochs = check_evaluation(evaluate, eval_every, eval_every_epochs)
         rank = check_loader_rank(loader)
+        if max_grad_norm is not None:
+            optimizer.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
@@ -199,7 +265,16 @@ class TraceTrainer:
         self.keep_checkpoints = keep_checkpoints
         self.is_main = rank == 0
         self.progress, self.log_every = progress_defaults(progress, log_every, self.is_main)
-        self.log = log if log is not None else tqdm.write
+        self.log = log if log is not None else default_log()
+        self.on_metrics: tuple[MetricsCallback, ...] = (
+            (on_metrics,) if callable(on_metrics) else tuple(on_metrics)
+        )
+        self.evaluate, self.eval_data = evaluate, eval_data
+        self.num_threads = num_threads
+        #: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast each minibatch's forward and loss run in
+        self.precision = check_precision(precision, self.device)
+        if self.precision == "fp16":  # the optimizer unscales the step's gradient and skips overflows
+            optimizer.grad_scaler = grad_scaler(self.precision, self.device)
         self.on_step = on_step
         self.seed = seed
         self.handle_sigterm = handle_sigterm
@@ -219,6 +294,12 @@ class TraceTrainer:
         self._warmed = False
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
+        #: the checkpoint this run resumed from at construction (``resume``), else None
+        self.resumed_from: Path | None = None
+        if self.checkpoint_dir is not None and resume:
+            self.resumed_from = self.resume(override=override_hyperparameters)
+        elif self.checkpoint_dir is not None:
+            self._set_aside()
 
     @property
     def minibatch_size(self) -> int | None:
@@ -239,9 +320,10 @@ class TraceTrainer:
         self._loss = value
         #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
         with self.optimizer.default_minibatch_size(self.loader.minibatch_size):  # a runner may keep it
+            scaler = self.optimizer.grad_scaler
             self.runner: StepRunner = step_runner(
                 self.model,
-                value,
+                ScaledLoss(value, scaler) if scaler is not None else value,
                 self.optimizer,
                 device=self.device,
                 compile=self.compile,
@@ -285,7 +367,12 @@ class TraceTrainer:
             if self.handle_sigterm
             else contextlib.nullcontext()
         )
-        progress = StepProgress(self.next_step, end, self.progress, self.log_every, self.log, self.is_main)
+        threads = set_intra_op_threads(self.num_threads)  # (the fold workers run one each: DataLoader's rule)
+        if threads is not None and self.is_main and (self.progress or self.log_every):
+            self.log(threads)
+        progress = StepProgress(
+            self.next_step, end, self.progress, self.log_every, self.log, self.is_main, self.on_metrics
+        )
         with sigterm, progress:
             run = _Fit(end, progress)
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
@@ -317,7 +404,10 @@ class TraceTrainer:
                 deferred.report(until=started, ahead=stats.step)
                 self.next_step = stats.step + 1  # (for the checkpoint's turn)
                 if loss_sum is not None and not (
-                    stats.stop_requested or self._checkpoint_due() or self.next_step >= run.end
+                    stats.stop_requested
+                    or self._checkpoint_due()
+                    or self._evaluation_due(stats.epoch)
+                    or self.next_step >= run.end
                 ):
                     deferred.hold((run, stats, loss_sum, started))
                     continue
@@ -334,9 +424,10 @@ class TraceTrainer:
             return
         started = time.perf_counter()
         whole = [_runs_whole(split.local_minibatches) for split in self.loader.steps()]
-        compiled = self.runner.warm_up(
-            self.loader.layout_examples(), whole_steps=any(whole), minibatches=not all(whole)
-        )
+        with autocast(self.precision, self.device):  # the programs the steps run
+            compiled = self.runner.warm_up(
+                self.loader.layout_examples(), whole_steps=any(whole), minibatches=not all(whole)
+            )
         if compiled and self.is_main and (self.progress or self.log_every):
             self.log(f"warm-up: compiled {compiled} programs in {time.perf_counter() - started:.1f} s")
 
@@ -353,13 +444,51 @@ class TraceTrainer:
         if loss_sum is not None:
             seconds = (time.perf_counter() if until is None else until) - started
             stats = dataclasses.replace(read_loss(stats, loss_sum, self._non_finite_loss), seconds=seconds)
-        run.history.append(stats)
         self.next_step = stats.step + 1
+        metrics = self.run_evaluation() if self._evaluation_due(stats.epoch) else None
+        if metrics is not None:
+            stats = dataclasses.replace(stats, metrics=metrics)
+        run.history.append(stats)
         if self._checkpoint_due():
             self.save_checkpoint()
         run.progress.step(stats, self.next_step)
+        if metrics is not None:
+            run.progress.evaluated(self.next_step, metrics)
         if self.on_step is not None:
             self.on_step(stats)
+
+    def _evaluation_due(self, epoch: int) -> bool:
+        """Whether the step before ``next_step``, of ``epoch``, is followed by an evaluation
+        (``eval_every``, ``eval_every_epochs``)."""
+        if self.evaluate is None:
+            return False
+        if self.eval_every and self.next_step % self.eval_every == 0:
+            return True
+        return bool(
+            self.eval_every_epochs
+            and (epoch + 1) % self.eval_every_epochs == 0
+            and ends_epoch(self.loader, epoch, self.next_step)
+        )
+
+    def run_evaluation(self) -> dict[str, float]:
+        """``evaluate(model, eval_data)`` now, in ``model.eval()``, ``torch.no_grad()`` and the run's
+        autocast; its metrics as floats (the model goes back to training mode)."""
+        if self.evaluate is None:
+            raise ValueError("the trainer has no evaluate= to run")
+        self.model.eval()
+        try:
+            with torch.no_grad(), autocast(self.precision, self.device):
+                found = self.evaluate(self.model, self.eval_data)
+        finally:
+            self.model.train()
+        if not isinstance(found, Mapping):
+            raise TypeError(
+                f"evaluate must return a mapping of metric names to numbers, got {type(found).__name__}"
+            )
+        try:
+            return {str(name): float(value) for name, value in found.items()}
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"evaluate's metrics must be numbers (a float or a 0-dim tensor): {e}") from e
 
     def _non_finite_loss(self, step: int, loss: float) -> str:
         return non_finite_loss(step, loss, self.checkpoint_dir)
@@ -409,7 +538,10 @@ class TraceTrainer:
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
             plan, targets = to_device(minibatch.data, self.device)
             self._warned_unpadded = self._warned_unpadded or warn_if_unpadded(plan, self.device)
-            self.runner.minibatch(plan, targets, minibatch.num_samples, alone=alone)
+            # NOTE: the runner's backward runs inside the autocast too (the eager runner's minibatch()
+            # is forward, loss and backward); autograd gives each op's backward its forward's dtype
+            with autocast(self.precision, self.device):
+                self.runner.minibatch(plan, targets, minibatch.num_samples, alone=alone)
             nodes += len(plan)
             samples += minibatch.num_samples
         return samples, nodes
@@ -476,11 +608,40 @@ class TraceTrainer:
         # the optimizer's tensors on their devices.
         self.load_state_dict(load_checkpoint(path, self.context.map_location), source=f"checkpoint {path}")
 
-    def resume(self) -> Path | None:
-        """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none."""
+    def resume(self, *, override: Collection[str] = ()) -> Path | None:
+        """Resume from the newest checkpoint in ``checkpoint_dir``; returns it, or ``None`` if there is none.
+
+        (The constructor does it unless given ``resume=False``.) A checkpoint written with another
+        optimizer, ``lr`` or ``momentum`` is refused naming it (a
+        :class:`~torchfold.train.checkpoint.HyperparameterMismatch`), unless the name is in
+        ``override``: then this run's value is kept. Other differences (``settings``, the model,
+        the trace) are refused by :meth:`load_state_dict`.
+        """
         if self.checkpoint_dir is None:
             return None
         path = latest_checkpoint(self.checkpoint_dir)
-        if path is not None:
-            self.load_checkpoint(path)
+        if path is None:
+            return None
+        source = f"checkpoint {path}"
+        state = load_checkpoint(path, self.context.map_location)
+        with keep_hyperparameters(state, self.optimizer, source, override=override) as kept:
+            self.load_state_dict(state, source=source)
+        if self.is_main:
+            overridden = "".join(
+                f"; {name} {value} kept instead of the checkpoint's {saved}"
+                for name, (saved, value) in kept.items()
+            )
+            self.log(f"resumed from {path} at step {self.next_step}{overridden}")
         return path
+
+    def _set_aside(self) -> None:
+        """``resume=False``: the main rank moves the checkpoints in ``checkpoint_dir`` to ``earlier-N``."""
+        if self.checkpoint_dir is None or not self.is_main:
+            return
+        moved = set_aside_checkpoints(self.checkpoint_dir)
+        if moved is not None:
+            aside, count = moved
+            self.log(
+                f"moved the {count} earlier checkpoint(s) in {self.checkpoint_dir} to {aside} (resume=False: "
+                "this run starts at step 0)"
+            )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +20,19 @@ from torchfold.train.distributed import world
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
 
-__all__ = ["check_arguments", "check_loader_rank", "check_parts", "fit_end", "warn_if_unpadded"]
+__all__ = [
+    "Evaluate",
+    "check_arguments",
+    "check_evaluation",
+    "check_loader_rank",
+    "check_parts",
+    "ends_epoch",
+    "fit_end",
+    "warn_if_unpadded",
+]
+
+#: ``evaluate(model, eval_data) -> {"name": value}``: a run's evaluation (a task's ``evaluate`` too)
+Evaluate = Callable[[torch.nn.Module, Any], Mapping[str, Any]]
 
 
 def check_parts(model: object, optimizer: object, loader: object, loss: object) -> None:
@@ -73,6 +86,39 @@ def check_arguments(
         raise ValueError(
             f"preemption_timeout must be a positive number of seconds, got {preemption_timeout!r}"
         )
+
+
+def check_evaluation(evaluate: object, eval_every: object, eval_every_epochs: object) -> tuple[int, int]:
+    """TraceTrainer's evaluation schedule: every how many steps and epochs (0: not by that count).
+
+    An ``evaluate`` with neither count runs after every epoch; a count without ``evaluate`` is a
+    ValueError (it would silently evaluate nothing).
+
+    >>> check_evaluation(print, None, None), check_evaluation(print, 100, None), check_evaluation(None, None, None)
+    ((0, 1), (100, 0), (0, 0))
+    """
+    check_int("eval_every", eval_every, 1, optional=True)
+    check_int("eval_every_epochs", eval_every_epochs, 1, optional=True)
+    if evaluate is None:
+        if eval_every is not None or eval_every_epochs is not None:
+            raise ValueError(
+                "eval_every/eval_every_epochs say when to evaluate, but there is no evaluate=: pass "
+                "evaluate=fn(model, eval_data) -> {'metric': value}"
+            )
+        return 0, 0
+    if not callable(evaluate):
+        raise TypeError(f"evaluate must be callable as evaluate(model, eval_data), got {evaluate!r}")
+    if eval_every is None and eval_every_epochs is None:
+        return 0, 1
+    return (eval_every if isinstance(eval_every, int) else 0), (
+        eval_every_epochs if isinstance(eval_every_epochs, int) else 0
+    )
+
+
+def ends_epoch(loader: StepLoader[Any, Any], epoch: int, next_step: int) -> bool:
+    """Whether the step before ``next_step``, of epoch ``epoch``, is that epoch's last."""
+    sampler = loader.sampler
+    return sampler.trace.epoch(epoch, sampler.dataset_size, drop_last=sampler.drop_last).end_step == next_step
 
 
 def fit_end(

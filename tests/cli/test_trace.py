@@ -71,7 +71,7 @@ def test_check_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], text
 
 def test_check_missing_file_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["check", str(tmp_path / "none.csv")], capsys)
-    assert code == 1 and "none.csv" in err
+    assert code == 2 and "none.csv" in err  # a usage mistake, as the README says
     code, _, err = run(["check", str(tmp_path / "none.csv"), "--epochs", "2"], capsys)
     assert code == 2 and "--epochs needs --dataset-size" in err
     code, _, err = run(["check", "x.csv", "--minibatch-size", "0"], capsys)
@@ -173,7 +173,7 @@ def test_convert_step_trace_is_rejected(
     assert code == 1 and "line 1: header should name a 'Time' column" in err
 
 
-@pytest.mark.parametrize("lr_args", [[], ["--lr", "0.1", "--ref-batch", "256", "--rule", "sqrt"]])
+@pytest.mark.parametrize("lr_args", [[], ["--lr", "0.1", "--ref-batch-size", "256", "--lr-rule", "sqrt"]])
 def test_plot(
     traces_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], lr_args: list[str]
 ) -> None:
@@ -185,11 +185,36 @@ def test_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_takes_train_flag_names_and_the_old_ones_as_deprecated_aliases(
+    traces_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(BatchSizeTrace, "plot", lambda self, path, **kwargs: seen.append(kwargs))
+    common = [
+        "plot",
+        str(traces_dir / "step_batchsize_example.csv"),
+        "-o",
+        str(tmp_path / "p.png"),
+        "--lr",
+        "0.1",
+    ]
+    code, _, err = run([*common, "--ref-batch-size", "64", "--lr-rule", "sqrt"], capsys)
+    assert code == 0 and err == ""
+    code, _, err = run([*common, "--ref-batch", "64", "--rule", "sqrt"], capsys)
+    assert code == 0
+    assert (
+        "--ref-batch is deprecated; use --ref-batch-size" in err
+        and "--rule is deprecated; use --lr-rule" in err
+    )
+    assert seen == [{"lr": 0.1, "ref_batch_size": 64, "rule": "sqrt"}] * 2
+    assert run(["plot", "--help"], capsys)[1].count("--ref-batch ") == 0  # the old spellings are hidden
+
+
 def test_plot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(["plot", "x.csv", "-o", str(tmp_path / "p.png"), "--rule", "cubic"], capsys)
+    code, _, err = run(["plot", "x.csv", "-o", str(tmp_path / "p.png"), "--lr-rule", "cubic"], capsys)
     assert code == 2 and "invalid choice: 'cubic'" in err
-    code, _, err = run(["plot", "x.csv", "-o", str(tmp_path / "p.png"), "--ref-batch", "64"], capsys)
-    assert code == 2 and "--ref-batch needs --lr" in err
+    code, _, err = run(["plot", "x.csv", "-o", str(tmp_path / "p.png"), "--ref-batch-size", "64"], capsys)
+    assert code == 2 and "--ref-batch-size needs --lr" in err
 
 
 def test_module_entry_point(traces_dir: Path) -> None:

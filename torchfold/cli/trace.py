@@ -5,10 +5,10 @@ Examples::
     python -m torchfold trace check trace.csv --minibatch-size 32 --dataset-size 60000 --epochs 12
     python -m torchfold trace convert gcp_a100_gpus.csv --per-device-batch 32 --step-time 10 -o a100.csv
     python -m torchfold trace convert --schedule linear:32:256:100+constant:256:900 --multiple-of 32 -o ramp.csv
-    python -m torchfold trace plot trace.csv -o trace.png --lr 0.1 --ref-batch 256 --rule linear
+    python -m torchfold trace plot trace.csv -o trace.png --lr 0.1 --ref-batch-size 256 --lr-rule linear
 
 Exit status: 0 on success, 1 for a bad trace file or impossible request (the message names the
-file and line), 2 for bad command-line usage.
+file and line), 2 for bad command-line usage, a missing input file included.
 """
 
 from __future__ import annotations
@@ -16,12 +16,31 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from torchfold._validate import positive_float, positive_int
 from torchfold.train.lr import LR_RULES
 from torchfold.train.trace import BatchSizeTrace
 
 __all__ = ["main"]
+
+
+class _DeprecatedFlag(argparse.Action):
+    """An old spelling of a flag: stores into the new one's ``dest`` and says, on stderr, to use the new one."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option: str | None = None,
+    ) -> None:
+        print(f"{parser.prog}: {option} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,9 +81,30 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="plot batch size (and learning rate) over steps to a PNG")
     plot.add_argument("file", help="step,batchsize CSV file")
     plot.add_argument("-o", "--output", required=True, help="output PNG file")
-    plot.add_argument("--lr", type=positive_float, help="base learning rate at --ref-batch: adds an lr panel")
-    plot.add_argument("--ref-batch", type=positive_int, help="reference batch size (default: first step's)")
-    plot.add_argument("--rule", choices=LR_RULES, default="linear", help="learning-rate scaling rule")
+    plot.add_argument(
+        "--lr", type=positive_float, help="base learning rate at --ref-batch-size: adds an lr panel"
+    )
+    # the names train gives the same settings (--ref-batch and --rule: hidden, deprecated spellings)
+    plot.add_argument(
+        "--ref-batch-size",
+        type=positive_int,
+        help="batch size --lr was tuned for (default: the first step's)",
+    )
+    plot.add_argument(
+        "--lr-rule",
+        choices=LR_RULES,
+        default="linear",
+        help="how the learning rate follows the batch size (default linear)",
+    )
+    hidden: dict[str, Any] = {
+        "action": _DeprecatedFlag,
+        "default": argparse.SUPPRESS,
+        "help": argparse.SUPPRESS,
+    }
+    plot.add_argument(
+        "--ref-batch", dest="ref_batch_size", type=positive_int, new="--ref-batch-size", **hidden
+    )
+    plot.add_argument("--rule", dest="lr_rule", choices=LR_RULES, new="--lr-rule", **hidden)
     return parser
 
 
@@ -130,10 +170,10 @@ def _convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.ref_batch is not None and args.lr is None:
-        parser.error("--ref-batch needs --lr")
+    if args.ref_batch_size is not None and args.lr is None:
+        parser.error("--ref-batch-size needs --lr")
     trace = BatchSizeTrace.from_csv(args.file)
-    trace.plot(args.output, lr=args.lr, ref_batch_size=args.ref_batch, rule=args.rule)
+    trace.plot(args.output, lr=args.lr, ref_batch_size=args.ref_batch_size, rule=args.lr_rule)
     print(f"written: {args.output} ({len(trace)} steps)")
     return 0
 
@@ -153,6 +193,9 @@ def main(argv: Sequence[str]) -> int:
         return _plot(args, parser)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    except FileNotFoundError as e:  # a usage mistake: the path on the command line names no file
+        print(f"torchfold trace {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError, ImportError) as e:  # ImportError: `plot` without the plot extra
         print(f"torchfold trace {args.command}: error: {e}", file=sys.stderr)
         return 1

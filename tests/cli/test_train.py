@@ -53,6 +53,41 @@ def test_resume_appends_to_the_history_dropping_the_steps_it_repeats(
     assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2, 3, 4]
 
 
+def test_a_run_killed_right_after_a_checkpoint_keeps_every_history_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The checkpoint of step K was written before the history line of step K-1: a run killed
+    # between the two resumed at K, and the line of step K-1 was gone.
+    history, ck = tmp_path / "history.jsonl", tmp_path / "ck"
+    args = _args(tmp_path, "--max-steps", "5", "--history", str(history), "--checkpoint-dir", str(ck))
+    args += ["--checkpoint-every", "1"]
+    killed_after_checkpoint_3 = (
+        "import os, signal, sys\n"
+        "import torchfold.train.trainer_state as trainer_state\n"
+        "from torchfold.cli.train import main\n"
+        "save = trainer_state.save_checkpoint\n"
+        "def save_then_die(state, path):\n"
+        "    save(state, path)\n"
+        "    if state['step'] == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "trainer_state.save_checkpoint = save_then_die\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", killed_after_checkpoint_3, *args],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert latest_checkpoint(ck) == ck / "step-00000003.pt"
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2]
+    code, out, err = run_train(args, capsys)
+    assert code == 0 and "at step 3" in out, err
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2, 3, 4]
+
+
 def _child(tmp_path: Path, ck: Path, max_steps: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env["OMP_NUM_THREADS"] = "1"

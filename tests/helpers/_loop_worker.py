@@ -142,8 +142,9 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def train_rank(rank: int, world_size: int, port: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One rank of a gloo group: train once per entry of ``runs``; each gives params and history.
 
-    A run may have ``die_after`` (rank, step): that rank SIGKILLs itself right after that step
-    (and after any checkpoint it took part in); the others report how they failed. ``resume``
+    A run may have ``die_after`` (rank, step): that rank SIGKILLs itself once the checkpoint that
+    follows that step is written, in the next step's ``on_step`` (which runs before that step's
+    checkpoint); the others report how they failed. ``resume``
     continues from the newest checkpoint in ``checkpoint_dir``.
     """
     import time
@@ -157,7 +158,7 @@ def train_rank(rank: int, world_size: int, port: int, runs: list[dict[str, Any]]
         die_rank, die_step = run.get("die_after", (-1, -1))
 
         def on_step(stats: Any, die_rank: int = die_rank, die_step: int = die_step) -> None:
-            if rank == die_rank and stats.step == die_step:
+            if rank == die_rank and stats.step == die_step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         trainer = make_trainer(

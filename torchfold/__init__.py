@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
-from torchfold import engine
+# _early_sigterm first, before the engine imports torch: `python -m torchfold train` exits 75 with
+# a line on a SIGTERM while it starts (importing it installs the handler in that process only).
+from torchfold import _early_sigterm, engine  # noqa: F401
 from torchfold._deprecation import moved_names
 from torchfold._version import __version__
 from torchfold.engine import *  # noqa: F403 (the root holds the engine's public names)

@@ -14,7 +14,13 @@ import pytest
 
 import torchfold.train
 import torchfold.train.trainer
-from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Preempted, SigtermGuard
+from torchfold.train.preemption import (
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    SigtermGuard,
+    Terminated,
+    terminated_on_sigterm,
+)
 
 
 def test_sigterm_is_recorded_and_the_previous_handler_comes_back(capfd: pytest.CaptureFixture[str]) -> None:
@@ -75,3 +81,19 @@ def test_preempted_imports_from_where_it_did_and_says_how_to_resume(tmp_path: Pa
         f"SIGTERM received: stopped after step 7 and wrote checkpoint {tmp_path}/step-00000008.pt; run the same "
         "command again to resume, on any number of processes"
     )
+
+
+def test_outside_a_step_sigterm_raises_terminated_and_a_forked_child_dies_of_it() -> None:
+    # Before the trainer handled it (while `torchfold train` started), SIGTERM killed the run
+    # without a word: the command line turns Terminated into one line and exit status 75.
+    with pytest.raises(Terminated), terminated_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR1)  # never reached: Terminated is raised first
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with terminated_on_sigterm():
+        child = os.fork()
+        if child == 0:  # a loader's worker, forked with the handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0)  # not reached: it dies of the signal
+        _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM

@@ -56,6 +56,7 @@ from torchfold.train.checkpoint import (
 from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
 from torchfold.train.trace import BatchSizeTrace
 from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
@@ -261,6 +262,9 @@ def _lock_checkpoint_dir(args: argparse.Namespace, main_rank: bool) -> Checkpoin
         problem = shared[0]
     if problem is not None:
         raise ValueError(problem)
+    if lock is not None and lock.removed:
+        names = ", ".join(path.name for path in lock.removed)
+        print(f"--checkpoint-dir: removed the temporary files of interrupted checkpoint writes: {names}")
     return lock
 
 
@@ -302,10 +306,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m torchfold train`` with arguments ``argv``; returns the exit status.
 
     Ctrl-C (``KeyboardInterrupt``) ends it with one line and :data:`INTERRUPTED_EXIT_CODE`; the
-    worker processes are stopped and the checkpoints written before it are kept.
+    worker processes are stopped and the checkpoints written before it are kept. SIGTERM during
+    a step finishes it and writes a checkpoint (:class:`~torchfold.train.trainer.Preempted`); at
+    any other time it stops the run where it stands (:class:`Terminated`); both end with one line
+    and :data:`~torchfold.train.preemption.PREEMPTED_EXIT_CODE`.
     """
     try:
-        return _main(argv)
+        with terminated_on_sigterm():
+            return _main(argv)
     except KeyboardInterrupt:
         print(
             "torchfold train: interrupted (Ctrl-C); the checkpoints written before it are kept: run the same "
@@ -313,6 +321,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED_EXIT_CODE
+    except Terminated:
+        print(
+            "torchfold train: SIGTERM received outside a training step: stopped; the checkpoints written before "
+            "it are kept: run the same command again to resume from the newest",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -8,6 +8,12 @@ stop, one checkpoint is written and :meth:`~torchfold.train.TraceTrainer.fit` ra
 command line does). A second SIGTERM, or ``timeout`` seconds without reaching the end of the
 step and its checkpoint, exits at once with status 143 (128 + SIGTERM, what a shell reports for
 a process killed by SIGTERM) and a message on stderr.
+
+Outside :meth:`~torchfold.train.TraceTrainer.fit` there is no step to finish: while
+:func:`terminated_on_sigterm` handles it (the command line's ``train`` does, around all it
+does), SIGTERM raises :class:`Terminated` where the program stands, as Ctrl-C raises
+``KeyboardInterrupt``, so that ``finally`` blocks release what they hold; the command line ends
+with one line and :data:`PREEMPTED_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "SigtermGuard"]
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "SigtermGuard", "Terminated", "terminated_on_sigterm"]
 
 #: Exit status of a run stopped by SIGTERM after writing its checkpoint (``EX_TEMPFAIL``: run it again).
 PREEMPTED_EXIT_CODE = 75
@@ -116,3 +122,47 @@ class SigtermGuard:
             flush=True,
         )
         os._exit(_FORCED_EXIT_CODE)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived outside a training step, under :func:`terminated_on_sigterm`.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: ``except Exception`` blocks let it through.
+    """
+
+
+@contextlib.contextmanager
+def terminated_on_sigterm() -> Iterator[None]:
+    """Inside, SIGTERM raises :class:`Terminated` where the main thread stands (a second one, while
+    the first unwinds, exits at once with status 143); a :class:`SigtermGuard` inside takes over
+    while it handles the signal. The previous handler comes back at the end.
+
+    A process forked inside (a loader's worker) that inherits the handler dies of SIGTERM as it
+    would without it. Off the main thread nothing is installed.
+
+    >>> with terminated_on_sigterm():
+    ...     signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    True
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+    raised: list[bool] = []  # (a SIGTERM raised Terminated already)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked child: SIGTERM's own action
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if raised:
+            print("torchfold: a second SIGTERM; exiting now", file=sys.stderr, flush=True)
+            os._exit(_FORCED_EXIT_CODE)
+        raised.append(True)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

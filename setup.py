@@ -8,6 +8,17 @@ from setuptools import Extension, find_packages, setup
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "torchfold" / "_version.py").read_text()).group(1)  # type: ignore[union-attr]
 
+# The extras the dev extra holds too (the tests run the notebooks and the docs' hooks).
+NOTEBOOKS = [
+    "matplotlib>=3.6",
+    "torchvision>=0.16",
+    "mlxtend>=0.23",
+    "nbclient>=0.9",
+    "nbformat>=5.9",
+    "ipykernel>=6",
+]
+DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mkdocs-material>=9.5"]
+
 # The distribution's name: `torchfold` on the index is another project (NEAR AI's 2018 TorchFold),
 # so this one installs as `pytorch-fold` and is still imported as `torchfold`.
 setup(
@@ -35,16 +46,12 @@ setup(
         "xla": ["torch==2.9.0", "torch_xla==2.9.0"],
         # TraceTrainer's metrics in TensorBoard (torchfold.train.tensorboard: torch's SummaryWriter needs it)
         "tensorboard": ["tensorboard>=2.14"],
-        "notebooks": [
-            "matplotlib>=3.6",
-            "torchvision>=0.16",
-            "mlxtend>=0.23",
-            "nbclient>=0.9",
-            "nbformat>=5.9",
-            "ipykernel>=6",
-        ],
-        "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mkdocs-material>=9.5"],
-        # setuptools: tests/test_wheel.py builds the wheel without build isolation
+        "notebooks": NOTEBOOKS,
+        "docs": DOCS,
+        # setuptools: tests/test_wheel.py builds the wheel without build isolation; the extras the
+        # tests import (the docs' hooks, the notebooks and their kernel, the plots, the TensorBoard
+        # writer), so that `pip install -e '.[dev]'` and `pytest` run the whole suite (the XLA tests
+        # and the DyNet benchmark need environments of their own: see the Makefile)
         "dev": [
             "pytest>=7",
             "pytest-timeout>=2.1",
@@ -52,7 +59,8 @@ setup(
             "ruff>=0.5",
             "mypy>=1.8",
             "setuptools>=77",
-            "tensorboard>=2.14",  # the TensorBoard writer's test
+            "tensorboard>=2.14",
+            *dict.fromkeys(NOTEBOOKS + DOCS),  # matplotlib (the plot extra) included
         ],
     },
     entry_points={"console_scripts": ["torchfold=torchfold.cli:main"]},

@@ -24,6 +24,7 @@ from typing import TextIO
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from torchfold._deprecation import warn_renamed
 from torchfold._validate import (
@@ -48,15 +49,10 @@ from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.checkpoint import (
     CheckpointDirLock,
     HyperparameterMismatch,
-    keep_hyperparameters,
-    latest_checkpoint,
-    load_checkpoint,
-    set_aside_checkpoints,
 )
-from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context
+from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context, world
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
 from torchfold.train.trace import BatchSizeTrace
 from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
@@ -169,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=thread_count,
-        default=1,
-        help="CPU threads per process (default 1; at most 4 per CPU of the machine)",
+        help="CPU threads per process (default: the library's rule, 1 unless OMP_NUM_THREADS is set; at most 4 "
+        "per CPU of the machine)",
     )
     p.add_argument(
         "--device",
@@ -262,9 +258,6 @@ def _lock_checkpoint_dir(args: argparse.Namespace, main_rank: bool) -> Checkpoin
         problem = shared[0]
     if problem is not None:
         raise ValueError(problem)
-    if lock is not None and lock.removed:
-        names = ", ".join(path.name for path in lock.removed)
-        print(f"--checkpoint-dir: removed the temporary files of interrupted checkpoint writes: {names}")
     return lock
 
 
@@ -306,14 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m torchfold train`` with arguments ``argv``; returns the exit status.
 
     Ctrl-C (``KeyboardInterrupt``) ends it with one line and :data:`INTERRUPTED_EXIT_CODE`; the
-    worker processes are stopped and the checkpoints written before it are kept. SIGTERM during
-    a step finishes it and writes a checkpoint (:class:`~torchfold.train.trainer.Preempted`); at
-    any other time it stops the run where it stands (:class:`Terminated`); both end with one line
-    and :data:`~torchfold.train.preemption.PREEMPTED_EXIT_CODE`.
+    worker processes are stopped and the checkpoints written before it are kept.
     """
     try:
-        with terminated_on_sigterm():
-            return _main(argv)
+        return _main(argv)
     except KeyboardInterrupt:
         print(
             "torchfold train: interrupted (Ctrl-C); the checkpoints written before it are kept: run the same "
@@ -321,13 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED_EXIT_CODE
-    except Terminated:
-        print(
-            "torchfold train: SIGTERM received outside a training step: stopped; the checkpoints written before "
-            "it are kept: run the same command again to resume from the newest",
-            file=sys.stderr,
-        )
-        return PREEMPTED_EXIT_CODE
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -360,7 +342,6 @@ def _main(argv: Sequence[str] | None) -> int:
     except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
         print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
     # The settings themselves (all small), so that a mismatch names the option and both values.
     config: dict[str, object] = {
         "trace batch sizes (fingerprint)": trace.fingerprint(),
@@ -523,41 +504,53 @@ def _train(
                     "stopped after that step",
                 ) from e
 
-    trainer = TraceTrainer(
-        model,
-        optimizer,
-        loader,
-        tree_lstm_loss,
-        device=device,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        log_every=args.log_every,
-        progress=False if args.no_progress else None,
-        on_step=record if args.history else None,  # (without: the host runs a step ahead on an accelerator)
-        seed=args.seed,  # each fold's random draws: the same on any number of processes
-        settings=_checkpoint_settings(args, trace, len(trees)),
-        compile=args.compile,
-    )
-    main_rank = trainer.is_main
-    if main_rank:
-        print(
-            f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
-            f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
-            f"{loader.num_replicas} process(es), "
-            + (
-                f"minibatch {args.minibatch_size}, "
-                if args.minibatch_size is not None
-                else f"at most {args.max_device_batch_size} trees per fold, "
-            )
-            + f"{args.workers} fold-building worker(s) each, device {device}"
-        )
-        stop = _stop_line(args, trace, loader)
-        if stop is not None:
-            print(f"run: {stop}")
     lock: CheckpointDirLock | None = None
     try:
-        lock = _lock_checkpoint_dir(args, main_rank)  # held until the run ends: one run per directory
+        # before the trainer resumes from it or sets its checkpoints aside: one run per directory
+        lock = _lock_checkpoint_dir(args, world().rank == 0)
+        try:
+            trainer = TraceTrainer(
+                model,
+                optimizer,
+                loader,
+                tree_lstm_loss,
+                device=device,
+                checkpoint_dir=args.checkpoint_dir,
+                checkpoint_every=args.checkpoint_every,
+                keep_checkpoints=args.keep_checkpoints,
+                log_every=args.log_every,
+                progress=False if args.no_progress else None,
+                on_step=record
+                if args.history
+                else None,  # (without: the host runs a step ahead on an accelerator)
+                seed=args.seed,  # each fold's random draws: the same on any number of processes
+                settings=_checkpoint_settings(args, trace, len(trees)),
+                compile=args.compile,
+                resume=not args.no_resume,  # the library's rule: resume, or set the old checkpoints aside
+                override_hyperparameters=[
+                    name for name in ("lr", "momentum") if getattr(args, f"override_{name}")
+                ],
+                log=tqdm.write,  # (stdout, the bar kept whole)
+                num_threads=args.threads,  # None: the library's rule
+            )
+        except HyperparameterMismatch as e:
+            raise _mismatch(e) from e
+        main_rank = trainer.is_main
+        if main_rank:
+            print(
+                f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
+                f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
+                f"{loader.num_replicas} process(es), "
+                + (
+                    f"minibatch {args.minibatch_size}, "
+                    if args.minibatch_size is not None
+                    else f"at most {args.max_device_batch_size} trees per fold, "
+                )
+                + f"{args.workers} fold-building worker(s) each, device {device}"
+            )
+            stop = _stop_line(args, trace, loader)
+            if stop is not None:
+                print(f"run: {stop}")
         return _run(args, trainer, history)
     finally:
         loader.close()
@@ -569,15 +562,12 @@ def _train(
 
 
 def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO]) -> int:
-    """Resume (unless --no-resume), open --history, train; the caller closes what this opens."""
+    """Open --history (after the trainer resumed, or not), train; the caller closes what this opens."""
     main_rank = trainer.is_main
-    if args.no_resume and main_rank:
-        _set_aside(args)
-    resumed, overridden = (None, []) if args.no_resume else _resume(args, trainer)
+    resumed = trainer.resumed_from  # (resumed, or set the checkpoints aside, when it was made: it said which)
     if resumed is not None and main_rank:
-        print(f"resumed from {resumed} at step {trainer.next_step}")
-        for line in overridden:
-            print(line)
+        for name, (saved, value) in trainer.overridden.items():
+            print(f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {saved}")
     if args.history and main_rank:
         history.append(_open_history(args.history, trainer.next_step if resumed is not None else None))
     # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
@@ -601,21 +591,6 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO])
             f"step {trainer.next_step}{final}"
         )
     return 0
-
-
-def _set_aside(args: argparse.Namespace) -> None:
-    """--no-resume: the checkpoints in --checkpoint-dir move to ``earlier-N`` (:func:`set_aside_checkpoints`)."""
-    if args.checkpoint_dir is None:
-        return
-    try:
-        moved = set_aside_checkpoints(args.checkpoint_dir)
-    except OSError as e:
-        raise OSError(e.errno, f"--no-resume: {e.strerror}") from e
-    if moved is not None:
-        aside, count = moved
-        print(
-            f"--no-resume: moved the {count} earlier checkpoint(s) in {Path(args.checkpoint_dir)} to {aside}"
-        )
 
 
 def _checkpoint_settings(
@@ -644,33 +619,12 @@ def _ref_batch_size(args: argparse.Namespace, trace: BatchSizeTrace) -> int | No
     return args.ref_batch_size if args.ref_batch_size is not None else trace[0]
 
 
-def _resume(args: argparse.Namespace, trainer: TraceTrainer) -> tuple[Path | None, list[str]]:
-    """Resume from the newest checkpoint, if any, keeping --lr and --momentum as the library rules
-    (:func:`~torchfold.train.checkpoint.keep_hyperparameters`): the checkpoint's would silently
-    win over the command line's, so a difference is an error unless --override-lr /
-    --override-momentum says to train on with the new value. Returns the checkpoint and a log
-    line per override.
-    """
-    if trainer.checkpoint_dir is None:
-        return None, []
-    path = latest_checkpoint(trainer.checkpoint_dir)
-    if path is None:
-        return None, []
-    state = load_checkpoint(path, trainer.context.map_location)  # where TraceTrainer.load_checkpoint reads it
-    override = [name for name in ("lr", "momentum") if getattr(args, f"override_{name}")]
-    try:
-        with keep_hyperparameters(state, trainer.optimizer, f"checkpoint {path}", override=override) as kept:
-            trainer.load_state_dict(state, source=f"checkpoint {path}")
-    except HyperparameterMismatch as e:
-        if e.name == "optimizer":
-            fix = f"resume with --optimizer {e.saved}, or start afresh (--no-resume or another --checkpoint-dir)"
-        else:
-            fix = f"resume with --{e.name} {e.saved}, or add --override-{e.name} to train on with --{e.name} {e.value}"
-        raise ValueError(
-            f"{e.source} was written with --{e.name} {e.saved}, this run has --{e.name} {e.value}; {fix}"
-        ) from e
-    lines = [
-        f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {saved}"
-        for name, (saved, value) in kept.items()
-    ]
-    return path, lines
+def _mismatch(e: HyperparameterMismatch) -> ValueError:
+    """A checkpoint of another optimizer, --lr or --momentum, in the command line's words."""
+    if e.name == "optimizer":
+        fix = f"resume with --optimizer {e.saved}, or start afresh (--no-resume or another --checkpoint-dir)"
+    else:
+        fix = f"resume with --{e.name} {e.saved}, or add --override-{e.name} to train on with --{e.name} {e.value}"
+    return ValueError(
+        f"{e.source} was written with --{e.name} {e.saved}, this run has --{e.name} {e.value}; {fix}"
+    )

@@ -213,6 +213,17 @@ def test_trace_mistakes_name_the_flag(
     assert "batch_size" not in err
 
 
+def test_a_trace_given_as_a_list_trains_its_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--trace 6,12,6`` once said ``No such file or directory``: the command line takes every form
+    of trace that ``StepLoader(trace=...)`` does, by one rule (``as_trace``)."""
+    history = tmp_path / "history.jsonl"
+    args = _args(tmp_path, "--history", str(history))
+    args[args.index("--trace") + 1] = "6,12,6"
+    code, _out, err = run_train(args, capsys)
+    assert code == 0, err
+    assert [json.loads(line)["batch_size"] for line in history.read_text().splitlines()] == [6, 12, 6]
+
+
 def test_an_endless_trace_asks_for_the_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_train(
         ["--trace", "12", "--data", str(write_sst(tmp_path, 24)), "--minibatch-size", "6"], capsys

@@ -737,3 +737,13 @@ def test_layout_examples_of_a_build_that_cannot_be_copied_are_none_with_one_warn
     )
     assert "Give _UncopyableBuild a __deepcopy__" in message
     assert [len(mb.indices) for step in loader for mb in step] == [5, 5]  # training goes on
+
+
+@pytest.mark.parametrize(
+    ("trace", "sizes"),
+    [("linear:4:12:3", [4, 8, 12]), ("steps:4x2,8x1", [4, 4, 8]), ("4,8,4", [4, 8, 4]), ("8", [8, 8, 8, 8])],
+)
+def test_trace_takes_the_strings_of_the_command_line(trace: str, sizes: list[int]) -> None:
+    """``trace="linear:32:256:60"`` once raised a bare FileNotFoundError (every string was a CSV path)."""
+    loader = StepLoader(list(range(32)), 4, trace=trace, shuffle=False)
+    assert [sum(len(mb.indices) for mb in step) for step in loader][: len(sizes)] == sizes

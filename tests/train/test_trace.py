@@ -570,3 +570,71 @@ def test_largest_minibatch_size_divides_every_batch_and_no_larger_one_does(
 def test_largest_minibatch_size_refuses_a_bound_below_one() -> None:
     with pytest.raises(ValueError, match="at_most"):
         BatchSizeTrace([8]).largest_minibatch_size(0)
+
+
+# -- one syntax: as_trace and the command line's --trace ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "sizes", "num_steps"),
+    [
+        ("32", (32,), None),
+        (" 32 ", (32,), None),
+        ("32,64,96", (32, 64, 96), 3),
+        ("32, 64, 96", (32, 64, 96), 3),
+        ("8", (8,), None),
+        ("linear:32:128:4", (32, 64, 96, 128), 4),
+        ("steps:25x2,50x1", (25, 25, 50), 3),
+        ("constant:16:2+steps:8x1", (16, 16, 8), 3),
+        ("trace.csv", (16, 32), 2),
+    ],
+)
+def test_as_trace_and_the_command_line_take_the_same_strings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, sizes: tuple[int, ...], num_steps: int | None
+) -> None:
+    """``StepLoader(trace=...)`` (:func:`as_trace`) once read every string as a CSV path (a bare
+    FileNotFoundError for ``"linear:32:256:60"``), and ``--trace 32,64,96`` said ``No such file or
+    directory``: both now take every form, by one rule."""
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "step,batchsize\n0,16\n1,32\n", name="trace.csv")
+    for trace in (as_trace(text), BatchSizeTrace.parse(text)):
+        assert trace.batch_sizes == sizes and trace.num_steps == num_steps
+
+
+FORMS = "a step,batchsize CSV file, an integer (a constant batch size: 256), a list of batch sizes (32,64,96)"
+
+
+@pytest.mark.parametrize(
+    ("text", "error", "needles"),
+    [
+        (
+            "nope.csv",
+            FileNotFoundError,
+            ["trace 'nope.csv': no such file, and no other form of trace", FORMS],
+        ),
+        ("linear:32", ValueError, ["trace 'linear:32': bad schedule part", "linear:START:END:STEPS"]),
+        ("32,x", FileNotFoundError, ["trace '32,x': no such file"]),  # no list, no schedule: a file name
+        ("32,64.5", ValueError, ["trace '32,64.5': a list of batch sizes holds whole numbers", "'64.5'"]),
+        ("32,0", ValueError, ["trace '32,0': batch sizes must be positive integers, got 0 at position 1"]),
+        ("0", ValueError, ["trace '0': a constant global batch size must be a positive integer"]),
+        ("2.5", ValueError, ["trace '2.5'", "whole number of samples, e.g. trace=2"]),
+        ("", ValueError, ["trace '': empty", FORMS]),
+    ],
+)
+def test_a_trace_string_of_no_form_names_the_value_and_the_forms(
+    text: str, error: type[Exception], needles: list[str]
+) -> None:
+    with pytest.raises(error) as info:
+        as_trace(text)
+    for needle in needles:
+        assert needle in str(info.value)
+    # the command line: the same rule, the same words, after its flag; a usage error (ValueError)
+    with pytest.raises(ValueError) as cli:
+        BatchSizeTrace.parse(text)
+    assert str(cli.value).startswith(f"--trace {text}")
+    assert str(info.value).partition(": ")[2].replace("trace=", "--trace ") in str(cli.value)
+
+
+def test_a_directory_is_no_trace(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"trace {str(tmp_path)!r} is a directory; give {FORMS}")):
+        as_trace(str(tmp_path))

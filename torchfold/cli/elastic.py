@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--global-batch", type=positive_int, default=48, help="samples per step (default 48)")
     batch.add_argument(
         "--trace",
-        help="global batch per step instead: a step,batchsize CSV, an int or a schedule (as train's)",
+        help="global batch per step instead: a step,batchsize CSV, an int, a list or a schedule (as train's)",
     )
     p.add_argument(
         "--max-device-batch-size",

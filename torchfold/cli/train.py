@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trace",
         required=True,
-        help="global batch size per step: a step,batchsize CSV file, an int (constant), or a schedule such "
-        "as linear:32:256:1000 (see python -m torchfold trace --help)",
+        help="global batch size per step: a step,batchsize CSV file, an int (constant), a list such as "
+        "32,64,96, or a schedule such as linear:32:256:1000 (see python -m torchfold trace --help); the "
+        "trace= of StepLoader takes the same strings",
     )
     p.add_argument(
         "--data",

@@ -366,8 +366,9 @@ class StepLoader(Generic[T, R]):
             fits: the step then holds more minibatches (:attr:`Step.split` counts them), and
             the same samples, so the optimizer's step is the same.
         trace: the global batch size of every step (a :class:`~torchfold.train.BatchSizeTrace`, a
-            ``step,batchsize`` CSV path, a list or an int); every size a multiple of
-            ``minibatch_size``. ``None`` (default): PopTorch's constant
+            list or an int, or a string as the command line's ``--trace`` takes: a ``step,batchsize``
+            CSV path, ``"32,64,96"``, ``"linear:32:256:1000"``; see :func:`~torchfold.train.as_trace`);
+            every size a multiple of ``minibatch_size``. ``None`` (default): PopTorch's constant
             ``minibatch_size * num_replicas * gradient_accumulation``.
         device_iterations: PopTorch's optimizer steps per host step (default 1). The loader hands
             out one step at a time, so it only enters :attr:`combined_batch_size` and its check.

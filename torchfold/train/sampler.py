@@ -136,8 +136,9 @@ class TraceBatchSampler(Sampler[list[int]]):
 
     Args:
         dataset: the dataset (anything with ``len()``) or its number of samples.
-        trace: the global batch size of every step: a :class:`BatchSizeTrace`, a path to a
-            ``step,batchsize`` CSV file, a list of ints, or an int (constant).
+        trace: the global batch size of every step: a :class:`BatchSizeTrace`, a list of ints, an
+            int (constant), or a string as the command line's ``--trace`` takes (a ``step,batchsize``
+            CSV path, ``"32,64,96"``, ``"linear:32:256:1000"``: :func:`~torchfold.train.as_trace`).
         minibatch_size: samples per minibatch (per forward pass on one rank); every batch size in
             the trace must be a multiple of it (except an epoch's last step). Give it or
             ``max_device_batch_size``.

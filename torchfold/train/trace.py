@@ -14,7 +14,9 @@ A :class:`BatchSizeTrace` is an immutable sequence of positive integers, one per
 
 Learning-rate rules are in :mod:`torchfold.train.lr`, plotting in :mod:`torchfold.train.plot`.
 
-:func:`as_trace` accepts any of these, and is what the sampler and the training loop call.
+:func:`as_trace` accepts any of these, and is what the sampler and the training loop call; its
+rule for a string (a file, ``"256"``, ``"32,64,96"``, a schedule) is also the command line's
+``--trace`` (:meth:`BatchSizeTrace.parse`): one syntax everywhere.
 
 CSV format
 ----------
@@ -274,14 +276,12 @@ class BatchSizeTrace:
 
     @classmethod
     def parse(cls, text: str, *, option: str = "--trace") -> BatchSizeTrace:
-        """The trace a command-line value names: an integer (a constant batch size), a schedule
-        (:meth:`from_schedule`) or the path of a ``step,batchsize`` CSV file (:meth:`from_csv`).
-
-        Every mistake is a ``ValueError`` that starts with ``option`` and ``text`` (the option the
-        value came from) and says how to write it.
+        """The trace a command-line value names: :func:`as_trace`'s rule for a string, with every
+        mistake a ``ValueError`` that starts with ``option`` and ``text`` (the option the value
+        came from) and says how to write it.
 
         Args:
-            text: the value, e.g. ``"256"``, ``"linear:32:256:1000"`` or ``"traces/run.csv"``.
+            text: the value, e.g. ``"256"``, ``"32,64,96"``, ``"linear:32:256:1000"`` or ``"traces/run.csv"``.
             option: the name that messages give the value (default ``--trace``).
 
         >>> BatchSizeTrace.parse("steps:32x2,64x1").batch_sizes
@@ -295,32 +295,12 @@ class BatchSizeTrace:
         """
         if not isinstance(text, str):
             raise TypeError(f"{option} must be given as a string, got {type(text).__name__} {text!r}")
-        number = text.strip()
-        if re.fullmatch(r"[-+]?[0-9]+", number):  # ASCII digits: isdigit() also takes other scripts'
-            if int(number) < 1:
-                raise ValueError(
-                    f"{option} {text}: a constant global batch size must be a positive integer (samples per step)"
-                )
-            return as_trace(int(number))
-        if re.fullmatch(
-            r"[-+]?([0-9]*\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+", number
-        ):
-            raise ValueError(
-                f"{option} {text}: a constant global batch size must be a whole number of samples, e.g. "
-                f"{option} {max(1, round(float(number)))}"
-            )
-        path = Path(text)
-        if path.is_dir():
-            raise ValueError(
-                f"{option} {text} is a directory; give a step,batchsize CSV file, an integer or a schedule such "
-                "as linear:32:256:1000"
-            )
         try:
-            if ":" in text and not path.exists():
-                return cls.from_schedule(text)
-            return as_trace(text)
-        except (ValueError, TypeError, OSError) as e:
-            message = str(e) if option in str(e) else f"{option} {text}: {e}"
+            return _from_text(text, option)
+        except (ValueError, TypeError, OSError) as e:  # a bad file too: on the command line, a usage mistake
+            if isinstance(e, ValueError) and str(e).startswith(option):
+                raise
+            message = str(e) if str(e).startswith(option) else f"{option} {text}: {e}"
             raise ValueError(message) from e
 
     @classmethod
@@ -659,29 +639,111 @@ class BatchSizeTrace:
 
 TraceLike = Union[BatchSizeTrace, str, "os.PathLike[str]", Sequence[int], int]
 
+# the forms of a trace written as text, as errors list them
+_FORMS = (
+    "a step,batchsize CSV file, an integer (a constant batch size: 256), a list of batch sizes (32,64,96) "
+    "or a schedule (constant:BATCH:STEPS, linear:START:END:STEPS or steps:BATCHxSTEPS,..., joined by '+': "
+    "linear:32:256:1000+constant:256:9000)"
+)
+
+_INT = r"[-+]?[0-9]+"  # ASCII digits: str.isdigit() also takes other scripts'
+_FLOAT = r"[-+]?([0-9]*\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+
 
 def as_trace(trace: TraceLike) -> BatchSizeTrace:
-    """Turn a trace-like value into a :class:`BatchSizeTrace`.
+    """Turn a trace-like value into a :class:`BatchSizeTrace`: the one rule for every ``trace=``
+    argument (:class:`~torchfold.train.StepLoader`, :class:`~torchfold.train.TraceBatchSampler`)
+    and, through :meth:`BatchSizeTrace.parse`, for the command line's ``--trace``.
 
     Args:
-        trace: a :class:`BatchSizeTrace` (returned as is), a path to a ``step,batchsize`` CSV file,
-            a sequence of ints, or an int (an unbounded constant trace).
+        trace: a :class:`BatchSizeTrace` (returned as is), a sequence of ints, an int (an
+            unbounded constant trace), a path (a ``step,batchsize`` CSV file), or a string in any
+            form the command line takes: ``"256"`` (a constant), ``"32,64,96"`` (a list),
+            ``"linear:32:256:1000"`` (a schedule, :meth:`BatchSizeTrace.from_schedule`) or the CSV
+            file's path. A string that is a number or a list is never read as a file name; one
+            with a ``:`` is a file name only when that file exists.
+
+    Raises:
+        ValueError / TypeError: a value of none of these forms, naming it and the forms; a bad
+            file, naming it and the line.
+        FileNotFoundError: a string of no other form that names no file (the message lists the forms).
 
     >>> as_trace(256)
     BatchSizeTrace.constant(256)
     >>> as_trace([32, 64]).batch_sizes
     (32, 64)
+    >>> as_trace("32,64,96").batch_sizes
+    (32, 64, 96)
+    >>> as_trace("linear:32:128:4").batch_sizes
+    (32, 64, 96, 128)
+    >>> as_trace("linear:32:128")
+    Traceback (most recent call last):
+    ...
+    ValueError: trace 'linear:32:128': bad schedule part 'linear:32:128' in 'linear:32:128': expected ...
     """
     if isinstance(trace, BatchSizeTrace):
         return trace
     if isinstance(trace, bool):
-        raise TypeError(f"trace should be a BatchSizeTrace, a path, a list of ints or an int, got {trace!r}")
+        raise TypeError(
+            f"trace should be a BatchSizeTrace, a string, a path, a list of ints or an int, got {trace!r}"
+        )
     if isinstance(trace, int):
         return BatchSizeTrace.constant(trace)
-    if isinstance(trace, (str, os.PathLike)):
+    if isinstance(trace, str):
+        return _from_text(trace, None)
+    if isinstance(trace, os.PathLike):
         return BatchSizeTrace.from_csv(trace)
     if isinstance(trace, Sequence):
         return BatchSizeTrace(cast("Sequence[int]", trace))
     raise TypeError(
-        f"trace should be a BatchSizeTrace, a path, a list of ints or an int, got {type(trace).__name__}"
+        f"trace should be a BatchSizeTrace, a string ({_FORMS}), a path, a list of ints or an int, "
+        f"got {type(trace).__name__}"
     )
+
+
+def _from_text(text: str, option: str | None) -> BatchSizeTrace:
+    """The trace ``text`` names (see :func:`as_trace`); errors start with ``option text`` (the
+    command line's) or, without ``option``, with ``trace 'text'``."""
+    where = f"{option} {text}" if option is not None else f"trace {text!r}"
+
+    def spelled(value: int) -> str:  # how the user writes a constant where the value came from
+        return f"{option} {value}" if option is not None else f"trace={value}"
+
+    value = text.strip()
+    if re.fullmatch(_INT, value):
+        if int(value) < 1:
+            raise ValueError(
+                f"{where}: a constant global batch size must be a positive integer (samples per step)"
+            )
+        return as_trace(int(value))
+    if re.fullmatch(_FLOAT, value):
+        raise ValueError(
+            f"{where}: a constant global batch size must be a whole number of samples, e.g. "
+            f"{spelled(max(1, round(float(value))))}"
+        )
+    if "," in value and re.fullmatch(r"[-+0-9.eE,\s]+", value):
+        fields = [field.strip() for field in value.split(",")]
+        for number, field in enumerate(fields):
+            if not re.fullmatch(_INT, field):
+                raise ValueError(
+                    f"{where}: a list of batch sizes holds whole numbers separated by commas (32,64,96), "
+                    f"got {field!r} at position {number}"
+                )
+            if int(field) < 1:
+                raise ValueError(
+                    f"{where}: batch sizes must be positive integers, got {field} at position {number}"
+                )
+        return BatchSizeTrace([int(field) for field in fields], source=value)
+    path = Path(text)
+    if not value:
+        raise ValueError(f"{where}: empty; give {_FORMS}")
+    if path.is_dir():
+        raise ValueError(f"{where} is a directory; give {_FORMS}")
+    if ":" in text and not path.exists():
+        try:
+            return BatchSizeTrace.from_schedule(value)
+        except ValueError as e:  # (its message says how a schedule is written)
+            raise ValueError(f"{where}: {e}") from e
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: no such file, and no other form of trace: give {_FORMS}")
+    return BatchSizeTrace.from_csv(path)  # (its errors name the file and the line)

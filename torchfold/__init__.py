@@ -22,12 +22,61 @@ Example:
 
 from __future__ import annotations
 
-# _early_sigterm first, before the engine imports torch: `python -m torchfold train` exits 75 with
-# a line on a SIGTERM while it starts (importing it installs the handler in that process only).
-from torchfold import _early_sigterm, engine  # noqa: F401
-from torchfold._deprecation import moved_names
-from torchfold._version import __version__
-from torchfold.engine import *  # noqa: F403 (the root holds the engine's public names)
+import os as _os
+import signal as _signal
+import sys as _sys
+import threading as _threading
+
+# -- SIGTERM while `python -m torchfold train` starts ---------------------------------------------
+# NOTE: `python -m torchfold` imports this package, and with it torch (about a second), before any
+# code of the command line runs: a scheduler's SIGTERM then killed the run without a word (status
+# 143), where the command promises status 75 and a line. So, before the engine imports torch, a
+# process started as `python -m torchfold train` or `torchfold train` (and no other) handles
+# SIGTERM until the command installs its own (torchfold.train.preemption.terminated_on_sigterm):
+# nothing has started yet, so it writes the line and exits at once.
+
+_EARLY_SIGTERM_LINE = (
+    "torchfold train: SIGTERM received before training started: stopped (nothing was written); run the same "
+    "command again to start, or to resume from the newest checkpoint"
+)
+
+
+def _starting_train(argv: list[str], orig_argv: list[str]) -> bool:
+    """Whether this process is ``python -m torchfold train ...`` or ``torchfold train ...``, importing torchfold.
+
+    >>> _starting_train(["-m", "train", "--trace", "8"], ["python", "-u", "-m", "torchfold", "train"])
+    True
+    >>> _starting_train(["-m", "trace", "check"], ["python", "-m", "torchfold", "trace", "check"])
+    False
+    >>> _starting_train(["/venv/bin/torchfold", "train"], ["python", "/venv/bin/torchfold", "train"])
+    True
+    >>> _starting_train(["-m", "train"], ["python", "-m", "other", "train"])
+    False
+    """
+    if len(argv) < 2 or argv[1] != "train":
+        return False
+    if argv[0] == "-m":  # runpy imports the package first: sys.argv[0] says "-m" meanwhile
+        module = next((orig_argv[i + 1] for i, a in enumerate(orig_argv[:-1]) if a == "-m"), None)
+        return module == "torchfold"
+    return _os.path.basename(argv[0]) in ("torchfold", "torchfold.exe")
+
+
+def _exit_on_early_sigterm(signum: int, frame: object) -> None:
+    _os.write(2, f"{_EARLY_SIGTERM_LINE}\n".encode())
+    _os._exit(75)  # torchfold.train.PREEMPTED_EXIT_CODE (this must not import torch)
+
+
+if (
+    _threading.current_thread() is _threading.main_thread()
+    and _starting_train(_sys.argv, getattr(_sys, "orig_argv", []))
+    and _signal.getsignal(_signal.SIGTERM) is _signal.SIG_DFL  # a parent's SIG_IGN stays
+):
+    _signal.signal(_signal.SIGTERM, _exit_on_early_sigterm)
+
+from torchfold import engine  # noqa: E402
+from torchfold._deprecation import moved_names  # noqa: E402
+from torchfold._version import __version__  # noqa: E402
+from torchfold.engine import *  # noqa: E402, F403 (the root holds the engine's public names)
 
 _SUBPACKAGES = ("cli", "examples", "train")
 

@@ -121,8 +121,8 @@ def test_packing_levels_reaches_the_static_shapes(
         made.append(cli_static_shapes(*args, **kwargs))
         raise ValueError("the envelope is made")
 
-    cli_static_shapes = cli.tree_lstm_shapes
-    monkeypatch.setattr(cli, "tree_lstm_shapes", static_shapes)
+    cli_static_shapes = cli.fit_static_shapes
+    monkeypatch.setattr(cli, "fit_static_shapes", static_shapes)
     for extra, packed in ((["--pack-levels"], True), ([], False)):
         code, _out, err = run_train(
             _args(tmp_path, "--max-steps", "1", "--device", "cpu", "--compile", "on", *extra), capsys

@@ -1,4 +1,9 @@
-"""Command line: ``python -m torchfold train``, a Tree-LSTM on SST with a batch size that follows a trace.
+"""Command line: ``python -m torchfold train``, a task (by default a Tree-LSTM on SST) with a batch size that follows a trace.
+
+``--task`` names what to train: a built-in task (``sst``, ``pyast``) or any importable
+``package.module:function`` returning a :class:`~torchfold.train.Task`, with ``--task-arg KEY=VALUE``
+for its options; everything else (trace, learning-rate rule, devices, processes, checkpoints) is
+this command's.
 
 Runs as one process, or as one of several under ``torchrun --nproc_per_node=K`` (gloo on CPU,
 nccl on CUDA): the process group is created from torchrun's environment with a timeout, after a
@@ -12,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,24 +42,18 @@ from torchfold._validate import (
     seed_int,
     thread_count,
 )
-from torchfold.examples.datasets import (
-    ENV_VAR,
-    Tree,
-    TreeParseError,
-    Vocab,
-    data_root,
-    generate_sst,
-    load_sst,
-)
-from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
+from torchfold.engine.static.shapes import StaticShapes
+from torchfold.examples.datasets import ENV_VAR, TreeParseError
 from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.checkpoint import (
     CheckpointDirLock,
     HyperparameterMismatch,
 )
 from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context, world
+from torchfold.train.envelope import fit_static_shapes
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.task import BUILTIN_TASKS, Task, load_task, parse_task_args
 from torchfold.train.trace import BatchSizeTrace
 from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
@@ -66,9 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m torchfold train``."""
     p = argparse.ArgumentParser(
         prog=_PROG,
-        description="Train a binary Tree-LSTM on SST trees with one Fold per minibatch, the global batch size "
-        "following a trace, gradients accumulated and all-reduced once per step (run under torchrun "
-        "--nproc_per_node=K for K processes).",
+        description="Train a task (default: a binary Tree-LSTM on SST trees) with one Fold per minibatch, the "
+        "global batch size following a trace, gradients accumulated and all-reduced once per step (run under "
+        "torchrun --nproc_per_node=K for K processes). Built-in tasks: "
+        + "; ".join(f"{name} ({spec})" for name, spec in BUILTIN_TASKS.items())
+        + ".",
+    )
+    p.add_argument(
+        "--task",
+        metavar="SPEC",
+        help=f"what to train: a built-in task ({', '.join(BUILTIN_TASKS)}; default sst) or "
+        "package.module:function returning a torchfold.train.Task",
+    )
+    p.add_argument(
+        "--task-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an argument of the task's function, e.g. --task-arg hidden_dim=32 (repeat for more)",
     )
     p.add_argument(
         "--trace",
@@ -80,20 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         metavar="DIR",
-        help=f"directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR}; one of the two, "
-        "or --generate, is required",
+        help=f"sst task: directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR}; one of "
+        "the two, or --generate, is required",
     )
-    p.add_argument("--max-train", type=positive_int, help="use only the first N training trees")
+    p.add_argument("--max-train", type=positive_int, help="sst task: use only the first N training trees")
     p.add_argument(
         "--max-words",
         type=positive_int,
-        help="use only training trees of at most N words (before --max-train)",
+        help="sst task: use only training trees of at most N words (before --max-train)",
     )
     p.add_argument(
         "--generate",
         type=positive_int,
         metavar="N",
-        help="without --data or $" + ENV_VAR + ": train on N generated SST-like trees",
+        help="sst task, without --data or $" + ENV_VAR + ": train on N generated SST-like trees",
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument(
@@ -132,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="batch size --lr was tuned for (default: the trace's first batch size)",
     )
-    p.add_argument("--embedding-dim", type=positive_int, default=64, help="default 64")
-    p.add_argument("--hidden-dim", type=positive_int, default=64, help="default 64")
+    p.add_argument("--embedding-dim", type=positive_int, help="sst task: word embedding size (default 64)")
+    p.add_argument("--hidden-dim", type=positive_int, help="sst task: Tree-LSTM state size (default 64)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="default float32")
     p.add_argument("--seed", type=seed_int, default=0, help="initialisation and shuffling seed (default 0)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here, resume from the newest")
@@ -160,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on resume, train on with this --momentum instead of the checkpoint's (SGD)",
     )
+    p.add_argument("--no-eval", action="store_true", help="skip the task's evaluation after training")
     p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
     p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -202,29 +219,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _trees(args: argparse.Namespace) -> tuple[list[Tree], str]:
-    root = data_root(args.data)
-    if root is not None:
-        trees = load_sst(root, "train", max_trees=None if args.max_words else args.max_train)
-        if args.max_words:
-            short = [t for t in trees if len(t.words()) <= args.max_words][: args.max_train]
-            if not short and trees:
-                fewest = min(len(t.words()) for t in trees)
-                raise ValueError(
-                    f"--max-words {args.max_words}: no training tree in {root} has at most {args.max_words} "
-                    f"words (the shortest has {fewest}); use --max-words {fewest} or more"
-                )
-            trees = short
-        return trees, f"SST train trees from {root}"
-    if args.generate is None:
+# The built-in sst task's options that this command also takes as flags (as before tasks had a name).
+_SST_FLAGS = ("data", "max_train", "max_words", "generate", "embedding_dim", "hidden_dim")
+
+
+def _sst_flags(args: argparse.Namespace) -> bool:
+    """Whether the run names the sst task's options by this command's flags (no --task given)."""
+    return args.task is None
+
+
+def _task(args: argparse.Namespace) -> Task:
+    """The task --task names, made with --task-arg (and, for the sst task, --data, --hidden-dim, ...)."""
+    spec = args.task or "sst"
+    task_args = parse_task_args(args.task_arg)
+    given = {name: getattr(args, name) for name in _SST_FLAGS if getattr(args, name) is not None}
+    if given and BUILTIN_TASKS.get(spec, spec) != BUILTIN_TASKS["sst"]:
+        name = next(iter(given))
         raise ValueError(
-            f"no training data: pass --data DIR (a directory with SST's train.txt, or an sst/ subdirectory) or set "
-            f"${ENV_VAR}=DIR; or --generate N to train on N generated trees"
+            f"--{name.replace('_', '-')} is an option of the built-in sst task, and --task is {spec}; give that "
+            f"task's own options as --task-arg KEY=VALUE (e.g. --task-arg {name}={given[name]})"
         )
-    count = args.generate if args.max_train is None else min(args.generate, args.max_train)
-    max_words = 20 if args.max_words is None else args.max_words
-    trees = generate_sst(count, seed=args.seed, min_words=min(2, max_words), max_words=max_words)
-    return trees, f"{count} GENERATED trees (--generate {args.generate})"
+    for name, value in given.items():
+        if name in task_args:
+            raise ValueError(
+                f"--{name.replace('_', '-')} {value} and --task-arg {name}={task_args[name]} name the same option; "
+                "give one"
+            )
+        task_args[name] = str(value)
+    if BUILTIN_TASKS.get(spec, spec) == BUILTIN_TASKS["sst"] and "seed" not in task_args:
+        task_args["seed"] = str(args.seed)  # the generated trees follow --seed, as they always did
+    return load_task(spec, task_args)
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -339,14 +363,14 @@ def _main(argv: Sequence[str] | None) -> int:
                 "--max-steps N or --epochs N"
             )
         _check_paths(args)
-        trees, origin = _trees(args)
+        task = _task(args)
     except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
-        print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
+        print(f"torchfold train: error: {_option_names(_task_arg_names(str(e), args))}", file=sys.stderr)
         return 2
     # The settings themselves (all small), so that a mismatch names the option and both values.
     config: dict[str, object] = {
         "trace batch sizes (fingerprint)": trace.fingerprint(),
-        "training trees": len(trees),
+        "training trees": len(task.train),
         **{
             f"--{k.replace('_', '-')}": v
             for k, v in vars(args).items()
@@ -357,7 +381,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         context = run_context(_device(args.device))
         joined = _init_distributed(args, config, context)
-        return _train(args, trace, trees, origin, context)
+        return _train(args, trace, task, context)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
         return 2
@@ -370,6 +394,15 @@ def _main(argv: Sequence[str] | None) -> int:
     finally:
         if joined and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _task_arg_names(message: str, args: argparse.Namespace) -> str:
+    """The sst task's words for its options (``max_words=N``) as this run names them: ``--max-words N``
+    when no --task is given, else ``--task-arg max_words=N``."""
+    for name in sorted(_SST_FLAGS, key=len, reverse=True):
+        flag = f"--{name.replace('_', '-')} " if _sst_flags(args) else f"--task-arg {name}="
+        message = re.sub(rf"(?<![^ (])(?<!--task-arg ){name}=", flag, message)
+    return message
 
 
 def _option_names(message: str) -> str:
@@ -443,9 +476,7 @@ def _device(choice: str) -> torch.device:
         ) from e
 
 
-def _train(
-    args: argparse.Namespace, trace: BatchSizeTrace, trees: list[Tree], origin: str, context: RunContext
-) -> int:
+def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context: RunContext) -> int:
     device = context.device
     static = device.type == "xla" or wants_compile(args.compile, device)  # folds padded into static shapes
     if args.pack_levels and not static:
@@ -454,13 +485,12 @@ def _train(
             "unpadded; add --compile on (or train on XLA), or drop --pack-levels"
         )
     torch.manual_seed(args.seed)
-    vocab = Vocab.build(trees)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     if args.lr > torch.finfo(dtype).max:
         raise ValueError(
             f"--lr {args.lr} is beyond {args.dtype}'s range (at most {torch.finfo(dtype).max:.3g})"
         )
-    model = TreeLSTM(len(vocab), args.embedding_dim, args.hidden_dim).to(device=device, dtype=dtype)
+    model = _model(task).to(device=device, dtype=dtype)
     params = model.parameters()
     fused = (
         True if device.type in ("cpu", "cuda") else None
@@ -473,17 +503,22 @@ def _train(
     )
     optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=_ref_batch_size(args, trace))
     fold_trees = args.minibatch_size or args.max_device_batch_size
+    build = task.build
+    if static:
+        # static shapes: what XLA needs to repeat its graphs, and what a captured step replays;
+        # fitted to a pass over the data and frozen: the loader splits what does not fit, so none grows
+        shapes = fit_static_shapes(
+            task.train,
+            task.build,
+            fold_trees,
+            shapes=StaticShapes(pack_levels=args.pack_levels),
+            seed=args.seed,
+        )
+        build = functools.partial(task.build, shapes=shapes)
     loader = StepLoader(
-        trees,
+        task.train,
         args.minibatch_size,
-        build=TreeLSTMBuild(
-            vocab,
-            # static shapes: what XLA needs to repeat its graphs, and what a captured step replays
-            # fitted to a pass over the data and frozen: the loader splits what does not fit, so none grows
-            shapes=tree_lstm_shapes(trees, vocab, fold_trees, pack_levels=args.pack_levels, seed=args.seed)
-            if static
-            else None,
-        ),
+        build=build,
         trace=trace,
         seed=args.seed,
         drop_last=args.drop_last,
@@ -514,7 +549,7 @@ def _train(
                 model,
                 optimizer,
                 loader,
-                tree_lstm_loss,
+                task.loss,
                 device=device,
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
@@ -525,7 +560,7 @@ def _train(
                 if args.history
                 else None,  # (without: the host runs a step ahead on an accelerator)
                 seed=args.seed,  # each fold's random draws: the same on any number of processes
-                settings=_checkpoint_settings(args, trace, len(trees)),
+                settings=_checkpoint_settings(args, trace, task),
                 compile=args.compile,
                 resume=not args.no_resume,  # the library's rule: resume, or set the old checkpoints aside
                 override_hyperparameters=[
@@ -539,20 +574,20 @@ def _train(
         main_rank = trainer.is_main
         if main_rank:
             print(
-                f"data: {origin}: {len(trees)} trees, vocabulary {len(vocab)}; trace {trace.source!r} "
+                f"task {task.name}: {task.description or f'{len(task.train)} samples'}; trace {trace.source!r} "
                 f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
                 f"{loader.num_replicas} process(es), "
                 + (
                     f"minibatch {args.minibatch_size}, "
                     if args.minibatch_size is not None
-                    else f"at most {args.max_device_batch_size} trees per fold, "
+                    else f"at most {args.max_device_batch_size} samples per fold, "
                 )
                 + f"{args.workers} fold-building worker(s) each, device {device}"
             )
             stop = _stop_line(args, trace, loader)
             if stop is not None:
                 print(f"run: {stop}")
-        return _run(args, trainer, history)
+        return _run(args, trainer, history, task)
     finally:
         loader.close()
         for handle in history:
@@ -562,7 +597,7 @@ def _train(
             lock.release()
 
 
-def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO]) -> int:
+def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO], task: Task) -> int:
     """Open --history (after the trainer resumed, or not), train; the caller closes what this opens."""
     main_rank = trainer.is_main
     resumed = trainer.resumed_from  # (resumed, or set the checkpoints aside, when it was made: it said which)
@@ -591,18 +626,51 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO])
             f"done: {len(steps)} steps ({samples} samples, {samples / max(seconds, 1e-9):.1f} samples/s) up to "
             f"step {trainer.next_step}{final}"
         )
+        if task.evaluate is not None and not args.no_eval:
+            print(f"eval: {_evaluate(task, trainer.model)}")
     return 0
 
 
-def _checkpoint_settings(
-    args: argparse.Namespace, trace: BatchSizeTrace, num_trees: int
-) -> dict[str, object]:
+def _evaluate(task: Task, model: torch.nn.Module) -> str:
+    """The task's evaluation of ``model`` on its eval samples, as one line."""
+    assert task.evaluate is not None
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            metrics = task.evaluate(model, task.eval)
+    finally:
+        model.train(training)
+    shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
+    return f"{shown} ({len(task.eval)} held-out samples of task {task.name})"
+
+
+def _model(task: Task) -> torch.nn.Module:
+    """The task's model, checked: a module (the message names the task's factory)."""
+    model = task.model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"task {task.name}: model() returned a {type(model).__name__}, not a torch.nn.Module; make it return "
+            "the module whose methods are the fold's ops"
+        )
+    return model
+
+
+def _checkpoint_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Task) -> dict[str, object]:
     """The options a checkpoint is only valid with (the model, the data, the split), by their names."""
     settings: dict[str, object] = {
         "--trace (batch sizes fingerprint)": trace.fingerprint(),
-        "training trees": num_trees,
+        "training trees": len(task.train),
+        "--task": BUILTIN_TASKS.get(args.task or "sst", args.task or "sst"),
     }
-    for name in ("embedding_dim", "hidden_dim", "dtype", "minibatch_size", "max_device_batch_size", "seed"):
+    for name, value in task.settings.items():  # the task's own: its model's sizes, its vocabulary
+        flag = (
+            f"--{name.replace('_', '-')}"
+            if _sst_flags(args) and name in _SST_FLAGS
+            else f"task {task.name}'s {name}"
+        )
+        settings[flag] = value
+    for name in ("dtype", "minibatch_size", "max_device_batch_size", "seed"):
         settings[f"--{name.replace('_', '-')}"] = getattr(args, name)
     # The optimizer's and the sampler's states refuse these too, in the library's words (lr_rule=...):
     # checked here first, a mismatch names the option. (Checkpoints written before they were

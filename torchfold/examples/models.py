@@ -1,4 +1,4 @@
-"""Reference models whose methods are fold ops: a binary Tree-LSTM for SST and an MLP for MNIST.
+"""Reference models whose methods are fold ops: a binary Tree-LSTM for SST, an n-ary one for ASTs, an MLP for MNIST.
 
 Every op takes and returns batched tensors (one row per node), so the same method serves a
 :class:`~torchfold.Fold` (one call per group of nodes), an :class:`~torchfold.EagerFold` (one
@@ -28,11 +28,16 @@ from torchfold.train.envelope import fit_static_shapes
 
 __all__ = [
     "MLP",
+    "RootBuild",
+    "SiblingTreeLSTM",
     "TreeLSTM",
     "TreeLSTMBuild",
+    "encode_ast",
     "encode_tree",
     "encode_trees",
+    "forward_ast",
     "forward_tree",
+    "root_loss",
     "tree_lstm_loss",
     "tree_lstm_shapes",
 ]
@@ -278,8 +283,11 @@ class TreeLSTMBuild:
         self.vocab = vocab
         self.shapes = shapes
 
-    def __call__(self, trees: Sequence[Tree]) -> tuple[FoldPlan | StaticPlan, tuple[np.ndarray, np.ndarray]]:
-        fold = Fold(shapes=self.shapes)
+    def __call__(
+        self, trees: Sequence[Tree], shapes: StaticShapes | None = None
+    ) -> tuple[FoldPlan | StaticPlan, tuple[np.ndarray, np.ndarray]]:
+        """Record ``trees``; ``shapes`` (a :class:`~torchfold.train.Task`'s build argument) overrides the constructor's."""
+        fold = Fold(shapes=shapes if shapes is not None else self.shapes)
         nodes, labels, roots = encode_trees(fold, trees, self.vocab)
         sizes = np.diff(np.asarray([-1, *roots], dtype=np.int64)).astype(np.int64)
         weights = np.repeat(1 / (sizes * len(sizes)), sizes)
@@ -392,3 +400,143 @@ class MLP(nn.Module):
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         """The same as :meth:`forward`, under the op name used in folds."""
         return self.layers(x)
+
+
+class SiblingTreeLSTM(nn.Module):
+    """A Tree-LSTM for n-ary trees: each node's children folded left to right, then the node read.
+
+    For trees whose nodes have any number of children (a Python function's AST): a node without
+    children is a :meth:`leaf`; a node with children runs :meth:`sibling` over them (a binary
+    Tree-LSTM cell that merges the state so far with the next child's, left to right) and then
+    :meth:`node` (an LSTM step reading the node's own kind with that state). Three ops of fixed
+    arity, so a fold batches them whatever the children counts; a node with many children makes
+    a deep fold (one level per sibling).
+
+    Args:
+        num_kinds: number of node kinds (``len(torchfold.examples.pyast.KINDS)``).
+        embedding_dim: size of a kind's embedding (default 32).
+        hidden_dim: size of ``h`` and ``c`` (default 64).
+        num_classes: labels per tree (default 2).
+
+    Example:
+        >>> import torchfold
+        >>> model = SiblingTreeLSTM(10, 4, 8)
+        >>> fold = torchfold.Fold()
+        >>> h, c = encode_ast(fold, (3, ((1, ()), (2, ((4, ()),)))))
+        >>> [states] = fold.apply(model, [[h]])
+        >>> tuple(model.logits(states).shape)
+        (1, 2)
+    """
+
+    def __init__(
+        self, num_kinds: int, embedding_dim: int = 32, hidden_dim: int = 64, num_classes: int = 2
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("num_kinds", num_kinds),
+            ("embedding_dim", embedding_dim),
+            ("hidden_dim", hidden_dim),
+            ("num_classes", num_classes),
+        ):
+            check_int(name, value)
+        self.hidden_dim = hidden_dim
+        self.embedding = nn.Embedding(num_kinds, embedding_dim)
+        self.leaf_gates = nn.Linear(embedding_dim, 3 * hidden_dim)  # i, o, u
+        self.sibling_gates = nn.Linear(2 * hidden_dim, 5 * hidden_dim)  # i, f_left, f_right, o, u
+        self.node_gates = nn.Linear(embedding_dim + hidden_dim, 4 * hidden_dim)  # i, f, o, u
+        self.classifier = nn.Linear(hidden_dim, num_classes)
+
+    def leaf(self, kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """States of childless nodes: ``kinds`` ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""
+        size = self.hidden_dim
+        sig, u = self.leaf_gates(self.embedding(kinds)).split((2 * size, size), dim=1)
+        i, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh()
+        return o * c.tanh(), c
+
+    def sibling(
+        self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The children so far (left) merged with the next child (right): four ``(n, hidden_dim)`` -> ``(h, c)``."""
+        size = self.hidden_dim
+        sig, u = self.sibling_gates(torch.cat((h_left, h_right), dim=1)).split((4 * size, size), dim=1)
+        i, f_left, f_right, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh() + f_left * c_left + f_right * c_right
+        return o * c.tanh(), c
+
+    def node(
+        self, kinds: torch.Tensor, h_children: torch.Tensor, c_children: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A node with children: its kind ``(n,)`` and its merged children's state -> ``(h, c)``."""
+        size = self.hidden_dim
+        gates = self.node_gates(torch.cat((self.embedding(kinds), h_children), dim=1))
+        sig, u = gates.split((3 * size, size), dim=1)
+        i, f, o = sig.sigmoid().split(size, dim=1)
+        c = i * u.tanh() + f * c_children
+        return o * c.tanh(), c
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Class scores ``(n, num_classes)`` of trees with root states ``h``."""
+        return self.classifier(h)
+
+
+def encode_ast(fold: _Recorder, tree: tuple[int, tuple[Any, ...]]) -> tuple[Any, Any]:
+    """Record a :class:`SiblingTreeLSTM` over ``tree`` (``(kind, (children...))``) on ``fold``; its root's ``(h, c)``."""
+    add = fold.add
+    kind, children = tree
+    if not children:
+        return tuple(add("leaf", kind).split(2))
+    h, c = encode_ast(fold, children[0])
+    for child in children[1:]:
+        h_child, c_child = encode_ast(fold, child)
+        h, c = add("sibling", h, c, h_child, c_child).split(2)
+    return tuple(add("node", kind, h, c).split(2))
+
+
+def forward_ast(
+    model: SiblingTreeLSTM, tree: tuple[int, tuple[Any, ...]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain eager recursion :func:`encode_ast` + ``Fold.apply`` must equal: the root's ``(h, c)``, ``(1, hidden_dim)`` each."""
+    kind, children = tree
+    kinds = torch.tensor([kind], device=model.embedding.weight.device)
+    if not children:
+        return model.leaf(kinds)
+    h, c = forward_ast(model, children[0])
+    for child in children[1:]:
+        h_child, c_child = forward_ast(model, child)
+        h, c = model.sibling(h, c, h_child, c_child)
+    return model.node(kinds, h, c)
+
+
+class RootBuild:
+    """A minibatch of labelled trees to ``(plan, (labels, weights))``: the roots' states, one label each.
+
+    For samples with ``tree`` and ``label`` attributes (:class:`~torchfold.examples.pyast.AstSample`)
+    and a model recorded by :func:`encode_ast`. Each root weighs ``1 / len(samples)``; with
+    ``shapes``, plan and targets are padded into that envelope and padded rows weigh 0.
+    :func:`root_loss` is the other half.
+
+    >>> from torchfold.examples.pyast import AstSample
+    >>> samples = [AstSample((1, ((2, ()),)), 1, "x.py:1 f", 2, 2), AstSample((3, ()), 0, "x.py:2 g", 1, 1)]
+    >>> plan, (labels, weights) = RootBuild()(samples)
+    >>> labels.tolist(), weights.tolist()
+    ([1, 0], [0.5, 0.5])
+    """
+
+    def __call__(
+        self, samples: Sequence[Any], shapes: StaticShapes | None = None
+    ) -> tuple[FoldPlan | StaticPlan, tuple[np.ndarray, np.ndarray]]:
+        fold = Fold(shapes=shapes)
+        roots = [encode_ast(fold, sample.tree)[0] for sample in samples]
+        plan = fold.plan([roots])
+        labels = np.asarray([sample.label for sample in samples], dtype=np.int64)
+        weights = np.full(len(samples), 1 / len(samples))
+        return plan, (plan.pad(0, labels).numpy(), plan.pad(0, weights).numpy())
+
+
+def root_loss(model: nn.Module, outputs: Sequence[torch.Tensor], targets: tuple[Any, Any]) -> torch.Tensor:
+    """Cross-entropy of each tree's root, weighted (a mean over the trees, padded rows 0): :class:`RootBuild`'s other half."""
+    [states] = outputs
+    labels, weights = (torch.as_tensor(t, device=states.device) for t in targets)
+    losses = F.cross_entropy(model.logits(states), labels, reduction="none")  # type: ignore[operator]
+    return (losses * weights.to(losses.dtype)).sum()

@@ -38,10 +38,12 @@ from torchfold.train.optim import AccumulatingOptimizer
 from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 from torchfold.train.prefetch import Prefetcher
 from torchfold.train.sampler import StepSplit, TraceBatchSampler
+from torchfold.train.task import BUILTIN_TASKS, Task, load_task
 from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
 from torchfold.train.trainer import PlanLoss, StepStats, TraceTrainer
 
 __all__ = [
+    "BUILTIN_TASKS",
     "PREEMPTED_EXIT_CODE",
     "AccumulatingOptimizer",
     "BatchSizeTrace",
@@ -57,6 +59,7 @@ __all__ = [
     "StepLoader",
     "StepSplit",
     "StepStats",
+    "Task",
     "TraceBatchSampler",
     "TraceTrainer",
     "World",
@@ -70,6 +73,7 @@ __all__ = [
     "fit_static_shapes",
     "init_distributed",
     "is_main_process",
+    "load_task",
     "run_context",
     "scaled_lr",
     "to_device",

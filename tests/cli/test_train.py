@@ -19,6 +19,7 @@ from _train_cli import run_train, small_run, write_sst
 from torchfold._validate import max_threads
 from torchfold.engine.static.shapes import StaticShapes
 from torchfold.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from torchfold.train.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,6 +52,111 @@ def test_resume_appends_to_the_history_dropping_the_steps_it_repeats(
     code, out, err = run_train(_args(tmp_path, "--max-steps", "5", *common, "--no-resume"), capsys)
     assert code == 0 and "resumed" not in out
     assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2, 3, 4]
+
+
+def test_a_run_killed_right_after_a_checkpoint_keeps_every_history_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The checkpoint of step K was written before the history line of step K-1: a run killed
+    # between the two resumed at K, and the line of step K-1 was gone.
+    history, ck = tmp_path / "history.jsonl", tmp_path / "ck"
+    args = _args(tmp_path, "--max-steps", "5", "--history", str(history), "--checkpoint-dir", str(ck))
+    args += ["--checkpoint-every", "1"]
+    killed_after_checkpoint_3 = (
+        "import os, signal, sys\n"
+        "import torchfold.train.trainer_state as trainer_state\n"
+        "from torchfold.cli.train import main\n"
+        "save = trainer_state.save_checkpoint\n"
+        "def save_then_die(state, path):\n"
+        "    save(state, path)\n"
+        "    if state['step'] == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "trainer_state.save_checkpoint = save_then_die\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", killed_after_checkpoint_3, *args],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert latest_checkpoint(ck) == ck / "step-00000003.pt"
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2]
+    code, out, err = run_train(args, capsys)
+    assert code == 0 and "at step 3" in out, err
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1, 2, 3, 4]
+
+
+# Run first by `python -m torchfold train` (sitecustomize): when torch's import starts, say so on
+# fd READY_FD and wait there for the test's signal.
+_PAUSE_IN_TORCH_IMPORT = """
+import os, sys, time
+
+class PauseInTorchImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.write(int(os.environ["READY_FD"]), b"importing torch")
+            time.sleep(300)
+        return None
+
+sys.meta_path.insert(0, PauseInTorchImport())
+"""
+
+
+def test_sigterm_while_torch_is_imported_exits_75_with_a_line(tmp_path: Path) -> None:
+    # In the first second (importing torch), SIGTERM killed the run silently with status 143.
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_PAUSE_IN_TORCH_IMPORT)
+    path = os.pathsep.join([str(hooks), str(REPO), os.environ.get("PYTHONPATH", "")])
+    read, write = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "torchfold", "train", *_args(tmp_path, "--max-steps", "2")],
+            env={**os.environ, "PYTHONPATH": path, "READY_FD": str(write)},
+            pass_fds=(write,),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.close(write)
+        assert os.read(read, 100) == b"importing torch", child.communicate()
+    finally:
+        os.close(read)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 75, (child.returncode, err)
+    assert err.splitlines() == [
+        "torchfold train: SIGTERM received before training started: stopped (nothing was written); run the "
+        "same command again to start, or to resume from the newest checkpoint"
+    ]
+    assert out == ""
+
+
+def test_sigterm_after_start_up_before_training_exits_75_with_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the imports, before the trainer handles SIGTERM (here: while the trace is read).
+    parse = BatchSizeTrace.parse
+
+    def parse_then_sigterm(source: Any) -> BatchSizeTrace:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: here, in main()
+        return parse(source)
+
+    monkeypatch.setattr(BatchSizeTrace, "parse", staticmethod(parse_then_sigterm))
+    ck = tmp_path / "ck"
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--checkpoint-dir", str(ck)), capsys)
+    assert code == 75, err
+    assert err.splitlines() == [
+        "torchfold train: SIGTERM received outside a training step: stopped; the checkpoints written before it "
+        "are kept: run the same command again to resume from the newest"
+    ]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the test process's handler is back
+    monkeypatch.undo()
+    assert run_train(_args(tmp_path, "--max-steps", "2", "--checkpoint-dir", str(ck)), capsys)[0] == 0
 
 
 def _child(tmp_path: Path, ck: Path, max_steps: str) -> subprocess.Popen[str]:

@@ -53,6 +53,7 @@ from torchfold.train.distributed import RunContext, default_device, init_distrib
 from torchfold.train.envelope import fit_static_shapes
 from torchfold.train.loader import StepLoader
 from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
 from torchfold.train.task import BUILTIN_TASKS, Task, load_task, parse_task_args
 from torchfold.train.trace import BatchSizeTrace
 from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
@@ -283,6 +284,9 @@ def _lock_checkpoint_dir(args: argparse.Namespace, main_rank: bool) -> Checkpoin
         problem = shared[0]
     if problem is not None:
         raise ValueError(problem)
+    if lock is not None and lock.removed:
+        names = ", ".join(path.name for path in lock.removed)
+        print(f"--checkpoint-dir: removed the temporary files of interrupted checkpoint writes: {names}")
     return lock
 
 
@@ -324,10 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m torchfold train`` with arguments ``argv``; returns the exit status.
 
     Ctrl-C (``KeyboardInterrupt``) ends it with one line and :data:`INTERRUPTED_EXIT_CODE`; the
-    worker processes are stopped and the checkpoints written before it are kept.
+    worker processes are stopped and the checkpoints written before it are kept. SIGTERM during
+    a step finishes it and writes a checkpoint (:class:`~torchfold.train.trainer.Preempted`); at
+    any other time it stops the run where it stands (:class:`Terminated`); both end with one line
+    and :data:`~torchfold.train.preemption.PREEMPTED_EXIT_CODE`.
     """
     try:
-        return _main(argv)
+        with terminated_on_sigterm():
+            return _main(argv)
     except KeyboardInterrupt:
         print(
             "torchfold train: interrupted (Ctrl-C); the checkpoints written before it are kept: run the same "
@@ -335,6 +343,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED_EXIT_CODE
+    except Terminated:
+        print(
+            "torchfold train: SIGTERM received outside a training step: stopped; the checkpoints written before "
+            "it are kept: run the same command again to resume from the newest",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
 
 
 def _main(argv: Sequence[str] | None) -> int:

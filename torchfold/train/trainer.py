@@ -148,10 +148,12 @@ class TraceTrainer:
             every log line's numbers (``train/loss``, ``train/lr``, ``train/batch_size``,
             ``train/samples_per_s``) and every evaluation's (``eval/<name>``), e.g. a
             :class:`~torchfold.train.tensorboard.TensorBoardWriter`.
-        on_step: called with every step's :class:`StepStats` on every rank, after any checkpoint
-            and before the next step is launched: a change it makes (e.g. a scheduler's ``step()``)
-            applies from the next step on every device. Without it, in one process on an
-            accelerator, a step's loss is read back after the next step is launched.
+        on_step: called with every step's :class:`StepStats` on every rank, before the checkpoint
+            that follows the step (what it records is written before a checkpoint covers the step,
+            and what it changes is saved in it) and before the next step is launched: a change it
+            makes (e.g. a scheduler's ``step()``) applies from the next step on every device.
+            Without it, in one process on an accelerator, a step's loss is read back after the next
+            step is launched.
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
@@ -442,7 +444,7 @@ class TraceTrainer:
         until: float | None = None,
     ) -> None:
         """Read a step's deferred loss (its ``seconds`` then run from ``started`` to ``until``, or
-        now), record the step and run what follows it: a checkpoint, the bar and log, ``on_step``."""
+        now), record the step and run what follows it: the bar and log, ``on_step``, a checkpoint."""
         if loss_sum is not None:
             seconds = (time.perf_counter() if until is None else until) - started
             stats = dataclasses.replace(read_loss(stats, loss_sum, self._non_finite_loss), seconds=seconds)
@@ -451,13 +453,16 @@ class TraceTrainer:
         if metrics is not None:
             stats = dataclasses.replace(stats, metrics=metrics)
         run.history.append(stats)
-        if self._checkpoint_due():
-            self.save_checkpoint()
         run.progress.step(stats, self.next_step)
         if metrics is not None:
             run.progress.evaluated(self.next_step, metrics)
         if self.on_step is not None:
             self.on_step(stats)
+        # After on_step: a record of the step it writes (a history line) is on disk before the
+        # checkpoint that covers the step, so a run killed in between repeats the step instead of
+        # losing its line; and what it changes for the next step (a learning rate) is saved too.
+        if self._checkpoint_due():
+            self.save_checkpoint()
 
     def _evaluation_due(self, epoch: int) -> bool:
         """Whether the step before ``next_step``, of ``epoch``, is followed by an evaluation

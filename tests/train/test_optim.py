@@ -553,8 +553,6 @@ def test_misuse_is_rejected() -> None:
     xb, yb = _batches([[4]])[0][0]
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
         opt.backward(F.cross_entropy(model(xb), yb), num_samples=0)
-    with pytest.raises(TypeError, match="takes no closure"):
-        opt.step(lambda: 0.0)
     opt.backward(F.cross_entropy(model(xb), yb), num_samples=4)
     with pytest.raises(RuntimeError, match="in the middle of a step"):
         opt.state_dict()
@@ -757,3 +755,32 @@ def test_a_default_minibatch_size_holds_only_inside_and_only_where_none_is_set()
         assert opt.minibatch_unit() == 2.0
     with pytest.raises(ValueError, match="minibatch_size must be a positive int, got 0"):
         opt.default_minibatch_size(0).__enter__()
+
+
+def test_step_calls_a_closure_once_first_and_returns_its_result() -> None:
+    """Lightning's manual optimization passes ``optimizer.step()`` a closure (its hooks), always:
+    ``step()`` once refused any closure, so no Lightning loop could step. The step is the same as
+    without one; the closure runs before the update, with gradients enabled."""
+    calls: list[bool] = []
+
+    def closure() -> float:
+        calls.append(torch.is_grad_enabled())
+        return 7.0
+
+    results = []
+    for passed in (None, closure):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = AccumulatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), lr_rule="linear", ref_batch_size=4
+        )
+        for xb, yb in _batches([[4, 2]])[0]:
+            with opt.minibatch(len(xb)):
+                F.cross_entropy(model(xb), yb).backward()
+        with torch.no_grad():
+            returned = opt.step(passed)
+        assert returned == (None if passed is None else 7.0)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert calls == [True]
+    for p, q in zip(*results, strict=True):
+        assert torch.equal(p, q)

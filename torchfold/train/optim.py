@@ -689,18 +689,25 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grads = [p for p in self._params() if p.grad is not None]
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
 
-    def step(  # type: ignore[override]
-        self, closure: Callable[[], float] | None = None, *, update: Callable[[], object] | None = None
-    ) -> None:
+    def step(
+        self, closure: Callable[[], Any] | None = None, *, update: Callable[[], object] | None = None
+    ) -> Any:
         """End the step: :meth:`synchronize` (unless done), then update with the rule's learning rate.
 
         Every rank must call it once per step, also a rank without minibatches in this step.
         ``update`` runs the wrapped optimizer's update instead of :attr:`update_fn` (or its ``step()``),
         with the rule's rates in its param groups: what a step runner passes, leaving this object as
         the user made it.
+
+        ``closure`` is called once, first (gradients enabled), and its result returned, as
+        ``torch.optim`` optimizers do: Lightning's manual optimization passes one, which runs its
+        hooks. Run the minibatches' backwards in :meth:`minibatch`, not in the closure (there a
+        backward is a plain one, as outside :meth:`minibatch`).
         """
+        result = None
         if closure is not None:
-            raise TypeError("AccumulatingOptimizer.step() takes no closure; run backward per minibatch")
+            with torch.enable_grad():
+                result = closure()
         self.synchronize()
         factor = self._factor
         ref_lrs = [group["lr"] for group in self.optimizer.param_groups]
@@ -727,6 +734,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._synced = False
         self.steps += 1
         self.scale_invariant_steps += factor if self.lr_rule == "adascale" else 1.0
+        return result
 
     def _rule_factor(self, batch_size: int) -> float:
         if self.lr_rule == "constant":

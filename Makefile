@@ -4,6 +4,8 @@
 #                 checks, the docs build and the whole test suite, the XLA tests included
 # and, while working:
 #   make check  - the quick lane: lint, type checks and the unit tests but the slow and XLA ones
+#   make test-integrations - the Lightning and accelerate recipes (docs/guide/lightning-accelerate.md)
+#                 with the real packages, installed into .venv (the integrations extra)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +18,7 @@ DYNET_VENV ?= .venv-dynet
 DYNET_STAMP := $(DYNET_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
-.PHONY: demo test check lint typecheck docs unit quick test-xla env env-xla env-dynet clean
+.PHONY: demo test check lint typecheck docs unit quick test-xla test-integrations env env-xla env-dynet clean
 
 env: $(STAMP)
 
@@ -60,8 +62,9 @@ typecheck: env
 docs: env
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# (the integrations lane runs apart: test-integrations)
 unit: env env-dynet
-	$(BIN)/python -m pytest -m "not xla"
+	$(BIN)/python -m pytest -m "not xla and not integrations"
 
 # the unit tests without the slow (processes, notebooks, clean venvs) and the XLA ones
 quick: env
@@ -79,7 +82,18 @@ test-xla: env-xla
 		PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla $$f || status=1; \
 	done; exit $$status
 
-test: lint typecheck docs unit test-xla
+# Lightning and accelerate, installed into .venv once (the integrations extra: under 15 s of pip
+# here); TORCHFOLD_INTEGRATIONS=require: a package that is missing fails the tests, never skips them
+INTEGRATIONS_STAMP := $(VENV)/.integrations-installed
+
+$(INTEGRATIONS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[integrations]'
+	touch $@
+
+test-integrations: $(INTEGRATIONS_STAMP)
+	TORCHFOLD_INTEGRATIONS=require $(BIN)/python -m pytest -m integrations tests/integrations
+
+test: lint typecheck docs unit test-xla test-integrations
 
 check: lint typecheck quick
 

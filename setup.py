@@ -44,6 +44,8 @@ setup(
         # TPUs (and XLA's CPU backend): a torch_xla only imports beside the torch it was built
         # against, so the extra pins a matching pair (the one the XLA tests run on)
         "xla": ["torch==2.9.0", "torch_xla==2.9.0"],
+        # the recipes of docs/guide/lightning-accelerate.md (tests/integrations, `make test-integrations`)
+        "integrations": ["lightning>=2.0", "accelerate>=0.26"],
         # TraceTrainer's metrics in TensorBoard (torchfold.train.tensorboard: torch's SummaryWriter needs it)
         "tensorboard": ["tensorboard>=2.14"],
         "notebooks": NOTEBOOKS,

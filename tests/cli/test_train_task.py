@@ -149,3 +149,17 @@ def test_a_task_outside_the_package_runs_under_torchrun(task_dir: Path, tmp_path
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 process(es), minibatch 6" in done.stdout, done.stdout
     assert "done: 3 steps (36 samples" in done.stdout, done.stdout
+
+
+def test_the_demo_trains_a_task_outside_the_package(
+    task_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchfold.cli.demo import main as demo
+
+    args = ["--task", SPEC, "--task-arg", "dim=6", "--epochs", "2", "--batch-size", "8", "--no-progress"]
+    assert demo(args) == 0
+    out = capsys.readouterr().out
+    assert "task parity: 48 digit sequences" in out
+    assert "epoch 2: loss " in out and ", eval accuracy " in out
+    assert demo(["--task", f"{MODULE}:nothing"]) == 2
+    assert f"--task {MODULE}:nothing: module {MODULE} has no function" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from torchfold._validate import positive_float, positive_int
 from torchfold.engine.fold import Fold
 from torchfold.examples.datasets import ENV_VAR, Tree, TreeParseError, Vocab, generate_sst, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
+from torchfold.train.task import load_task
 
 __all__ = ["main"]
 
@@ -75,6 +76,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="where to train, e.g. cpu or cuda (default cpu)")
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for generation, initialisation and shuffling"
+    )
+    parser.add_argument(
+        "--task",
+        metavar="SPEC",
+        help="train this task instead of the SST Tree-LSTM: a built-in task (sst, pyast) or "
+        "package.module:function returning a torchfold.train.Task (the SST options above then do not apply)",
+    )
+    parser.add_argument(
+        "--task-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an argument of the task (repeat)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -181,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:  # --help, or a usage error argparse already printed
         return int(exit_.code or 0)
+    if args.task is not None:
+        return _run_task(args)
     try:
         train, dev, origin = _load(args)
     except (FileNotFoundError, TreeParseError) as error:  # --data names no SST folder, or a bad file in it
@@ -266,3 +282,44 @@ def _train(
             f"dev root accuracy {scores['root']:.3f} fine-grained, {scores['binary']:.3f} binary "
             f"({int(scores['binary_trees'])} non-neutral), all-node accuracy {scores['nodes']:.3f}"
         )
+
+
+def _run_task(args: argparse.Namespace) -> int:
+    """``--task``: the task's model trained with one Fold per ``--batch-size`` samples and Adam, evaluated per epoch."""
+    try:
+        device = torch.device(args.device)
+        task = load_task(args.task, args.task_arg)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
+        print(f"torchfold demo: error: {error}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        torch.manual_seed(args.seed)
+        model = task.model().to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        rng = random.Random(args.seed)
+        print(f"task {task.name}: {task.description or f'{len(task.train)} samples'}; device {device}")
+        for epoch in range(1, args.epochs + 1):
+            order = list(task.train)
+            rng.shuffle(order)
+            start, total = time.perf_counter(), 0.0
+            model.train()
+            for batch in _batches(order, args.batch_size):
+                plan, targets = task.build(batch)
+                loss = task.loss(model, plan.apply(model), targets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += loss.item() * len(batch)
+            elapsed = time.perf_counter() - start
+            line = f"epoch {epoch}: loss {total / len(order):.4f}, {len(order) / elapsed:.0f} samples/s ({elapsed:.1f} s)"
+            if task.evaluate is not None:
+                model.eval()
+                with torch.no_grad():
+                    metrics = task.evaluate(model, task.eval)
+                line += ", eval " + ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
+            print(line)
+    finally:
+        torch.set_num_threads(threads)
+    return 0

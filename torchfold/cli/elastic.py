@@ -149,10 +149,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="most samples per process per minibatch; accumulation minibatches per process = "
         "ceil(global / (processes * this)) (default 8)",
     )
-    p.add_argument("--data", metavar="DIR", help=f"SST directory (as train's --data; default ${ENV_VAR})")
-    p.add_argument("--max-train", type=positive_int, default=400, help="training trees (default 400)")
-    p.add_argument("--max-words", type=positive_int, default=12, help="longest tree in words (default 12)")
-    p.add_argument("--hidden-dim", type=positive_int, default=32, help="Tree-LSTM size (default 32)")
+    p.add_argument(
+        "--task",
+        metavar="SPEC",
+        help="what to train, as train's --task: a built-in task or package.module:function (default: the sst "
+        "task with the four options below)",
+    )
+    p.add_argument(
+        "--task-arg", action="append", default=[], metavar="KEY=VALUE", help="as train's --task-arg (repeat)"
+    )
+    p.add_argument(
+        "--data", metavar="DIR", help=f"sst task: SST directory (as train's --data; default ${ENV_VAR})"
+    )
+    p.add_argument(
+        "--max-train", type=positive_int, default=400, help="sst task: training trees (default 400)"
+    )
+    p.add_argument(
+        "--max-words", type=positive_int, default=12, help="sst task: longest tree in words (default 12)"
+    )
+    p.add_argument(
+        "--hidden-dim", type=positive_int, default=32, help="sst task: Tree-LSTM size (default 32)"
+    )
     p.add_argument("--lr", type=positive_float, default=0.005, help="learning rate (default 0.005)")
     p.add_argument("--seed", type=seed_int, default=0, help="default 0")
     p.add_argument(
@@ -444,7 +461,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
-    if args.data is None and not os.environ.get(ENV_VAR) and "--generate" not in extra:
+    sst = args.task is None  # the sst task, with this command's --data, --max-train, ... options
+    if sst and args.data is None and not os.environ.get(ENV_VAR) and "--generate" not in extra:
         raise ValueError(
             f"no training data: pass --data DIR (SST's train.txt, or an sst/ subdirectory) or set ${ENV_VAR}=DIR; "
             "or pass train's --generate N after --"
@@ -478,14 +496,21 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
         "--trace",
         str(args.global_batch) if args.trace is None else args.trace,
         *("--max-device-batch-size", str(args.max_device_batch_size)),
-        "--max-train",
-        str(args.max_train),
-        "--max-words",
-        str(args.max_words),
-        "--embedding-dim",
-        str(args.hidden_dim),
-        "--hidden-dim",
-        str(args.hidden_dim),
+        *(
+            (
+                "--max-train",
+                str(args.max_train),
+                "--max-words",
+                str(args.max_words),
+                "--embedding-dim",
+                str(args.hidden_dim),
+                "--hidden-dim",
+                str(args.hidden_dim),
+            )
+            if sst
+            else ("--task", args.task)
+        ),
+        *(arg for item in args.task_arg for arg in ("--task-arg", item)),
         "--lr",
         str(args.lr),
         "--seed",
@@ -501,7 +526,7 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
         "--log-every",
         "0",
         "--no-progress",
-        *(["--data", args.data] if args.data is not None else []),
+        *(["--data", args.data] if args.data is not None and sst else []),
         *extra,
     ]
     for folder in ("checkpoints", "history", "logs"):

@@ -662,7 +662,13 @@ def _evaluate(task: Task, model: torch.nn.Module) -> str:
 
 def _model(task: Task) -> torch.nn.Module:
     """The task's model, checked: a module (the message names the task's factory)."""
-    model = task.model()
+    try:
+        model = task.model()
+    except TypeError as e:
+        raise TypeError(
+            f"task {task.name}: model() failed: {e}; model must be callable with no argument, e.g. "
+            "functools.partial(MyModel, hidden_dim)"
+        ) from e
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"task {task.name}: model() returned a {type(model).__name__}, not a torch.nn.Module; make it return "

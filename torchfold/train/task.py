@@ -114,6 +114,19 @@ class Task:
                 raise TypeError(
                     f"Task {self.name!r}: {name} must be callable, got {type(getattr(self, name)).__name__}"
                 )
+        try:
+            parameters = inspect.signature(self.build).parameters
+        except (TypeError, ValueError):  # no signature to read: trust it
+            parameters = None
+        if (
+            parameters is not None
+            and "shapes" not in parameters
+            and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        ):
+            raise TypeError(
+                f"Task {self.name!r}: build takes no shapes argument; write it as build(samples, shapes=None) and "
+                "record on torchfold.Fold(shapes=shapes) (runs on XLA and with --compile pass a StaticShapes)"
+            )
         if self.evaluate is not None and not callable(self.evaluate):
             raise TypeError(
                 f"Task {self.name!r}: evaluate must be callable or None, got {type(self.evaluate).__name__}"

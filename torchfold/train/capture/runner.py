@@ -9,12 +9,10 @@ from the device, the number of processes, the optimizer and ``compile=``:
   ``optimizer.minibatch(n)``, then ``optimizer.step()``), each minibatch's forward, loss and
   backward optionally compiled by :func:`torch.compile` (:class:`~torchfold.train.capture.compiled.CompiledLoss`);
   the CPU's default, and every device's with ``compile="off"``;
-* :class:`XlaRunner`: on XLA, a step of several minibatches as replays of one minibatch program
-  and one update program (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`), whatever
-  their number; on one device a step of one minibatch replayed whole
-  (:class:`~torchfold.train.capture.xla_replay.XlaStepReplay`); with several replicas (threads or
-  processes) every step as minibatch programs, an all-reduce of the gradients, and the update
-  program, the same programs on every replica;
+* :class:`XlaRunner`: on XLA, every step as replays of one minibatch program per minibatch and
+  one update program (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`), whatever
+  their number; with several replicas (threads or processes), an all-reduce of the gradients
+  between them, the same programs on every replica;
 * :class:`CudaRunner`: on one GPU, a step of one minibatch replayed whole from one CUDA graph
   (:class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`); a step of several runs eagerly (no
   inductor compile on the default path: its compiles took seconds per new minibatch count).
@@ -41,7 +39,6 @@ from torchfold.train.capture.compiled import (
 )
 from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_step
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
-from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.distributed import accumulation_dtype, world, xla_sync
 from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
@@ -74,7 +71,7 @@ class StepRunner:
         """How many programs (graphs) this runner has captured so far."""
         return 0
 
-    def warm_up(self, examples: Sequence[Any], *, whole_steps: bool = True, minibatches: bool = True) -> int:
+    def warm_up(self, examples: Sequence[Any]) -> int:
         """Compile the programs of each example's layout now, without running a step (nothing
         changes), so that no step after it compiles; the number of programs compiled (0 for a
         runner that compiles nothing ahead: the eager and CUDA runners).
@@ -82,12 +79,14 @@ class StepRunner:
         Args:
             examples: minibatches (``.data`` = ``(plan, targets)``, ``.num_samples``), one per
                 layout: :meth:`StepLoader.layout_examples() <torchfold.train.StepLoader.layout_examples>`.
-            whole_steps: compile the programs of steps of one minibatch.
-            minibatches: compile the programs of steps of several minibatches (and their update).
 
         Call it once the optimizer has its state (after the first step, or a resume).
         """
         return 0
+
+    def check(self) -> None:
+        """Have the next replay of each captured program check it against a new trace first (the
+        trainer calls it at each checkpoint); nothing for a runner that replays nothing."""
 
     def _loss_weight(self, num_samples: int) -> float:
         return float(num_samples) if self.optimizer.reduction == "mean" else 1.0
@@ -154,80 +153,60 @@ class EagerRunner(StepRunner):
 class XlaRunner(StepRunner):
     """XLA: every step replayed, however many minibatches it has, on one device or several replicas (see the module)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        loss: PlanLoss,
-        optimizer: AccumulatingOptimizer,
-        *,
-        whole_steps: bool = True,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
         super().__init__(model, loss, optimizer)
-        #: whether a step of one minibatch is replayed as one program (else: minibatch + update programs)
-        self.whole_steps = whole_steps
-        self.whole = XlaStepReplay(model, loss, optimizer.optimizer)
         self.programs = XlaPrograms(
             model,
             loss,
             optimizer.optimizer,
             minibatch_unit=optimizer.minibatch_unit(),
             reduction=optimizer.reduction,
+            max_grad_norm=optimizer.max_grad_norm,
         )
-        self._whole_loss: tuple[torch.Tensor, float] | None = None
         self._samples = self._count = 0
 
     @property
     def captures(self) -> int:
-        return self.whole.captures + self.programs.captures
+        return self.programs.captures
 
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
-        if (
-            alone
-            and self.whole_steps
-            and isinstance(plan, StaticPlan)
-            and self.whole.refused is None
-            and self.programs.refused is None
-        ):
-            loss = self.optimizer.external_step(num_samples, 1, functools.partial(self.whole, plan, targets))
-            self._whole_loss = (loss, self._loss_weight(num_samples))
-            return
         self.programs.minibatch(plan, targets, num_samples)
         self._samples += num_samples
         self._count += 1
 
-    def warm_up(self, examples: Sequence[Any], *, whole_steps: bool = True, minibatches: bool = True) -> int:
+    def warm_up(self, examples: Sequence[Any]) -> int:
         base = self.optimizer.optimizer
         lrs = [float(group["lr"]) for group in base.param_groups]
         params = [p for group in base.param_groups for p in group["params"]]
         compiled, graded, samples = 0, set(), 0
+        self.programs.max_grad_norm = self.optimizer.max_grad_norm
         for example in examples:
             plan, targets = to_device(example.data, params[0].device)
-            if whole_steps and self.whole_steps:
-                compiled += self.whole.warm_up(plan, targets, lrs)
-            if minibatches:
-                found = self.programs.warm_up(plan, targets, example.num_samples)
-                if found is not None:
-                    compiled += 1
-                    graded |= {id(p) for p in found}
-                samples = max(samples, example.num_samples)
-        if minibatches and samples:
+            found = self.programs.warm_up(plan, targets, example.num_samples)
+            if found is not None:
+                compiled += 1
+                graded |= {id(p) for p in found}
+            samples = max(samples, example.num_samples)
+        if samples:
             # as a step of two such minibatches (the batch size is an input: any would do)
             with_grad = [p for p in params if id(p) in graded] or [p for p in params if p.requires_grad]
             compiled += self.programs.warm_up_update(lrs, 2 * samples, with_grad)
         return compiled
 
+    def check(self) -> None:
+        """Have the next use of each program trace it again and compare (at a checkpoint)."""
+        self.programs.check()
+
     def update(self) -> tuple[torch.Tensor | None, float]:
-        if self._whole_loss is not None:
-            loss, self._whole_loss = self._whole_loss, None
-            self.optimizer.zero_grad()  # (a refused whole step ran an ordinary backward)
-            return loss
         samples, count = self._samples, self._count
         self._samples = self._count = 0
+        clipped = self.optimizer.max_grad_norm is not None
+        self.programs.max_grad_norm = self.optimizer.max_grad_norm
         if world().size == 1:
             if not count:
                 return None, 0.0
             loss_sum = self.optimizer.external_step(
-                samples, count, functools.partial(_update, self.programs, samples)
+                samples, count, functools.partial(_update, self.programs, samples), clipped=clipped
             )
             return loss_sum, 1.0
         # several replicas: their gradients summed (a program of its own), then the same update program on each
@@ -238,7 +217,7 @@ class XlaRunner(StepRunner):
                 "skipped them"
             )
         loss_sum = self.optimizer.external_step(
-            samples, count, functools.partial(_update, self.programs, samples), reduced=True
+            samples, count, functools.partial(_update, self.programs, samples), reduced=True, clipped=clipped
         )
         return loss_sum, 1.0  # (zero on a replica without minibatches; the trainer sums over the replicas)
 
@@ -302,7 +281,7 @@ def step_runner(
     if device.type == "xla" and optimizer.lr_rule != "adascale" and backend is None:
         why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
         if why is None:  # (several replicas: the minibatch and update programs, an all-reduce between them)
-            return XlaRunner(model, loss, optimizer, whole_steps=single)
+            return XlaRunner(model, loss, optimizer)
         warnings.warn(
             f"compile={compile!r}: steps are not replayed on XLA, they run as with compile='off': {why}",
             stacklevel=3,

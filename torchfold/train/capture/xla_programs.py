@@ -15,42 +15,55 @@ is made of two kinds of programs, each traced once and replayed from XLA's compi
   gradients by the step's sample count (a tensor input), the optimizer's update with the
   learning rates as tensor inputs, and the zeroing of the buffers.
 
-What a program depends on is part of its key (the layout, every module parameter and buffer: which
-tensor, shape, dtype, ``requires_grad``; the batch's tensor shapes; the optimizer's options but
-the learning rate, and its state's structure; ``model.training``), and what a traced program
-reads is checked: every module parameter and buffer is an input (a parameter left out of the
-optimizer that changes between steps is followed); a value that is neither an input nor the same
-at the second trace of a key (a Python number that the loss reads and that changes between
-steps) refuses replays with a warning; a step that draws random numbers, or reads a value back to
-the host, is refused too. A refused runner runs the steps lazily (op by op), as without capture.
+Every tensor a program reads is an input bound by its role, never by its value or its device
+buffer: the module's parameters, buffers and tensors kept as plain attributes, the optimizer's
+state, the accumulation buffers, the batch's tensors, and the runner's own numbers (sample
+weights, learning rates, divisors), which are 1-element vectors made for their role alone
+(torch_xla shares one buffer among equal 0-dim tensors, and with a trace's own constants).
+What a program depends on besides its inputs is its key: the layout, every module parameter and
+buffer (which tensor, shape, dtype, ``requires_grad``), the batch's tensor shapes, the
+optimizer's options but the learning rate and its state's structure, and what a
+:class:`~torchfold.train.capture.guards.StepGuard` reads before every replay (every module's
+``training`` flag, numbers kept in module attributes, the loss function, its closure and
+globals). A guarded value that keeps changing (more than :data:`~torchfold.train.capture.guards.MAX_VALUES` values for one
+layout) is refused with a warning naming it. What a trace reads from elsewhere is checked by
+tracing again: at a program's second use, every ``verify_every`` replays, and at :meth:`XlaPrograms.check`
+(the trainer's checkpoints): a second trace that differs refuses replays with a warning, a later
+one raises (earlier replays may have used an old value). A step that draws random numbers, or
+reads a value back to the host, is refused too. A refused runner runs the steps lazily (op by
+op), as without capture.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from torchfold.engine.static import StaticPlan
+from torchfold.train.capture import xla_calls
 from torchfold.train.capture._replay import optimizer_options, stepping, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
+from torchfold.train.capture.guards import StepGuard
+from torchfold.train.capture.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.capture.xla_linear import transposed_weights
-from torchfold.train.capture.xla_replay import (
-    TRACE_LOCK,
-    executions,
-    graph_sources,
-    materialize,
-    replay_unavailable,
-    untouched,
-)
 from torchfold.train.distributed import all_reduce_sum_
 from torchfold.train.loader import to_device
 from torchfold.train.loss import PlanLoss
 
-__all__ = ["XlaPrograms", "xla_programs_unavailable"]
+__all__ = [
+    "VERIFY_EVERY",
+    "XlaPrograms",
+    "graph_sources",
+    "untouched",
+    "xla_programs_unavailable",
+]
+
+#: replays of a program between two traces that check it (0: never)
+VERIFY_EVERY = 100
 
 _T = TypeVar("_T")
 
@@ -65,16 +78,10 @@ def xla_programs_unavailable() -> str | None:
     return replay_unavailable()
 
 
-def _xla() -> Any:
-    import torch_xla
-
-    return torch_xla._XLAC
-
-
 class _Program:
     """One traced graph: its hash, where each graph input comes from, which roots it returns."""
 
-    __slots__ = ("constants", "graph", "outputs", "sources", "step", "verified")
+    __slots__ = ("constants", "due", "graph", "outputs", "replays", "sources", "step", "verified")
 
     def __init__(self, graph: Any, sources: list[tuple[int, Any]], outputs: list[int]) -> None:
         #: the step it was traced in (the runner's count): a second trace in a later step verifies it
@@ -87,10 +94,15 @@ class _Program:
         # the trace's constants as host values, compared with the second trace's (then verified)
         self.constants: list[torch.Tensor] = [value.cpu() for kind, value in sources if kind == 1]
         self.verified = False
+        #: replays since the last trace that checked it, and whether its next use checks it anyway
+        self.replays = 0
+        self.due = False
 
     def run(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
-        arguments = [live[where] if kind == 0 else where for kind, where in self.sources]
-        return list(_xla()._run_cached_graph(self.graph, arguments))
+        self.replays += 1
+        return xla_calls.run_graph(
+            self.graph, [live[where] if kind == 0 else where for kind, where in self.sources]
+        )
 
 
 class _Refused(Exception):
@@ -110,45 +122,80 @@ def _sync() -> None:
 
 def _positions(live: list[torch.Tensor]) -> dict[int, int]:
     """Each live tensor's position, by the id of the device data it holds (the id a traced graph
-    names its input by): taken before a trace, on materialized tensors (an in-place operation of
-    the trace gives a tensor new data, no longer the graph's input).
+    names its input by), taken just before a trace: each tensor is given a buffer of its own
+    first (:func:`~torchfold.train.capture.xla_calls.own_buffers`), so that no two roles, nor a
+    role and a constant of the trace, share one."""
+    xla_calls.own_buffers(live)
+    ids = xla_calls.data_ids(live)
+    position: dict[int, int] = {}
+    for number, data in enumerate(ids):
+        first = position.setdefault(data, number)
+        if first != number and live[first] is not live[number]:
+            raise RuntimeError(
+                f"the inputs {first} and {number} of a program to trace hold one device buffer; "
+                "please report this torch_xla version"
+            )
+    return position
 
-    Not by tensor id: torch_xla shares one buffer among the 0-dim tensors of one value moved to
-    the device (a learning rate of 0.01 made here and again by the whole-step replay) and names
-    it after the newest, so an input of ours would pass for a constant of the trace."""
-    data = _xla()._get_tensors_xla_device_data_node
-    return {data([t])[0][0]: number for number, t in enumerate(live)}
+
+def graph_sources(
+    ids: Sequence[int], values: Sequence[torch.Tensor], position: dict[int, int], live: Sequence[torch.Tensor]
+) -> list[tuple[int, Any]]:
+    """Per graph input: ``(0, its position among the live tensors)``, or ``(1, the value)`` for a
+    constant of the trace (device data that no live tensor held before it, e.g. a Python number).
+
+    An input bound to a live tensor must have its shape and dtype: anything else is a binding
+    error, raised here rather than replayed."""
+    sources: list[tuple[int, Any]] = []
+    for number, value in zip(ids, values, strict=True):
+        where = position.get(number)
+        if where is None:
+            sources.append((1, value))
+            continue
+        tensor = live[where]
+        if tensor.shape != value.shape or tensor.dtype != value.dtype:
+            raise RuntimeError(
+                f"a traced program's input of shape {tuple(value.shape)} and dtype {value.dtype} was bound to "
+                f"live tensor {where} of shape {tuple(tensor.shape)} and dtype {tensor.dtype}; please report this "
+                "torch_xla version"
+            )
+        sources.append((0, where))
+    return sources
 
 
 def _compile(
-    roots: list[torch.Tensor], position: dict[int, int], executed: int, *, run: bool = True
+    roots: list[torch.Tensor],
+    position: dict[int, int],
+    live: list[torch.Tensor],
+    executed: int,
+    *,
+    run: bool = True,
 ) -> tuple[_Program, list[Any]]:
     """Compile the lazy trace ending in ``roots`` (those that changed: the others are returned
     as ``None``), run it once on its own inputs; the program and each root's value (``run=False``:
     compiled only, every value ``None``; the caller drops the trace)."""
-    xla = _xla()
-    changed = xla._check_tensor_need_materialization(roots)
+    changed = xla_calls.needs_materialization(roots)
     outputs = [where for where, need in enumerate(changed) if need]
     kept = [roots[where] for where in outputs]
-    ids, values = xla._get_tensors_xla_device_data_node(kept)
+    ids, values = xla_calls.device_data(kept)
     if executions() != executed:
         raise _Refused(
-            "something read a value back to the host inside the step (.item(), .tolist(), a Python number "
-            "from a tensor; e.g. torch.optim.SGD turns a tensor learning rate into one), which cuts the graph",
+            "something read a value back to the host inside the step (.item(), .tolist(), float() of a "
+            "tensor), which cuts the graph",
             list(roots),
         )
-    if xla._get_seed_info_id() in ids:
+    if xla_calls.seed_id() in ids:
         raise _Refused(
             "it draws random numbers (dropout?), and a replay would repeat the draws of its capture",
             list(roots),
         )
-    graph = xla._get_graph_hash(kept)
-    xla._xla_warm_up_cache(kept, [])
-    program = _Program(graph, graph_sources(ids, values, position), outputs)
+    graph = xla_calls.graph_hash(kept)
+    xla_calls.compile_graph(kept)
+    program = _Program(graph, graph_sources(ids, values, position, live), outputs)
     found: list[Any] = [None] * len(roots)
     if not run:
         return program, found
-    results = list(xla._run_cached_graph(graph, list(values)))
+    results = xla_calls.run_graph(graph, values)
     for where, value in zip(outputs, results, strict=True):
         found[where] = value
     return program, found
@@ -175,6 +222,9 @@ class _MinibatchSetup(NamedTuple):
     loss_sum: torch.Tensor
     live: list[torch.Tensor]
     key: Hashable
+    #: the key but what the guard reads, and what it reads
+    base: Hashable
+    guarded: tuple[Hashable, ...]
 
 
 class _UpdateSetup(NamedTuple):
@@ -205,6 +255,9 @@ class XlaPrograms:
             ``minibatch_size``, or 1).
         reduction: ``"mean"`` (losses averaged over a minibatch's samples) or ``"sum"``.
         transpose_weights: trace ``F.linear`` against transposed weight copies (XLA's CPU backend).
+        verify_every: trace a program again after this many replays and compare (0: never).
+        max_grad_norm: clip the step's mean gradient to this total 2-norm before the update
+            (``torch.nn.utils.clip_grad_norm_``), inside the update program.
 
     Raises:
         RuntimeError: this torch_xla cannot replay programs (see :func:`xla_programs_unavailable`).
@@ -220,6 +273,8 @@ class XlaPrograms:
         minibatch_unit: float = 1.0,
         reduction: str = "mean",
         transpose_weights: bool | None = None,
+        verify_every: int = VERIFY_EVERY,
+        max_grad_norm: float | None = None,
     ) -> None:
         why = xla_programs_unavailable()
         if why is not None:
@@ -227,6 +282,8 @@ class XlaPrograms:
         reason = uncapturable_update(optimizer) or _host_state(optimizer)
         if reason is not None:
             raise ValueError(f"the optimizer's update cannot be captured: {reason}")
+        if verify_every < 0:
+            raise ValueError(f"verify_every must be >= 0 (0: never), got {verify_every}")
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.unit = float(minibatch_unit)
         self.reduction = reduction
@@ -235,12 +292,22 @@ class XlaPrograms:
 
             transpose_weights = str(torch_xla.runtime.device_type()).upper() == "CPU"
         self.transpose_weights = transpose_weights
+        #: replays of a program between two traces that check it (0: never)
+        self.verify_every = verify_every
+        #: the total 2-norm the update clips the step's mean gradient to (None: no clipping)
+        self.max_grad_norm = max_grad_norm
+        #: what the Python side of a step reads besides the programs' inputs, read before every replay
+        self.guard = StepGuard(model, loss)
         #: why steps are no longer replayed (then they run lazily, op by op), or None
         self.refused: str | None = None
         self._minibatch: dict[Hashable, _Program] = {}
         self._update: dict[Hashable, _Program] = {}
+        self._guarded: dict[
+            Hashable, list[tuple[Hashable, ...]]
+        ] = {}  # per base key: the guard's values seen
         self._seen_options: dict[Hashable, list[Any]] = {}
-        self._scalars: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+        self._scalars: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}
+        self._zero: dict[torch.device, torch.Tensor] = {}
         self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
         self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
         self._loss_sum: torch.Tensor | None = None
@@ -266,10 +333,20 @@ class XlaPrograms:
             self._refuse(str(why))
             self._lazy_minibatch(plan, targets, num_samples)
             return
+        if not self._follows(setup.base, setup.guarded):
+            self._lazy_minibatch(plan, targets, num_samples)
+            return
         trainable, buffers, live, key = setup.trainable, setup.buffers, setup.live, setup.key
         with TRACE_LOCK:
             materialize(live)
             program = self._minibatch.get(key)
+            if program is not None and program.verified and self._due(program):
+                self._check(
+                    program,
+                    "minibatch",
+                    [*params, *buffers],
+                    lambda: self._trace_minibatch(plan, targets, setup, run=False)[0],
+                )
             # replayed once verified, and in the step it was traced in (a schedule changes between steps)
             if program is not None and (program.verified or program.step == self._steps):
                 results = program.run(live)
@@ -306,7 +383,7 @@ class XlaPrograms:
         if self.refused is not None or not isinstance(plan, StaticPlan):
             return None
         setup, _ = self._minibatch_setup(plan, targets, num_samples, first=True)
-        if setup is None:
+        if setup is None or not self._follows(setup.base, setup.guarded):
             return None
         ahead = self._compile_ahead(
             self._minibatch,
@@ -331,7 +408,7 @@ class XlaPrograms:
             raise RuntimeError("update() with no minibatch in the step")
         params = self._params()
         # (a replica without minibatches in this step, its gradients summed in by all_reduce: no loss of its own)
-        loss_sum = self._loss_sum if self._loss_sum is not None else self._scalar(0.0, None, params[0].device)
+        loss_sum = self._loss_sum if self._loss_sum is not None else self._zero_sum(params[0].device)
         divisor = self._divisor(batch_size)
         try:
             if self.refused is not None:
@@ -347,6 +424,13 @@ class XlaPrograms:
             with TRACE_LOCK:
                 materialize(live)
                 program = self._update.get(key)
+                if program is not None and program.verified and self._due(program):
+                    self._check(
+                        program,
+                        "update",
+                        params,
+                        lambda: self._trace_update(params, graded, setup, run=False)[0],
+                    )
                 if program is None or not program.verified:
                     try:
                         traced, found, new_slots = self._trace_update(params, graded, setup)
@@ -375,6 +459,13 @@ class XlaPrograms:
             self._loss_sum = None
             self._has_grad.clear()
             self._minibatches = 0
+
+    def check(self) -> None:
+        """Have the next use of every program trace it again and compare, before it is replayed
+        (the trainer calls it at each checkpoint): a program that no longer matches its trace
+        raises there (see :meth:`_check`)."""
+        for program in [*self._minibatch.values(), *self._update.values()]:
+            program.due = program.verified
 
     def all_reduce(self, num_samples: int, num_minibatches: int) -> tuple[int, int]:
         """Sum the step's accumulated gradients over the replicas (processes, or threads of one),
@@ -465,31 +556,48 @@ class XlaPrograms:
         device = params[0].device
         trainable = [p for p in params if p.requires_grad]
         accs = [self._acc_of(p) for p in trainable]
-        buffers = list(self.model.buffers())
+        guarded = self.guard.values()
+        # the module's buffers, and tensors kept as plain attributes: inputs, written back if the step changes them
+        held = {id(b) for b in self.model.buffers()}
+        buffers = [*self.model.buffers(), *(t for t in self.guard.tensors() if id(t) not in held)]
         held = {id(q) for q in params}
         others = [p for p in self.model.parameters() if id(p) not in held]
         inputs = plan.inputs(device)
         batch, why = target_tensors(targets)
         if why is not None:
             return None, why
-        weight = self._scalar(num_samples / self.unit if self.reduction == "mean" else 1.0, params[0])
-        loss_weight = self._scalar(float(num_samples) if self.reduction == "mean" else 1.0, None, device)
-        loss_sum = (
-            self._loss_sum if self._loss_sum is not None and not first else self._scalar(0.0, None, device)
+        weight = self._scalar(
+            "weight", num_samples / self.unit if self.reduction == "mean" else 1.0, params[0]
         )
+        loss_weight = self._scalar(
+            "loss weight", float(num_samples) if self.reduction == "mean" else 1.0, None, device
+        )
+        loss_sum = self._loss_sum if self._loss_sum is not None and not first else self._zero_sum(device)
         data = [inputs.ints, inputs.floats, *inputs.given, *batch]
         live = [*params, *others, *buffers, *accs, weight, loss_weight, loss_sum, *data]
-        key = (
+        base = (
             plan.layout.key,
             _describe(params),
             _describe(others),
-            tuple((id(b), tuple(b.shape), b.dtype) for b in buffers),
+            tuple((tuple(b.shape), b.dtype) for b in buffers),
             tuple((tuple(t.shape), t.dtype) for t in data),
             self.model.training,
+            id(self.loss),
         )
-        return _MinibatchSetup(
-            trainable, buffers, accs, inputs, weight, loss_weight, loss_sum, live, key
-        ), None
+        setup = _MinibatchSetup(
+            trainable,
+            buffers,
+            accs,
+            inputs,
+            weight,
+            loss_weight,
+            loss_sum,
+            live,
+            (base, guarded),
+            base,
+            guarded,
+        )
+        return setup, None
 
     def _update_setup(
         self, lrs: list[float], divisor: float, graded: list[torch.Tensor]
@@ -502,13 +610,16 @@ class XlaPrograms:
         if why is not None:
             return None, why
         params = self._params()
+        if not all(group["params"] for group in groups):
+            raise ValueError("a replayed step needs parameters in every param group; remove the empty groups")
         accs = [self._acc_of(p) for p in graded]
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
         rates = [
-            self._scalar(float(rate), group["params"][0]) for group, rate in zip(groups, lrs, strict=True)
+            self._scalar(f"learning rate {number}", float(rate), group["params"][0])
+            for number, (group, rate) in enumerate(zip(groups, lrs, strict=True))
         ]
-        divisors = [self._scalar(divisor, p) for p in graded]
+        divisors = [self._scalar("divisor", divisor, p) for p in graded]
         states = [state[p][name] for p, name in slots]
         live = [*params, *accs, *states, *rates, *divisors]
         key = (
@@ -516,6 +627,7 @@ class XlaPrograms:
             tuple(id(p) for p in graded),
             tuple((id(p), name, tuple(t.shape), t.dtype) for (p, name), t in zip(slots, states, strict=True)),
             options,
+            self.max_grad_norm,
         )
         return _UpdateSetup(accs, rates, divisors, slots, live, key), None
 
@@ -532,7 +644,8 @@ class XlaPrograms:
     def _trace_minibatch(
         self, plan: StaticPlan, targets: Any, setup: _MinibatchSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any]]:
-        executed, position = executions(), _positions(setup.live)
+        position = _positions(setup.live)
+        executed = executions()
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         trainable = setup.trainable
         with torch.enable_grad(), linear:
@@ -541,12 +654,13 @@ class XlaPrograms:
             )
             grads = torch.autograd.grad(loss, trainable, allow_unused=True) if trainable else ()
         with torch.no_grad():
+            weight = setup.weight.reshape(())
             new_accs = [
-                acc if grad is None else acc + grad * setup.weight.to(grad.dtype)
+                acc if grad is None else acc + grad * weight.to(grad.dtype)
                 for acc, grad in zip(setup.accs, grads, strict=True)
             ]
-            total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight
-        return _compile([*new_accs, *setup.buffers, total], position, executed, run=run)
+            total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight.reshape(())
+        return _compile([*new_accs, *setup.buffers, total], position, setup.live, executed, run=run)
 
     def _store_minibatch(
         self, found: list[Any], trainable: list[torch.Tensor], buffers: list[torch.Tensor], count: int
@@ -565,16 +679,19 @@ class XlaPrograms:
     def _trace_update(
         self, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
-        executed, position = executions(), _positions(setup.live)
-        with stepping(self.optimizer, setup.rates):
+        position = _positions(setup.live)
+        executed = executions()
+        with stepping(self.optimizer, _rates_for(self.optimizer, setup.rates)):
             for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
-                p.grad = acc / divisor
+                p.grad = acc / divisor.reshape(())
+            if self.max_grad_norm is not None and graded:
+                torch.nn.utils.clip_grad_norm_(graded, self.max_grad_norm)
             self.optimizer.step()
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
         zeros = [torch.zeros_like(acc) for acc in setup.accs]
         program, found = _compile(
-            [*params, *(state[p][name] for p, name in slots), *zeros], position, executed, run=run
+            [*params, *(state[p][name] for p, name in slots), *zeros], position, setup.live, executed, run=run
         )
         return program, found, slots
 
@@ -625,9 +742,11 @@ class XlaPrograms:
 
         params = self._params()
         with stepping(self.optimizer, lrs):
-            for p in params:
-                if id(p) in self._has_grad:
-                    p.grad = self._acc[id(p)] / divisor
+            graded = [p for p in params if id(p) in self._has_grad]
+            for p in graded:
+                p.grad = self._acc[id(p)] / divisor
+            if self.max_grad_norm is not None and graded:
+                torch.nn.utils.clip_grad_norm_(graded, self.max_grad_norm)
             self.optimizer.step()
         for p in params:
             if id(p) in self._acc:
@@ -650,19 +769,67 @@ class XlaPrograms:
         return acc
 
     def _scalar(
-        self, value: float, like: torch.Tensor | None, device: torch.device | None = None
+        self, role: str, value: float, like: torch.Tensor | None, device: torch.device | None = None
     ) -> torch.Tensor:
-        """``value`` as a 0-dim device tensor (in ``like``'s dtype, else float32), made once per value."""
+        """``value`` for ``role`` (a sample weight, a learning rate...) as a 1-element vector on the
+        device (in ``like``'s dtype, else float32), made once per role and value: a tensor no
+        other role and no constant of a trace shares (a 0-dim one would be torch_xla's cached
+        scalar of that value); the programs read it as a scalar."""
         dtype = like.dtype if like is not None else torch.float32
         where = like.device if like is not None else device
         assert where is not None
-        key = (value, dtype, where)
+        key = (role, value, dtype, where)
         tensor = self._scalars.get(key)
         if tensor is None:
             if len(self._scalars) > 4096:
                 self._scalars.clear()
-            tensor = self._scalars[key] = torch.tensor(value, dtype=dtype, device=where)
+            tensor = self._scalars[key] = torch.tensor([value], dtype=dtype).to(where)
         return tensor
+
+    def _zero_sum(self, device: torch.device) -> torch.Tensor:
+        """A step's first loss sum: 0-dim zero on the device (made once: torch_xla keeps 0 as a
+        constant, so materializing it is a small program)."""
+        zero = self._zero.get(device)
+        if zero is None:
+            zero = self._zero[device] = torch.zeros((), device=device)
+            materialize([zero])
+        return zero
+
+    def _follows(self, base: Hashable, guarded: tuple[Hashable, ...]) -> bool:
+        """Whether programs may follow the guard's values ``guarded`` on ``base`` (a program per
+        value); a value that keeps changing is refused here, named."""
+        why = self.guard.admit(base, guarded)
+        if why is not None:
+            self._refuse(why)
+        return why is None
+
+    def _due(self, program: _Program) -> bool:
+        return program.due or (self.verify_every > 0 and program.replays >= self.verify_every)
+
+    def _check(
+        self, program: _Program, kind: str, changed: list[torch.Tensor], trace: Callable[[], _Program]
+    ) -> None:
+        """Trace ``program``'s step again (never run: ``changed`` and the optimizer's state are put
+        back) and compare: a program that no longer matches its trace has replayed a value that
+        is not its input, and that is an error, not a warning."""
+        since = program.replays
+        program.replays, program.due = 0, False
+        try:
+            with untouched(changed, self.optimizer):
+                traced = trace()
+        except _Refused as refusal:
+            why = str(refusal)
+        else:
+            if _same_constants(program, traced):
+                return
+            why = "its trace is another graph, or reads other constants"
+        raise RuntimeError(
+            f"the replayed {kind} program no longer matches its step ({why}): a value the step reads changed "
+            f"within the last {since} replays, and it is neither an input (a parameter, buffer or tensor attribute "
+            "of the model, optimizer state, the batch) nor a value the guard reads (module attributes, the loss's "
+            "closure and globals); those steps used its old value. Keep such a value in a module attribute or a "
+            "buffer (see the capture guide), or train with compile='off'"
+        )
 
     def _verify(self, program: _Program, traced: _Program) -> None:
         """``program`` may be replayed if a second trace of it is the same graph on the same
@@ -688,6 +855,16 @@ def _describe(params: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
     return tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in params)
 
 
+def _rates_for(optimizer: torch.optim.Optimizer, rates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The learning-rate inputs as the optimizer's update reads them, 0-dim. ``torch.optim.SGD``
+    turns a learning-rate tensor into a Python number (a read back to the host) unless it
+    requires grad; then it multiplies by the tensor (the same product)."""
+    scalars = [rate.reshape(()) for rate in rates]
+    if isinstance(optimizer, torch.optim.SGD):
+        return [rate.detach().requires_grad_() for rate in scalars]
+    return scalars
+
+
 def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
     """Why the optimizer's state cannot be an XLA program's input (a tensor of it on the host)."""
     for p, state in optimizer.state.items():
@@ -698,3 +875,37 @@ def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
                     f"parameters on {p.device}"
                 )
     return None
+
+
+@contextlib.contextmanager
+def untouched(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, a step may be traced (never run): afterwards ``tensors`` (materialized: device
+    data) and the optimizer's state are what they were before, whatever the trace did to them in
+    place (an update), and state the trace created is gone; gradients are ``None``.
+
+    The trace's pending operations are dropped with it: a program compiled from it waits in
+    XLA's cache for the step that will run it (:meth:`XlaPrograms.warm_up`), or is compared with
+    the program a step replays (:meth:`XlaPrograms.check`).
+    """
+
+    def held(value: Any) -> Any:  # a tensor's device data as a tensor of its own (in-place ops leave it)
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.device.type != "xla":
+            return value.clone()
+        return xla_calls.device_data([value])[1][0]
+
+    kept = [held(t) for t in tensors]
+    state = optimizer.state
+    before = {p: {name: held(value) for name, value in entry.items()} for p, entry in state.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, kept, strict=True):
+                tensor.data = value
+                tensor.grad = None
+        for p in [p for p in state if p not in before]:
+            del state[p]
+        for p, entry in before.items():
+            state[p] = entry

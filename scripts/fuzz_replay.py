@@ -1,0 +1,317 @@
+"""A differential fuzzer of replayed steps: random losses and schedules, XLA against the eager CPU.
+
+Each scenario (a seed) draws an optimizer (SGD, SGD with momentum, Adam, AdamW), learning rates
+and weight decays that collide with other scalars of the step (0.1, 0.01, 0.001, ``1 - beta1``),
+one or two param groups, a frozen parameter or none, dropout or none, an LR scheduler stepped in
+``on_step`` or none, a trace of 1-5 minibatches per step, and a loss that reads Python numbers (a
+module attribute, a closure variable, a global) and tensors (a tensor kept as a plain module
+attribute, a buffer) that ``on_step`` changes at random steps, in place or anew. The scenario
+trains a small Tree-LSTM on SST trees with :class:`~torchfold.train.TraceTrainer` twice: eagerly
+on the CPU (``compile="off"``) and on XLA (``compile="auto"``: every step replayed). Every step's
+loss, the final parameters and the optimizer state must agree within float tolerance, or the XLA
+run must have refused the replays with its warning (``steps are not replayed``); anything else
+is a *silent difference*, the defect this hunts.
+
+Usage (the XLA environment, torch_xla's CPU backend)::
+
+    PJRT_DEVICE=CPU .venv-xla/bin/python scripts/fuzz_replay.py --data tests/data --seeds 0:25
+    PJRT_DEVICE=CPU .venv-xla/bin/python scripts/fuzz_replay.py --data ../shared/data --seeds 0:200 --chunk 25
+
+``--chunk`` runs that many scenarios per fresh process (torch_xla has crashed in a process that
+had run very many programs). The last line counts the scenarios: ``N passed, N failed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: a global the scenario's loss reads (a value a guard must follow): changed by ``on_step``
+GLOBAL_SCALE = 1.0
+
+NUM_TREES = 12
+MINIBATCH = 3
+
+
+@dataclass
+class Scenario:
+    """One random training run's settings (see the module)."""
+
+    seed: int
+    optimizer: str
+    lr: float
+    weight_decay: float
+    groups: int
+    frozen: bool
+    dropout: bool
+    schedule: str
+    trace: list[int]
+    #: (after step, what, value): ``on_step`` makes these changes before the next step
+    changes: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+def draw(seed: int) -> Scenario:
+    """The scenario of ``seed``."""
+    rng = random.Random(seed)
+    collide = [0.1, 0.01, 0.001, 1 - 0.9, 0.05]
+    optimizer = rng.choice(["sgd", "momentum", "adam", "adamw"])
+    steps = rng.randint(4, 7)
+    trace = [MINIBATCH * rng.randint(1, 5) for _ in range(steps)]
+    kinds = ["attribute", "closure", "global", "tensor attribute", "buffer", "tensor replaced"]
+    changes = []
+    for _ in range(rng.randint(0, 4)):
+        changes.append(
+            (rng.randrange(steps - 1), rng.choice(kinds), rng.choice([0.5, 1.0, 2.0, 0.1, 0.01, 3.0]))
+        )
+    return Scenario(
+        seed=seed,
+        optimizer=optimizer,
+        lr=rng.choice(collide) if optimizer != "sgd" else rng.choice([0.1, 0.05, 0.01]),
+        weight_decay=rng.choice([0.0, 0.0, 0.01, 0.1, 0.001]),
+        groups=rng.choice([1, 2]),
+        frozen=rng.random() < 0.3,
+        dropout=rng.random() < 0.15,
+        schedule=rng.choice(["none", "none", "steplr", "lambda"]),
+        trace=trace,
+        changes=sorted(changes),
+    )
+
+
+class _Model(torch.nn.Module):
+    """The example Tree-LSTM with what the loss reads beside its parameters."""
+
+    def __init__(self, vocab: int, dropout: bool) -> None:
+        super().__init__()
+        from torchfold.examples.models import TreeLSTM
+
+        self.tree = TreeLSTM(vocab, 6, 6)
+        self.drop = torch.nn.Dropout(0.5) if dropout else torch.nn.Identity()
+        self.alpha = 1.0  # a Python number the loss reads
+        self.register_buffer("offset", torch.zeros(()))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.tree, name)  # the fold ops are the Tree-LSTM's
+
+
+def _make_loss(model: _Model) -> tuple[Any, Any]:
+    from torchfold.examples.models import tree_lstm_loss
+
+    weight = 1.0  # a closure variable the loss reads
+
+    def loss(m: Any, outputs: Any, targets: Any) -> torch.Tensor:
+        base = tree_lstm_loss(m.tree, [m.drop(o) for o in outputs], targets)
+        penalty = sum((p**2).sum() for p in m.tree.classifier.parameters())
+        return base * weight * m.alpha * GLOBAL_SCALE + 0.01 * penalty + (m.scale * m.offset).sum()
+
+    def set_weight(value: float) -> None:
+        nonlocal weight
+        weight = value
+
+    return loss, set_weight
+
+
+def run(scenario: Scenario, device: torch.device, data: Path) -> dict[str, Any]:
+    """Train ``scenario`` on ``device``; its losses, parameters, optimizer state and warnings."""
+    global GLOBAL_SCALE
+    from torchfold.engine.static.shapes import StaticShapes
+    from torchfold.examples.datasets import Vocab, load_sst
+    from torchfold.examples.models import TreeLSTMBuild
+    from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, fit_static_shapes
+
+    GLOBAL_SCALE = 1.0
+    trees = load_sst(data, max_trees=NUM_TREES)
+    vocab = Vocab.build(trees)
+    xla = device.type == "xla"
+    shapes = None
+    if xla:  # one layout: every minibatch fits it
+        shapes = fit_static_shapes(
+            trees, TreeLSTMBuild(vocab), MINIBATCH, shapes=StaticShapes(depth_buckets=False)
+        )
+    torch.manual_seed(scenario.seed)
+    model = _Model(len(vocab), scenario.dropout).to(device=device, dtype=torch.float64)
+    model.scale = torch.ones(2, dtype=torch.float64, device=device)  # a tensor kept as a plain attribute
+    if scenario.frozen:
+        model.tree.embedding.weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups: list[dict[str, Any]]
+    if scenario.groups == 2:
+        head = {id(p) for p in model.tree.classifier.parameters()}
+        groups = [
+            {"params": [p for p in params if id(p) not in head]},
+            {"params": [p for p in params if id(p) in head], "lr": scenario.lr * 2},
+        ]
+    else:
+        groups = [{"params": params}]
+    wd = scenario.weight_decay
+    base: torch.optim.Optimizer
+    if scenario.optimizer == "sgd":
+        base = torch.optim.SGD(groups, lr=scenario.lr, weight_decay=wd)
+    elif scenario.optimizer == "momentum":
+        base = torch.optim.SGD(groups, lr=scenario.lr, momentum=0.9, weight_decay=wd)
+    elif scenario.optimizer == "adam":
+        base = torch.optim.Adam(groups, lr=scenario.lr, eps=1e-3, weight_decay=wd, capturable=xla)
+    else:
+        base = torch.optim.AdamW(groups, lr=scenario.lr, eps=1e-3, weight_decay=wd or 0.01, capturable=xla)
+    optimizer = AccumulatingOptimizer(base, lr_rule="linear", ref_batch_size=MINIBATCH)
+    loader = StepLoader(
+        trees,
+        MINIBATCH,
+        build=TreeLSTMBuild(vocab, shapes=shapes),
+        trace=scenario.trace,
+        seed=0,
+        num_workers=0,
+    )
+    loss, set_weight = _make_loss(model)
+    scheduler: Any = None
+    if scenario.schedule == "steplr":
+        scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=2, gamma=0.5)
+    elif scenario.schedule == "lambda":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(base, lambda step: 1.0 / (1 + step))
+
+    def on_step(stats: Any) -> None:
+        global GLOBAL_SCALE
+        if scheduler is not None:
+            scheduler.step()
+        for after, what, value in scenario.changes:
+            if after != stats.step:
+                continue
+            if what == "attribute":
+                model.alpha = value
+            elif what == "closure":
+                set_weight(value)
+            elif what == "global":
+                GLOBAL_SCALE = value
+            elif what == "tensor attribute":
+                model.scale.fill_(value)
+            elif what == "buffer":
+                model.offset.fill_(value)
+            else:  # a new tensor in the attribute's place
+                model.scale = torch.full((2,), value, dtype=torch.float64, device=device)
+
+    trainer = TraceTrainer(
+        model, optimizer, loader, loss, progress=False, on_step=on_step, compile="auto" if xla else "off"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.fit(max_steps=len(scenario.trace))
+    state = [
+        value.detach().cpu().double()
+        for entry in base.state.values()
+        for _, value in sorted(entry.items())
+        if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "losses": [s.loss for s in history],
+        "params": [p.detach().cpu() for p in model.parameters()],
+        "state": state,
+        "warnings": [str(w.message) for w in caught],
+        "captures": trainer.runner.captures,
+    }
+
+
+def compare(scenario: Scenario, cpu: dict[str, Any], xla: dict[str, Any]) -> tuple[str, str]:
+    """``("equal" | "refused" | "SILENT", details)``: the XLA run agrees with the CPU's, or was
+    refused with its warning, or neither."""
+    refused = [w for w in xla["warnings"] if "not replayed" in w]
+    problems = []
+    if len(cpu["losses"]) != len(xla["losses"]):
+        problems.append(f"{len(xla['losses'])} steps against {len(cpu['losses'])}")
+    for step, (a, b) in enumerate(zip(cpu["losses"], xla["losses"], strict=False)):
+        if not math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-8):
+            problems.append(f"step {step}: loss {b!r} against the CPU's {a!r}")
+            break
+    for name in ("params", "state"):
+        if len(cpu[name]) != len(xla[name]):
+            problems.append(f"{len(xla[name])} {name} tensors against {len(cpu[name])}")
+            continue
+        for number, (a, b) in enumerate(zip(cpu[name], xla[name], strict=True)):
+            if a.shape != b.shape or not torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-7):
+                gap = float((a.double() - b.double()).abs().max()) if a.shape == b.shape else math.inf
+                problems.append(f"{name} {number} differs by {gap:.3g}")
+                break
+    if scenario.dropout:  # random numbers: the CPU's and XLA's draws differ; replays must be refused
+        return ("refused", refused[0]) if refused else ("SILENT", "dropout replayed without a refusal")
+    if not problems:
+        return "equal", f"{xla['captures']} programs" + (f"; refused: {refused[0]}" if refused else "")
+    if refused:
+        return "refused", f"{refused[0]} ({'; '.join(problems)})"
+    return "SILENT", "; ".join(problems)
+
+
+def _seeds(text: str) -> list[int]:
+    first, _, last = text.partition(":")
+    return list(range(int(first), int(last))) if last else [int(first)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, required=True, help="a folder with sst/train.txt")
+    parser.add_argument("--seeds", default="0:25", help="FIRST:END (END excluded), or one seed")
+    parser.add_argument(
+        "--chunk", type=int, default=0, help="scenarios per fresh process (0: all in this one)"
+    )
+    parser.add_argument("--json", type=Path, help="append one JSON line per scenario here")
+    args = parser.parse_args(argv)
+    seeds = _seeds(args.seeds)
+    if args.chunk:
+        failed = 0
+        for start in range(0, len(seeds), args.chunk):
+            part = seeds[start : start + args.chunk]
+            command = [
+                sys.executable,
+                __file__,
+                "--data",
+                str(args.data),
+                "--seeds",
+                f"{part[0]}:{part[-1] + 1}",
+            ]
+            if args.json:
+                command += ["--json", str(args.json)]
+            failed |= subprocess.run(command, env={**os.environ, "PJRT_DEVICE": "CPU"}).returncode
+        return 1 if failed else 0
+    import torch_xla
+
+    device = torch_xla.device()  # (before any backward on the CPU: autograd counts the devices at its first)
+    # float64 throughout, Adam's step counts included: a capturable Adam's bias corrections are
+    # computed in its step count's dtype, and 1 - 0.999**step in float32 differs from the CPU's
+    # Python float by up to 1e-5 relative (a difference of precision, not of replay)
+    torch.set_default_dtype(torch.float64)
+    counts = {"equal": 0, "refused": 0, "SILENT": 0}
+    for seed in seeds:
+        scenario = draw(seed)
+        cpu = run(scenario, torch.device("cpu"), args.data)
+        xla = run(scenario, device, args.data)
+        verdict, details = compare(scenario, cpu, xla)
+        counts[verdict] += 1
+        print(f"seed {seed}: {verdict}: {details}  [{scenario}]", flush=True)
+        if args.json:
+            with args.json.open("a") as out:
+                out.write(
+                    json.dumps({"seed": seed, "verdict": verdict, "details": details, **asdict(scenario)})
+                    + "\n"
+                )
+    print(
+        f"equal {counts['equal']}, refused with a warning {counts['refused']}, silent differences {counts['SILENT']}"
+    )
+    print(f"{counts['equal'] + counts['refused']} passed, {counts['SILENT']} failed")
+    return 1 if counts["SILENT"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Every call the replayed XLA programs make into torch_xla's private ``_XLAC`` module, in one place.
+
+The replays of :mod:`~torchfold.train.capture.xla_programs` trace a step lazily, compile the
+trace, and from then on run the compiled graph directly on the tensors that play each of its
+inputs' roles. torch_xla has no public API for this; its own dynamo bridge is built on the same
+private calls (graph hashes, the device data behind a trace's inputs, running a cached graph).
+They live here so that the next torch_xla version changes one file, and
+:func:`replay_unavailable` says which of them a torch_xla lacks.
+
+NOTE: torch_xla keeps a cache of 0-dim tensors moved to a device, keyed by value: equal scalars
+share one device buffer, and a Python number inside a trace is the same buffer as a tensor of
+that value made earlier. A trace over such a buffer has one input for both, which no binding
+can take apart. :func:`own_buffers` gives tensors a buffer of their own (a computed one) before
+they are traced; the runner's own scalars are 1-element vectors, which are never cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "NEEDED",
+    "TRACE_LOCK",
+    "compile_graph",
+    "data_ids",
+    "device_data",
+    "executions",
+    "graph_hash",
+    "materialize",
+    "needs_materialization",
+    "own_buffers",
+    "replay_unavailable",
+    "run_graph",
+    "seed_id",
+    "sync",
+]
+
+#: the private calls a replay needs
+NEEDED = (
+    "_get_graph_hash",
+    "_get_tensors_xla_device_data_node",
+    "_xla_warm_up_cache",
+    "_run_cached_graph",
+    "_check_tensor_need_materialization",
+    "_xla_sync_multi",
+    "_get_seed_info_id",
+)
+#: one lazy trace at a time in a process (tracing is not safe in two threads; replicas may be threads)
+TRACE_LOCK = threading.Lock()
+
+
+def replay_unavailable() -> str | None:
+    """Why this torch_xla cannot replay traced programs (None if it can).
+
+    >>> isinstance(replay_unavailable(), str | None)
+    True
+    """
+    try:
+        import torch_xla
+    except ImportError:
+        return "torch_xla is not installed"
+    missing = [name for name in NEEDED if not hasattr(torch_xla._XLAC, name)]
+    if missing:
+        return f"torch_xla {getattr(torch_xla, '__version__', '?')} lacks {', '.join(missing)}"
+    return None
+
+
+def _xlac() -> Any:
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def device_data(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """The device data that the lazy graphs of ``tensors`` read, each once: its id and value (the
+    inputs of a compiled trace, in its parameter order)."""
+    ids, values = _xlac()._get_tensors_xla_device_data_node(list(tensors))
+    return list(ids), list(values)
+
+
+def data_ids(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The id of the device data each of ``tensors`` (materialized) holds, one per tensor."""
+    read = _xlac()._get_tensors_xla_device_data_node
+    return [read([tensor])[0][0] for tensor in tensors]
+
+
+def needs_materialization(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each tensor: whether it is a pending computation (not device data)."""
+    return list(_xlac()._check_tensor_need_materialization(list(tensors)))
+
+
+def graph_hash(roots: Sequence[torch.Tensor]) -> Any:
+    """The hash of the lazy graph computing ``roots`` (the key of XLA's compilation cache)."""
+    return _xlac()._get_graph_hash(list(roots))
+
+
+def compile_graph(roots: Sequence[torch.Tensor]) -> None:
+    """Compile the lazy graph computing ``roots`` into XLA's cache, without running it."""
+    _xlac()._xla_warm_up_cache(list(roots), [])
+
+
+def run_graph(graph: Any, arguments: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the cached graph ``graph`` on ``arguments`` (its inputs, in its parameter order)."""
+    return list(_xlac()._run_cached_graph(graph, list(arguments)))
+
+
+def seed_id() -> int:
+    """The id of the device data that holds the random seed (a trace that reads it draws numbers)."""
+    return int(_xlac()._get_seed_info_id())
+
+
+def sync(tensors: Sequence[torch.Tensor], *, wait: bool = True) -> None:
+    """Run the pending computations of ``tensors`` (only those), leaving them device data."""
+    _xlac()._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=True)
+
+
+def materialize(live: Sequence[torch.Tensor]) -> None:
+    """Make every tensor of ``live`` device data, as a program's inputs must be: a pending
+    operation (e.g. after ``load_state_dict``) is run."""
+    pending = [t for t, need in zip(live, needs_materialization(live), strict=True) if need]
+    if pending:
+        sync(pending)
+
+
+def own_buffers(live: Sequence[torch.Tensor]) -> None:
+    """Give each tensor of ``live`` that may share its device buffer (a 0-dim tensor: torch_xla's
+    scalar cache; or one whose buffer another of ``live`` holds) a computed buffer of its own,
+    values kept, so that a trace over ``live`` has one input per tensor and none shared with a
+    constant of the trace. One small program, run before a trace (never in a replay)."""
+    seen: dict[int, int] = {}
+    ids = data_ids(live)
+    shared = []
+    for number, (tensor, data) in enumerate(zip(live, ids, strict=True)):
+        first = seen.setdefault(data, number)
+        if tensor.dim() == 0 or (first != number and live[first] is not tensor):
+            shared.append(tensor)
+    if not shared:
+        return
+    tensors = list({id(t): t for t in shared}.values())
+    with torch.no_grad():
+        # out of place: an in-place change would give the old buffer away (donate it) at the sync,
+        # under whatever else holds it (torch_xla's scalar cache)
+        fresh = [t.logical_or(torch.zeros_like(t)) if t.dtype == torch.bool else t + 0 for t in tensors]
+        sync(fresh)
+        for tensor, value in zip(tensors, fresh, strict=True):
+            tensor.data = value
+
+
+def executions() -> int:
+    """How many graphs torch_xla has run in this process (a host read runs one)."""
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("ExecuteComputation") or 0)

@@ -42,7 +42,6 @@ from torchfold._validate import check_int
 from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
 from torchfold.train.capture.compiled import CompiledLoss
 from torchfold.train.capture.cuda_replay import CudaStepReplay
-from torchfold.train.capture.xla_replay import XlaStepReplay
 from torchfold.train.checkpoint import (
     checkpoint_path,
     keep_hyperparameters,
@@ -340,9 +339,9 @@ class TraceTrainer:
         return self.runner.compiled if isinstance(self.runner, EagerRunner) else None
 
     @property
-    def replay(self) -> XlaStepReplay | CudaStepReplay | None:
-        """The whole-step replay of one-minibatch steps, when the runner has one (else None)."""
-        return self.runner.whole if isinstance(self.runner, XlaRunner | CudaRunner) else None
+    def replay(self) -> CudaStepReplay | None:
+        """The whole-step replay of one-minibatch steps, when the runner has one (on CUDA; else None)."""
+        return self.runner.whole if isinstance(self.runner, CudaRunner) else None
 
     # -- running -------------------------------------------------------------------------------
 
@@ -427,11 +426,8 @@ class TraceTrainer:
         if not isinstance(self.runner, XlaRunner):  # the one runner that compiles ahead
             return
         started = time.perf_counter()
-        whole = [_runs_whole(split.local_minibatches) for split in self.loader.steps()]
         with autocast(self.precision, self.device):  # the programs the steps run
-            compiled = self.runner.warm_up(
-                self.loader.layout_examples(), whole_steps=any(whole), minibatches=not all(whole)
-            )
+            compiled = self.runner.warm_up(self.loader.layout_examples())
         if compiled and self.is_main and (self.progress or self.log_every):
             self.log(f"warm-up: compiled {compiled} programs in {time.perf_counter() - started:.1f} s")
 
@@ -592,7 +588,10 @@ class TraceTrainer:
         """Write :meth:`state_dict` (rank 0 only) atomically; default ``checkpoint_dir/step-N.pt``.
 
         A collective: every rank must call it. Keeps the ``keep_checkpoints`` newest in the directory.
+        The step runner checks its replayed programs against a new trace at their next use (a
+        value they read that changed unseen is an error then, see :meth:`StepRunner.check`).
         """
+        self.runner.check()
         if self._deferred.ahead is not None:
             raise RuntimeError(
                 f"save_checkpoint() while step {self.next_step - 1} is reported, but step {self._deferred.ahead} has "

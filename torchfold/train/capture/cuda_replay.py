@@ -15,12 +15,13 @@ A CUDA graph reads and writes fixed addresses, so what a graph depends on is che
 step: the layout, the module's parameters and the optimizer's (which tensors, where their data
 lives, shapes, dtypes, ``requires_grad``), the module's buffers, the optimizer's state tensors (a
 loaded state dict installs new ones), its options but the learning rate (an input), the shapes
-of the batch's tensors and the module's ``training`` flag. A change in any of them is a new
-warm-up and capture, never a stale graph; graphs made for memory that is no longer the
-parameters' or the state's are dropped then. Not checked, and frozen into a graph as captured:
-tensors the ops or the loss read from elsewhere (a plain tensor attribute of the module, a
-closure) and Python numbers they compute. Optimizer hooks and tensor hooks run when a step is
-captured, not when it is replayed.
+of the batch's tensors, and what the XLA programs' guard reads
+(:class:`~torchfold.train.capture.guards.StepGuard`: every module's ``training`` flag, Python
+numbers in module attributes, the loss's closure and globals, and where the tensors kept as
+plain attributes live). A change in any of them is a new warm-up and capture, never a stale
+graph (a guarded value that keeps changing is refused, named); graphs made for memory that is
+no longer the parameters' or the state's are dropped then. Optimizer hooks and tensor hooks run
+when a step is captured, not when it is replayed.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torchfold.train.capture._replay import (
     target_tensors,
 )
 from torchfold.train.capture.compiled import check_loss
+from torchfold.train.capture.guards import StepGuard
 from torchfold.train.loss import PlanLoss
 
 __all__ = ["CudaStepReplay", "uncapturable_step"]
@@ -155,6 +157,8 @@ class CudaStepReplay(StepReplay):
         self._capture_context = capture_context or nullcontext
         self._graphs: dict[tuple[Any, ...], _Graph] = {}
         self._captured = 0
+        #: what the Python side of a step reads besides the graph's inputs, read before every replay
+        self.guard = StepGuard(model, loss)
 
     @property
     def captures(self) -> int:
@@ -186,7 +190,12 @@ class CudaStepReplay(StepReplay):
             raise ValueError(
                 f"CudaStepReplay needs the model on a CUDA device, its parameters are on {device}"
             )
-        captured = self._graphs.get(self._key(plan, params, batch, options))
+        key = self._key(plan, params, batch, options)
+        why = self.guard.admit(key[:-2], key[-2])  # (the guard's values, then its tensors' addresses)
+        if why is not None:
+            self._refuse(why)
+            return self._eager_step(plan, targets, lrs)
+        captured = self._graphs.get(key)
         if captured is None:
             return self._warm_up_and_capture(plan, targets, batch, lrs, params, options)
         inputs = captured.inputs
@@ -228,6 +237,10 @@ class CudaStepReplay(StepReplay):
             tuple((tuple(t.shape), t.dtype, t.device) for t in batch),
             options,
             self.model.training,
+            # what the guard reads (a Python number of the loss is a constant of the graph), and
+            # where the tensors kept as plain attributes live (the graph reads them there)
+            self.guard.values(),
+            tuple(t.data_ptr() for t in self.guard.tensors()),
         )
 
     def _warm_up_and_capture(

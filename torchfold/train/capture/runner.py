@@ -277,6 +277,13 @@ def step_runner(
     """
     if not wants_compile(compile, device):
         return EagerRunner(model, loss, optimizer)
+    if optimizer.grad_scaler is not None:
+        warnings.warn(
+            f"compile={compile!r}: steps run eagerly with a grad_scaler (fp16): a captured update cannot skip "
+            "the steps whose gradients overflowed",
+            stacklevel=3,
+        )
+        return EagerRunner(model, loss, optimizer)
     single = world().size == 1 and optimizer.lr_rule != "adascale" and backend is None
     if device.type == "xla" and optimizer.lr_rule != "adascale" and backend is None:
         why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
@@ -289,6 +296,8 @@ def step_runner(
         return EagerRunner(model, loss, optimizer)
     if single and device.type == "cuda":
         why = uncapturable_step(optimizer.optimizer)
+        if why is None and optimizer.max_grad_norm is not None:
+            why = f"max_grad_norm={optimizer.max_grad_norm}: the captured step does not clip its gradient"
         if why is None:
             return CudaRunner(model, loss, optimizer)
         warnings.warn(

@@ -21,6 +21,7 @@ import gpu_tree_lstm  # noqa: E402
 import harness  # noqa: E402
 import mnist  # noqa: E402
 import profile_tree_lstm  # noqa: E402
+import pyast  # noqa: E402
 import scaling  # noqa: E402
 import schedules  # noqa: E402
 import slow_transform  # noqa: E402
@@ -32,7 +33,8 @@ import xla_profile  # noqa: E402
 
 import torchfold  # noqa: E402
 from torchfold.examples.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
-from torchfold.examples.models import MLP, TreeLSTM  # noqa: E402
+from torchfold.examples.models import MLP, SiblingTreeLSTM, TreeLSTM  # noqa: E402
+from torchfold.examples.pyast import AstSample  # noqa: E402
 
 DYNET_PYTHON = BENCHMARKS.parent / ".venv-dynet" / "bin" / "python"
 
@@ -211,6 +213,29 @@ def test_mnist_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert "old notebook: 14.7x" in capsys.readouterr().out
 
 
+def test_pyast_hand_batching_matches_eager_and_the_fold() -> None:
+    leaf, chain = (1, ()), (2, ((1, ()), (3, ()), (1, ()), (4, ((1, ()), (1, ())))))
+    trees = [chain, leaf, (5, (chain, leaf, chain)), chain, (6, ((7, (leaf,)),))]  # repeats, a lone leaf
+    samples = [AstSample(tree, i % 2, f"x.py:{i} f", 1, 1) for i, tree in enumerate(trees)]
+    batches = pyast.make_batches(samples, 3)
+    assert [len(b.samples) for b in batches] == [3, 2]
+    # leaves 1 and 3; the chain's 4 merges and 2 nodes; 5's 2 merges and its node: computed once each
+    plan = batches[0].fold[0]
+    assert isinstance(plan, torchfold.FoldPlan)
+    assert batches[0].hand.calls == plan.num_nodes == 11
+    assert len(batches[0].hand.steps) + 1 == len(plan.groups)  # the same (depth, op) groups
+    torch.manual_seed(0)
+    pyast.check_same(SiblingTreeLSTM(8, 4, 6), batches)  # raises if they differ
+
+
+def test_pyast_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(torchfold.__file__).parent / "examples"
+    seconds = pyast.main(["--root", str(root), "--functions", "8", "--minibatch", "4", "--rounds", "1"])
+    assert set(seconds) == set(pyast.VERSIONS)
+    out = capsys.readouterr().out
+    assert "hand roots == Fold roots" in out and "x hand (run only)" in out
+
+
 def test_fold_overhead_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
     rows = fold_overhead.main(["--quick"])
     assert [row[0] for row in rows] == ["chain", "balanced", "forest"]
@@ -335,3 +360,10 @@ def test_xla_profile_counts_executions_whose_operations_ran_before_the_wait(tmp_
     assert times["steps"] == 2
     assert times["kinds"] == {"dot": 0.5, "add_fusion": 0.1}  # the medians of 0.4 and 0.6, of 0.1 and 0.1
     assert times["wall"] == pytest.approx((1.005 + 1.0) / 2)
+    # the two executions as one step's programs (a replayed step: its minibatch and update programs)
+    step = xla_profile.step_times(tmp_path, per_step=2)
+    assert step["steps"] == 1
+    assert step["kinds"] == pytest.approx({"dot": 1.0, "add_fusion": 0.2})
+    assert step["wall"] == pytest.approx(1.005 + 1.0) and step["operations"] == pytest.approx(1.2)
+    with pytest.raises(SystemExit, match="no executed program of a whole step"):
+        xla_profile.step_times(tmp_path, per_step=3)

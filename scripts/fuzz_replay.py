@@ -24,12 +24,14 @@ had run very many programs). The last line counts the scenarios: ``N passed, N f
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
 import random
 import subprocess
 import sys
+import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,14 +63,17 @@ class Scenario:
     changes: list[tuple[int, str, float]] = field(default_factory=list)
 
 
-def draw(seed: int) -> Scenario:
-    """The scenario of ``seed``."""
+def draw(seed: int, replicas: int = 1) -> Scenario:
+    """The scenario of ``seed`` (for ``replicas`` XLA replicas: threads of one process, which
+    share the module's globals, so no global changes there)."""
     rng = random.Random(seed)
     collide = [0.1, 0.01, 0.001, 1 - 0.9, 0.05]
     optimizer = rng.choice(["sgd", "momentum", "adam", "adamw"])
     steps = rng.randint(4, 7)
     trace = [MINIBATCH * rng.randint(1, 5) for _ in range(steps)]
     kinds = ["attribute", "closure", "global", "tensor attribute", "buffer", "tensor replaced"]
+    if replicas > 1:
+        kinds.remove("global")
     changes = []
     for _ in range(rng.randint(0, 4)):
         changes.append(
@@ -124,8 +129,17 @@ def _make_loss(model: _Model) -> tuple[Any, Any]:
     return loss, set_weight
 
 
-def run(scenario: Scenario, device: torch.device, data: Path) -> dict[str, Any]:
-    """Train ``scenario`` on ``device``; its losses, parameters, optimizer state and warnings."""
+def run(
+    scenario: Scenario,
+    device: torch.device,
+    data: Path,
+    *,
+    replicas: int = 1,
+    rank: int = 0,
+    initial: Any = None,
+) -> dict[str, Any]:
+    """Train ``scenario`` on ``device`` (as replica ``rank`` of ``replicas``, from a copy of the
+    model ``initial``); its losses, parameters, optimizer state and warnings."""
     global GLOBAL_SCALE
     from torchfold.engine.static.shapes import StaticShapes
     from torchfold.examples.datasets import Vocab, load_sst
@@ -141,8 +155,7 @@ def run(scenario: Scenario, device: torch.device, data: Path) -> dict[str, Any]:
         shapes = fit_static_shapes(
             trees, TreeLSTMBuild(vocab), MINIBATCH, shapes=StaticShapes(depth_buckets=False)
         )
-    torch.manual_seed(scenario.seed)
-    model = _Model(len(vocab), scenario.dropout).to(device=device, dtype=torch.float64)
+    model = (initial_model(scenario, data) if initial is None else copy.deepcopy(initial)).to(device)
     model.scale = torch.ones(2, dtype=torch.float64, device=device)  # a tensor kept as a plain attribute
     if scenario.frozen:
         model.tree.embedding.weight.requires_grad_(False)
@@ -170,6 +183,8 @@ def run(scenario: Scenario, device: torch.device, data: Path) -> dict[str, Any]:
     loader = StepLoader(
         trees,
         MINIBATCH,
+        num_replicas=replicas,
+        rank=rank,
         build=TreeLSTMBuild(vocab, shapes=shapes),
         trace=scenario.trace,
         seed=0,
@@ -223,6 +238,64 @@ def run(scenario: Scenario, device: torch.device, data: Path) -> dict[str, Any]:
     }
 
 
+def initial_model(scenario: Scenario, data: Path) -> _Model:
+    """The scenario's model before training, on the CPU (float64)."""
+    from torchfold.examples.datasets import Vocab, load_sst
+
+    vocab = Vocab.build(load_sst(data, max_trees=NUM_TREES))
+    torch.manual_seed(scenario.seed)
+    return _Model(len(vocab), scenario.dropout).to(dtype=torch.float64)
+
+
+def _replica(index: int, seed: int, data: str, out: str, initial: Any) -> None:
+    """One of several XLA replicas (``xmp.spawn``): train the scenario of ``seed``, rank 0 saves."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    torch.set_default_dtype(torch.float64)
+    scenario = draw(seed, xr.world_size())
+    result = run(
+        scenario,
+        torch_xla.device(),
+        Path(data),
+        replicas=xr.world_size(),
+        rank=xr.global_ordinal(),
+        initial=initial,
+    )
+    if xr.global_ordinal() == 0:
+        torch.save(result, out)
+
+
+def run_replicas(seed: int, data: Path, replicas: int) -> dict[str, Any]:
+    """The XLA side of ``seed`` on ``replicas`` CPU devices, in a fresh process (torch_xla's
+    devices are fixed when its runtime starts)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "result.pt"
+        command = [
+            sys.executable,
+            __file__,
+            "--data",
+            str(data),
+            "--replica-child",
+            str(seed),
+            "--out",
+            str(out),
+        ]
+        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(replicas)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0 or not out.exists():
+            return {
+                "losses": [],
+                "params": [],
+                "state": [],
+                "warnings": [],
+                "captures": 0,
+                "error": done.stderr[-3000:],
+            }
+        result: dict[str, Any] = torch.load(out, weights_only=False)
+        return result
+
+
 def compare(scenario: Scenario, cpu: dict[str, Any], xla: dict[str, Any]) -> tuple[str, str]:
     """``("equal" | "refused" | "SILENT", details)``: the XLA run agrees with the CPU's, or was
     refused with its warning, or neither."""
@@ -267,8 +340,20 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk", type=int, default=0, help="scenarios per fresh process (0: all in this one)"
     )
     parser.add_argument("--json", type=Path, help="append one JSON line per scenario here")
+    parser.add_argument("--replicas", type=int, default=1, help="XLA replicas (CPU devices) per scenario")
+    parser.add_argument("--replica-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.replica_child is not None:  # a fresh process of run_replicas: the replicas themselves
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        torch.set_default_dtype(torch.float64)
+        initial = initial_model(draw(args.replica_child, 2), args.data)
+        xmp.spawn(_replica, args=(args.replica_child, str(args.data), str(args.out), initial))
+        return 0
     seeds = _seeds(args.seeds)
+    if args.replicas > 1:
+        return _main_replicas(args, seeds)
     if args.chunk:
         failed = 0
         for start in range(0, len(seeds), args.chunk):
@@ -306,6 +391,30 @@ def main(argv: list[str] | None = None) -> int:
                     json.dumps({"seed": seed, "verdict": verdict, "details": details, **asdict(scenario)})
                     + "\n"
                 )
+    print(
+        f"equal {counts['equal']}, refused with a warning {counts['refused']}, silent differences {counts['SILENT']}"
+    )
+    print(f"{counts['equal'] + counts['refused']} passed, {counts['SILENT']} failed")
+    return 1 if counts["SILENT"] else 0
+
+
+def _main_replicas(args: argparse.Namespace, seeds: list[int]) -> int:
+    """Each scenario on ``args.replicas`` XLA replicas (a fresh process each) against one CPU process."""
+    torch.set_default_dtype(torch.float64)
+    counts = {"equal": 0, "refused": 0, "SILENT": 0}
+    for seed in seeds:
+        scenario = draw(seed, args.replicas)
+        cpu = run(scenario, torch.device("cpu"), args.data)
+        xla = run_replicas(seed, args.data, args.replicas)
+        verdict, details = compare(scenario, cpu, xla)
+        if "error" in xla:
+            verdict, details = "SILENT", f"the replicas failed: {xla['error']}"
+        counts[verdict] += 1
+        print(f"seed {seed} on {args.replicas} replicas: {verdict}: {details}  [{scenario}]", flush=True)
+        if args.json:
+            with args.json.open("a") as out:
+                line = {"seed": seed, "replicas": args.replicas, "verdict": verdict, "details": details}
+                out.write(json.dumps({**line, **asdict(scenario)}) + "\n")
     print(
         f"equal {counts['equal']}, refused with a warning {counts['refused']}, silent differences {counts['SILENT']}"
     )

@@ -421,3 +421,16 @@ def test_the_guard_costs_microseconds_per_step() -> None:
 
     guard = StepGuard(TreeLSTM(100, 8, 8), tree_lstm_loss)
     assert 5 <= len(guard.describe()) <= 100, guard.describe()
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+def test_a_random_scenario_on_two_replicas_replays_as_one_cpu_process() -> None:
+    # two XLA CPU devices (a fresh process: the devices are fixed when torch_xla's runtime starts)
+    fuzz = _fuzzer()
+    scenario = fuzz.draw(2, 2)
+    xla = fuzz.run_replicas(2, ROOT / "tests" / "data", 2)
+    assert "error" not in xla, xla.get("error")
+    cpu = fuzz.run(scenario, torch.device("cpu"), ROOT / "tests" / "data")
+    verdict, details = fuzz.compare(scenario, cpu, xla)
+    assert verdict in ("equal", "refused"), f"{verdict}: {details} [{scenario}]"

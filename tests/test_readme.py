@@ -111,6 +111,23 @@ CLI_QUICK = {
     "train": ["--max-steps", "2", "--embedding-dim", "8", "--hidden-dim", "8"],
     "elastic": ["--max-steps", "4", "--max-train", "48"],
 }
+# For train --task TASK, in place of CLI_QUICK["train"] (whose size flags are the sst task's): the
+# pyast task reads the functions of torchfold's own sources instead of the whole standard library.
+TASK_QUICK = {
+    "pyast": [
+        "--max-steps", "2", "--task-arg", f"root={README.parent / 'torchfold'}",
+        "--task-arg", "eval_size=16", "--task-arg", "hidden_dim=8",
+    ],
+    "my_tasks:make_task": ["--max-steps", "2"],
+}  # fmt: skip
+GUIDE = README.parent / "docs" / "guide" / "your-model.md"
+
+
+def write_task_module(folder: Path) -> None:
+    """The guide's ``my_tasks.py``, which the README's ``--task my_tasks:make_task`` names, into ``folder``."""
+    [module] = [b for b in re.findall(r"^```python\n(.*?)^```$", GUIDE.read_text(), flags=re.S | re.M)
+                if b.startswith('"""my_tasks.py"""')]  # fmt: skip
+    (folder / "my_tasks.py").write_text(module)
 
 
 def cli_commands() -> list[str]:
@@ -124,16 +141,20 @@ def cli_commands() -> list[str]:
 
 def cli_argv(command: str, data: Path, python: str) -> list[str]:
     """``command`` as an argument list: ``python`` for python, the test data for the placeholders,
-    and the quick options of :data:`CLI_QUICK` appended."""
+    and the quick options of :data:`CLI_QUICK` (:data:`TASK_QUICK` for a ``--task``) appended."""
     argv = [str(data / CLI_INPUTS[word]) if word in CLI_INPUTS else word for word in shlex.split(command)]
     assert argv[:3] == ["python", "-m", "torchfold"], command
-    return [python, *argv[1:], *CLI_QUICK.get(argv[3], [])]
+    task = argv[argv.index("--task") + 1] if "--task" in argv else None
+    quick = TASK_QUICK[task] if task is not None else CLI_QUICK.get(argv[3], [])
+    return [python, *argv[1:], *quick]
 
 
 @pytest.mark.slow
 def test_the_command_line_section_runs_as_written(tmp_path: Path, data_dir: Path) -> None:
     commands = cli_commands()
-    assert [c.split()[3] for c in commands] == ["demo", "trace", "trace", "trace", "train", "elastic"]
+    words = [c.split()[3] for c in commands]
+    assert words == ["demo", "trace", "trace", "trace", "train", "train", "train", "elastic"], words
+    write_task_module(tmp_path)  # the current folder: where --task my_tasks:make_task is found
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")]),

@@ -35,7 +35,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 import torchfold
-from tests.test_readme import cli_argv, cli_commands, python_blocks, quickstart
+from tests.test_readme import cli_argv, cli_commands, python_blocks, quickstart, write_task_module
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +224,7 @@ def test_clean_install_runs_the_readme_outside_the_repository(work: Path, wheel:
     data = work / "data"
     shutil.copytree(ROOT / "tests" / "data", data)
     commands = cli_commands()
+    write_task_module(outside)
     for command in commands:  # in order: train reads the trace that convert wrote
         run(cli_argv(command, data, str(python)), outside)
     assert (outside / "tpu.png").is_file() and (outside / "runs" / "replay" / "replay.csv").is_file()

@@ -113,7 +113,8 @@ def test_the_cli_and_the_trainer_read_checkpoints_where_the_run_context_says(
     read_to.clear()
     trees = sst_trees()
     make_trainer(trees, checkpoint_dir=str(tmp_path / "lib"), checkpoint_every=1).fit(max_steps=1)
-    assert make_trainer(trees, checkpoint_dir=str(tmp_path / "lib")).resume() is not None
+    # resume=True (the default): the trainer resumes as it is made, reading the checkpoint once
+    assert make_trainer(trees, checkpoint_dir=str(tmp_path / "lib")).resumed_from is not None
     assert (cli, read_to) == ([CHECKPOINT_MAP_LOCATION], [CHECKPOINT_MAP_LOCATION])
 
 

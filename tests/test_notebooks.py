@@ -82,7 +82,11 @@ def test_committed_outputs_name_no_machine_folder_and_this_version(path: Path) -
     texts = _texts(nbformat.read(path, as_version=4))
     paths = [line for text in texts for line in text.splitlines() if MACHINE_PATH.search(line)]
     assert not paths, f"{path.name}: outputs name folders of the machine that ran them: {paths}"
-    versions = {v for text in texts for v in re.findall(r"torchfold (\d+\.\d+\.\d+(?:\.?(?:dev|a|b|rc|post)\d*)?)", text)}
+    versions = {
+        v
+        for text in texts
+        for v in re.findall(r"torchfold (\d+\.\d+\.\d+(?:\.?(?:dev|a|b|rc|post)\d*)?)", text)
+    }
     assert versions <= {torchfold.__version__}, (
         f"{path.name}: outputs of torchfold {versions}, this is {torchfold.__version__}: run it again "
         "(from notebooks/, without $TORCHFOLD_DATA) and commit its outputs"

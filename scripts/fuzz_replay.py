@@ -42,7 +42,7 @@ import torch
 #: a global the scenario's loss reads (a value a guard must follow): changed by ``on_step``
 GLOBAL_SCALE = 1.0
 
-NUM_TREES = 12
+NUM_TREES = 30
 MINIBATCH = 3
 
 
@@ -69,8 +69,15 @@ def draw(seed: int, replicas: int = 1) -> Scenario:
     rng = random.Random(seed)
     collide = [0.1, 0.01, 0.001, 1 - 0.9, 0.05]
     optimizer = rng.choice(["sgd", "momentum", "adam", "adamw"])
-    steps = rng.randint(4, 7)
-    trace = [MINIBATCH * rng.randint(1, 5) for _ in range(steps)]
+    # whole epochs of steps of 1-5 minibatches (the loader ends a step at its epoch's end)
+    trace: list[int] = []
+    for _ in range(rng.randint(2, 3)):
+        left = NUM_TREES
+        while left:
+            size = min(left, MINIBATCH * rng.randint(1, 5))
+            trace.append(size)
+            left -= size
+    steps = len(trace)
     kinds = ["attribute", "closure", "global", "tensor attribute", "buffer", "tensor replaced"]
     if replicas > 1:
         kinds.remove("global")
@@ -301,6 +308,8 @@ def compare(scenario: Scenario, cpu: dict[str, Any], xla: dict[str, Any]) -> tup
     refused with its warning, or neither."""
     refused = [w for w in xla["warnings"] if "not replayed" in w]
     problems = []
+    if len(cpu["losses"]) != len(scenario.trace):
+        problems.append(f"the CPU ran {len(cpu['losses'])} steps of {len(scenario.trace)}")
     if len(cpu["losses"]) != len(xla["losses"]):
         problems.append(f"{len(xla['losses'])} steps against {len(cpu['losses'])}")
     for step, (a, b) in enumerate(zip(cpu["losses"], xla["losses"], strict=False)):

@@ -56,7 +56,8 @@ def _train(
     prepare: Callable[[Any], None] | None = None,
     verify_every: int | None = None,
 ) -> tuple[list[float], list[torch.Tensor], list[str], Any]:
-    """Losses, parameters and warnings of a run of ``trace`` on ``device``; ``on_step(trainer, stats)``."""
+    """Losses, parameters and warnings of a run of ``trace`` on ``device``; ``on_step(trainer, stats)``.
+    A last step completes the last epoch (the trainer runs complete epochs)."""
     from torchfold.engine.static.shapes import StaticShapes
     from torchfold.examples.datasets import Vocab, load_sst
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
@@ -64,6 +65,8 @@ def _train(
 
     trees = load_sst(split="train", max_trees=NUM_TREES)
     vocab = Vocab.build(trees)
+    if sum(trace) % NUM_TREES:
+        trace = [*trace, NUM_TREES - sum(trace) % NUM_TREES]
     xla = device.type == "xla"
     shapes = (
         fit_static_shapes(trees, TreeLSTMBuild(vocab), MINIBATCH, shapes=StaticShapes(depth_buckets=False))
@@ -121,6 +124,10 @@ def _both(trace: list[int], **options: Any) -> tuple[Any, Any]:
 def _assert_equal(xla: Any, cpu: Any) -> None:
     losses, params, _, _ = xla
     expected_losses, expected, _, _ = cpu
+    assert len(losses) == len(expected_losses) == xla[3].loader.sampler.trace.num_steps, (
+        losses,
+        expected_losses,
+    )
     assert losses == pytest.approx(expected_losses, rel=1e-6), (losses, expected_losses)
     for p, q in zip(params, expected, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

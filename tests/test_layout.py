@@ -192,23 +192,3 @@ def test_subpackages_load_lazily() -> None:
 
     assert torchfold.train.StepLoader.__name__ == "StepLoader"
     assert torchfold.examples.datasets.__name__ == "torchfold.examples.datasets"
-
-
-@pytest.mark.parametrize(("old", "name"), [("datasets", "load_sst"), ("models", "TreeLSTM")])
-def test_0_1_module_paths_import_with_a_future_warning(old: str, name: str) -> None:
-    code = (
-        "import warnings; warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        f"    from torchfold.{old} import {name}\n"
-        f"import torchfold.examples.{old} as new\n"
-        f"assert {name} is new.{name}\n"
-        "print([(w.category.__name__, str(w.message), w.filename) for w in caught])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == [
-        (
-            "FutureWarning",
-            f"torchfold.{old} is deprecated since torchfold 0.2; use torchfold.examples.{old}",
-            "<string>",  # the warning points at the user's import
-        )
-    ]

@@ -240,22 +240,3 @@ def test_a_plan_pickled_with_its_groups_named_steps_still_loads_and_runs() -> No
         (g.op, g.depth, g.num_calls) for g in plan.groups
     ]
     torch.testing.assert_close(loaded.apply(model)[0], plan.apply(model)[0])
-
-
-def test_the_compiler_module_and_compile_fold_still_work_and_warn() -> None:
-    sys.modules.pop("torchfold.engine.compiler", None)  # its import warns once per process
-    torchfold._deprecation._warned.discard("torchfold.engine.compiler.compile_fold")  # and so does its name
-    with pytest.warns(
-        FutureWarning, match=r"torchfold\.engine\.compiler moved to torchfold\.engine\.planner"
-    ):
-        compiler = importlib.import_module("torchfold.engine.compiler")
-    with pytest.warns(
-        FutureWarning, match=r"compile_fold is deprecated; use torchfold\.engine\.planner\.plan_fold"
-    ):
-        compile_fold = compiler.compile_fold
-    assert compile_fold is torchfold.engine.planner.plan_fold
-    fold = Fold()
-    nodes = [fold.add(torch.neg, 1), fold.add(torch.neg, 2)]
-    assert compile_fold(fold, [nodes]).apply(None)[0].tolist() == [-1, -2]
-    with pytest.raises(AttributeError, match="no attribute 'missing'"):
-        compiler.missing  # noqa: B018

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 import torchfold
+from torchfold.engine import native
 
 
 class Trivial(torch.nn.Module):
@@ -201,12 +202,6 @@ def record_program(fold: torchfold.Fold | _Nothing, program: list[int]) -> list[
     return stack
 
 
-class PythonFold(torchfold.Fold):
-    """A fold whose ``add`` is the Python one alone (where torchfold is built with its C ``add``)."""
-
-    add = getattr(torchfold.Fold.add, "__wrapped__", torchfold.Fold.add)
-
-
 def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
     """One row of the recording table: add us/call and plan us/node (C, where built, and Python),
     the loop's own us/call; each repeat times them in turn on fresh folds."""
@@ -214,26 +209,22 @@ def measure_recording(n: int, repeats: int, seed: int = 0) -> list[object]:
     clock = harness.CLOCKS[harness.clock_name()]
     add_s, python_add_s, plan_s, python_plan_s, loop_s = [], [], [], [], []
     nodes = 0
-    native = torchfold.engine.planner.NATIVE
     for _ in range(repeats):
-        for kind, times, plan_times in (
-            (torchfold.Fold, add_s, plan_s),
-            (PythonFold, python_add_s, python_plan_s),
+        for on, times, plan_times in (
+            (native.enabled(), add_s, plan_s),
+            (False, python_add_s, python_plan_s),
         ):
-            fold = kind()
-            gc.collect()  # each fold starts from the same heap
-            start = clock()
-            roots = record_program(fold, program)
-            middle = clock()
-            times.append(middle - start)
-            torchfold.engine.planner.NATIVE = native and kind is torchfold.Fold  # the Python planner alone
-            try:
+            with native.use(on):  # (the second turn: the Python add and planner alone)
+                fold = torchfold.Fold()
+                gc.collect()  # each fold starts from the same heap
+                start = clock()
+                roots = record_program(fold, program)
+                middle = clock()
+                times.append(middle - start)
                 fold.plan([roots])
-            finally:
-                torchfold.engine.planner.NATIVE = native
-            plan_times.append(clock() - middle)
-            nodes = len(fold)
-            del fold, roots
+                plan_times.append(clock() - middle)
+                nodes = len(fold)
+                del fold, roots
         start = clock()
         record_program(_Nothing(), program)
         loop_s.append(clock() - start)
@@ -316,7 +307,7 @@ def recording_table(args: argparse.Namespace) -> list[list[object]]:
     ]
     print(harness.markdown_table(header, rows))
     print(
-        f"\n`add`, `plan`: `Fold.add` and `Fold.plan` as installed ({torchfold.engine.fold.RECORDER}); "
+        f"\n`add`, `plan`: `Fold.add` and `Fold.plan` as installed ({'C' if native.BUILT else 'Python'}); "
         "`Python add`, `Python plan`: the pure-Python `Fold.add` and planner (what runs without a C "
         "compiler), timed in turn with them.\n"
         "`loop`: the same recording loop calling an `add` that does nothing (part of both `add` columns)."

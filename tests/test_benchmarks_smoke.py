@@ -32,6 +32,7 @@ import xla  # noqa: E402
 import xla_profile  # noqa: E402
 
 import torchfold  # noqa: E402
+from torchfold.engine import native  # noqa: E402
 from torchfold.examples.datasets import Vocab, generate_sst, generate_sst_lines  # noqa: E402
 from torchfold.examples.models import MLP, SiblingTreeLSTM, TreeLSTM  # noqa: E402
 from torchfold.examples.pyast import AstSample  # noqa: E402
@@ -255,7 +256,7 @@ def test_fold_overhead_recording_table_quick(capsys: pytest.CaptureFixture[str])
     )
     out = capsys.readouterr().out
     assert "Python plan us/node" in out and "Python add us/call" in out and "as installed (C)" in out
-    assert torchfold.engine.planner.NATIVE  # switched back after the Python planner's turn
+    assert native.enabled()  # switched back after the Python turn
 
 
 @pytest.mark.parametrize("shape", list(fold_overhead.BUILDERS))

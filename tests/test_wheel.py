@@ -193,12 +193,12 @@ def test_clean_install_runs_the_readme_outside_the_repository(work: Path, wheel:
     assert printed == "torch.Size([3, 16])\n" + shown
 
     probe = (
-        "import importlib.util, torchfold, torchfold.engine.fold; "
+        "import importlib.util, torchfold; from torchfold.engine import native; "
         "print(torchfold.__file__); print(torchfold.__version__); "
-        "print(importlib.util.find_spec('matplotlib') is None); print(torchfold.engine.fold.RECORDER)"
+        "print(importlib.util.find_spec('matplotlib') is None); print(native.enabled())"
     )
-    where, version, no_matplotlib, recorder = run([python, "-c", probe], outside).stdout.split()
-    assert recorder == "C", (
+    where, version, no_matplotlib, native = run([python, "-c", probe], outside).stdout.split()
+    assert native == "True", (
         "the installed wheel records in Python: its extension is missing or fails to import"
     )
     for module in ("numpy", "tqdm"):  # installed by pip from the wheel's requirements, into the venv

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import torchfold.engine.executor
 import torchfold.engine.planner
 from torchfold import EagerFold, Fold
+from torchfold.engine import native
 
 HIDDEN = 5
 VIA = ("apply", "plan", "plan twice", "pickled plan")
@@ -164,21 +165,17 @@ PLANNERS = ("C", "lists", "arrays")
 @contextmanager
 def compaction(always: bool, planner: str = "C") -> Iterator[None]:
     """Force the engine to gather partly used sources on their own (the path big models take),
-    and plan groups of nodes the way ``planner`` says (see ``PLANNERS``)."""
-    saved, small, native = (
-        torchfold.engine.executor.COMPACT_BYTES,
-        torchfold.engine.planner._SMALL,
-        torchfold.engine.planner.NATIVE,
-    )
+    and plan groups of nodes the way ``planner`` says (see ``PLANNERS``: but for ``"C"``, the C
+    part is off, and the fold records in Python too)."""
+    saved, small = torchfold.engine.executor.COMPACT_BYTES, torchfold.engine.planner._SMALL
     torchfold.engine.executor.COMPACT_BYTES = -1 if always else saved
     torchfold.engine.planner._SMALL = 0 if planner == "arrays" else small
-    torchfold.engine.planner.NATIVE = native and planner == "C"
     try:
-        yield
+        with native.use(native.enabled() and planner == "C"):
+            yield
     finally:
         torchfold.engine.executor.COMPACT_BYTES = saved
         torchfold.engine.planner._SMALL = small
-        torchfold.engine.planner.NATIVE = native
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -27,11 +27,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import torchfold.engine.fold
-import torchfold.engine.native
-import torchfold.engine.planner
 from tests.engine.test_fold_properties import PLANNERS, compaction, instruction, requested, run_program
 from torchfold import EagerFold, Fold, FoldError
+from torchfold.engine import native
 from torchfold.engine.ir import Arg, Gather
 from torchfold.engine.node import SPLIT_MAX, Node
 from torchfold.engine.plan import FoldPlan
@@ -209,7 +207,7 @@ def test_the_c_planner_builds_the_plan_the_python_planner_builds(
 ) -> None:
     """Not only the same reads (above): the same gathers, index arrays and combining, on random
     programs and on forests of LSTM cells (groups of many calls, read out of order)."""
-    assert torchfold.engine.planner.NATIVE
+    assert native.enabled()
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, 5, generator=generator) for _ in range(3)]
     fold = Fold()
@@ -265,12 +263,12 @@ def test_recording_a_large_fold_leaves_nothing_per_node_for_the_garbage_collecto
     growth = (len(gc.get_objects()) - before) / nodes
     assert len(fold) == nodes  # the two trees recorded first are recorded again: once
     # Python nodes are tracked: the roots the caller holds, 1/31 per node
-    limit = 0.002 if torchfold.engine.fold.RECORDER == "C" else 0.05
+    limit = 0.002 if native.BUILT else 0.05
     assert growth < limit, f"{growth:.4f} tracked objects per node"
     assert len(roots) == 500
 
 
-@pytest.mark.skipif(torchfold.engine.fold.RECORDER != "C", reason="the C part was not built")
+@pytest.mark.skipif(not native.BUILT, reason="the C part was not built")
 def test_nodes_made_in_c_are_untracked_and_an_op_holding_nodes_is_still_collected() -> None:
     class Holder(torch.nn.Module):
         def leaf(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +318,7 @@ def test_a_node_loaded_before_its_tape_has_its_state_is_rebuilt_with_the_tapes_r
     assert all(n._ref is loaded._tape.ref for n in inner) and inner[1] == node
 
 
-@pytest.mark.skipif(torchfold.engine.fold.RECORDER != "C", reason="the C part was not built")
+@pytest.mark.skipif(not native.BUILT, reason="the C part was not built")
 def test_a_node_whose_ref_is_not_its_tapes_own_is_split_in_python() -> None:
     fold = Fold()
     fold.add("pair", fold.add("leaf", 0), fold.add("leaf", 1)).split(2)  # the group's outputs known
@@ -397,7 +395,7 @@ def _recorded(fold: Fold) -> tuple[Any, ...]:
 def test_fold_add_is_built_in_c() -> None:
     """The development environments build the extension: a failed build (it is optional) would
     leave the Python add alone and the comparisons below comparing it with itself."""
-    assert torchfold.engine.fold.RECORDER == "C", (
+    assert native.BUILT and native.enabled(), (
         "torchfold.engine._record is not built: run `pip install -e .` (or `make env`) with a C compiler"
     )
     assert type(Fold.add).__name__ == "FastAdd" and PythonFold.add is not Fold.add
@@ -677,6 +675,43 @@ def test_what_the_c_split_reads_by_slot_is_checked_to_be_what_it_expects() -> No
         FastSplit(Node.split.__wrapped__, int, Tape, Group)  # type: ignore[attr-defined]
 
 
+class _Sums(torch.nn.Module):
+    def leaf(self, i: torch.Tensor) -> torch.Tensor:
+        return i
+
+    def pair(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+@pytest.mark.skipif(not native.BUILT, reason="the C part was not built")
+def test_one_switch_turns_the_c_part_off_and_on() -> None:
+    """``native.use`` swaps ``Fold.add`` and ``Node.split`` for the Python functions they wrap and
+    plans in Python, for the process or a block; a fold made while it was off records in C later."""
+    fast_add, fast_split = Fold.add, Node.split
+    with native.use(False):
+        assert not native.enabled()
+        assert Fold.add is fast_add.__wrapped__ and Node.split is fast_split.__wrapped__
+        fold = Fold()
+        assert fold._recorder is None
+        leaves = [fold.add("leaf", i) for i in range(3)]
+        with native.use(True):  # nested: on inside, off again after
+            assert native.enabled() and Fold.add is fast_add
+        assert Fold.add is not fast_add
+    assert native.enabled() and Fold.add is fast_add and Node.split is fast_split
+    pair = fold.add("pair", leaves[0], leaves[1])  # the first add with it on makes the recorder
+    assert type(fold._recorder).__name__ == "Recorder"
+    assert (pair._handle, fold.add("pair", leaves[1], leaves[2])._handle) == (3, 4)
+    assert [t.tolist() for t in fold.apply(_Sums(), [[pair, leaves[2]]])] == [[1, 2]]
+    native.use(False)  # as a plain call, until switched back
+    try:
+        assert Fold.add is not fast_add and not native.enabled()
+    finally:
+        native.use(True)
+    assert Fold.add is fast_add
+    with pytest.raises(TypeError, match=r"^native.use\(on=1\): on must be True or False$"):
+        native.use(1)  # type: ignore[arg-type]
+
+
 def test_without_the_c_part_torchfold_records_and_plans_in_python() -> None:
     """As installed where no C compiler was found: the extension missing, everything in Python."""
     import subprocess
@@ -685,9 +720,17 @@ def test_without_the_c_part_torchfold_records_and_plans_in_python() -> None:
     code = """
 import sys
 sys.modules["torchfold.engine._record"] = None  # the import fails, as when it was not built
-import torch, torchfold, torchfold.engine.fold, torchfold.engine.planner
+import torch, torchfold
+from torchfold.engine import native
 from torchfold.engine.node import Node
-assert torchfold.engine.fold.RECORDER == "Python" and not torchfold.engine.planner.NATIVE
+assert not native.BUILT and not native.enabled()
+try:
+    native.use(True)
+except RuntimeError as e:
+    assert "installed without its C part" in str(e), e
+else:
+    raise AssertionError("native.use(True) without the C part")
+native.use(False)
 assert type(Node.split).__name__ == "function" and type(torchfold.Fold.add).__name__ == "function"
 
 class Model(torch.nn.Module):
@@ -788,17 +831,16 @@ def test_a_split_whose_recorded_outputs_are_not_rows_of_the_tape_goes_to_python(
 
 
 @pytest.fixture(params=["C", "Python"])
-def recording(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[Fold]]:
-    """The Fold class to record with: ``Fold`` in C, or ``PythonFold`` with the Python split and no
-    C recorder made, as where torchfold was built without its C part."""
+def recording(request: pytest.FixtureRequest) -> Iterator[type[Fold]]:
+    """The Fold class to record with, with the C part on, or off (the Python ``add`` and ``split``,
+    no C recorder made, as where torchfold was built without its C part)."""
     if request.param == "C":
-        if torchfold.engine.fold.RECORDER != "C":
+        if not native.BUILT:
             pytest.skip("the C part was not built")
         yield Fold
         return
-    monkeypatch.setattr(torchfold.engine.native, "BUILT", False)  # Fold._new_recorder makes none
-    with python_split():
-        yield PythonFold
+    with native.use(False):  # Fold.add and Node.split in Python, no C recorder made
+        yield Fold
 
 
 class Signs(torch.nn.Module):
@@ -926,7 +968,7 @@ def test_a_fold_whose_op_holds_it_is_copied_in_any_order(
     again, new = loaded.add(loaded_module.leaf, 1), loaded.add(loaded_module.leaf, 7)
     assert again == node and new._handle == 3 and len(loaded) == 4 and len(fold) == 3
     assert [t.tolist() for t in loaded.apply(loaded_module, [[node, new]])] == [[2, 14]]
-    if torchfold.engine.native.BUILT:  # (not in the Python case: no C recorder at all)
+    if native.enabled():  # (not in the Python case: no C recorder at all)
         assert type(loaded._recorder).__name__ == "Recorder" and loaded._recorder is not fold._recorder
 
 

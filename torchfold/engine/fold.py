@@ -42,10 +42,6 @@ __all__ = ["Fold"]
 _Tensor = torch.Tensor
 _LITERALS = (int, float)
 
-#: how ``Fold.add`` and ``Node.split`` record: ``"C"`` (the extension built at install, with the
-#: Python ``add`` and ``split`` for the calls it leaves) or ``"Python"`` (built without a C compiler)
-RECORDER = "C" if native.BUILT else "Python"
-
 
 class _Bitwise(float):
     """A float in a stored call that equals only a stored float of the same bits.
@@ -163,8 +159,9 @@ class Fold:
         self._recorder = self._new_recorder()
 
     def _new_recorder(self) -> Any:
-        """What the C ``add`` records into (``_record.c``): this fold's tape and groups; None without it."""
-        return native.Recorder(self._tape, self._groups, Node, Group) if native.BUILT else None
+        """What the C ``add`` records into (``_record.c``): this fold's tape and groups; None while
+        the C part is off (see ``native.use``)."""
+        return native.Recorder(self._tape, self._groups, Node, Group) if native.enabled() else None
 
     def __getstate__(self) -> dict[str, Any]:  # (copy and pickle: the C recorder is made anew)
         state = dict(self.__dict__)
@@ -198,7 +195,7 @@ class Fold:
         ref = tape.ref  # what this fold's nodes hold (see Node)
         depths = tape.depth
         count = len(args)
-        if self._recorder is None and native.BUILT:  # a copy's first add (see __setstate__)
+        if self._recorder is None and native.enabled():  # a copy's first add (see __setstate__)
             self._recorder = self._new_recorder()
         # Unrolled first: two nodes (binary trees), four (a binary LSTM cell), one node (chains), one int (leaves).
         if (
@@ -436,8 +433,7 @@ class Fold:
         return draw_fold(self, path, **kwargs)
 
 
-if native.BUILT:
-    # Fold.add in C for the calls dynamic models make per node (nodes or an int into a group
-    # that exists), the Python add above for every other call: the same nodes, groups and errors.
-    # It binds to a fold as a function does; a subclass's own add still overrides it.
-    Fold.add = native.FastAdd(Fold.add)  # type: ignore[method-assign]
+# Fold.add in C for the calls dynamic models make per node (nodes or an int into a group that
+# exists), the Python add above for every other call: the same nodes, groups and errors. It binds
+# to a fold as a function does; a subclass's own add still overrides it.
+native.install(Fold, "add", native.FastAdd)

@@ -423,7 +423,6 @@ def _node_of(tape: Tape, handle: int) -> Node:
     return node
 
 
-if native.BUILT:
-    # Node.split in C for a group whose outputs are known (every split but its first), the
-    # Python split above for the rest: the same handles, tape and errors (see Fold.add).
-    Node.split = native.FastSplit(Node.split, Node, Tape, Group)  # type: ignore[method-assign]
+# Node.split in C for a group whose outputs are known (every split but its first), the Python
+# split above for the rest: the same handles, tape and errors (see Fold.add).
+native.install(Node, "split", lambda split: native.FastSplit(split, Node, Tape, Group))

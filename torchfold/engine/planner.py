@@ -30,7 +30,7 @@ from torchfold.engine.resolve import check_requests
 if TYPE_CHECKING:
     from torchfold.engine.fold import Fold
 
-__all__ = ["NATIVE", "plan_fold"]
+__all__ = ["plan_fold"]
 
 _Tensor = torch.Tensor
 _Item = TypeVar("_Item")
@@ -38,10 +38,6 @@ _handle = operator.attrgetter("_handle")
 # Groups of at most this many calls have their columns read in Python: numpy's ~1-3 us per call
 # outweighs its speed on a few dozen items (SST batches: most groups above the first depths).
 _SMALL = 64
-#: whether groups whose every argument is a batched node are planned in C (``native.plain_group``):
-#: True where torchfold was built with its C part; set it False to plan in Python alone, as
-#: without it (the same plans: the tests compare the two, the recording benchmark times both)
-NATIVE = native.BUILT
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
@@ -125,6 +121,8 @@ class _Planner:
             for output, source in enumerate(group.output_sources):
                 self.source_calls[source] = calls
                 self.source_owner[source] = (number, output)
+        # groups whose every argument is a batched node are planned in C while it is on (native.use)
+        self.native = native.enabled()
         self.scratch: bytearray | None = None  # marks per source for the C planner (see native_group)
         self.handle_source = np.array(tape.source, dtype=np.int64)  # ~source for a nobatch handle
         self.handle_index = np.array(tape.index, dtype=np.int64)
@@ -174,7 +172,7 @@ class _Planner:
         if len(calls) == 1:
             self.single_call(batched, calls[0], nodes)
             return batched
-        if group.plain and nodes and NATIVE and self.native_group(batched, group):
+        if group.plain and nodes and self.native and self.native_group(batched, group):
             self.set_combined(batched)
             return batched
         if len(calls) <= _SMALL and group.plain and nodes:  # a few calls: Python beats numpy's cost per call

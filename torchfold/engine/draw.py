@@ -101,9 +101,9 @@ def draw_fold(
         fig = ax.get_figure(root=True)  # type: ignore[assignment]
     nodes = sum(len(g.nodes) for g in groups)
     if nodes > max_nodes:
-        _draw_groups(ax, groups, colors, fold._tape)
+        _draw_groups(ax, groups, colors, fold.tape)
     else:
-        _draw_nodes(ax, groups, colors, fold._tape)
+        _draw_nodes(ax, groups, colors, fold.tape)
     drawn = sorted({g.depth for g in groups})
     ax.set_xticks([_X_STEP * d for d in drawn], [f"depth {d}" for d in drawn])
     ax.tick_params(axis="x", length=0)

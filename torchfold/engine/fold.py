@@ -385,6 +385,16 @@ class Fold:
 
     # -- inspecting -------------------------------------------------------------------------
 
+    @property
+    def tape(self) -> Tape:
+        """What this fold's nodes are numbers into: per node its depth, the source (a group's
+        results, or one of its outputs) and the call it is (see :class:`~torchfold.engine.node.Tape`).
+
+        The planner, ``print(fold)`` and ``draw`` read the recorded graph through it and
+        :meth:`groups`; it only grows, by ``add`` and ``split``.
+        """
+        return self._tape
+
     def groups(self) -> list[Group]:
         """The recorded groups in execution order (by depth, then by first use)."""
         return sorted(self._groups.values(), key=lambda g: (g.depth, g.order))

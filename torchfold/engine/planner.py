@@ -111,7 +111,7 @@ class _Planner:
 
     def __init__(self, fold: Fold) -> None:
         self.groups = fold.groups()
-        tape = self.tape = fold._tape
+        tape = self.tape = fold.tape
         self.source_calls = [0] * tape.sources  # calls of the group behind each source
         self.source_owner: list[tuple[int, int | None]] = [(0, None)] * tape.sources
         for number, group in enumerate(self.groups):

@@ -89,7 +89,7 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
         raise FoldError(f"apply expects a list of lists of nodes, like {example}; got {requests!r}")
     if len(requests) == 0:
         raise FoldError(f"empty request: apply was given no lists of nodes; ask for outputs like {example}")
-    ref = fold._tape.ref
+    ref = fold.tape.ref
     for i, request in enumerate(requests):
         if isinstance(request, Node) or not isinstance(request, Sequence):
             raise FoldError(
@@ -248,7 +248,7 @@ def describe(fold: Fold) -> str:
             columns = zip(*group.calls, strict=True)
             nodes = group.depth > 0
             args = ", ".join(
-                "|".join(sorted({_describe_arg(a, fold._tape, nodes) for a in col})) for col in columns
+                "|".join(sorted({_describe_arg(a, fold.tape, nodes) for a in col})) for col in columns
             )
         outputs = f" -> {group.num_outputs} outputs" if group.num_outputs else ""
         lines.append(f"  depth {group.depth}: {group.name} x {len(group.nodes)} ({args}){outputs}")

@@ -185,7 +185,7 @@ def test_two_sst_batches_fitted_to_one_envelope_run_the_same_ops_on_the_same_sha
     if depth_buckets:
         assert len(logs) > 1  # these batches fall in several buckets
     else:
-        assert list(logs) == [shapes._levels]
+        assert list(logs) == [shapes.levels]
     for levels, runs in logs.items():
         assert all(ops == runs[0] for ops in runs) and len(runs[0]) > 50, levels
     lengths = [len(logs[levels][0]) for levels in sorted(logs)]
@@ -636,7 +636,7 @@ def test_a_depth_bucket_runs_the_levels_down_to_its_deepest_node_and_has_a_key_o
     shallow, alike, middle = [(1, (2, 3))], [(4, (5, 6))], [((((1, 2), 3), 4), 5)]  # ops down to 4, 4, 8
     shapes = StaticShapes(min_rows=2, level_step=4, warmup=3)
     plans = [_tree_plan(shapes, trees) for trees in ([deep], shallow, alike)]
-    assert shapes._levels == 28  # ceil(19 * 1.3 / 4) * 4
+    assert shapes.levels == 28  # ceil(19 * 1.3 / 4) * 4
     # the levels down to the deepest op, rounded up to level_step
     assert [plan.layout.levels for plan in plans] == [20, 8, 8]
     assert plans[0].layout.key != plans[1].layout.key == plans[2].layout.key

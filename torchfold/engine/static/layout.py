@@ -135,17 +135,10 @@ class StaticLayout:
     """
 
     def __init__(self, shapes: StaticShapes, signature: tuple[str, ...], levels: int | None = None) -> None:
-        order = shapes._order
-        keys = sorted(
-            (slot for slot in shapes._capacity if levels is None or slot[0] < levels),
-            key=lambda slot: (slot[0], order[slot[1]]),
-        )
-        self.slots = [
-            Slot(depth, key, shapes._names[key], shapes._capacity[(depth, key)]) for depth, key in keys
-        ]
-        self.index = {slot: number for number, slot in enumerate(keys)}
+        self.slots = [Slot(depth, key, name, capacity) for depth, key, name, capacity in shapes.slots(levels)]
+        self.index = {(slot.depth, slot.key): number for number, slot in enumerate(self.slots)}
         self.total_calls = sum(slot.num_calls for slot in self.slots)
-        self.fills = shapes._fills
+        self.fills = shapes.fills
         self.signature = signature
         # per stream, the slots making it: their depths (ascending) and numbers, for bisecting a reach
         made: dict[Stream, tuple[list[int], list[int]]] = {}
@@ -161,10 +154,10 @@ class StaticLayout:
             by_reach: dict[frozenset[tuple[Stream, float]], list[int]] = {}
             for position, kind in enumerate(kinds):
                 if kind == "nodes":
-                    reach = frozenset(shapes._streams[(slot.key, position)].items())
+                    reach = frozenset(shapes.reach(slot.key, position).items())
                     by_reach.setdefault(reach, []).append(position)
                 elif kind == "shared":
-                    reach = frozenset(shapes._streams[(slot.key, position)].items())
+                    reach = frozenset(shapes.reach(slot.key, position).items())
                     slot.gathers.append(
                         StaticGather(
                             self._pieces(made, slot.depth, reach), [position], 1, _every_level(reach)
@@ -191,7 +184,7 @@ class StaticLayout:
                 ints += size
         # per request: its kind and capacity, and for node rows the gather that reads them (every depth)
         self.requests: list[_Request] = []
-        for number, (kind, room, streams) in enumerate(shapes._requests[signature]):
+        for number, (kind, room, streams) in enumerate(shapes.requests(signature)):
             reads: StaticGather | None = None
             if kind == "nodes":
                 reads = StaticGather(
@@ -217,8 +210,8 @@ class StaticLayout:
         # layout; the digest of the layout's content keeps apart copies of one envelope grown
         # apart in different processes (DataLoader workers) to the same version number.
         digest = hashlib.blake2b(repr(self._content()).encode(), digest_size=12).hexdigest()
-        self.levels = shapes._levels if levels is None else min(levels, shapes._levels)
-        self._key = (shapes._token, shapes.version, signature, self.levels, digest)
+        self.levels = shapes.levels if levels is None else min(levels, shapes.levels)
+        self._key = (shapes.token, shapes.version, signature, self.levels, digest)
 
     @property
     def key(self) -> tuple[Any, ...]:

@@ -179,7 +179,7 @@ class StaticPlan:
             # growth stayed, every later plan would run its slots too, and fail the same way.
             shapes = self._undo[0]() if self._undo is not None else None
             if shapes is not None and self._undo is not None:
-                shapes._failed(self._undo[1])
+                shapes.undo_fit(self._undo[1])
             self._undo = None
             raise
         self._undo = None  # it ran: what it grew is the envelope's for good

@@ -45,7 +45,7 @@ import math
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -256,6 +256,43 @@ class StaticShapes:
             size = max(size + 1, math.ceil(size * self.growth))
         return size
 
+    # -- what the envelope holds (what a StaticLayout is made of) ------------------------------
+
+    @property
+    def levels(self) -> int:
+        """The levels (depths) the envelope runs: its deepest plan's, or more with ``pack_levels``."""
+        return self._levels
+
+    @property
+    def token(self) -> str:
+        """Who this envelope is, in layout keys (with :attr:`version`): copies of it, such as its
+        pickles in ``DataLoader`` workers, keep it."""
+        return self._token
+
+    @property
+    def fills(self) -> Mapping[tuple[OpKey, int], Any]:
+        """Per (op key, position) of ints, floats or given tensors, the value its padding holds."""
+        return self._fills
+
+    def slots(self, levels: int | None = None) -> list[tuple[int, OpKey, str, int]]:
+        """The envelope's slots in run order (by depth, then ops in the order first seen), each as
+        (depth, op key, op name, capacity); with ``levels``, those below it only."""
+        order = self._order
+        keys = sorted(
+            (slot for slot in self._capacity if levels is None or slot[0] < levels),
+            key=lambda slot: (slot[0], order[slot[1]]),
+        )
+        return [(depth, key, self._names[key], self._capacity[(depth, key)]) for depth, key in keys]
+
+    def reach(self, key: OpKey, position: int) -> Mapping[Stream, float]:
+        """What position ``position`` of op ``key`` reads: per stream, its reach (levels back: 1, or
+        inf for all)."""
+        return self._streams[(key, position)]
+
+    def requests(self, signature: tuple[str, ...]) -> list[tuple[str, int, set[Stream]]]:
+        """Per request of the request kinds ``signature``: its kind, capacity and streams."""
+        return self._requests[signature]
+
     # -- warming up, freezing -----------------------------------------------------------------
 
     def freeze(self, frozen: bool = True) -> StaticShapes:
@@ -439,7 +476,7 @@ class StaticShapes:
             "version": self.version,
         }
 
-    def _failed(self, undo: tuple[int, int, dict[str, Any] | None]) -> bool:
+    def undo_fit(self, undo: tuple[int, int, dict[str, Any] | None]) -> bool:
         """A plan whose fit grew the envelope failed to run (an unknown op, say): put the envelope
         back as it was before that fit, if nothing grew it since. Returns whether it did."""
         version, buckets, state = undo

@@ -54,7 +54,7 @@ def plot_trace(
     """
     Figure = _figure_class()
     if num_steps is None:
-        trace._require_bounded("plot without num_steps")
+        trace.require_bounded("plot without num_steps")
         num_steps = len(trace.batch_sizes)
     check_int("num_steps", num_steps)
     sizes = [trace[s] for s in range(min(num_steps, trace.num_steps or num_steps))]

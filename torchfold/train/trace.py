@@ -418,11 +418,11 @@ class BatchSizeTrace:
     @property
     def total_samples(self) -> int:
         """Sum of all batch sizes (a ``ValueError`` for an unbounded trace)."""
-        self._require_bounded("total_samples")
+        self.require_bounded("total_samples")
         return sum(self._sizes)
 
     def __len__(self) -> int:
-        self._require_bounded("len()")
+        self.require_bounded("len()")
         return len(self._sizes)
 
     @overload
@@ -431,7 +431,7 @@ class BatchSizeTrace:
     def __getitem__(self, step: slice) -> tuple[int, ...]: ...
     def __getitem__(self, step: int | slice) -> int | tuple[int, ...]:
         if isinstance(step, slice):
-            self._require_bounded("slicing")
+            self.require_bounded("slicing")
             return self._sizes[step]
         if self._unbounded:
             if step < 0:
@@ -440,7 +440,7 @@ class BatchSizeTrace:
         return self._sizes[step]
 
     def __iter__(self) -> Iterator[int]:
-        self._require_bounded("iteration")
+        self.require_bounded("iteration")
         return iter(self._sizes)
 
     def __eq__(self, other: object) -> bool:
@@ -454,8 +454,8 @@ class BatchSizeTrace:
     def __add__(self, other: BatchSizeTrace) -> BatchSizeTrace:
         if not isinstance(other, BatchSizeTrace):
             return NotImplemented
-        self._require_bounded("concatenation")
-        other._require_bounded("concatenation")
+        self.require_bounded("concatenation")
+        other.require_bounded("concatenation")
         return BatchSizeTrace(self._sizes + other._sizes, source=f"{self.source}+{other.source}")
 
     def __repr__(self) -> str:
@@ -489,7 +489,14 @@ class BatchSizeTrace:
             return f"{self._source}, line {self._lines[step]} (step {step})"
         return f"{self._source}, step {step}"
 
-    def _require_bounded(self, what: str) -> None:
+    def require_bounded(self, what: str) -> None:
+        """Raise a ``ValueError`` saying that ``what`` needs an end, if this trace is unbounded.
+
+        >>> BatchSizeTrace.constant(8).require_bounded("len()")
+        Traceback (most recent call last):
+        ...
+        ValueError: len() needs a trace with an end, but BatchSizeTrace.constant(8) is unbounded; ...
+        """
         if self._unbounded:
             raise ValueError(
                 f"{what} needs a trace with an end, but {self!r} is unbounded; "
@@ -610,7 +617,7 @@ class BatchSizeTrace:
 
     def num_full_epochs(self, dataset_size: int, *, drop_last: bool = False) -> int:
         """How many complete epochs over ``dataset_size`` samples the trace covers."""
-        self._require_bounded("num_full_epochs")
+        self.require_bounded("num_full_epochs")
         check_int("dataset_size", dataset_size)
         return len(self._epoch_starts(dataset_size, drop_last, upto=None)) - 1
 
@@ -624,7 +631,7 @@ class BatchSizeTrace:
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write the trace as a ``step,batchsize`` CSV file (with header) that :meth:`from_csv` reads back."""
-        self._require_bounded("to_csv")
+        self.require_bounded("to_csv")
         with Path(path).open("w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f, lineterminator="\n")
             writer.writerow(["step", "batchsize"])

@@ -2,19 +2,19 @@
 
 matplotlib is imported when a plot is drawn, not with this module: the rest of training does not
 need it. Without it, plotting raises an ImportError that names the extra to install.
+
+A trace is read through :class:`PlottedTrace`, what :func:`plot_trace` needs of one, so that
+this module knows nothing of :mod:`torchfold.train.trace`, whose ``BatchSizeTrace.plot`` it is.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torchfold._validate import check_int
 from torchfold.train.lr import scaled_lr
-
-if TYPE_CHECKING:
-    from torchfold.train.trace import BatchSizeTrace
 
 __all__ = ["plot_trace"]
 
@@ -30,8 +30,25 @@ def _figure_class() -> Any:
     return Figure
 
 
+class PlottedTrace(Protocol):
+    """What :func:`plot_trace` reads of a trace: a :class:`~torchfold.train.trace.BatchSizeTrace` is one."""
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def num_steps(self) -> int | None: ...
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, step: int) -> int: ...
+
+    def require_bounded(self, what: str) -> None: ...
+
+
 def plot_trace(
-    trace: BatchSizeTrace,
+    trace: PlottedTrace,
     path: str | os.PathLike[str],
     *,
     lr: float | None = None,

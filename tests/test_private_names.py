@@ -105,3 +105,102 @@ def test_the_check_sees_both_kinds_of_use(tmp_path: Path) -> None:
             "line 5: torchfold.sub.inner._secret",
         ],
     }
+
+
+# -- reading another module's objects' private attributes (``fold._tape``) ---------------------
+
+
+def _own_private_attributes(tree: ast.Module) -> set[str]:
+    """The private attributes a module gives its objects: set on an object (``self._x = ...``),
+    named in a class body (methods, class attributes, ``__slots__``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    names.add(item.name)
+                for target in item.targets if isinstance(item, ast.Assign) else []:
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+                        if target.id == "__slots__":
+                            names.update(
+                                c.value
+                                for c in ast.walk(item.value)
+                                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                            )
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+    return {name for name in names if _private(name)}
+
+
+def private_attribute_reads(root: Path) -> dict[str, list[str]]:
+    """Per file under ``root``'s project folders, its reads ``obj._name`` of a private attribute
+    that only other modules of the package give their objects (``self`` and ``cls`` aside).
+
+    Attributes of other libraries' objects (a tensor's ``_version``) are not the package's, and a
+    module may read what it sets itself."""
+    paths = sorted(path for folder in FOLDERS for path in (root / folder).rglob("*.py"))
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in paths}
+    own = {path: _own_private_attributes(tree) for path, tree in trees.items()}
+    package = [path for path in paths if path.relative_to(root).parts[0] == "torchfold"]
+    found: dict[str, list[str]] = {}
+    for path, tree in trees.items():
+        others = set().union(*(own[other] for other in package if other != path))
+        reads = sorted(
+            {
+                ast.unparse(node)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Load)
+                and node.attr in others - own[path]
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            }
+        )
+        if reads:
+            found[str(path.relative_to(root))] = reads
+    return found
+
+
+# What is left to open up: a node's handle and tape reference (the recording's hot path reads
+# them bare), and the plan runner that also reports each group's argument shapes to the fold.
+KNOWN_PRIVATE_READS = {
+    "torchfold/engine/fold.py": ["plan._run"],
+    "torchfold/engine/planner.py": ["item._handle"],
+    "torchfold/engine/resolve.py": ["node._handle", "node._ref"],
+}
+
+
+def test_no_module_reads_private_attributes_of_another_modules_objects() -> None:
+    """``fold._tape``, ``shapes._levels``, ``trace._require_bounded``: what another module needs of
+    an object is a public method or property of it."""
+    found = private_attribute_reads(ROOT)
+    assert found == KNOWN_PRIVATE_READS, (
+        "private attributes read across modules (give the object a public method or property; "
+        "where one was opened up, shorten KNOWN_PRIVATE_READS):\n"
+        + "\n".join(f"{path}: {', '.join(reads)}" for path, reads in found.items())
+    )
+
+
+def test_the_attribute_check_sees_a_read_across_modules(tmp_path: Path) -> None:
+    package = tmp_path / "torchfold"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fold.py").write_text(
+        "class Fold:\n"
+        "    __slots__ = ('_groups', '_tape')\n\n"
+        "    def __init__(self) -> None:\n"
+        "        self._tape = []\n"
+        "        self._groups = {}\n\n"
+        "    def _plan(self) -> int:\n"
+        "        return len(self._tape)\n\n\n"
+        "def size(fold: Fold) -> int:\n"
+        "    return len(fold._tape)\n"  # its own module's object: allowed
+    )
+    (package / "planner.py").write_text(
+        "def plan(fold, tensor):\n"
+        "    tensor._version\n"  # another library's attribute: not the package's
+        "    return fold._tape, fold._plan(), fold.groups\n"
+    )
+    assert private_attribute_reads(tmp_path) == {"torchfold/planner.py": ["fold._plan", "fold._tape"]}

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torchfold._deprecation import warn_renamed
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
+from torchfold.train.capture import xla_calls
 
 __all__ = [
     "CHECKPOINT_MAP_LOCATION",
@@ -83,10 +84,9 @@ def _xla_runtime() -> Any | None:
     """
     if "torch_xla" not in sys.modules:
         return None
-    import torch_xla
     import torch_xla.runtime as xr
 
-    if not torch_xla._XLAC._xla_runtime_is_initialized():
+    if not xla_calls.runtime_initialized():
         return None
     return xr
 
@@ -373,7 +373,6 @@ def xla_sync() -> None:
 
 
 def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
-    import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
@@ -395,7 +394,7 @@ def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
     # time: launched together, each may compile the graph itself, and XLA numbers the collectives
     # of two compilations apart, so they would wait for each other in different rendezvous.
     with _launch_lock:
-        torch_xla._XLAC._xla_sync_multi(flats, devices=[], wait=False)
+        xla_calls.sync(flats, wait=False)
     for flat, members in zip(flats, groups, strict=True):
         _unflatten_into(flat, members)
 

@@ -1,6 +1,7 @@
 """Every call the replayed XLA programs make into torch_xla's private ``_XLAC`` module, in one place.
 
-The replays of :mod:`~torchfold.train.capture.xla_programs` trace a step lazily, compile the
+The replays of :mod:`~torchfold.train.capture.xla_programs` (and the all-reduce of
+:mod:`~torchfold.train.distributed`) trace a step lazily, compile the
 trace, and from then on run the compiled graph directly on the tensors that play each of its
 inputs' roles. torch_xla has no public API for this; its own dynamo bridge is built on the same
 private calls (graph hashes, the device data behind a trace's inputs, running a cached graph).
@@ -35,6 +36,7 @@ __all__ = [
     "own_buffers",
     "replay_unavailable",
     "run_graph",
+    "runtime_initialized",
     "seed_id",
     "sync",
 ]
@@ -113,9 +115,17 @@ def seed_id() -> int:
     return int(_xlac()._get_seed_info_id())
 
 
-def sync(tensors: Sequence[torch.Tensor], *, wait: bool = True) -> None:
-    """Run the pending computations of ``tensors`` (only those), leaving them device data."""
-    _xlac()._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=True)
+def sync(tensors: Sequence[torch.Tensor], *, wait: bool = True, sync_data: bool = True) -> None:
+    """Run the pending computations of ``tensors`` (only those), leaving them device data
+    (``wait=False``: launched, not waited for; ``sync_data=False``: the tensors keep their
+    pending graph until it has run)."""
+    _xlac()._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=sync_data)
+
+
+def runtime_initialized() -> bool:
+    """Whether torch_xla's runtime has started in this process (asking ``torch_xla.runtime``
+    would start it, and fix the number of devices)."""
+    return bool(_xlac()._xla_runtime_is_initialized())
 
 
 def materialize(live: Sequence[torch.Tensor]) -> None:

@@ -315,6 +315,24 @@ def test_a_value_out_of_the_guards_reach_is_found_by_the_periodic_check() -> Non
 
 
 @pytest.mark.xla
+@pytest.mark.parametrize("kind", ["adam", "momentum"])
+def test_the_periodic_check_passes_a_run_whose_values_stay_and_the_run_equals_the_cpu(kind: str) -> None:
+    # A check traces a step again and puts back what the trace changed: the optimizer's state
+    # tensors that the update program reads must be the same objects, with their data, after it
+    # (a check once left SGD's momentum buffers pending, and the next replay failed).
+    def make(params: list[torch.nn.Parameter], xla: bool) -> torch.optim.Optimizer:
+        if kind == "adam":
+            return torch.optim.Adam(params, lr=0.01, eps=1e-3, capturable=xla)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    trace = [MINIBATCH, MINIBATCH * 3] * 4
+    xla = _train(_xla_device(), trace, make_optimizer=make, verify_every=2)
+    cpu = _train(torch.device("cpu"), trace, make_optimizer=make)
+    _assert_equal(xla, cpu)
+    assert not _refusals(xla[2]), xla[2]
+
+
+@pytest.mark.xla
 def test_the_optimizers_options_are_keyed_and_a_schedule_of_them_is_refused() -> None:
     # betas changed at every step: a new program each, then refused by name, never replayed stale
     def on_step(trainer: Any, stats: Any) -> None:

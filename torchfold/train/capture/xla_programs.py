@@ -897,7 +897,9 @@ def untouched(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer)
 
     kept = [held(t) for t in tensors]
     state = optimizer.state
-    before = {p: {name: held(value) for name, value in entry.items()} for p, entry in state.items()}
+    # each state tensor, and its device data: the same objects are put back (a program's inputs
+    # may be these objects), their data as it was (the trace changed some in place)
+    before = {p: {name: (value, held(value)) for name, value in entry.items()} for p, entry in state.items()}
     try:
         yield
     finally:
@@ -905,7 +907,12 @@ def untouched(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer)
             for tensor, value in zip(tensors, kept, strict=True):
                 tensor.data = value
                 tensor.grad = None
-        for p in [p for p in state if p not in before]:
-            del state[p]
-        for p, entry in before.items():
-            state[p] = entry
+            for p in [p for p in state if p not in before]:
+                del state[p]
+            for p, entry in before.items():
+                restored: dict[str, Any] = {}
+                for name, (value, data) in entry.items():
+                    if isinstance(value, torch.Tensor):
+                        value.data = data
+                    restored[name] = value
+                state[p] = restored

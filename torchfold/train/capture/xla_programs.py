@@ -302,9 +302,6 @@ class XlaPrograms:
         self.refused: str | None = None
         self._minibatch: dict[Hashable, _Program] = {}
         self._update: dict[Hashable, _Program] = {}
-        self._guarded: dict[
-            Hashable, list[tuple[Hashable, ...]]
-        ] = {}  # per base key: the guard's values seen
         self._seen_options: dict[Hashable, list[Any]] = {}
         self._scalars: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}
         self._zero: dict[torch.device, torch.Tensor] = {}

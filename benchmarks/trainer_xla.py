@@ -8,8 +8,8 @@ compilations stay out) and the last loss (the same for every variant, to the pri
 when they train alike). The table gives every run and each XLA run's ratio to the CPU run of its round.
 
 Variants are ``DEVICE/COMPILE`` pairs of the trainer's ``--device`` and ``--compile``:
-``cpu/off`` (eager, the reference), ``xla/auto`` (whole steps replayed, or captured by
-``torch.compile``), ``xla/off`` (traced op by op); ``DEVICE/COMPILE/WORKERS`` sets the
+``cpu/off`` (eager, the reference), ``xla/auto`` (every step replayed: a minibatch program per
+minibatch, then the update program), ``xla/off`` (traced op by op); ``DEVICE/COMPILE/WORKERS`` sets the
 trainer's ``--workers`` too (default 1: folds built in one worker process; 0: in the trainer's),
 and a last ``/packed`` adds ``--pack-levels`` (``xla/auto/packed``, ``xla/auto/0/packed``).
 

@@ -83,10 +83,6 @@ def run(args: argparse.Namespace, device_name: str, trees: list[Any], vocab: Voc
         seed=0,
     )
     rows: list[dict[str, Any]] = []
-    if xla and args.no_whole_steps:
-        from torchfold.train.capture import XlaRunner
-
-        trainer.runner = XlaRunner(model, tree_lstm_loss, optimizer, whole_steps=False)
     runner = trainer.runner
     update = runner.update
     clock = {"start": time.perf_counter(), "compiles": _compilations()}
@@ -145,11 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         "--one-layout",
         action="store_true",
         help="StaticShapes(depth_buckets=False): every plan runs all levels, one program per kind",
-    )
-    parser.add_argument(
-        "--no-whole-steps",
-        action="store_true",
-        help="XLA: replay steps of one minibatch as minibatch + update programs too, not as one program",
     )
     parser.add_argument("--json", default=None, help="write every row here")
     args = parser.parse_args(argv)

@@ -16,12 +16,13 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
   (``torchfold.train.capture.compiled.CompiledUpdate``, Adam with ``capturable=True``);
-* ``xla replayed``: fitted static shapes, and the whole step (forward, loss, backward, Adam's
-  update) traced once per layout into one graph and replayed from XLA's cache
-  (``torchfold.train.capture.xla_replay.XlaStepReplay``, what ``TraceTrainer`` runs on one XLA device);
+* ``xla replayed``: fitted static shapes, and each step as two programs replayed from XLA's
+  cache: the minibatch program (forward, loss, backward, the gradient's accumulation), traced
+  once per layout, and the update program (Adam's update), traced once
+  (``torchfold.train.capture.XlaPrograms``, what ``TraceTrainer`` runs on XLA);
   ``xla replayed packed``: the same with ``StaticShapes(pack_levels=True)`` (tree nodes run later
   than their depth where there is room: less padding); ``xla replayed plain linear``: the same
-  with ``F.linear`` traced as it is (``XlaStepReplay(transpose_weights=False)``: the forward
+  with ``F.linear`` traced as it is (``XlaPrograms(transpose_weights=False)``: the forward
   products read the weights transposed, which XLA's CPU backend runs slower);
   ``xla replayed shallow`` / ``xla replayed deep`` as below;
 * ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
@@ -53,8 +54,8 @@ from harness import add_sst_data_argument, machine_lines, markdown_table
 from torchfold import Fold, StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
+from torchfold.train.capture import XlaPrograms
 from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate
-from torchfold.train.capture.xla_replay import XlaStepReplay
 
 
 def node_weights(roots: list[int], trees: int) -> list[float]:
@@ -96,8 +97,11 @@ def train(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=compiled_update or replayed)
     step = CompiledLoss(model, node_loss, device=device) if captured else None
     update = CompiledUpdate(optimizer, device=device) if compiled_update else optimizer.step
+    # reduction="sum": node_loss is already the batch's mean per tree (its node weights sum to 1)
     replay = (
-        XlaStepReplay(model, node_loss, optimizer, transpose_weights=transpose_weights) if replayed else None
+        XlaPrograms(model, node_loss, optimizer, reduction="sum", transpose_weights=transpose_weights)
+        if replayed
+        else None
     )
     losses = []
     for number, trees in enumerate(batches):
@@ -111,7 +115,8 @@ def train(
         targets = plan.pad(0, labels).to(device)
         if replay is not None:
             assert isinstance(plan, StaticPlan)
-            losses.append(replay(plan, (targets, weights), [0.01]))  # the whole step, replayed
+            replay.minibatch(plan, (targets, weights), len(trees))  # forward, loss, backward: replayed
+            losses.append(replay.update([0.01], len(trees)))  # the update, replayed; the step's loss
             traced = time.perf_counter()
             PHASES["apply + loss + backward + step"] += traced - planned
             HOST.append(traced - planned)

@@ -1,9 +1,10 @@
 """Where a replayed XLA training step spends its device time: alone, and inside the trainer.
 
 Both runs take a torch_xla profiler trace (``torch_xla.debug.profiler``) of replayed steps
-(``XlaStepReplay``: forward, loss, backward and Adam as one compiled graph) and sum the time of
-the compiled program's operations ("thunks" of XLA's CPU backend: ``dot``, fusions, copies...)
-per step, by kind:
+(``XlaPrograms``: each step of one minibatch is two compiled programs, the minibatch program's
+forward, loss and backward, then the update program's Adam) and sum the time of the compiled
+programs' operations ("thunks" of XLA's CPU backend: ``dot``, fusions, copies...) per step, by
+kind:
 
 * ``alone``: the SST Tree-LSTM's steps on plans built ahead in this process (the static shapes
   fitted as ``python -m torchfold train --device xla`` fits them), nothing else running;
@@ -42,15 +43,18 @@ from trainer_xla import trainer_command
 _THUNK = re.compile(r"^([a-z_\-]+)(\.\d+)+(\.clone)?$")
 _EXECUTE = "ThunkExecutor::Execute"
 _EXECUTION = "ThunkExecutor::Execute (wait for completion)"
+# A replayed step of one minibatch executes two programs: the minibatch program, the update program.
+PROGRAMS_PER_STEP = 2
 
-# Run in the trainer's process: trace from replayed step FIRST (counted from 1) until step LAST's loss
-# has been read (the trainer reads it after launching the next step: so at the call after that).
+# Run in the trainer's process: trace from replayed step FIRST (counted from 1, by its minibatch: one
+# a step) until step LAST's loss has been read (the trainer reads it after launching the next step:
+# so at the minibatch after that). The programs run synchronously: a step's two start and end inside.
 _TRAINER_HOOK = """
 import atexit, os, runpy, sys
 import torch_xla.debug.profiler as xp
-from torchfold.train.capture import xla_replay
+from torchfold.train.capture import XlaPrograms
 first, last, where = int(os.environ["PROFILE_FIRST"]), int(os.environ["PROFILE_LAST"]), os.environ["PROFILE_DIR"]
-call, count = xla_replay.XlaStepReplay.__call__, [0]
+call, count = XlaPrograms.minibatch, [0]
 def traced(self, *args, **kwargs):
     count[0] += 1
     if count[0] == first:
@@ -60,14 +64,15 @@ def traced(self, *args, **kwargs):
         atexit.unregister(xp.stop_trace)
         xp.stop_trace()
     return call(self, *args, **kwargs)
-xla_replay.XlaStepReplay.__call__ = traced
+XlaPrograms.minibatch = traced
 sys.argv = ["torchfold", *sys.argv[1:]]
 runpy.run_module("torchfold", run_name="__main__", alter_sys=True)
 """
 
 
-def step_times(trace_dir: Path) -> dict[str, Any]:
-    """Per executed program in the trace: its wall time and the time of its operations, by kind.
+def step_times(trace_dir: Path, per_step: int = 1) -> dict[str, Any]:
+    """Per step (``per_step`` consecutive executed programs in the trace, a step's programs in
+    time order): its programs' wall time and the time of their operations, by kind; medians.
 
     An execution runs on one thread from its first ``ThunkExecutor::Execute`` to the end of its
     wait for completion, which every execution records once. Its operations run in that window
@@ -107,14 +112,24 @@ def step_times(trace_dir: Path) -> dict[str, Any]:
         walls.append((end - start) / 1000)
         sums.append(sum(by_kind.values()))
         kinds.append(by_kind)
-    if not walls:
-        raise SystemExit(f"the trace under {trace_dir} holds no executed program")
-    every = {kind for by_kind in kinds for kind in by_kind}
+    steps = len(walls) // per_step  # (a step whose programs the trace did not all hold is left out)
+    if not steps:
+        raise SystemExit(f"the trace under {trace_dir} holds no executed program of a whole step")
+    step_walls = [sum(walls[n * per_step : (n + 1) * per_step]) for n in range(steps)]
+    step_sums = [sum(sums[n * per_step : (n + 1) * per_step]) for n in range(steps)]
+    step_kinds: list[dict[str, float]] = []
+    for n in range(steps):
+        by_kind = defaultdict(float)
+        for program in kinds[n * per_step : (n + 1) * per_step]:
+            for kind, ms in program.items():
+                by_kind[kind] += ms
+        step_kinds.append(by_kind)
+    every = {kind for by_kind in step_kinds for kind in by_kind}
     return {
-        "steps": len(walls),
-        "wall": statistics.median(walls),
-        "operations": statistics.median(sums),
-        "kinds": {kind: statistics.median(k.get(kind, 0.0) for k in kinds) for kind in every},
+        "steps": steps,
+        "wall": statistics.median(step_walls),
+        "operations": statistics.median(step_sums),
+        "kinds": {kind: statistics.median(k.get(kind, 0.0) for k in step_kinds) for kind in every},
     }
 
 
@@ -137,7 +152,7 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
 
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss, tree_lstm_shapes
     from torchfold.examples.sst import Vocab, load_sst
-    from torchfold.train.capture.xla_replay import XlaStepReplay
+    from torchfold.train.capture import XlaPrograms
 
     torch.set_num_threads(1)
     trees = load_sst(args.data, "train", max_trees=args.max_train)
@@ -151,12 +166,13 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     device = torch_xla.device()
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), args.dims, args.dims).to(device)
-    step = XlaStepReplay(
+    programs = XlaPrograms(
         model, tree_lstm_loss, torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
     )
 
     def run(plan: Any, targets: Iterable[Any]) -> None:
-        step(plan, tuple(torch.from_numpy(t).to(device) for t in targets), [0.01]).item()
+        programs.minibatch(plan, tuple(torch.from_numpy(t).to(device) for t in targets), args.trees)
+        programs.update([0.01], args.trees).item()
 
     for plan, targets in plans[: args.warmup]:
         run(plan, targets)
@@ -166,7 +182,7 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     for plan, targets in traced:
         run(plan, targets)
     xp.stop_trace()
-    return step_times(trace_dir)
+    return step_times(trace_dir, PROGRAMS_PER_STEP)
 
 
 def profile_trainer(args: argparse.Namespace, trace_dir: Path, scratch: Path) -> dict[str, Any]:
@@ -187,7 +203,7 @@ def profile_trainer(args: argparse.Namespace, trace_dir: Path, scratch: Path) ->
     )
     if done.returncode != 0:
         raise SystemExit(f"the trainer exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    return step_times(trace_dir)
+    return step_times(trace_dir, PROGRAMS_PER_STEP)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -233,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         key=lambda k: -max(r["kinds"].get(k, 0) for r in results.values()),
     )
     rows: list[list[object]] = [
-        ["program's wall time", *(r["wall"] for r in results.values())],
+        ["programs' wall time", *(r["wall"] for r in results.values())],
         ["its operations, summed", *(r["operations"] for r in results.values())],
         *([kind, *(r["kinds"].get(kind, 0.0) for r in results.values())] for kind in kinds[: args.top]),
         ["steps traced", *(r["steps"] for r in results.values())],

@@ -9,10 +9,11 @@ two may have none). ``COMPILE`` is the trainer's ``compile`` (``on``: steps capt
 torch.compile's ``openxla`` backend; ``off``: lazy). Past 16 steps it also writes a checkpoint
 at step 16 and trains again from it in a fresh trainer. Each replica saves its final
 parameters, its XLA compilations after every step, its capture counts (torch.compile's, and the
-whole-step replay's, None without one) and any warnings; with
+programs its XLA runner replays: minibatch and update programs, 0 without one), why those
+replays stopped (if they did) and any warnings; with
 ``FAIL_RANK``, that replica's loss raises at its third minibatch and every replica saves the
 error it stopped with. ``--optimizer adam`` trains with ``Adam(capturable=True)`` instead of SGD
-with momentum (on one device, steps of one minibatch are then replayed whole). ``--resume DIR``
+with momentum (both replay on XLA). ``--resume DIR``
 trains only from the step-16 checkpoint in ``DIR`` (written by a run on any number of devices)
 to ``STEPS``. ``train_on_cpu`` is the one-process eager reference. It must start in a fresh
 process (``xmp.spawn`` needs an uninitialized runtime).
@@ -117,6 +118,13 @@ def _failing_loss(fail_rank: int, rank: int) -> Any:
     return loss
 
 
+def _refused(runner: Any) -> str | None:
+    """Why the runner's replays (its minibatch and update programs) stopped; None if they did not,
+    or it has none."""
+    programs = getattr(runner, "programs", None)
+    return None if programs is None else programs.refused
+
+
 def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: Any) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
@@ -169,13 +177,9 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
             result["warnings"] = [str(w.message) for w in caught]
             result["resumed_params"] = [p.detach().cpu() for p in resumed.model.parameters()]
             result["compilations"] = compilations
-            # the programs the runner replays (whole steps, minibatch and update programs), and why it stopped, if it did
+            # the programs the runner replays (minibatch and update programs), and why it stopped, if it did
             result["replays"] = resumed.runner.captures
-            refusals = [
-                getattr(getattr(resumed.runner, part, None), "refused", None)
-                for part in ("whole", "programs")
-            ]
-            result["refused"] = next((why for why in refusals if why), None)
+            result["refused"] = _refused(resumed.runner)
             return
 
         with warnings.catch_warnings(record=True) as caught:
@@ -190,13 +194,8 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
         result["compilations"] = compilations
         result["captures"] = straight.compiled.captures if straight.compiled is not None else 0
         result["update"] = type(getattr(straight.runner, "compiled_update", None)).__name__
-        result["replays"] = straight.replay.captures if straight.replay is not None else None
         result["programs"] = straight.runner.captures  # every program the runner replays (0: none)
-        # why the runner's replays stopped (its whole-step replay's, or its minibatch and update programs')
-        refusals = [
-            getattr(getattr(straight.runner, part, None), "refused", None) for part in ("whole", "programs")
-        ]
-        result["refused"] = next((why for why in refusals if why), None)
+        result["refused"] = _refused(straight.runner)
         result["local_minibatches"] = [s.local_minibatches for s in stats]
         if checkpoints is not None:
             resumed = trainer()

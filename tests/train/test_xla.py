@@ -319,9 +319,10 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
     tmp_path: Path, compile: str, devices: int, steps: int
 ) -> None:
     """TraceTrainer with static-shape plans on 1 or 2 XLA CPU replicas (xm.all_reduce), lazy or with
-    captured steps (openxla; on one device, steps of one minibatch replayed whole), follows a trace whose steps give the replicas 0 to 4 minibatches; the
-    parameters equal one CPU process's, the steps that repeat earlier minibatch counts compile
-    nothing new, and a resume from the step-16 checkpoint continues the same run.
+    replayed steps (SGD with momentum through the minibatch and update programs), follows a trace
+    whose steps give the replicas 0 to 4 minibatches; the parameters equal one CPU process's, the
+    steps that repeat earlier minibatch counts compile nothing new, and a resume from the step-16
+    checkpoint continues the same run.
     Two CPU devices are threads of one process: each captures its own step, and they meet before
     every all-reduce, however long a capture takes."""
     import torch_xla
@@ -339,27 +340,23 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
         # no torch.compile capture: on XLA every step is replayed (XlaRunner), on one device or two
         assert replica["captures"] == 0
         assert replica["update"] == "NoneType"
-        # every step replayed (one device: whole, or minibatch and update programs; two: minibatch
-        # programs, an all-reduce, the update program), which SGD refuses (it reads its tensor
-        # learning rate back as a number): the steps run lazily, with a warning per mechanism
-        # (tests for the replays themselves: test_xla_runner.py, the Adam test below and
-        # test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu)
+        # every step replayed (the minibatch programs; with two replicas an all-reduce; the update
+        # program), SGD's too: one layout, so one minibatch program and one update program (the
+        # first update, which made the momentum buffers, is not kept), none refused (tests for the
+        # replays themselves: test_xla_runner.py, the Adam test below and
+        # test_replayed_steps_on_xla_equal_eager_steps_on_the_cpu)
         replayed = compile == "on"
-        assert replica["replays"] == (0 if replayed else None)
-        if replayed:
-            assert "read a value back to the host" in replica["refused"]
-            assert all("not replayed" in w for w in replica["warnings"]), replica["warnings"]
-            # (two replicas are threads of one process: catch_warnings, process-wide, keeps one's record)
-            assert replica["warnings"] or devices > 1
-        else:
-            assert not replica["warnings"], replica["warnings"]
+        assert replica["programs"] == (2 if replayed else 0), replica["programs"]
+        assert replica["refused"] is None, replica["refused"]
+        assert not replica["warnings"], replica["warnings"]
         compilations = replica["compilations"]
         assert len(compilations) == len(TRACE[:steps])
         # every minibatch count (on every replica) has been seen by the trace's first repeat; the
-        # first checkpoint compiles its transfers (and gather) once, at step 16
+        # first checkpoint (written once 16 steps have run) compiles its transfers (and, on two
+        # devices, its gather) once, counted with step 16 (the 17th)
         warm = min(7, steps // 2 - 1)
         ends = [steps - 1] if steps <= 16 else [14, steps - 1]
-        assert all(compilations[end] == compilations[warm if end < 15 else 15] for end in ends), str(
+        assert all(compilations[end] == compilations[warm if end < 15 else 16] for end in ends), str(
             compilations
         )
         for p, q in zip(replica["params"], expected, strict=True):
@@ -375,8 +372,8 @@ def test_the_trainer_on_xla_devices_equals_one_cpu_process(
 @pytest.mark.timeout(1200)  # two trainer runs in subprocesses (900 s each at most), compiling on a shared CPU
 def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_path: Path) -> None:
     """Adam (capturable), replayed steps: a run on 2 XLA CPU devices writes its step-16 checkpoint;
-    a run on 1 device resumes from it (its steps of one minibatch replayed whole, the others
-    captured by torch.compile) and ends where the 2-device run and one eager CPU process end,
+    a run on 1 device resumes from it (its steps replayed through the same minibatch and update
+    programs) and ends where the 2-device run and one eager CPU process end,
     compiling nothing new once every minibatch count has come round twice."""
     import torch_xla
 
@@ -401,8 +398,9 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
         torch.testing.assert_close(r, q, rtol=1e-3, atol=1e-4)
     # two replicas: the minibatch and update programs on each (an all-reduce between them), none
-    # refused, and nothing compiled once every minibatch count has come round (from step 15:
-    # the step-16 checkpoint compiles its transfers once)
+    # refused, and nothing compiled once every minibatch count has come round (from step 7), but
+    # the checkpoint written once 16 steps have run: its transfers and gather, compiled once and
+    # counted with step 16 (the 17th)
     for replica in replicas:
         assert replica["programs"] >= 2 and replica["refused"] is None, (
             replica["programs"],
@@ -410,7 +408,7 @@ def test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps(tmp_
         )
         assert not [w for w in replica["warnings"] if "not replayed" in w], replica["warnings"]
         counts = replica["compilations"]
-        assert counts[14] == counts[7] and counts[-1] == counts[15], str(counts)
+        assert counts[14] == counts[7] and counts[-1] == counts[16], str(counts)
     # the runner replayed programs, none refused (the loaded, equal step counts of Adam have a
     # buffer each: test_capture_regressions.py); the one warning says that random draws of a run
     # resumed on another number of devices differ without seed=
@@ -447,13 +445,21 @@ def test_a_failing_replica_thread_stops_the_others_at_once(tmp_path: Path) -> No
     assert "one of them failed" in replicas[0]["error"]
 
 
+def _replayed_step(programs: Any, plan: Any, targets: Any, lrs: list[float], num_samples: int) -> float:
+    """One step of one minibatch through XlaPrograms (``reduction="mean"``, a minibatch unit of 1):
+    the minibatch program, then the update program; the step's loss (its loss sum over its samples)."""
+    programs.minibatch(plan, targets, num_samples)
+    return float(programs.update(lrs, num_samples)) / num_samples
+
+
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
-def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
-    """XlaStepReplay: forward, loss, backward and update of each layout traced once, then replayed
-    with new batches and a learning rate that changes at every step; losses and parameters equal
-    plain eager steps on the CPU. A changed optimizer option is a new capture, never a stale
-    graph. SGD turns a tensor learning rate into a Python number (a host read inside the step):
-    refused with a warning, and that step still runs right (lazily)."""
+def test_replayed_steps_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
+    """XlaPrograms: forward, loss and backward of each layout traced once (its minibatch program),
+    the update once per optimizer configuration (its update program), then replayed with new
+    batches and a learning rate that changes at every step; losses and parameters equal plain
+    eager steps on the CPU. A changed optimizer option is a new update program, never a stale
+    graph. SGD, whose tensor learning rate requires grad inside the trace (so torch multiplies by
+    it instead of reading it back to the host), replays too."""
     import warnings
 
     import torch_xla
@@ -461,7 +467,7 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.capture.xla_replay import XlaStepReplay
+    from torchfold.train.capture import XlaPrograms
 
     batches, vocab = _sst_batches(8, 4)
     shapes = StaticShapes()
@@ -477,8 +483,8 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
         return model, torch.optim.Adam(model.parameters(), lr=0.01, capturable=on.type == "xla")
 
     (model, optimizer), (reference, plain) = make(device), make(torch.device("cpu"))
-    replay = XlaStepReplay(model, tree_lstm_loss, optimizer)
-    assert replay.transpose_weights  # the default on XLA's CPU backend: linear layers' products re-laid
+    programs = XlaPrograms(model, tree_lstm_loss, optimizer)
+    assert programs.transpose_weights  # the default on XLA's CPU backend: linear layers' products re-laid
     build, unpadded = TreeLSTMBuild(vocab, shapes=shapes), TreeLSTMBuild(vocab)
     losses, expected = [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -487,9 +493,9 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
             rate = (0.01 if kind == "adam" else 0.1) * (1 + number % 3) / 2
             if number == 10 and kind == "adam":
                 for group in optimizer.param_groups + plain.param_groups:
-                    group["betas"] = (0.8, 0.99)  # an option the graph holds as a constant
+                    group["betas"] = (0.8, 0.99)  # an option the update program holds as a constant
             plan, targets = build(trees)
-            losses.append(float(replay(plan, to_device(targets, device), [rate])))
+            losses.append(_replayed_step(programs, plan, to_device(targets, device), [rate], len(trees)))
             for group in plain.param_groups:
                 group["lr"] = rate
             plain.zero_grad()
@@ -504,29 +510,25 @@ def test_whole_steps_replayed_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> 
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
     messages = [str(w.message) for w in caught]
-    if kind == "sgd":
-        assert replay.refused is not None and "read a value back to the host" in replay.refused
-        assert replay.captures == 0 and len(messages) == 1 and "not replayed whole" in messages[0]
-    else:
-        assert replay.refused is None and not messages, messages
-        layouts = {build(trees)[0].layout.key for trees in batches}  # type: ignore[union-attr]
-        # per layout: the step that made Adam's state (the first), then once per layout, then
-        # once more per layout after the betas changed
-        assert 1 + len(layouts) < replay.captures <= 1 + 2 * len(layouts)
+    assert programs.refused is None and not messages, messages
+    layouts = {build(trees)[0].layout.key for trees in batches}  # type: ignore[union-attr]
+    # a minibatch program per layout; an update program per optimizer configuration (Adam's: its
+    # betas, then the changed betas; the first update, which made the optimizer's state, is not kept)
+    assert programs.captures == len(layouts) + (2 if kind == "adam" else 1), (programs.captures, layouts)
 
 
 def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right() -> None:
-    """XlaStepReplay writes back only what a step changed (a frozen parameter stays as it was,
-    every other result lands in its own tensor), reads the module's buffers as inputs (a changed
-    buffer changes the next replay), makes the optimizer's state again after it was reset, and
-    traces a batch of other shapes anew instead of feeding a graph the wrong shapes; losses and
-    parameters equal eager steps on the CPU throughout."""
+    """XlaPrograms write back only what a step changed (a frozen parameter stays as it was, every
+    other result lands in its own tensor), read the module's buffers as inputs (a changed buffer
+    changes the next replay, with no new program), make the optimizer's state again after it was
+    reset, and trace a batch of other shapes anew instead of feeding a program the wrong shapes;
+    losses and parameters equal eager steps on the CPU throughout."""
     import torch_xla
 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.capture.xla_replay import XlaStepReplay
+    from torchfold.train.capture import XlaPrograms
 
     batches, vocab = _sst_batches(2, 4)
     shapes = StaticShapes()
@@ -544,10 +546,18 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     def scaled_loss(model: torch.nn.Module, outputs: Any, targets: Any) -> torch.Tensor:
         return tree_lstm_loss(model, outputs, targets) * model.scale
 
+    def eager_step(trees: list[Any]) -> float:
+        plain.zero_grad()
+        plan, targets = unpadded(trees)
+        loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
+        loss.backward()
+        plain.step()
+        return loss.item()
+
     (model, optimizer), (reference, plain) = make(device), make(cpu)
     frozen = list(reference.parameters())[1].detach().clone()
     fresh = [copy.deepcopy(opt.state_dict()) for opt in (optimizer, plain)]
-    replay = XlaStepReplay(model, scaled_loss, optimizer)
+    programs = XlaPrograms(model, scaled_loss, optimizer)
     build, unpadded = TreeLSTMBuild(vocab, shapes=shapes), TreeLSTMBuild(vocab)
     losses, expected = [], []
     for number in range(8):
@@ -559,32 +569,27 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
             for opt, state in zip((optimizer, plain), fresh, strict=True):
                 opt.load_state_dict(state)
         plan, targets = build(trees)
-        losses.append(float(replay(plan, to_device(targets, device), [0.01])))
-        plain.zero_grad()
-        plan, targets = unpadded(trees)
-        loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
-        loss.backward()
-        plain.step()
-        expected.append(loss.item())
+        losses.append(_replayed_step(programs, plan, to_device(targets, device), [0.01], len(trees)))
+        expected.append(eager_step(trees))
     assert losses == pytest.approx(expected, rel=1e-4)
     assert len(optimizer.state) == len(plain.state) == 6  # the reset state made again
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
     assert torch.equal(list(model.parameters())[1].detach().cpu(), frozen)
+    layouts = {build(trees)[0].layout.key for trees in batches}  # type: ignore[union-attr]
+    # a minibatch program per layout, one update program: the changed buffer is an input, and the
+    # update that made the reset state again is not kept (the next one replays the program of old)
+    assert programs.captures == len(layouts) + 1, (programs.captures, layouts)
     # weights of another length: traced anew, so the loss itself says what is wrong
     plan, (labels, weights) = build(batches[0])
     labels, weights = to_device((labels, weights), device)
+    count = len(batches[0])
     with pytest.raises(RuntimeError, match=r"[Ss]hape"):
-        replay(plan, (labels, torch.cat([weights, weights])), [0.01])
+        programs.minibatch(plan, (labels, torch.cat([weights, weights])), count)
     # and the next step of the right shapes runs as before, still equal to the CPU's
-    after = float(replay(plan, (labels, weights), [0.01]))
-    plain.zero_grad()
-    plan, targets = unpadded(batches[0])
-    loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
-    loss.backward()
-    plain.step()
-    assert after == pytest.approx(loss.item(), rel=1e-4)
-    assert replay.refused is None
+    after = _replayed_step(programs, plan, (labels, weights), [0.01], count)
+    assert after == pytest.approx(eager_step(batches[0]), rel=1e-4)
+    assert programs.refused is None and programs.captures == len(layouts) + 1
     # a state dict that turns capturable off: that step and the next run lazily, with one warning
     # naming the fix, and still train as the CPU does
     uncapturable = copy.deepcopy(optimizer.state_dict())
@@ -592,25 +597,26 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     optimizer.load_state_dict(uncapturable)
     for state in optimizer.state.values():
         state["step"] = state["step"].cpu()  # where a non-capturable Adam keeps its step count
-    plain.zero_grad()
-    loss = scaled_loss(reference, plan.apply(reference), to_device(targets, cpu))
-    loss.backward()
-    plain.step()
     with pytest.warns(UserWarning, match="capturable=True"):
-        lazy = float(replay(build(batches[0])[0], (labels, weights), [0.01]))
-    assert replay.refused is not None and lazy == pytest.approx(loss.item(), rel=1e-4)
+        lazy = _replayed_step(programs, build(batches[0])[0], (labels, weights), [0.01], count)
+    assert programs.refused is not None and lazy == pytest.approx(eager_step(batches[0]), rel=1e-4)
+    plan, targets = build(batches[1])
+    lazy = _replayed_step(programs, plan, to_device(targets, device), [0.01], len(batches[1]))
+    assert lazy == pytest.approx(eager_step(batches[1]), rel=1e-4)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
 
 
 def test_a_schedule_of_optimizer_options_or_a_tensor_option_is_not_replayed() -> None:
-    """Adam's betas changed at every step would be a new graph to compile at every step: after a
-    few captures of one layout the replay refuses, naming the option, and the steps still train
-    as on the CPU. A tensor in a param group would be frozen at its captured value: refused."""
+    """Adam's betas changed at every step would be a new update program to compile at every
+    step: after a few of them the programs are refused, naming the option, and the steps still
+    train as on the CPU. A tensor in a param group would be frozen at its traced value: refused."""
     import torch_xla
 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.capture.xla_replay import XlaStepReplay
+    from torchfold.train.capture import XlaPrograms
 
     [trees], vocab = _sst_batches(1, 4)
     shapes = StaticShapes()
@@ -623,7 +629,7 @@ def test_a_schedule_of_optimizer_options_or_a_tensor_option_is_not_replayed() ->
         return model, torch.optim.Adam(model.parameters(), lr=0.01, capturable=on.type == "xla")
 
     (model, optimizer), (reference, plain) = make(device), make(cpu)
-    replay = XlaStepReplay(model, tree_lstm_loss, optimizer)
+    programs = XlaPrograms(model, tree_lstm_loss, optimizer)
     plan, targets = TreeLSTMBuild(vocab, shapes=shapes)(trees)
     unpadded, unpadded_targets = TreeLSTMBuild(vocab)(trees)
     losses, expected = [], []
@@ -631,20 +637,22 @@ def test_a_schedule_of_optimizer_options_or_a_tensor_option_is_not_replayed() ->
         for number in range(7):
             for opt in (optimizer, plain):
                 opt.param_groups[0]["betas"] = (0.9 - 0.01 * number, 0.999)
-            losses.append(float(replay(plan, to_device(targets, device), [0.01])))
+            losses.append(_replayed_step(programs, plan, to_device(targets, device), [0.01], len(trees)))
             plain.zero_grad()
             loss = tree_lstm_loss(reference, unpadded.apply(reference), to_device(unpadded_targets, cpu))
             loss.backward()
             plain.step()
             expected.append(loss.item())
     assert losses == pytest.approx(expected, rel=1e-4)
-    assert replay.captures <= 5 and replay.refused is not None
+    # the minibatch program, and an update program per betas until refused (the first update made the state)
+    assert programs.captures <= 5 and programs.refused is not None and "betas" in programs.refused
 
-    fresh = XlaStepReplay(model, tree_lstm_loss, optimizer)
+    fresh = XlaPrograms(model, tree_lstm_loss, optimizer)
     optimizer.param_groups[0]["scale"] = torch.ones((), device=device)  # an option of the user's
     with pytest.warns(UserWarning, match="param group 0's 'scale' is a tensor"):
-        fresh(plan, to_device(targets, device), [0.01])
-    assert fresh.captures == 0
+        _replayed_step(fresh, plan, to_device(targets, device), [0.01], len(trees))
+    assert fresh.refused is not None and "'scale' is a tensor" in fresh.refused
+    assert fresh.captures == 1  # the minibatch program; no update program
 
 
 def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
@@ -654,7 +662,7 @@ def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
-    from torchfold.train.capture.xla_replay import XlaStepReplay
+    from torchfold.train.capture import XlaPrograms
 
     [trees], vocab = _sst_batches(1, 2)
     device = torch_xla.device()
@@ -663,8 +671,9 @@ def test_a_replayed_step_refuses_an_empty_param_group_naming_the_fix() -> None:
         [{"params": list(model.parameters())}, {"params": []}], lr=0.01, capturable=True
     )
     plan, targets = TreeLSTMBuild(vocab, shapes=StaticShapes())(trees)
+    programs = XlaPrograms(model, tree_lstm_loss, optimizer)
     with pytest.raises(ValueError, match="parameters in every param group; remove the empty groups"):
-        XlaStepReplay(model, tree_lstm_loss, optimizer)(plan, to_device(targets, device), [0.01, 0.01])
+        _replayed_step(programs, plan, to_device(targets, device), [0.01, 0.01], len(trees))
 
 
 @pytest.mark.timeout(900)  # two XLA runs that compile: minutes on a loaded 2-core machine

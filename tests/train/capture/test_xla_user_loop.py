@@ -3,9 +3,9 @@
 Each step records its minibatches of SST trees on a ``Fold(shapes=...)`` (an envelope fitted
 before training and frozen), ``fold.plan`` asks for the roots, and ``captured_step`` runs the
 step, over a trace whose steps hold 1 to 5 minibatches. Once a step's programs have been seen
-(a layout's minibatch program, or its whole-step program for a step of one minibatch), the step
-compiles nothing; the programs captured are exactly one per (layout, kind) plus the update; the
-losses and parameters equal a plain eager loop on the CPU.
+(the minibatch program of each of its layouts, whatever its minibatch count), the step compiles
+nothing; the programs captured are exactly one per layout plus the update; the losses and
+parameters equal a plain eager loop on the CPU.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def test_the_users_loop_replays_one_program_per_layout_and_equals_an_eager_loop(
 
     feed = iter(minibatches)
     layouts: dict[Any, int] = {}
-    seen: set[tuple[str, int]] = set()  # the programs of steps 1.. (steady: Adam's state exists)
-    every: set[tuple[str, int]] = set()
+    seen: set[int] = set()  # the layouts of steps 1.. (steady: Adam's state exists)
+    every: set[int] = set()
     losses, compiles, repeats = [], [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -127,20 +127,20 @@ def test_the_users_loop_replays_one_program_per_layout_and_equals_an_eager_loop(
                 items.append((plan, targets, len(part)))
             losses.append(float(step(items)))
             compiles.append(_compilations() - before)
-            kind = "whole" if len(items) == 1 else "minibatch"  # a step of one minibatch: one program
-            kinds = {(kind, layouts.setdefault(item[0].layout.key, len(layouts))) for item in items}
-            every |= kinds
-            if number > 0 and kinds <= seen:
+            # a step of one minibatch too: the minibatch program of its layout, then the update
+            used = {layouts.setdefault(item[0].layout.key, len(layouts)) for item in items}
+            every |= used
+            if number > 0 and used <= seen:
                 repeats.append(number)
             if number > 0:  # step 0 also made Adam's state (in the update, which is not kept)
-                seen |= kinds
+                seen |= used
     assert not [str(w.message) for w in caught if "not replayed" in str(w.message)]
-    assert step.runner.programs.refused is None and step.runner.whole.refused is None
+    assert step.runner.programs.refused is None
     assert len(layouts) >= 2, layouts  # the trace changes layout, not only the minibatch count
     # steps whose programs were all seen before compile nothing, whatever their minibatch count
     assert len(repeats) >= len(TRACE) // 2, repeats
     assert [compiles[i] for i in repeats] == [0] * len(repeats), (compiles, repeats)
-    # one program per layout and kind (a minibatch program, a whole step), and one update
+    # one minibatch program per layout, and one update program
     assert step.captures == len(every) + 1, (step.captures, every)
 
     expected = _eager_steps(reference, minibatches, vocab)

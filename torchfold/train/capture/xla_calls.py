@@ -18,7 +18,7 @@ they are traced; the runner's own scalars are 1-element vectors, which are never
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,28 +136,34 @@ def materialize(live: Sequence[torch.Tensor]) -> None:
         sync(pending)
 
 
-def own_buffers(live: Sequence[torch.Tensor]) -> None:
+def own_buffers(
+    live: Sequence[torch.Tensor], computed: Callable[[torch.Tensor], bool] = lambda tensor: False
+) -> list[torch.Tensor]:
     """Give each tensor of ``live`` that may share its device buffer (a 0-dim tensor: torch_xla's
     scalar cache; or one whose buffer another of ``live`` holds) a computed buffer of its own,
     values kept, so that a trace over ``live`` has one input per tensor and none shared with a
-    constant of the trace. One small program, run before a trace (never in a replay)."""
+    constant of the trace. ``computed(tensor)``: whether a tensor is known to hold a buffer a
+    program computed (a result of an earlier replay), left as it is. Returns the tensors given a
+    new buffer.
+
+    A small program per tensor (the same program for every 0-dim tensor of one dtype: compiled
+    once), run before a trace, never in a replay."""
     seen: dict[int, int] = {}
     ids = data_ids(live)
     shared = []
     for number, (tensor, data) in enumerate(zip(live, ids, strict=True)):
         first = seen.setdefault(data, number)
-        if tensor.dim() == 0 or (first != number and live[first] is not tensor):
+        if (first != number and live[first] is not tensor) or (tensor.dim() == 0 and not computed(tensor)):
             shared.append(tensor)
-    if not shared:
-        return
     tensors = list({id(t): t for t in shared}.values())
     with torch.no_grad():
-        # out of place: an in-place change would give the old buffer away (donate it) at the sync,
-        # under whatever else holds it (torch_xla's scalar cache)
-        fresh = [t.logical_or(torch.zeros_like(t)) if t.dtype == torch.bool else t + 0 for t in tensors]
-        sync(fresh)
-        for tensor, value in zip(tensors, fresh, strict=True):
-            tensor.data = value
+        for tensor in tensors:
+            # out of place: an in-place change would give the old buffer away (donate it) at the
+            # sync, under whatever else holds it (torch_xla's scalar cache)
+            fresh = tensor.logical_or(torch.zeros_like(tensor)) if tensor.dtype == torch.bool else tensor + 0
+            sync([fresh])
+            tensor.data = fresh
+    return tensors
 
 
 def executions() -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -105,6 +106,23 @@ class _Program:
         )
 
 
+class _Computed:
+    """The tensors known to hold a device buffer that a program computed, by identity (a
+    tensor's ``==`` is elementwise, so no set of tensors), held weakly."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if len(self._refs) > 4096:  # (drop the dead)
+            self._refs = {key: ref for key, ref in self._refs.items() if ref() is not None}
+        self._refs[id(tensor)] = weakref.ref(tensor)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        ref = self._refs.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+
 class _Refused(Exception):
     """A trace that cannot be replayed; its message says why, ``roots`` are the trace's results
     (pending: a sync runs them op by op, as without capture)."""
@@ -120,12 +138,13 @@ def _sync() -> None:
     torch_xla.sync()
 
 
-def _positions(live: list[torch.Tensor]) -> dict[int, int]:
+def _positions(live: list[torch.Tensor], computed: _Computed) -> dict[int, int]:
     """Each live tensor's position, by the id of the device data it holds (the id a traced graph
     names its input by), taken just before a trace: each tensor is given a buffer of its own
-    first (:func:`~torchfold.train.capture.xla_calls.own_buffers`), so that no two roles, nor a
-    role and a constant of the trace, share one."""
-    xla_calls.own_buffers(live)
+    first (:func:`~torchfold.train.capture.xla_calls.own_buffers`; ``computed``: the tensors
+    that hold one already), so that no two roles, nor a role and a constant of the trace, share one."""
+    for tensor in xla_calls.own_buffers(live, computed.holds):
+        computed.add(tensor)
     ids = xla_calls.data_ids(live)
     position: dict[int, int] = {}
     for number, data in enumerate(ids):
@@ -305,6 +324,9 @@ class XlaPrograms:
         self._seen_options: dict[Hashable, list[Any]] = {}
         self._scalars: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}
         self._zero: dict[torch.device, torch.Tensor] = {}
+        # tensors whose device buffer a program computed (its results): no 0-dim one of them is
+        # torch_xla's cached scalar, so a trace need not give it a buffer of its own
+        self._computed = _Computed()
         self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
         self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
         self._loss_sum: torch.Tensor | None = None
@@ -641,7 +663,7 @@ class XlaPrograms:
     def _trace_minibatch(
         self, plan: StaticPlan, targets: Any, setup: _MinibatchSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any]]:
-        position = _positions(setup.live)
+        position = _positions(setup.live, self._computed)
         executed = executions()
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         trainable = setup.trainable
@@ -656,7 +678,9 @@ class XlaPrograms:
                 acc if grad is None else acc + grad * weight.to(grad.dtype)
                 for acc, grad in zip(setup.accs, grads, strict=True)
             ]
-            total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight.reshape(())
+            total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight.reshape(
+                ()
+            )  # (1,)
         return _compile([*new_accs, *setup.buffers, total], position, setup.live, executed, run=run)
 
     def _store_minibatch(
@@ -665,18 +689,20 @@ class XlaPrograms:
         for p, value in zip(trainable, found[: len(trainable)], strict=True):
             if value is not None:
                 self._acc[id(p)] = value
+                self._computed.add(value)
                 self._has_grad.add(id(p))
         with torch.no_grad():
             for b, value in zip(buffers, found[len(trainable) : count - 1], strict=True):
                 if value is not None:
                     b.data = value
+                    self._computed.add(b)
         self._loss_sum = found[count - 1]
         self._minibatches += 1
 
     def _trace_update(
         self, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
-        position = _positions(setup.live)
+        position = _positions(setup.live, self._computed)
         executed = executions()
         with stepping(self.optimizer, _rates_for(self.optimizer, setup.rates)):
             for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
@@ -704,12 +730,15 @@ class XlaPrograms:
             for p, value in zip(params, found[: len(params)], strict=True):
                 if value is not None:
                     p.data = value
+                    self._computed.add(p)
             for (p, name), value in zip(slots, found[len(params) : len(params) + len(slots)], strict=True):
                 if value is not None:
                     state[p][name] = value
+                    self._computed.add(value)
         for p, value in zip(graded, found[len(params) + len(slots) :], strict=True):
             if value is not None:
                 self._acc[id(p)] = value
+                self._computed.add(value)
 
     # -- the lazy way (refused) ----------------------------------------------------------------
 
@@ -727,7 +756,7 @@ class XlaPrograms:
                 if grad is not None:
                     self._acc[id(p)] = self._acc_of(p) + grad * weight
                     self._has_grad.add(id(p))
-            loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=device)
+            loss_sum = self._loss_sum if self._loss_sum is not None else self._zero_sum(device)
             self._loss_sum = loss_sum + loss.detach().float() * (
                 num_samples if self.reduction == "mean" else 1
             )
@@ -784,12 +813,12 @@ class XlaPrograms:
         return tensor
 
     def _zero_sum(self, device: torch.device) -> torch.Tensor:
-        """A step's first loss sum: 0-dim zero on the device (made once: torch_xla keeps 0 as a
-        constant, so materializing it is a small program)."""
+        """A step's first loss sum: a 1-element zero vector on the device, made once (a transfer:
+        a 0-dim zero would be a constant of torch_xla's, materialized by a program of its own).
+        The loss sums a step's programs add up are 1-element vectors too."""
         zero = self._zero.get(device)
         if zero is None:
-            zero = self._zero[device] = torch.zeros((), device=device)
-            materialize([zero])
+            zero = self._zero[device] = torch.zeros(1).to(device)
         return zero
 
     def _follows(self, base: Hashable, guarded: tuple[Hashable, ...]) -> bool:

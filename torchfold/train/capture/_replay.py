@@ -1,4 +1,4 @@
-"""What the whole-step replays (:mod:`~torchfold.train.capture.xla_replay`, :mod:`~torchfold.train.capture.cuda_replay`) share.
+"""What the replays (:mod:`~torchfold.train.capture.xla_programs`, :mod:`~torchfold.train.capture.cuda_replay`) share.
 
 A replayed step keeps the optimizer's options (its param groups' keys but the learning rates, which
 are inputs)

@@ -9,7 +9,7 @@ the product, so writing ``x @ W.t()`` changes nothing. Inside :func:`transposed_
 back by an optimization barrier; the backward pass multiplies by ``W`` itself. Values and
 gradients are those of ``F.linear``, up to the order of floating-point sums.
 
-:class:`~torchfold.train.capture.xla_replay.XlaStepReplay` traces its steps inside it on XLA's CPU
+:class:`~torchfold.train.capture.xla_programs.XlaPrograms` traces its programs inside it on XLA's CPU
 backend (on a TPU, XLA lays out the weight itself).
 """
 

@@ -1,9 +1,8 @@
 """A step of any number of minibatches on XLA as two replayed programs: a minibatch's and the update's.
 
-:class:`~torchfold.train.capture.xla_replay.XlaStepReplay` replays a step of exactly one minibatch as
-one graph. A step of ``k`` minibatches used to go through :func:`torch.compile` and the
-optimizer wrapper's Python weighting, and a new ``k`` could mean a new program. Here every step
-is made of two kinds of programs, each traced once and replayed from XLA's compilation cache:
+A step of ``k`` minibatches used to go through :func:`torch.compile` and the optimizer wrapper's
+Python weighting, and a new ``k`` could mean a new program. Here every step is made of two kinds
+of programs, each traced once and replayed from XLA's compilation cache:
 
 * the **minibatch program**, one per envelope layout (and model state structure): forward, loss,
   backward, and the weighted accumulation of the gradients into persistent buffers
@@ -71,7 +70,7 @@ _T = TypeVar("_T")
 
 def xla_programs_unavailable() -> str | None:
     """Why this torch_xla cannot replay traced programs (None if it can): the graph-cache calls
-    are those of :func:`~torchfold.train.capture.xla_replay.replay_unavailable`.
+    are those of :func:`~torchfold.train.capture.xla_calls.replay_unavailable`.
 
     >>> isinstance(xla_programs_unavailable(), str | None)
     True

@@ -459,3 +459,12 @@ def test_a_random_scenario_on_two_replicas_replays_as_one_cpu_process() -> None:
     cpu = fuzz.run(scenario, torch.device("cpu"), ROOT / "tests" / "data")
     verdict, details = fuzz.compare(scenario, cpu, xla)
     assert verdict in ("equal", "refused"), f"{verdict}: {details} [{scenario}]"
+
+
+def test_the_guard_reads_the_autocast_state_of_the_models_device() -> None:
+    model = torch.nn.Linear(2, 2)
+    guard = StepGuard(model, lambda m, o, t: o[0].sum())
+    before = guard.values()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert guard.changed(before) == ["autocast on cpu (off -> on, torch.bfloat16)"]
+    assert guard.values() == before

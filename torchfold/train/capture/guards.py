@@ -19,7 +19,8 @@ Where a guard looks (once per trace, then the same places at every replay):
 * the globals of those number kinds that the model's own methods name;
 * the loss: which function it is, its defaults, its closure's values, the globals it names, and
   the attributes of the object it is bound to or of a callable object (one level down), the
-  same kinds as above (a ``functools.partial``: its arguments too).
+  same kinds as above (a ``functools.partial``: its arguments too);
+* whether autocast is on for the model's device, and its dtype (``precision="bf16"``).
 
 A value read from anywhere else (a global of another module that a helper reads, an object
 two levels down) is not seen here: the runner's periodic check (a trace compared with the
@@ -109,6 +110,8 @@ class StepGuard:
                     function, f"named by {kind.__name__}.{function.__name__}", slots, tensors, held, device
                 )
         self._callable(self.loss, "the loss", slots, tensors, held, device, depth=0)
+        if device is not None:  # autocast changes the ops a trace records
+            slots[f"autocast on {device.type}"] = functools.partial(_autocast, device.type)
         self._slots = list(slots.items())
         self._tensors = list(tensors.values())
 
@@ -364,6 +367,11 @@ def _layout_of(read: Callable[[], Any]) -> Hashable:
     return ("input", tuple(tensor.shape), tensor.dtype, str(tensor.device), tensor.requires_grad)
 
 
+def _autocast(device_type: str) -> Hashable:
+    enabled = torch.is_autocast_enabled(device_type)
+    return ("autocast", enabled, str(torch.get_autocast_dtype(device_type)) if enabled else None)
+
+
 def _code_of(function: types.FunctionType) -> Hashable:
     return id(function.__code__)
 
@@ -391,6 +399,8 @@ def _shown(value: Hashable) -> str:
         return "missing"
     if isinstance(value, tuple) and value and value[0] == "tensor":
         return f"a tensor at version {value[2]}"
+    if isinstance(value, tuple) and value and value[0] == "autocast":
+        return f"on, {value[2]}" if value[1] else "off"
     if isinstance(value, tuple) and value and value[0] == "input":
         return f"a tensor of shape {value[1]}"
     return "another value"

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import pickle
-import sys
 import threading
 
 import pytest

@@ -35,6 +35,7 @@ __all__ = [
     "needs_materialization",
     "own_buffers",
     "replay_unavailable",
+    "replica_threads",
     "run_graph",
     "runtime_initialized",
     "seed_id",
@@ -164,6 +165,14 @@ def own_buffers(
             sync([fresh])
             tensor.data = fresh
     return tensors
+
+
+def replica_threads() -> bool:
+    """Whether several XLA devices of this process run replicas as threads (XLA's CPU backend
+    with ``CPU_NUM_DEVICES``): their graphs then count in one process-wide number of executions."""
+    import torch_xla.runtime as xr
+
+    return runtime_initialized() and xr.addressable_device_count() > 1
 
 
 def executions() -> int:

@@ -126,9 +126,12 @@ class _Refused(Exception):
     """A trace that cannot be replayed; its message says why, ``roots`` are the trace's results
     (pending: a sync runs them op by op, as without capture)."""
 
-    def __init__(self, why: str, roots: list[torch.Tensor]) -> None:
+    def __init__(self, why: str, roots: list[torch.Tensor], *, host_read: bool = False) -> None:
         super().__init__(why)
         self.roots = roots
+        #: refused for a graph run during the trace (a read back to the host, or, with replicas
+        #: that are threads, possibly another replica's graph)
+        self.host_read = host_read
 
 
 def _sync() -> None:
@@ -201,6 +204,7 @@ def _compile(
             "something read a value back to the host inside the step (.item(), .tolist(), float() of a "
             "tensor), which cuts the graph",
             list(roots),
+            host_read=True,
         )
     if xla_calls.seed_id() in ids:
         raise _Refused(
@@ -556,12 +560,18 @@ class XlaPrograms:
             materialize(live)
             if key in programs:
                 return None
-            try:
-                with untouched(changed, self.optimizer):
-                    return trace()
-            except _Refused as refusal:
-                self._refuse(str(refusal))
-                return None
+            for attempt in range(3):
+                try:
+                    with untouched(changed, self.optimizer):
+                        return trace()
+                except _Refused as refusal:
+                    # (replicas that are threads count each other's graphs: a trace put back
+                    # unchanged may be tried again)
+                    if refusal.host_read and attempt < 2 and xla_calls.replica_threads():
+                        continue
+                    self._refuse(str(refusal))
+                    return None
+            return None
 
     # -- what a program reads --------------------------------------------------------------------
 
@@ -843,6 +853,9 @@ class XlaPrograms:
             with untouched(changed, self.optimizer):
                 traced = trace()
         except _Refused as refusal:
+            if refusal.host_read and xla_calls.replica_threads():
+                program.due = True  # (maybe another replica's graph: the next use checks again)
+                return
             why = str(refusal)
         else:
             if _same_constants(program, traced):

@@ -17,7 +17,7 @@ import torch
 from torchfold import StaticShapes
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer
+from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, to_device
 from torchfold.train.capture._replay import target_tensors
 from torchfold.train.capture.cuda_replay import CudaStepReplay, _rebuilt, uncapturable_step
 
@@ -252,3 +252,46 @@ def test_released_accumulators_are_hooked_again_afterwards() -> None:
         (p * 6).sum().backward()
     optimizer.step()
     assert p.item() == 1.0 - (2 * 1 + 6 * 3) / 4
+
+
+@gpu
+def test_a_loss_weight_in_a_module_attribute_is_followed_by_the_cuda_replay_as_by_eager_steps() -> None:
+    """The step guard keys the CUDA graphs too: a Python number the loss reads, changed between
+    steps (a new graph per value), and a tensor kept as a plain attribute changed in place (the
+    graph reads it where it lives) give the eager steps' losses and parameters."""
+    trees = load_sst(split="train", max_trees=8)
+    vocab = Vocab.build(trees)
+    shapes = StaticShapes()
+    shapes.cover(TreeLSTMBuild(vocab)(trees)[0])  # type: ignore[arg-type]
+
+    def weighted(model: Any, outputs: Any, targets: Any) -> torch.Tensor:
+        return tree_lstm_loss(model, outputs, targets) * model.weight_of_loss * model.scale.sum()
+
+    results = []
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        model: Any = _model(vocab).to(device)
+        model.weight_of_loss = 1.0
+        model.scale = torch.ones(2, device=device) / 2
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=device.type == "cuda")
+        replay = CudaStepReplay(model, weighted, optimizer) if device.type == "cuda" else None
+        build = TreeLSTMBuild(vocab, shapes=shapes)
+        losses = []
+        for step, weight in enumerate([1.0, 1.0, 2.0, 2.0, 5.0]):
+            model.weight_of_loss = weight
+            if step == 3:
+                model.scale.fill_(1.5)
+            plan, targets = build(trees)
+            targets = to_device(targets, device)
+            if replay is not None:
+                losses.append(float(replay(plan, targets, [0.01])))
+            else:
+                optimizer.zero_grad()
+                loss = weighted(model, plan.apply(model, padded=True), targets)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+        results.append((losses, [p.detach().cpu() for p in model.parameters()]))
+    (gpu_losses, gpu_params), (cpu_losses, cpu_params) = results
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
+    for p, q in zip(gpu_params, cpu_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)

@@ -160,7 +160,7 @@ def test_wheel_holds_the_package_and_requires_no_extra(wheel: Path) -> None:
         "torch_xla==2.9.0",
     ]
     extras = {m.group(1) for r in requires if (m := re.search(r"extra == \"(\w+)\"", r))}
-    assert extras == {"dev", "docs", "notebooks", "plot", "xla"}
+    assert extras == {"dev", "docs", "integrations", "notebooks", "plot", "tensorboard", "xla"}
 
 
 @pytest.mark.timeout(1500)

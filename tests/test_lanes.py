@@ -18,7 +18,7 @@ def test_every_file_with_xla_tests_is_in_the_xla_lane() -> None:
     marked = {
         path.relative_to(ROOT).as_posix()
         for path in (ROOT / "tests").rglob("test_*.py")
-        if "mark.xla" in path.read_text(encoding="utf-8")
+        if path.name != "test_lanes.py" and "mark.xla" in path.read_text(encoding="utf-8")
     }
     assert marked - listed == set(), f"xla tests outside XLA_TESTS (never run): {sorted(marked - listed)}"
     assert {name for name in listed if not (ROOT / name).is_file()} == set()

@@ -242,6 +242,8 @@ def run(
         "state": state,
         "warnings": [str(w.message) for w in caught],
         "captures": trainer.runner.captures,
+        # (read from the runner: warnings.catch_warnings is not thread-safe, and replicas may be threads)
+        "refused": getattr(getattr(trainer.runner, "programs", None), "refused", None),
     }
 
 
@@ -307,6 +309,8 @@ def compare(scenario: Scenario, cpu: dict[str, Any], xla: dict[str, Any]) -> tup
     """``("equal" | "refused" | "SILENT", details)``: the XLA run agrees with the CPU's, or was
     refused with its warning, or neither."""
     refused = [w for w in xla["warnings"] if "not replayed" in w]
+    if not refused and xla.get("refused"):
+        refused = [f"steps are not replayed: {xla['refused']}"]
     problems = []
     if len(cpu["losses"]) != len(scenario.trace):
         problems.append(f"the CPU ran {len(cpu['losses'])} steps of {len(scenario.trace)}")

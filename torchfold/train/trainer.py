@@ -34,14 +34,12 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchfold._validate import check_int
-from torchfold.train.capture import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
-from torchfold.train.capture.compiled import CompiledLoss
-from torchfold.train.capture.cuda_replay import CudaStepReplay
+from torchfold.train.capture import StepRunner, step_runner
 from torchfold.train.checkpoint import (
     checkpoint_path,
     keep_hyperparameters,
@@ -85,6 +83,10 @@ from torchfold.train.trainer_state import (
     trainer_state,
     write_checkpoint,
 )
+
+if TYPE_CHECKING:  # (the mechanisms stay behind the runner: only their types are named here)
+    from torchfold.train.capture.compiled import CompiledLoss
+    from torchfold.train.capture.cuda_replay import CudaStepReplay
 
 __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
@@ -336,12 +338,12 @@ class TraceTrainer:
     @property
     def compiled(self) -> CompiledLoss | None:
         """The :func:`torch.compile` capture of minibatches, when the runner uses one (else None)."""
-        return self.runner.compiled if isinstance(self.runner, EagerRunner) else None
+        return self.runner.compiled
 
     @property
     def replay(self) -> CudaStepReplay | None:
         """The whole-step replay of one-minibatch steps, when the runner has one (on CUDA; else None)."""
-        return self.runner.whole if isinstance(self.runner, CudaRunner) else None
+        return self.runner.replay
 
     # -- running -------------------------------------------------------------------------------
 
@@ -423,7 +425,7 @@ class TraceTrainer:
         if self._warmed or not self.warm_up or not self.optimizer.optimizer.state:
             return
         self._warmed = True
-        if not isinstance(self.runner, XlaRunner):  # the one runner that compiles ahead
+        if not self.runner.compiles_ahead:  # (no layout examples to build for nothing)
             return
         started = time.perf_counter()
         with autocast(self.precision, self.device):  # the programs the steps run

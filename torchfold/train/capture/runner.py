@@ -71,6 +71,19 @@ class StepRunner:
         """How many programs (graphs) this runner has captured so far."""
         return 0
 
+    #: the :func:`torch.compile` capture of minibatches, when this runner uses one
+    compiled: CompiledLoss | None = None
+
+    @property
+    def replay(self) -> CudaStepReplay | None:
+        """The whole-step replay of one-minibatch steps, when this runner has one (on CUDA)."""
+        return None
+
+    @property
+    def compiles_ahead(self) -> bool:
+        """Whether :meth:`warm_up` compiles anything (worth building its layout examples)."""
+        return False
+
     def warm_up(self, examples: Sequence[Any]) -> int:
         """Compile the programs of each example's layout now, without running a step (nothing
         changes), so that no step after it compiles; the number of programs compiled (0 for a
@@ -169,6 +182,10 @@ class XlaRunner(StepRunner):
     def captures(self) -> int:
         return self.programs.captures
 
+    @property
+    def compiles_ahead(self) -> bool:
+        return True
+
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
         self.programs.minibatch(plan, targets, num_samples)
         self._samples += num_samples
@@ -239,6 +256,10 @@ class CudaRunner(EagerRunner):
     @property
     def captures(self) -> int:
         return int(getattr(self.whole, "captures", 0))
+
+    @property
+    def replay(self) -> CudaStepReplay | None:
+        return self.whole
 
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
         if alone and isinstance(plan, StaticPlan) and self.whole.refused is None:

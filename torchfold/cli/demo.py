@@ -24,6 +24,7 @@ from torchfold._validate import positive_float, positive_int
 from torchfold.engine.fold import Fold
 from torchfold.examples.datasets import ENV_VAR, Tree, TreeParseError, Vocab, generate_sst, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
+from torchfold.examples.tasks import evaluate_sst
 from torchfold.train.task import load_task
 
 __all__ = ["main"]
@@ -152,39 +153,16 @@ def _train_epoch(
     return total_loss / max(total_nodes, 1)
 
 
-@torch.no_grad()
-def _evaluate(
-    model: TreeLSTM, device: torch.device, trees: list[Tree], vocab: Vocab, batch_size: int = 256
-) -> dict[str, float]:
-    """Root fine-grained (5-class) and binary accuracy, and all-node fine-grained accuracy.
-
-    Binary accuracy is measured on the trees with a non-neutral root, predicting "positive"
-    when the model puts more probability on labels 3-4 than on 0-1 (one 5-class model).
-    """
+def _evaluate(model: TreeLSTM, trees: list[Tree], vocab: Vocab) -> dict[str, float]:
+    """:func:`~torchfold.examples.tasks.evaluate_sst` in eval mode, with the count of trees whose
+    root is not neutral (the binary accuracy's trees)."""
     model.eval()
-    root_correct = node_correct = node_total = binary_correct = binary_total = 0
-    for batch in _batches(trees, batch_size):
-        fold = Fold(device=device)
-        nodes, labels, roots = encode_trees(fold, batch, vocab)
-        [states] = fold.apply(model, [nodes])
-        logits = model.logits(states)
-        gold = torch.tensor(labels, device=logits.device)
-        predicted = logits.argmax(dim=1)
-        node_correct += int((predicted == gold).sum())
-        node_total += len(labels)
-        root_index = torch.tensor(roots, device=logits.device)
-        root_gold, root_predicted = gold[root_index], predicted[root_index]
-        root_correct += int((root_predicted == root_gold).sum())
-        probabilities = logits[root_index].softmax(dim=1)
-        positive = probabilities[:, 3:].sum(dim=1) > probabilities[:, :2].sum(dim=1)
-        polar = root_gold != 2
-        binary_correct += int((positive[polar] == (root_gold[polar] > 2)).sum())
-        binary_total += int(polar.sum())
+    scores = evaluate_sst(model, trees, vocab)
     return {
-        "root": root_correct / max(len(trees), 1),
-        "binary": binary_correct / max(binary_total, 1),
-        "nodes": node_correct / max(node_total, 1),
-        "binary_trees": float(binary_total),
+        "root": scores["root_accuracy"],
+        "binary": scores["binary_accuracy"],
+        "nodes": scores["node_accuracy"],
+        "binary_trees": float(sum(tree.label != 2 for tree in trees)),
     }
 
 
@@ -258,7 +236,7 @@ def _train(
         f"{args.batch_size} trees per Fold/update, loss at every node; device {device}, "
         f"{torch.get_num_threads()} CPU thread(s)"
     )
-    baseline = _evaluate(model, device, dev, vocab)
+    baseline = _evaluate(model, dev, vocab)
     print(
         f"epoch 0: dev root accuracy {baseline['root']:.3f} fine-grained, {baseline['binary']:.3f} binary "
         f"(untrained)"
@@ -276,7 +254,7 @@ def _train(
         ) as progress:
             loss = _train_epoch(model, device, optimizer, train, vocab, args.batch_size, rng, progress)
         elapsed = time.perf_counter() - start
-        scores = _evaluate(model, device, dev, vocab)
+        scores = _evaluate(model, dev, vocab)
         print(
             f"epoch {epoch}: loss {loss:.3f}, {len(train) / elapsed:.0f} sentences/s ({elapsed:.1f} s), "
             f"dev root accuracy {scores['root']:.3f} fine-grained, {scores['binary']:.3f} binary "

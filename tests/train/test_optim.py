@@ -326,17 +326,29 @@ def test_clipping_between_synchronize_and_step_equals_clipping_one_big_batch() -
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
         opt.step()
         opt.zero_grad()
-        x = torch.cat([xb for xb, _ in step])
-        y = torch.cat([yb for _, yb in step])
-        ref_opt.param_groups[0]["lr"] = LR * sum(sizes) / REF
-        F.cross_entropy(ref_model(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.1)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_norm = _clipped_big_batch_step(ref_model, ref_opt, step, sizes)
         torch.testing.assert_close(norm, ref_norm)
         assert norm > 0.1  # the clipping did something
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+def _clipped_big_batch_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: list[tuple[torch.Tensor, torch.Tensor]],
+    sizes: list[int],
+) -> torch.Tensor:
+    """The reference: one step on the step's minibatches as one batch, its gradient clipped to 0.1
+    (the linear rule's rate set by hand); the norm before clipping."""
+    x = torch.cat([xb for xb, _ in step])
+    y = torch.cat([yb for _, yb in step])
+    opt.param_groups[0]["lr"] = LR * sum(sizes) / REF
+    F.cross_entropy(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    opt.step()
+    opt.zero_grad()
+    return norm
 
 
 @pytest.mark.parametrize(
@@ -358,13 +370,7 @@ def test_max_grad_norm_clips_the_steps_mean_gradient_as_clip_grad_norm_on_one_bi
                 F.cross_entropy(model(xb), yb).backward()
         opt.step()
         opt.zero_grad()
-        x = torch.cat([xb for xb, _ in step])
-        y = torch.cat([yb for _, yb in step])
-        ref_opt.param_groups[0]["lr"] = LR * sum(sizes) / REF
-        F.cross_entropy(ref_model(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.1)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_norm = _clipped_big_batch_step(ref_model, ref_opt, step, sizes)
         assert opt.last_grad_norm is not None
         torch.testing.assert_close(opt.last_grad_norm, ref_norm)
         assert ref_norm > 0.1  # the clipping did something

@@ -124,27 +124,39 @@ class TreeLSTM(nn.Module):
 
     def leaf(self, word_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of leaves: ``word_ids`` of shape ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""
-        size = self.hidden_dim
-        # split, not slicing: backward then joins the pieces' gradients in one cat, where each
-        # slice's backward zero-fills a whole gates-sized tensor (and they are summed after)
-        sig, u = self.leaf_gates(self.embedding(word_ids)).split((2 * size, size), dim=1)
-        i, o = sig.sigmoid().split(size, dim=1)
-        c = i * u.tanh()
-        return o * c.tanh(), c
+        return _leaf_cell(self.leaf_gates(self.embedding(word_ids)), self.hidden_dim)
 
     def node(
         self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """States of internal nodes from their children's: four ``(n, hidden_dim)`` -> ``(h, c)``."""
-        size = self.hidden_dim
-        sig, u = self.node_gates(torch.cat((h_left, h_right), dim=1)).split((4 * size, size), dim=1)
-        i, f_left, f_right, o = sig.sigmoid().split(size, dim=1)
-        c = i * u.tanh() + f_left * c_left + f_right * c_right
-        return o * c.tanh(), c
+        gates = self.node_gates(torch.cat((h_left, h_right), dim=1))
+        return _binary_cell(gates, c_left, c_right, self.hidden_dim)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Class scores ``(n, num_classes)`` of nodes with states ``h`` ``(n, hidden_dim)``."""
         return self.classifier(h)
+
+
+def _leaf_cell(gates: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LSTM cell with no state before it, from its gates ``(n, 3 * size)`` (input, output, candidate): ``(h, c)``."""
+    # split, not slicing: backward then joins the pieces' gradients in one cat, where each
+    # slice's backward zero-fills a whole gates-sized tensor (and they are summed after)
+    sig, u = gates.split((2 * size, size), dim=1)
+    i, o = sig.sigmoid().split(size, dim=1)
+    c = i * u.tanh()
+    return o * c.tanh(), c
+
+
+def _binary_cell(
+    gates: torch.Tensor, c_left: torch.Tensor, c_right: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A binary Tree-LSTM cell from its gates ``(n, 5 * size)`` (input, two forgets, output,
+    candidate) and its two children's memories: ``(h, c)``."""
+    sig, u = gates.split((4 * size, size), dim=1)
+    i, f_left, f_right, o = sig.sigmoid().split(size, dim=1)
+    c = i * u.tanh() + f_left * c_left + f_right * c_right
+    return o * c.tanh(), c
 
 
 class _Recorder(Protocol):
@@ -448,21 +460,14 @@ class SiblingTreeLSTM(nn.Module):
 
     def leaf(self, kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of childless nodes: ``kinds`` ``(n,)`` -> ``(h, c)``, each ``(n, hidden_dim)``."""
-        size = self.hidden_dim
-        sig, u = self.leaf_gates(self.embedding(kinds)).split((2 * size, size), dim=1)
-        i, o = sig.sigmoid().split(size, dim=1)
-        c = i * u.tanh()
-        return o * c.tanh(), c
+        return _leaf_cell(self.leaf_gates(self.embedding(kinds)), self.hidden_dim)
 
     def sibling(
         self, h_left: torch.Tensor, c_left: torch.Tensor, h_right: torch.Tensor, c_right: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The children so far (left) merged with the next child (right): four ``(n, hidden_dim)`` -> ``(h, c)``."""
-        size = self.hidden_dim
-        sig, u = self.sibling_gates(torch.cat((h_left, h_right), dim=1)).split((4 * size, size), dim=1)
-        i, f_left, f_right, o = sig.sigmoid().split(size, dim=1)
-        c = i * u.tanh() + f_left * c_left + f_right * c_right
-        return o * c.tanh(), c
+        gates = self.sibling_gates(torch.cat((h_left, h_right), dim=1))
+        return _binary_cell(gates, c_left, c_right, self.hidden_dim)
 
     def node(
         self, kinds: torch.Tensor, h_children: torch.Tensor, c_children: torch.Tensor

@@ -95,25 +95,23 @@ class StepGuard:
 
     def refresh(self) -> None:
         """Find the places to read anew (a trace calls it: the model may have new attributes)."""
-        slots: dict[str, Callable[[], Any]] = {}
-        tensors: dict[int, tuple[str, Callable[[], Any]]] = {}
-        held = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
-        device = next((t.device for t in self.model.parameters()), None)
+        places = _Places(self.model)
         for name, module in self.model.named_modules():
-            where = f"of the model's {name}" if name else "of the model"
-            self._object(module.__dict__, where, slots, tensors, held, device, module=True)
+            places.attributes(
+                module.__dict__, f"of the model's {name}" if name else "of the model", module=True
+            )
         for kind in {type(module) for module in self.model.modules()}:
             if kind.__module__.startswith("torch."):
                 continue
             for function in _functions_of(kind):
-                self._globals(
-                    function, f"named by {kind.__name__}.{function.__name__}", slots, tensors, held, device
-                )
-        self._callable(self.loss, "the loss", slots, tensors, held, device, depth=0)
-        if device is not None:  # autocast changes the ops a trace records
-            slots[f"autocast on {device.type}"] = functools.partial(_autocast, device.type)
-        self._slots = list(slots.items())
-        self._tensors = list(tensors.values())
+                places.globals_named(function, f"named by {kind.__name__}.{function.__name__}")
+        places.function(self.loss, "the loss", depth=0)
+        if places.device is not None:  # autocast changes the ops a trace records
+            places.slots[f"autocast on {places.device.type}"] = functools.partial(
+                _autocast, places.device.type
+            )
+        self._slots = list(places.slots.items())
+        self._tensors = list(places.tensors.values())
 
     def values(self) -> tuple[Hashable, ...]:
         """What each place holds now (compare two with ``==``)."""
@@ -170,16 +168,23 @@ class StepGuard:
         """Where the guard reads (for messages and tests)."""
         return [label for label, _ in self._slots] + [label for label, _ in self._tensors]
 
-    # -- finding the places --------------------------------------------------------------------
 
-    def _object(
+class _Places:
+    """Where a step's Python side may read values from (:meth:`StepGuard.refresh`): each place a
+    label and a reader (``slots``), and the tensors to take as inputs (``tensors``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.slots: dict[str, Callable[[], Any]] = {}
+        self.tensors: dict[int, tuple[str, Callable[[], Any]]] = {}
+        #: the model's parameters and buffers (inputs already)
+        self.held = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+        self.device = next((t.device for t in model.parameters()), None)
+
+    def attributes(
         self,
         namespace: dict[str, Any],
         where: str,
-        slots: dict[str, Callable[[], Any]],
-        tensors: dict[int, tuple[str, Callable[[], Any]]],
-        held: set[int],
-        device: torch.device | None,
         *,
         module: bool = False,
         depth: int = 1,
@@ -189,88 +194,70 @@ class StepGuard:
                 continue
             label = f"the attribute {name} {where}"
             if isinstance(value, torch.Tensor):
-                self._tensor(value, _item(namespace, name), label, slots, tensors, held, device)
+                self.tensor(value, _item(namespace, name), label)
             elif frozen_value(value) is not _UNSEEN:
-                slots[label] = _attribute(namespace, name)
+                self.slots[label] = _attribute(namespace, name)
             elif depth > 0 and _plain_object(value):
-                self._object(vars(value), f"of {name} {where}", slots, tensors, held, device, depth=depth - 1)
+                self.attributes(vars(value), f"of {name} {where}", depth=depth - 1)
 
-    def _tensor(
+    def tensor(
         self,
         tensor: torch.Tensor,
         read: Callable[[], Any],
         label: str,
-        slots: dict[str, Callable[[], Any]],
-        tensors: dict[int, tuple[str, Callable[[], Any]]],
-        held: set[int],
-        device: torch.device | None,
     ) -> None:
-        if id(tensor) in held or id(tensor) in tensors:
+        if id(tensor) in self.held or id(tensor) in self.tensors:
             return
-        if device is not None and tensor.device == device and device.type != "cpu":
+        if self.device is not None and tensor.device == self.device and self.device.type != "cpu":
             # an input, read where it is kept at every step (a new tensor there is followed)
-            tensors[id(tensor)] = (label, read)
-            slots[label] = functools.partial(_layout_of, read)
+            self.tensors[id(tensor)] = (label, read)
+            self.slots[label] = functools.partial(_layout_of, read)
         else:  # a tensor a program would keep as a constant: replaced or changed in place, a new program
-            slots[label] = functools.partial(_version_of, read)
+            self.slots[label] = functools.partial(_version_of, read)
 
-    def _globals(
+    def globals_named(
         self,
         function: types.FunctionType,
         where: str,
-        slots: dict[str, Callable[[], Any]],
-        tensors: dict[int, tuple[str, Callable[[], Any]]],
-        held: set[int],
-        device: torch.device | None,
     ) -> None:
         namespace = function.__globals__
         for name in _names(function.__code__):
             value = namespace.get(name, _UNSEEN)
             if isinstance(value, torch.Tensor):
-                self._tensor(
-                    value, _item(namespace, name), f"the global {name} {where}", slots, tensors, held, device
-                )
+                self.tensor(value, _item(namespace, name), f"the global {name} {where}")
             elif value is not _UNSEEN and frozen_value(value) is not _UNSEEN:
-                slots[f"the global {name} {where}"] = _attribute(namespace, name)
+                self.slots[f"the global {name} {where}"] = _attribute(namespace, name)
 
-    def _callable(
+    def function(
         self,
         function: Any,
         where: str,
-        slots: dict[str, Callable[[], Any]],
-        tensors: dict[int, tuple[str, Callable[[], Any]]],
-        held: set[int],
-        device: torch.device | None,
         *,
         depth: int,
     ) -> None:
         if depth > 2:
             return
         if isinstance(function, functools.partial):
-            slots[f"the arguments of {where} (a functools.partial)"] = functools.partial(
+            self.slots[f"the arguments of {where} (a functools.partial)"] = functools.partial(
                 _partial_values, function
             )
             for number, value in enumerate(function.args):
                 if isinstance(value, torch.Tensor):
-                    self._tensor(
+                    self.tensor(
                         value,
                         functools.partial(_argument, function, number),
                         f"argument {number} of {where}",
-                        slots,
-                        tensors,
-                        held,
-                        device,
                     )
-            self._callable(function.func, where, slots, tensors, held, device, depth=depth + 1)
+            self.function(function.func, where, depth=depth + 1)
             return
         if isinstance(function, types.MethodType):
             owner = function.__self__
             if owner is not self.model and hasattr(owner, "__dict__"):
-                self._object(vars(owner), f"of the object {where} is bound to", slots, tensors, held, device)
+                self.attributes(vars(owner), f"of the object {where} is bound to")
             function = function.__func__
         if isinstance(function, types.FunctionType):
-            slots[f"which function {where} is"] = functools.partial(_code_of, function)
-            slots[f"the defaults of {where}"] = functools.partial(_defaults_of, function)
+            self.slots[f"which function {where} is"] = functools.partial(_code_of, function)
+            self.slots[f"the defaults of {where}"] = functools.partial(_defaults_of, function)
             for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
                 label = f"the variable {name} of {where}'s closure"
                 try:
@@ -278,27 +265,23 @@ class StepGuard:
                 except ValueError:  # not yet bound
                     continue
                 if isinstance(value, torch.Tensor):
-                    self._tensor(
-                        value, functools.partial(_cell_contents, cell), label, slots, tensors, held, device
-                    )
+                    self.tensor(value, functools.partial(_cell_contents, cell), label)
                 elif isinstance(value, torch.nn.Module):
                     continue  # (the model itself, or a module the guard does not own)
                 elif frozen_value(value) is not _UNSEEN:
-                    slots[label] = functools.partial(_cell_value, cell)
+                    self.slots[label] = functools.partial(_cell_value, cell)
                 elif _plain_object(value):
-                    self._object(vars(value), f"of {name} in {where}'s closure", slots, tensors, held, device)
+                    self.attributes(vars(value), f"of {name} in {where}'s closure")
                 elif callable(value):
-                    self._callable(
-                        value, f"{name} in {where}'s closure", slots, tensors, held, device, depth=depth + 1
-                    )
-            self._globals(function, f"named by {where}", slots, tensors, held, device)
+                    self.function(value, f"{name} in {where}'s closure", depth=depth + 1)
+            self.globals_named(function, f"named by {where}")
             return
         if callable(function) and not isinstance(function, torch.nn.Module) and hasattr(function, "__dict__"):
-            slots[f"which object {where} is"] = functools.partial(id, function)
-            self._object(vars(function), f"of {where}", slots, tensors, held, device)
+            self.slots[f"which object {where} is"] = functools.partial(id, function)
+            self.attributes(vars(function), f"of {where}")
             call = vars(type(function)).get("__call__")
             if isinstance(call, types.FunctionType):
-                self._globals(call, f"named by {where}", slots, tensors, held, device)
+                self.globals_named(call, f"named by {where}")
 
 
 def _functions_of(kind: type) -> Iterator[types.FunctionType]:

@@ -46,7 +46,7 @@ setup(
         "xla": ["torch==2.9.0", "torch_xla==2.9.0"],
         # the recipes of docs/guide/lightning-accelerate.md (tests/integrations, `make test-integrations`)
         "integrations": ["lightning>=2.0", "accelerate>=0.26"],
-        # TraceTrainer's metrics in TensorBoard (torchfold.train.tensorboard: torch's SummaryWriter needs it)
+        # TraceTrainer's metrics in TensorBoard (torchfold.train.loop.tensorboard: torch's SummaryWriter needs it)
         "tensorboard": ["tensorboard>=2.14"],
         "notebooks": NOTEBOOKS,
         "docs": DOCS,

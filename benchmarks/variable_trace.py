@@ -33,7 +33,7 @@ import torchfold
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, fit_static_shapes
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 
 def _compilations() -> int:

@@ -126,11 +126,11 @@ def test_no_import_cycles_through_type_imports() -> None:
 def test_imports_in_functions_and_for_types_are_seen(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text(
         "from typing import TYPE_CHECKING\n\n"
-        "if TYPE_CHECKING:\n    from torchfold.train.trace import BatchSizeTrace\n\n\n"
-        "def f() -> None:\n    from torchfold.train.plot import plot_trace\n"
+        "if TYPE_CHECKING:\n    from torchfold.train.schedule.trace import BatchSizeTrace\n\n\n"
+        "def f() -> None:\n    from torchfold.train.schedule.plot import plot_trace\n"
     )
-    modules = {"torchfold.train.trace", "torchfold.train.plot"}
-    assert _imports(tmp_path / "m.py", modules) == {"torchfold.train.plot"}
+    modules = {"torchfold.train.schedule.trace", "torchfold.train.schedule.plot"}
+    assert _imports(tmp_path / "m.py", modules) == {"torchfold.train.schedule.plot"}
     assert _imports(tmp_path / "m.py", modules, types=True) == modules
 
 
@@ -155,13 +155,13 @@ _LAYERS_BELOW = [
     (
         "torchfold.train.capture",
         (
-            "torchfold.train.trainer",
-            "torchfold.train.trainer_state",
-            "torchfold.train.trainer_args",
-            "torchfold.train.progress",
-            "torchfold.train.deferral",
-            "torchfold.train.checkpoint",
-            "torchfold.train.elastic",
+            "torchfold.train.loop.trainer",
+            "torchfold.train.loop.trainer_state",
+            "torchfold.train.loop.trainer_args",
+            "torchfold.train.loop.progress",
+            "torchfold.train.loop.deferral",
+            "torchfold.train.loop.checkpoint",
+            "torchfold.train.distributed.elastic",
         ),
     ),
 ]

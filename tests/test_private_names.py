@@ -15,7 +15,7 @@ FOLDERS = ("torchfold", "benchmarks", "scripts")
 
 
 def _module_name(path: Path, root: Path) -> str:
-    """``torchfold.train.trace`` for a package module; a benchmark or script is imported by its stem."""
+    """``torchfold.train.schedule.trace`` for a package module; a benchmark or script is imported by its stem."""
     parts = path.relative_to(root).with_suffix("").parts
     if parts[0] != "torchfold":
         return parts[-1]

@@ -32,7 +32,7 @@ import threading as _threading
 # code of the command line runs: a scheduler's SIGTERM then killed the run without a word (status
 # 143), where the command promises status 75 and a line. So, before the engine imports torch, a
 # process started as `python -m torchfold train` or `torchfold train` (and no other) handles
-# SIGTERM until the command installs its own (torchfold.train.preemption.terminated_on_sigterm):
+# SIGTERM until the command installs its own (torchfold.train.loop.preemption.terminated_on_sigterm):
 # nothing has started yet, so it writes the line and exits at once.
 
 _EARLY_SIGTERM_LINE = (

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from torchfold.cli.elastic import CSV_COLUMNS, elastic_schedule, main, processes_for
-from torchfold.train.availability import AvailabilityInterval, read_availability
-from torchfold.train.checkpoint import checkpoint_path, load_checkpoint
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.loop.checkpoint import checkpoint_path, load_checkpoint
+from torchfold.train.schedule.availability import AvailabilityInterval, read_availability
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from torchfold.cli.trace import main
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,13 @@ from _train_cli import run_train, small_run, write_sst
 
 from torchfold._validate import max_threads
 from torchfold.engine.static.shapes import StaticShapes
-from torchfold.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.loop.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +69,7 @@ def test_a_run_killed_right_after_a_checkpoint_keeps_every_history_line(
     args += ["--checkpoint-every", "1"]
     killed_after_checkpoint_3 = (
         "import os, signal, sys\n"
-        "import torchfold.train.trainer_state as trainer_state\n"
+        "import torchfold.train.loop.trainer_state as trainer_state\n"
         "from torchfold.cli.train import main\n"
         "save = trainer_state.save_checkpoint\n"
         "def save_then_die(state, path):\n"
@@ -563,7 +568,7 @@ def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
 
 def test_default_minibatch_size_is_a_deprecated_alias_of_largest_minibatch_size() -> None:
     from torchfold.cli.train import default_minibatch_size
-    from torchfold.train.trace import BatchSizeTrace
+    from torchfold.train.schedule.trace import BatchSizeTrace
 
     with pytest.warns(FutureWarning, match=r"BatchSizeTrace\.largest_minibatch_size"):
         assert default_minibatch_size(BatchSizeTrace([176, 224, 240])) == 16

@@ -15,7 +15,7 @@ import pytest
 from _external_task import MODULE, write_task
 from _train_cli import run_train
 
-from torchfold.train.checkpoint import list_checkpoints
+from torchfold.train.loop.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = f"{MODULE}:make_task"

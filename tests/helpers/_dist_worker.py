@@ -75,8 +75,8 @@ def run_ranks(
             "torch._dynamo",
             "torch.distributed",
             "_dist_worker",
-            "torchfold.train.optim",
-            "torchfold.train.sampler",
+            "torchfold.train.optim.optimizer",
+            "torchfold.train.data.sampler",
         ]
     )
     outs = [tmp / f"rank{rank}.pt" for rank in range(len(args_per_rank))]
@@ -106,7 +106,7 @@ REF_BATCH = 16
 
 
 def make_sampler(data_size: int, trace: list[int], minibatch_size: int, num_replicas: int, rank: int) -> Any:
-    from torchfold.train.sampler import TraceBatchSampler
+    from torchfold.train.data.sampler import TraceBatchSampler
 
     return TraceBatchSampler(
         data_size, trace, minibatch_size, num_replicas=num_replicas, rank=rank, shuffle=True, seed=7
@@ -131,7 +131,7 @@ def train(
     """
     import torch.nn.functional as F
 
-    from torchfold.train.optim import AccumulatingOptimizer
+    from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
     x, y = data
     sampler = make_sampler(len(x), trace, minibatch_size, num_replicas, rank)
@@ -179,7 +179,7 @@ def train_rank(
     how the others fail."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from torchfold.train.distributed import broadcast_parameters, fingerprint, init_distributed
+    from torchfold.train.distributed.world import broadcast_parameters, fingerprint, init_distributed
 
     init_distributed(
         "gloo",
@@ -224,7 +224,7 @@ def train_rank(
 
 def handshake_rank(rank: int, scenarios: list[dict[str, Any]]) -> list[str]:
     """One rank: for each scenario, try init_distributed with that rank's world size and config."""
-    from torchfold.train.distributed import init_distributed
+    from torchfold.train.distributed.world import init_distributed
 
     outcomes = []
     for scenario in scenarios:
@@ -260,7 +260,7 @@ def agent_store_rank(rank: int, world_size: int, port: int, restart: int) -> flo
     Joins with :func:`init_distributed` from the environment the agent sets, then all-reduces a 1:
     returns the sum (the world size when the group formed).
     """
-    from torchfold.train.distributed import init_distributed
+    from torchfold.train.distributed.world import init_distributed
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -100,9 +100,9 @@ def make_trainer(
 ) -> Any:
     """A TraceTrainer on ``trees`` for this process's rank, Adam with ``lr_rule``; ``options`` to TraceTrainer."""
     from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
-    from torchfold.train.loader import StepLoader
-    from torchfold.train.optim import AccumulatingOptimizer
-    from torchfold.train.trainer import TraceTrainer
+    from torchfold.train.data.loader import StepLoader
+    from torchfold.train.loop.trainer import TraceTrainer
+    from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
     vocab = Vocab.build(trees)
     random.seed(seed)  # with make_model's torch seed: every run starts from the same generator states
@@ -149,7 +149,7 @@ def train_rank(rank: int, world_size: int, port: int, runs: list[dict[str, Any]]
     """
     import time
 
-    from torchfold.train.distributed import init_distributed
+    from torchfold.train.distributed.world import init_distributed
 
     init_distributed("gloo", rank=rank, world_size=world_size, master_port=port, timeout=5.0)
     trees = sst_trees()

@@ -132,7 +132,7 @@ def _replica(index: int, sst: str, out: str, args: argparse.Namespace, initial: 
 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTMBuild
-    from torchfold.train.checkpoint import checkpoint_path
+    from torchfold.train.loop.checkpoint import checkpoint_path
 
     compile, steps, fail_rank = args.compile, args.steps, args.fail_rank
     world_size, rank = xr.world_size(), xr.global_ordinal()

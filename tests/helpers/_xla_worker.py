@@ -38,7 +38,7 @@ def train_on_xla(
     """
     import torch_xla
 
-    from torchfold.train.distributed import xla_sync
+    from torchfold.train.distributed.world import xla_sync
 
     device = torch_xla.device()
     model = copy.deepcopy(initial).to(device)
@@ -60,7 +60,7 @@ def train_on_xla(
 def _replica(index: int, initial: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor], out: str) -> None:
     import torch_xla.runtime as xr
 
-    from torchfold.train.distributed import world
+    from torchfold.train.distributed.world import world
 
     world_size, rank = xr.world_size(), xr.global_ordinal()
     assert world() == (world_size, rank, "torch_xla")

@@ -19,7 +19,7 @@ import torch
 from _loop_worker import make_trainer, sst_trees
 from _train_cli import run_train, small_run, train
 
-from torchfold.train.checkpoint import (
+from torchfold.train.loop.checkpoint import (
     CheckpointDirLock,
     HyperparameterMismatch,
     checkpoint_path,
@@ -620,7 +620,7 @@ def test_a_write_killed_half_way_leaves_a_temporary_file_the_next_run_removes(tm
     directory = tmp_path / "ck"
     kill = (
         "import os, signal, sys, torch\n"
-        "from torchfold.train.checkpoint import checkpoint_path, save_checkpoint\n"
+        "from torchfold.train.loop.checkpoint import checkpoint_path, save_checkpoint\n"
         "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed with its data written\n"
         "save_checkpoint({'step': 5, 'w': torch.ones(1000)}, checkpoint_path(sys.argv[1], 5))\n"
     )

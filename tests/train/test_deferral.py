@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchfold.train.deferral import DeferredReport
+from torchfold.train.loop.deferral import DeferredReport
 
 
 def test_a_held_step_is_reported_once_after_the_next_launch_and_at_the_end() -> None:

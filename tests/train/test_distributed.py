@@ -31,10 +31,10 @@ from _dist_worker import (
 from torch.nn.parallel import DistributedDataParallel
 
 import torchfold._deprecation
-from torchfold.train import distributed
-from torchfold.train.lr import scaled_lr
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.sampler import minibatches_per_rank
+from torchfold.train.data.sampler import minibatches_per_rank
+from torchfold.train.distributed import world as distributed
+from torchfold.train.optim.lr import scaled_lr
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 REPO = Path(__file__).resolve().parents[2]
 MINIBATCH = 8
@@ -243,7 +243,7 @@ _GLOO_THREADS_AFTER_DESTROY = """
 import os, sys
 import torch
 import torch.distributed as dist
-from torchfold.train.distributed import init_distributed
+from torchfold.train.distributed.world import init_distributed
 
 init_distributed("gloo", rank=0, world_size=1, master_port=int(sys.argv[1]), timeout=10.0)
 model = torch.nn.Linear(2, 2)
@@ -361,7 +361,7 @@ class _ClosedStore:
 
 
 def test_a_rank_that_loses_the_store_says_so_in_one_line_and_keeps_its_own_error() -> None:
-    from torchfold.train.distributed import _handshake
+    from torchfold.train.distributed.world import _handshake
 
     # Rank 0 left while rank 1 was still waiting for it: one clear line, not a C++ trace.
     with pytest.raises(RuntimeError) as info:

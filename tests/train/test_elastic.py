@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchfold.train.distributed import world
-from torchfold.train.elastic import ElasticConfig
-from torchfold.train.loader import StepLoader
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.elastic import ElasticConfig
+from torchfold.train.distributed.world import world
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,8 @@ from _dist_worker import free_port, run_ranks
 from _loop_worker import TRACE, make_trainer, params_of, sst_trees, train_rank
 from _train_cli import train, write_sst
 
-from torchfold.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from torchfold.train.trainer import PREEMPTED_EXIT_CODE
+from torchfold.train.loop.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from torchfold.train.loop.trainer import PREEMPTED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_DEVICE = 7  # per-device maximum in the elastic-split tests: uneven splits, never a multiple

@@ -1,4 +1,4 @@
-"""The envelope fitted before training (torchfold.train.envelope) and the loader's split of a minibatch
+"""The envelope fitted before training (torchfold.train.data.envelope) and the loader's split of a minibatch
 that does not fit it: the step stays exactly the same, and the envelope never grows after the warm-up."""
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from _loop_worker import sst_trees
 
 from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train.loader import StepLoader
-from torchfold.train.sampler import TraceBatchSampler
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import TraceBatchSampler
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
@@ -497,7 +497,7 @@ def test_iterating_leaves_the_global_generators_alone(num_workers: int) -> None:
 def test_an_exception_that_cannot_be_pickled_comes_back_with_its_type_and_message() -> None:
     import threading
 
-    from torchfold.train.loader import _portable
+    from torchfold.train.data.loader import _portable
 
     class Locked(Exception):  # local: pickling by reference fails too
         pass
@@ -551,7 +551,7 @@ def test_an_unclosed_loader_is_not_closed_by_a_forked_worker(tmp_path: Path) -> 
         """
         import gc
         from _loader_worker import collecting_build, failing_build
-        from torchfold.train.loader import StepLoader
+        from torchfold.train.data.loader import StepLoader
         gc.disable()  # only the worker's gc.collect() collects the first loader
         first = StepLoader(list(range(40)), 4, build=failing_build, shuffle=False, num_workers=1,
                            multiprocessing_context="fork")

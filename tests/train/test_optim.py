@@ -14,7 +14,7 @@ from _dist_worker import make_model, mnist_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 REF = 32
 LR = 0.05

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchfold.train.precision import ScaledLoss, autocast, check_precision, grad_scaler
+from torchfold.train.optim.precision import ScaledLoss, autocast, check_precision, grad_scaler
 
 
 def test_fp16_is_for_cuda_only_and_bf16_autocasts_anywhere() -> None:

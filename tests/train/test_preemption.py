@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import torchfold.train
-import torchfold.train.trainer
-from torchfold.train.preemption import (
+import torchfold.train.loop.trainer
+from torchfold.train.loop.preemption import (
     PREEMPTED_EXIT_CODE,
     Preempted,
     SigtermGuard,
@@ -56,7 +56,7 @@ def test_off_the_main_thread_nothing_is_installed() -> None:
 _TWICE = textwrap.dedent(
     """
     import os, signal, time
-    from torchfold.train.preemption import SigtermGuard
+    from torchfold.train.loop.preemption import SigtermGuard
 
     with SigtermGuard(rank=0).handling(timeout=60.0, step=lambda: 4):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -73,8 +73,8 @@ def test_a_second_sigterm_exits_at_once_with_the_status_of_a_killed_process() ->
 
 
 def test_preempted_imports_from_where_it_did_and_says_how_to_resume(tmp_path: Path) -> None:
-    assert torchfold.train.Preempted is torchfold.train.trainer.Preempted is Preempted
-    assert torchfold.train.PREEMPTED_EXIT_CODE == torchfold.train.trainer.PREEMPTED_EXIT_CODE == 75
+    assert torchfold.train.Preempted is torchfold.train.loop.trainer.Preempted is Preempted
+    assert torchfold.train.PREEMPTED_EXIT_CODE == torchfold.train.loop.trainer.PREEMPTED_EXIT_CODE == 75
     error = Preempted(8, tmp_path / "step-00000008.pt")
     assert error.exit_code == PREEMPTED_EXIT_CODE and error.step == 8
     assert str(error) == (

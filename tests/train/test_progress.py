@@ -7,7 +7,7 @@ import logging
 import pytest
 from _loop_worker import make_trainer, sst_trees
 
-from torchfold.train.progress import LOGGER
+from torchfold.train.loop.progress import LOGGER
 
 
 def test_without_log_the_lines_are_records_of_the_torchfold_logger(caplog: pytest.LogCaptureFixture) -> None:

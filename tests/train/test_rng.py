@@ -10,8 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchfold.train.checkpoint import load_checkpoint, save_checkpoint
-from torchfold.train.rng import derived_seed, rng_state, rng_state_problem, seed_generators, set_rng_state
+from torchfold.train.loop.checkpoint import load_checkpoint, save_checkpoint
+from torchfold.train.loop.rng import (
+    derived_seed,
+    rng_state,
+    rng_state_problem,
+    seed_generators,
+    set_rng_state,
+)
 
 
 def _draws() -> tuple[torch.Tensor, float, float]:
@@ -58,9 +64,9 @@ def test_a_captured_state_holds_every_host_generator_and_passes_its_own_check() 
 def test_the_old_checkpoint_paths_import_with_a_future_warning() -> None:
     code = (
         "import warnings; warnings.simplefilter('always')\n"
-        "import torchfold.train.rng as rng\n"
+        "import torchfold.train.loop.rng as rng\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
-        "    from torchfold.train.checkpoint import rng_state, set_rng_state\n"
+        "    from torchfold.train.loop.checkpoint import rng_state, set_rng_state\n"
         "assert rng_state is rng.rng_state and set_rng_state is rng.set_rng_state\n"
         "print([(w.category.__name__, str(w.message), w.filename) for w in caught])"
     )
@@ -68,7 +74,7 @@ def test_the_old_checkpoint_paths_import_with_a_future_warning() -> None:
     assert eval(out) == [
         (
             "FutureWarning",
-            f"torchfold.train.checkpoint.{name} is deprecated; use torchfold.train.rng.{name}",
+            f"torchfold.train.loop.checkpoint.{name} is deprecated; use torchfold.train.loop.rng.{name}",
             "<string>",  # the warning points at the user's import
         )
         for name in ("rng_state", "set_rng_state")

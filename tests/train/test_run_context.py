@@ -23,14 +23,14 @@ from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import RunContext, TraceTrainer, captured_step, run_context, world
 from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate
-from torchfold.train.distributed import (
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.world import (
     CHECKPOINT_MAP_LOCATION,
     accumulation_dtype,
     default_device,
     process_group_backend,
 )
-from torchfold.train.loader import StepLoader
-from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 META = torch.device("meta")
 

@@ -1,4 +1,4 @@
-"""Tests for torchfold.train.sampler.TraceBatchSampler: partition properties, plans, resume, errors."""
+"""Tests for torchfold.train.data.sampler.TraceBatchSampler: partition properties, plans, resume, errors."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchfold._deprecation
-from torchfold.train.sampler import StepSplit, TraceBatchSampler, minibatches_per_rank
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.data.sampler import StepSplit, TraceBatchSampler, minibatches_per_rank
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -421,7 +421,7 @@ def _free_port() -> int:
 
 WORKER = """
 import json, sys, torch.distributed as dist
-from torchfold.train.sampler import TraceBatchSampler
+from torchfold.train.data.sampler import TraceBatchSampler
 dist.init_process_group("gloo", init_method="env://")
 s = TraceBatchSampler(50, [6, 9, 3, 12, 30], minibatch_size=3, seed=7)  # world size and rank from dist
 plans = [(p.step, p.minibatches, p.local_minibatches) for p in s.steps()]

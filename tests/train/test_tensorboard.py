@@ -10,7 +10,7 @@ import pytest
 import torch
 from _loop_worker import make_trainer, sst_trees
 
-from torchfold.train.tensorboard import TensorBoardWriter
+from torchfold.train.loop.tensorboard import TensorBoardWriter
 
 
 def test_a_runs_log_lines_and_evaluations_reach_tensorboard(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from torchfold.train import threads
-from torchfold.train.threads import DEFAULT_THREADS, set_intra_op_threads
+from torchfold.train.loop import threads
+from torchfold.train.loop.threads import DEFAULT_THREADS, set_intra_op_threads
 
 
 @pytest.fixture(autouse=True)

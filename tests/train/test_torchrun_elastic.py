@@ -26,7 +26,7 @@ from _dist_worker import free_port
 from _train_cli import train
 
 from tests.train.test_elastic_training import _cli, _env
-from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
+from torchfold.train.loop.checkpoint import list_checkpoints, load_checkpoint
 
 # Fast failure detection and a short wait for more nodes: the test's seconds, not production values.
 # A node is dead once its heartbeat is older than interval x max_attempt. The agent renews its

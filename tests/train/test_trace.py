@@ -1,4 +1,4 @@
-"""Tests for torchfold.train.trace: parsing, validation, epochs, conversion, schedules, plots."""
+"""Tests for torchfold.train.schedule.trace: parsing, validation, epochs, conversion, schedules, plots."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.lr import scaled_lr
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
+from torchfold.train.optim.lr import scaled_lr
+from torchfold.train.schedule.trace import BatchSizeTrace, EpochSteps, as_trace
 
 
 def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:
@@ -526,10 +526,10 @@ def test_plot_unbounded_needs_num_steps(tmp_path: Path) -> None:
 
 def test_trace_modules_split_by_concept() -> None:
     # trace.py held CSV parsing, availability traces, the LR rule and plotting together.
-    import torchfold.train.availability as availability
-    import torchfold.train.lr as lr
-    import torchfold.train.plot as plot
-    import torchfold.train.trace as trace
+    import torchfold.train.optim.lr as lr
+    import torchfold.train.schedule.availability as availability
+    import torchfold.train.schedule.plot as plot
+    import torchfold.train.schedule.trace as trace
 
     assert {"read_availability", "AvailabilityInterval", "availability_batch_sizes"} <= set(
         availability.__all__

@@ -40,12 +40,12 @@ from _train_cli import train, write_sst
 from torchfold.engine.fold import Fold
 from torchfold.examples.datasets import Tree, Vocab
 from torchfold.examples.models import TreeLSTMBuild, encode_trees, tree_lstm_loss
-from torchfold.train.checkpoint import list_checkpoints, load_checkpoint
-from torchfold.train.loader import StepLoader
-from torchfold.train.lr import scaled_lr
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.sampler import minibatches_per_rank
-from torchfold.train.trainer import DEFAULT_LOG_EVERY, StepStats, TraceTrainer
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import minibatches_per_rank
+from torchfold.train.loop.checkpoint import list_checkpoints, load_checkpoint
+from torchfold.train.loop.trainer import DEFAULT_LOG_EVERY, StepStats, TraceTrainer
+from torchfold.train.optim.lr import scaled_lr
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 # The global batches of TRACE over 120 trees, worked out by hand: each epoch's last step is cut to
 # the trees left (drop_last=False), and epoch 1 starts at the trace step after epoch 0's last.

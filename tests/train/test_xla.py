@@ -21,7 +21,7 @@ from _dist_worker import make_model, mnist_rows, train
 from _xla_worker import MINIBATCH, RULES, TRACE, train_on_xla
 
 from tests.conftest import DATA_DIR
-from torchfold.train.sampler import minibatches_per_rank
+from torchfold.train.data.sampler import minibatches_per_rank
 
 pytestmark = pytest.mark.xla
 os.environ.setdefault("PJRT_DEVICE", "CPU")

@@ -3,7 +3,7 @@
 This module holds the command line and the process orchestration; the schedule (steps and
 segments) is :mod:`torchfold.cli.elastic_schedule`, the figure :mod:`torchfold.cli.elastic_plot`.
 
-A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.availability.read_availability`) says how
+A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.schedule.availability.read_availability`) says how
 many devices a job had over time. The replay scales that count to the processes one machine can
 run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
 seconds, as :meth:`~torchfold.train.BatchSizeTrace.from_availability` counts them) and cuts the
@@ -62,8 +62,8 @@ from torchfold.cli.elastic_schedule import (
     processes_for,
 )
 from torchfold.examples.datasets import ENV_VAR
-from torchfold.train.availability import read_availability
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.schedule.availability import read_availability
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 __all__ = [
     "ElasticRunError",
@@ -210,7 +210,7 @@ def _env() -> dict[str, str]:
 
 
 def _newest_step(directory: Path) -> int:
-    from torchfold.train.checkpoint import list_checkpoints
+    from torchfold.train.loop.checkpoint import list_checkpoints
 
     found = list_checkpoints(directory)
     return found[-1][0] if found else 0
@@ -396,7 +396,7 @@ def _run_reference(train_args: list[str], run_dir: Path, final_step: int, timeou
         raise ElasticRunError(
             f"reference run: ended at step {step}, expected {final_step}. Log {log}:{_log_tail(log)}"
         )
-    from torchfold.train.checkpoint import checkpoint_path
+    from torchfold.train.loop.checkpoint import checkpoint_path
 
     return checkpoint_path(directory, step)
 
@@ -409,7 +409,7 @@ def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]
     """
     import torch
 
-    from torchfold.train.checkpoint import load_checkpoint
+    from torchfold.train.loop.checkpoint import load_checkpoint
 
     ours, theirs = load_checkpoint(replay)["model"], load_checkpoint(reference)["model"]
     if ours.keys() != theirs.keys():
@@ -645,7 +645,7 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
     restarts = sum(1 for r in results if r.rows) - 1
     close = True
     if reference is not None:  # the result first: nothing after it can hide it
-        from torchfold.train.checkpoint import checkpoint_path
+        from torchfold.train.loop.checkpoint import checkpoint_path
 
         diff, count, close = compare_parameters(
             checkpoint_path(run_dir / "checkpoints", final_step), reference

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchfold.cli.elastic_schedule import ElasticSchedule
-from torchfold.train.availability import AvailabilityInterval
+from torchfold.train.schedule.availability import AvailabilityInterval
 
 __all__ = ["plot_elastic", "plot_unavailable"]
 

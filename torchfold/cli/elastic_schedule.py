@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchfold._validate import check_int
-from torchfold.train.availability import AvailabilityInterval
+from torchfold.train.schedule.availability import AvailabilityInterval
 
 __all__ = ["ElasticSchedule", "ScheduledStep", "Segment", "elastic_schedule", "processes_for"]
 
@@ -141,7 +141,7 @@ def elastic_schedule(
     process count changes. A pause that no step follows is left out.
 
     Args:
-        intervals: the trace's rows (:func:`~torchfold.train.availability.read_availability`).
+        intervals: the trace's rows (:func:`~torchfold.train.schedule.availability.read_availability`).
         step_time: trace seconds per step.
         max_processes: processes for the trace's peak device count (:func:`processes_for`).
         max_steps: keep at most this many steps.

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchfold._validate import positive_float, positive_int
-from torchfold.train.lr import LR_RULES
-from torchfold.train.trace import BatchSizeTrace
+from torchfold.train.optim.lr import LR_RULES
+from torchfold.train.schedule.trace import BatchSizeTrace
 
 __all__ = ["main"]
 

@@ -45,18 +45,18 @@ from torchfold._validate import (
 from torchfold.engine.static.shapes import StaticShapes
 from torchfold.examples.datasets import ENV_VAR, TreeParseError
 from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
-from torchfold.train.checkpoint import (
+from torchfold.train.data.envelope import fit_static_shapes
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.world import RunContext, default_device, init_distributed, run_context, world
+from torchfold.train.loop.checkpoint import (
     CheckpointDirLock,
     HyperparameterMismatch,
 )
-from torchfold.train.distributed import RunContext, default_device, init_distributed, run_context, world
-from torchfold.train.envelope import fit_static_shapes
-from torchfold.train.loader import StepLoader
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
+from torchfold.train.loop.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
+from torchfold.train.loop.trainer import Preempted, StepStats, TraceTrainer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.schedule.trace import BatchSizeTrace
 from torchfold.train.task import BUILTIN_TASKS, Task, load_task, parse_task_args
-from torchfold.train.trace import BatchSizeTrace
-from torchfold.train.trainer import Preempted, StepStats, TraceTrainer
 
 __all__ = ["build_parser", "main"]
 
@@ -329,9 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Ctrl-C (``KeyboardInterrupt``) ends it with one line and :data:`INTERRUPTED_EXIT_CODE`; the
     worker processes are stopped and the checkpoints written before it are kept. SIGTERM during
-    a step finishes it and writes a checkpoint (:class:`~torchfold.train.trainer.Preempted`); at
+    a step finishes it and writes a checkpoint (:class:`~torchfold.train.loop.trainer.Preempted`); at
     any other time it stops the run where it stands (:class:`Terminated`); both end with one line
-    and :data:`~torchfold.train.preemption.PREEMPTED_EXIT_CODE`.
+    and :data:`~torchfold.train.loop.preemption.PREEMPTED_EXIT_CODE`.
     """
     try:
         with terminated_on_sigterm():

@@ -24,7 +24,7 @@ from torchfold.engine.fold import Fold
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapes
 from torchfold.examples.datasets import Tree, Vocab
-from torchfold.train.envelope import fit_static_shapes
+from torchfold.train.data.envelope import fit_static_shapes
 
 __all__ = [
     "MLP",

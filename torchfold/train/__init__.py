@@ -11,7 +11,12 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 
 from torchfold._deprecation import moved_names
 from torchfold.train.capture import CapturedStep, captured_step
-from torchfold.train.distributed import (
+from torchfold.train.data.envelope import fit_static_shapes
+from torchfold.train.data.loader import Minibatch, Step, StepLoader, to_device
+from torchfold.train.data.prefetch import Prefetcher
+from torchfold.train.data.sampler import StepSplit, TraceBatchSampler
+from torchfold.train.distributed.elastic import ElasticConfig
+from torchfold.train.distributed.world import (
     RunContext,
     World,
     all_reduce_sum_,
@@ -24,23 +29,18 @@ from torchfold.train.distributed import (
     run_context,
     world,
 )
-from torchfold.train.distributed import (
+from torchfold.train.distributed.world import (
     get_rank as get_rank,  # deprecated: world().rank
 )
-from torchfold.train.distributed import (
+from torchfold.train.distributed.world import (
     get_world_size as get_world_size,  # deprecated: world().size
 )
-from torchfold.train.elastic import ElasticConfig
-from torchfold.train.envelope import fit_static_shapes
-from torchfold.train.loader import Minibatch, Step, StepLoader, to_device
-from torchfold.train.lr import scaled_lr
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.preemption import PREEMPTED_EXIT_CODE, Preempted
-from torchfold.train.prefetch import Prefetcher
-from torchfold.train.sampler import StepSplit, TraceBatchSampler
+from torchfold.train.loop.preemption import PREEMPTED_EXIT_CODE, Preempted
+from torchfold.train.loop.trainer import PlanLoss, StepStats, TraceTrainer
+from torchfold.train.optim.lr import scaled_lr
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.schedule.trace import BatchSizeTrace, EpochSteps, as_trace
 from torchfold.train.task import BUILTIN_TASKS, Task, load_task
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, as_trace
-from torchfold.train.trainer import PlanLoss, StepStats, TraceTrainer
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -84,5 +84,6 @@ __all__ = [
 # Names that were renamed (in torchfold a plan is a compiled fold): the old spelling still works,
 # warning once with the new one.
 __getattr__ = moved_names(
-    "torchfold.train", {"StepPlan": ("torchfold.train.sampler", "StepSplit", "torchfold.train.StepSplit")}
+    "torchfold.train",
+    {"StepPlan": ("torchfold.train.data.sampler", "StepSplit", "torchfold.train.StepSplit")},
 )

@@ -21,9 +21,9 @@ import torch
 from torchfold.engine.static.shapes import StaticShapes
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train.loader import StepLoader
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.trainer import StepStats, TraceTrainer
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.loop.trainer import StepStats, TraceTrainer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 NUM_TREES = 16
 MINIBATCH = 4
@@ -173,7 +173,7 @@ def test_xla_programs_take_targets_on_the_cpu() -> None:
     import torch_xla
 
     from torchfold.train.capture import XlaPrograms
-    from torchfold.train.loader import to_device
+    from torchfold.train.data.loader import to_device
 
     device = torch_xla.device()
     plan, targets, vocab = _first_batch()

@@ -4,9 +4,8 @@
 ``compile=``; the trainer calls its :meth:`~StepRunner.minibatch` and :meth:`~StepRunner.update`
 and nothing else.
 
-The package's names load on first use: :mod:`~torchfold.train.capture.xla_calls`, the one module
-on torch_xla's private calls, is imported by :mod:`~torchfold.train.distributed` too, which the
-runners import in turn.
+The package's names load on first use, each from its own module: importing one runner does
+not import the others' mechanisms.
 """
 
 from __future__ import annotations

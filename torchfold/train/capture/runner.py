@@ -39,10 +39,10 @@ from torchfold.train.capture.compiled import (
 )
 from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_step
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
-from torchfold.train.distributed import accumulation_dtype, world, xla_sync
-from torchfold.train.loader import to_device
+from torchfold.train.data.loader import to_device
+from torchfold.train.distributed.world import accumulation_dtype, world, xla_sync
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
 

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from torchfold.train.capture.runner import StepRunner, step_runner
-from torchfold.train.distributed import run_context
-from torchfold.train.loader import to_device
+from torchfold.train.data.loader import to_device
+from torchfold.train.distributed.world import run_context
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 __all__ = ["CapturedStep", "captured_step"]
 

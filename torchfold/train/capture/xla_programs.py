@@ -44,14 +44,14 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture import xla_calls
 from torchfold.train.capture._replay import optimizer_options, stepping, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.guards import StepGuard
-from torchfold.train.capture.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.capture.xla_linear import transposed_weights
-from torchfold.train.distributed import all_reduce_sum_
-from torchfold.train.loader import to_device
+from torchfold.train.data.loader import to_device
+from torchfold.train.distributed import xla_calls
+from torchfold.train.distributed.world import all_reduce_sum_
+from torchfold.train.distributed.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
 
 __all__ = [
@@ -70,7 +70,7 @@ _T = TypeVar("_T")
 
 def xla_programs_unavailable() -> str | None:
     """Why this torch_xla cannot replay traced programs (None if it can): the graph-cache calls
-    are those of :func:`~torchfold.train.capture.xla_calls.replay_unavailable`.
+    are those of :func:`~torchfold.train.distributed.xla_calls.replay_unavailable`.
 
     >>> isinstance(xla_programs_unavailable(), str | None)
     True
@@ -143,7 +143,7 @@ def _sync() -> None:
 def _positions(live: list[torch.Tensor], computed: _Computed) -> dict[int, int]:
     """Each live tensor's position, by the id of the device data it holds (the id a traced graph
     names its input by), taken just before a trace: each tensor is given a buffer of its own
-    first (:func:`~torchfold.train.capture.xla_calls.own_buffers`; ``computed``: the tensors
+    first (:func:`~torchfold.train.distributed.xla_calls.own_buffers`; ``computed``: the tensors
     that hold one already), so that no two roles, nor a role and a constant of the trace, share one."""
     for tensor in xla_calls.own_buffers(live, computed.holds):
         computed.add(tensor)
@@ -494,7 +494,7 @@ class XlaPrograms:
         before :meth:`update`; every replica calls it once per step, also one without minibatches.
         Returns the step's samples and minibatches over all replicas.
 
-        The all-reduce is a program of its own (:func:`~torchfold.train.distributed.all_reduce_sum_`),
+        The all-reduce is a program of its own (:func:`~torchfold.train.distributed.world.all_reduce_sum_`),
         the same at every step; the minibatch and update programs stay those of one device, so
         every replica replays the same programs. With the gradients goes what each replica had a
         gradient for, so that a parameter no replica has one for is left out of the update, as by

@@ -16,9 +16,9 @@ import torch
 
 from torchfold._validate import check_int
 from torchfold.engine.static.shapes import StaticPlan
-from torchfold.train.distributed import world
-from torchfold.train.loader import StepLoader
-from torchfold.train.optim import AccumulatingOptimizer
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.world import world
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 __all__ = [
     "Evaluate",

@@ -65,9 +65,9 @@ from torch.utils.data import Sampler
 
 from torchfold._deprecation import warn_renamed
 from torchfold._validate import SEED_MAX, check_int
-from torchfold.train.distributed import check_rank, world_or
-from torchfold.train.elastic import ElasticConfig
-from torchfold.train.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
+from torchfold.train.distributed.elastic import ElasticConfig
+from torchfold.train.distributed.world import check_rank, world_or
+from torchfold.train.schedule.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 
 __all__ = ["StepSplit", "TraceBatchSampler", "minibatches_per_rank"]
 

@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
-from torchfold.train.distributed import accumulation_dtype, all_reduce_sum_, world, xla_sync
-from torchfold.train.lr import scaled_lr
+from torchfold.train.distributed.world import accumulation_dtype, all_reduce_sum_, world, xla_sync
+from torchfold.train.optim.lr import scaled_lr
 
 _T = TypeVar("_T")
 __all__ = ["AccumulatingOptimizer", "check_max_grad_norm"]

@@ -2,7 +2,7 @@
 written, and how a run resumes from one.
 
 A checkpoint holds the model, the optimizer, the loader's position, every rank's generator states
-(:mod:`torchfold.train.rng`) and the run's ``settings`` (what the checkpoint is only valid with).
+(:mod:`torchfold.train.loop.rng`) and the run's ``settings`` (what the checkpoint is only valid with).
 It resumes on any number of processes: a step holds the same samples however many share it, and
 its update is their mean, so the parameters follow one uninterrupted run up to summation order.
 Random draws: with ``seed=``, the generators are seeded before every minibatch from ``(seed, step,
@@ -10,7 +10,7 @@ minibatch position in the step)``, so dropout depends on the minibatch, not on t
 runs it; with a fixed minibatch size that makes the draws, too, world-size invariant. Without
 ``seed``, each rank's generators continue where its checkpoint left them, which needs the same
 number of processes; on another number they are re-seeded from ``(step, rank)`` with a warning.
-The file format (atomic writes, checks of what is read) is :mod:`torchfold.train.checkpoint`'s.
+The file format (atomic writes, checks of what is read) is :mod:`torchfold.train.loop.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from torchfold.train.checkpoint import (
+from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.world import gather_objects, world
+from torchfold.train.loop.checkpoint import (
     check_trainer_state,
     latest_checkpoint,
     prune_checkpoints,
     save_checkpoint,
 )
-from torchfold.train.distributed import gather_objects, world
-from torchfold.train.loader import StepLoader
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.rng import derived_seed, rng_state, seed_generators, set_rng_state
+from torchfold.train.loop.rng import derived_seed, rng_state, seed_generators, set_rng_state
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 __all__ = [
     "DEVICE_OPTIONS",

@@ -16,8 +16,8 @@ steps completed, i.e. the global trace step to resume at); :func:`latest_checkpo
 newest and :func:`prune_checkpoints` keeps the last few.
 
 A trainer checkpoint holds every process's generator states, captured by
-:func:`~torchfold.train.rng.rng_state` (tensors and plain containers too);
-:func:`check_trainer_state` checks them with :func:`~torchfold.train.rng.rng_state_problem`.
+:func:`~torchfold.train.loop.rng.rng_state` (tensors and plain containers too);
+:func:`check_trainer_state` checks them with :func:`~torchfold.train.loop.rng.rng_state_problem`.
 
 :class:`CheckpointDirLock` keeps a second run off a directory that a run is writing to (an
 ``fcntl.flock`` on ``DIR/.lock``, released by the kernel when the holder exits, however it exits),
@@ -46,8 +46,8 @@ import torch
 
 from torchfold._deprecation import moved_names
 from torchfold._validate import brief, check_int
-from torchfold.train import rng as generators
-from torchfold.train.distributed import CHECKPOINT_MAP_LOCATION
+from torchfold.train.distributed.world import CHECKPOINT_MAP_LOCATION
+from torchfold.train.loop import rng as generators
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -67,9 +67,9 @@ __all__ = [
 
 # Names that moved to another module: the old path still works, warning once with the new one.
 __getattr__ = moved_names(
-    "torchfold.train.checkpoint",
+    "torchfold.train.loop.checkpoint",
     {
-        name: ("torchfold.train.rng", name, f"torchfold.train.rng.{name}")
+        name: ("torchfold.train.loop.rng", name, f"torchfold.train.loop.rng.{name}")
         for name in ("rng_state", "set_rng_state")
     },
 )
@@ -457,7 +457,7 @@ def load_checkpoint(
     Args:
         path: the checkpoint file.
         map_location: where to put its tensors (default
-            :data:`~torchfold.train.distributed.CHECKPOINT_MAP_LOCATION`, the CPU).
+            :data:`~torchfold.train.distributed.world.CHECKPOINT_MAP_LOCATION`, the CPU).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

@@ -10,9 +10,9 @@ A :class:`BatchSizeTrace` is an immutable sequence of positive integers, one per
   :meth:`~BatchSizeTrace.from_schedule` with ``"linear:32:256:1000"``-style specs),
 * a resource-availability trace, devices available over time
   (:meth:`BatchSizeTrace.from_availability`; the reading and conversion are in
-  :mod:`torchfold.train.availability`).
+  :mod:`torchfold.train.schedule.availability`).
 
-Learning-rate rules are in :mod:`torchfold.train.lr`, plotting in :mod:`torchfold.train.plot`.
+Learning-rate rules are in :mod:`torchfold.train.optim.lr`, plotting in :mod:`torchfold.train.schedule.plot`.
 
 :func:`as_trace` accepts any of these, and is what the sampler and the training loop call; its
 rule for a string (a file, ``"256"``, ``"32,64,96"``, a schedule) is also the command line's
@@ -59,9 +59,16 @@ from pathlib import Path
 from typing import Union, cast, overload
 
 from torchfold._validate import check_int
-from torchfold.train.availability import availability_batch_sizes
-from torchfold.train.csvrows import check_num_steps, csv_rows, looks_numeric, parse_int, show, text_lines
-from torchfold.train.plot import plot_trace
+from torchfold.train.schedule.availability import availability_batch_sizes
+from torchfold.train.schedule.csvrows import (
+    check_num_steps,
+    csv_rows,
+    looks_numeric,
+    parse_int,
+    show,
+    text_lines,
+)
+from torchfold.train.schedule.plot import plot_trace
 
 __all__ = ["BatchSizeTrace", "EpochSteps", "TraceLike", "as_trace"]
 
@@ -372,7 +379,7 @@ class BatchSizeTrace:
     ) -> BatchSizeTrace:
         """A trace from a resource-availability trace: devices available over time.
 
-        The file is read by :func:`~torchfold.train.availability.read_availability` (``,Time,GPUs`` rows; row ``i`` holds from its
+        The file is read by :func:`~torchfold.train.schedule.availability.read_availability` (``,Time,GPUs`` rows; row ``i`` holds from its
         time until row ``i + 1``'s). Steps take ``step_time`` seconds and run
         with ``devices * per_device_batch`` samples; an interval holds the steps whose start time
         falls in it (counted on the absolute clock, so fractions of a step carry over between
@@ -640,7 +647,7 @@ class BatchSizeTrace:
     plot = plot_trace
     """Plot batch size over steps (with ``lr``, the learning rate too) to a PNG.
 
-    ``trace.plot(path, ...)`` is :func:`~torchfold.train.plot.plot_trace` ``(trace, path, ...)``: one signature.
+    ``trace.plot(path, ...)`` is :func:`~torchfold.train.schedule.plot.plot_trace` ``(trace, path, ...)``: one signature.
     """
 
 

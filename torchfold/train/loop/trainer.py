@@ -12,18 +12,18 @@ to step with the trace, while the update equals one step on the whole global bat
 The loop is generic over the structure type: it never looks inside items or targets. For SST
 Tree-LSTMs the two halves are :class:`torchfold.examples.models.TreeLSTMBuild` (for the loader) and
 :func:`torchfold.examples.models.tree_lstm_loss` (for the trainer). Under ``torchrun`` each process
-runs the same code; create the process group first (:func:`torchfold.train.distributed.init_distributed`).
+runs the same code; create the process group first (:func:`torchfold.train.distributed.world.init_distributed`).
 
 The loop only loops; around the steps, other modules do the rest: how a step runs
-(:mod:`torchfold.train.capture`), its loss read back (:mod:`torchfold.train.stats`; in one process
-on an accelerator a step after the next one is launched, :mod:`torchfold.train.deferral`), the bar
-and log lines on the main rank (:mod:`torchfold.train.progress`), the checkpoints every
+(:mod:`torchfold.train.capture`), its loss read back (:mod:`torchfold.train.loop.stats`; in one process
+on an accelerator a step after the next one is launched, :mod:`torchfold.train.loop.deferral`), the bar
+and log lines on the main rank (:mod:`torchfold.train.loop.progress`), the checkpoints every
 ``checkpoint_every`` steps that :meth:`TraceTrainer.resume` continues from exactly, on any number
-of processes (:mod:`torchfold.train.trainer_state`), the generators (:mod:`torchfold.train.rng`).
+of processes (:mod:`torchfold.train.loop.trainer_state`), the generators (:mod:`torchfold.train.loop.rng`).
 
 **Preemption.** During :meth:`TraceTrainer.fit`, SIGTERM lets the current step finish; then the
 ranks agree to stop, write one checkpoint and :meth:`fit` raises
-:class:`~torchfold.train.preemption.Preempted` (:mod:`torchfold.train.preemption`).
+:class:`~torchfold.train.loop.preemption.Preempted` (:mod:`torchfold.train.loop.preemption`).
 """
 
 from __future__ import annotations
@@ -40,33 +40,32 @@ import torch
 
 from torchfold._validate import check_int
 from torchfold.train.capture import StepRunner, step_runner
-from torchfold.train.checkpoint import (
+from torchfold.train.data.loader import Step, StepLoader, to_device
+from torchfold.train.distributed.world import abort_replica_threads, broadcast_parameters, run_context, world
+from torchfold.train.loop.checkpoint import (
     checkpoint_path,
     keep_hyperparameters,
     latest_checkpoint,
     load_checkpoint,
     set_aside_checkpoints,
 )
-from torchfold.train.deferral import DeferredReport
-from torchfold.train.distributed import abort_replica_threads, broadcast_parameters, run_context, world
-from torchfold.train.loader import Step, StepLoader, to_device
-from torchfold.train.loss import PlanLoss
-from torchfold.train.optim import AccumulatingOptimizer, check_max_grad_norm
-from torchfold.train.precision import ScaledLoss, autocast, check_precision, grad_scaler
-from torchfold.train.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE  # (imported from here too)
-from torchfold.train.preemption import Preempted as Preempted
-from torchfold.train.preemption import SigtermGuard
-from torchfold.train.progress import (
+from torchfold.train.loop.deferral import DeferredReport
+from torchfold.train.loop.preemption import (
+    PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE,  # (imported from here too)
+)
+from torchfold.train.loop.preemption import Preempted as Preempted
+from torchfold.train.loop.preemption import SigtermGuard
+from torchfold.train.loop.progress import (
     DEFAULT_LOG_EVERY,
     MetricsCallback,
     StepProgress,
     default_log,
     progress_defaults,
 )
-from torchfold.train.rng import derived_seed, seed_generators
-from torchfold.train.stats import StepLoss, StepStats, read_loss, step_stats, summed_over_ranks
-from torchfold.train.threads import set_intra_op_threads
-from torchfold.train.trainer_args import (
+from torchfold.train.loop.rng import derived_seed, seed_generators
+from torchfold.train.loop.stats import StepLoss, StepStats, read_loss, step_stats, summed_over_ranks
+from torchfold.train.loop.threads import set_intra_op_threads
+from torchfold.train.loop.trainer_args import (
     Evaluate,
     check_arguments,
     check_evaluation,
@@ -76,13 +75,16 @@ from torchfold.train.trainer_args import (
     fit_end,
     warn_if_unpadded,
 )
-from torchfold.train.trainer_state import (
+from torchfold.train.loop.trainer_state import (
     checkpoint_due,
     load_trainer_state,
     non_finite_loss,
     trainer_state,
     write_checkpoint,
 )
+from torchfold.train.loss import PlanLoss
+from torchfold.train.optim.optimizer import AccumulatingOptimizer, check_max_grad_norm
+from torchfold.train.optim.precision import ScaledLoss, autocast, check_precision, grad_scaler
 
 if TYPE_CHECKING:  # (the mechanisms stay behind the runner: only their types are named here)
     from torchfold.train.capture.compiled import CompiledLoss
@@ -132,11 +134,11 @@ class TraceTrainer:
             newest (:meth:`resume`) at construction: a checkpoint of another run (other ``settings``,
             another optimizer, ``lr`` or ``momentum``, model or trace) is refused with a ValueError
             naming the difference; ``False`` starts at step 0 and first moves the old checkpoints to
-            a new ``checkpoint_dir/earlier-N`` (:func:`~torchfold.train.checkpoint.set_aside_checkpoints`),
+            a new ``checkpoint_dir/earlier-N`` (:func:`~torchfold.train.loop.checkpoint.set_aside_checkpoints`),
             so that nothing is overwritten and a later resume continues this run.
         override_hyperparameters: on resume, train on with this run's values of these
             hyperparameters (``"lr"``, ``"momentum"``) instead of refusing a checkpoint written with
-            others (:func:`~torchfold.train.checkpoint.keep_hyperparameters`).
+            others (:func:`~torchfold.train.loop.checkpoint.keep_hyperparameters`).
         checkpoint_every: write one every this many steps (0: only at the end of :meth:`fit`).
         keep_checkpoints: how many of the newest checkpoints to keep (default 2).
         log_every: log a line every this many steps, and at the last one, on the main rank (0:
@@ -144,11 +146,11 @@ class TraceTrainer:
             finds no terminal, else none (a bar, or ``progress=False``: a quiet run).
         progress: show a tqdm bar; ``None`` (default): on the main rank when stderr is a terminal.
         log: where log lines go (default: the ``torchfold`` logger at INFO, shown on stderr where
-            the program has not configured :mod:`logging`: :mod:`torchfold.train.progress`).
+            the program has not configured :mod:`logging`: :mod:`torchfold.train.loop.progress`).
         on_metrics: ``callback(step, metrics)`` or a list of them, called on the main rank with
             every log line's numbers (``train/loss``, ``train/lr``, ``train/batch_size``,
             ``train/samples_per_s``) and every evaluation's (``eval/<name>``), e.g. a
-            :class:`~torchfold.train.tensorboard.TensorBoardWriter`.
+            :class:`~torchfold.train.loop.tensorboard.TensorBoardWriter`.
         on_step: called with every step's :class:`StepStats` on every rank, before the checkpoint
             that follows the step (what it records is written before a checkpoint covers the step,
             and what it changes is saved in it) and before the next step is launched: a change it
@@ -158,7 +160,7 @@ class TraceTrainer:
         seed: seed every minibatch's random draws (torch, CUDA, XLA, Python's ``random``, NumPy)
             from ``(seed, step, minibatch position)``: world-size invariant dropout and exact
             resumes on any number of processes. ``None`` (default): generators run on.
-        handle_sigterm: stop cleanly on SIGTERM during :meth:`fit` (see :class:`~torchfold.train.preemption.Preempted`;
+        handle_sigterm: stop cleanly on SIGTERM during :meth:`fit` (see :class:`~torchfold.train.loop.preemption.Preempted`;
             default ``True``; only in the main thread).
         preemption_timeout: seconds a SIGTERM'd run may take to finish its step and checkpoint
             before it exits anyway (default 120).
@@ -172,7 +174,7 @@ class TraceTrainer:
             ``None`` unless given there).
         precision: ``"fp32"`` (default), ``"bf16"`` (each minibatch's forward and loss under
             ``torch.autocast`` to bfloat16, on any device) or ``"fp16"`` (float16 with a
-            ``GradScaler``: CUDA only); :mod:`torchfold.train.precision`. The parameters and the
+            ``GradScaler``: CUDA only); :mod:`torchfold.train.optim.precision`. The parameters and the
             update keep their dtype.
         evaluate: ``evaluate(model, eval_data) -> {"name": value}``, called on every rank in
             ``model.eval()`` and ``torch.no_grad()`` (and ``precision``'s autocast) after the steps
@@ -185,7 +187,7 @@ class TraceTrainer:
             ``evaluate`` is given and ``eval_every`` is not).
         num_threads: intra-op CPU threads for this process; ``None`` (default): the user's choice
             where one was made (``OMP_NUM_THREADS``, ``torch.set_num_threads``), else
-            :data:`~torchfold.train.threads.DEFAULT_THREADS` (:mod:`torchfold.train.threads`); set
+            :data:`~torchfold.train.loop.threads.DEFAULT_THREADS` (:mod:`torchfold.train.loop.threads`); set
             when :meth:`fit` starts, and said once in the log.
         compile: capture steps once per static-shape layout and replay them (how, on each device:
             :mod:`torchfold.train.capture`): ``"auto"`` (default) on XLA and CUDA, ``"on"`` on any
@@ -508,7 +510,7 @@ class TraceTrainer:
 
     def _run_step(self, step: Step[Any], defer: bool) -> tuple[StepStats, StepLoss | None]:
         """:meth:`train_step`; with ``defer`` (one process on an accelerator), its loss is left on the
-        device, returned beside the stats to be read later (:func:`~torchfold.train.stats.read_loss`),
+        device, returned beside the stats to be read later (:func:`~torchfold.train.loop.stats.read_loss`),
         so that the host goes on to the next step while the device still runs this one."""
         try:
             return self._train_step(step, defer)
@@ -551,7 +553,7 @@ class TraceTrainer:
             samples += minibatch.num_samples
         return samples, nodes
 
-    # -- checkpoints (what they hold and how a run resumes: torchfold.train.trainer_state) ----------
+    # -- checkpoints (what they hold and how a run resumes: torchfold.train.loop.trainer_state) ----------
 
     def _checkpoint_due(self) -> bool:
         return checkpoint_due(self.checkpoint_dir, self.checkpoint_every, self.next_step)
@@ -621,7 +623,7 @@ class TraceTrainer:
 
         (The constructor does it unless given ``resume=False``.) A checkpoint written with another
         optimizer, ``lr`` or ``momentum`` is refused naming it (a
-        :class:`~torchfold.train.checkpoint.HyperparameterMismatch`), unless the name is in
+        :class:`~torchfold.train.loop.checkpoint.HyperparameterMismatch`), unless the name is in
         ``override``: then this run's value is kept. Other differences (``settings``, the model,
         the trace) are refused by :meth:`load_state_dict`.
         """

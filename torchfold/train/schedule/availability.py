@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from torchfold._validate import check_int
-from torchfold.train.csvrows import (
+from torchfold.train.schedule.csvrows import (
     DIGITS,
     MAX_TRACE_STEPS,
     NUMBER,

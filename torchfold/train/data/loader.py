@@ -43,10 +43,10 @@ from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.static.shapes import StaticPlan, StaticShapesOverflow, StaticShapesWarning
-from torchfold.train.distributed import world_or
-from torchfold.train.envelope import seeded_pass
-from torchfold.train.sampler import StepSplit, TraceBatchSampler
-from torchfold.train.trace import TraceLike
+from torchfold.train.data.envelope import seeded_pass
+from torchfold.train.data.sampler import StepSplit, TraceBatchSampler
+from torchfold.train.distributed.world import world_or
+from torchfold.train.schedule.trace import TraceLike
 
 __all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
 
@@ -693,7 +693,7 @@ class StepLoader(Generic[T, R]):
         """One minibatch of each static-shape layout that a pass over the dataset makes: what a
         runner compiles its programs on before training needs them (a warm-up).
 
-        The pass is :func:`~torchfold.train.envelope.seeded_pass`, the one an envelope is fitted
+        The pass is :func:`~torchfold.train.data.envelope.seeded_pass`, the one an envelope is fitted
         to, in minibatches of the loader's size (``minibatch_size``, or ``max_device_batch_size``),
         built here, in this process, with a deep copy of ``build`` (the envelope and its counters
         stay as they are; the locks the build holds, of a cache or a tokenizer, are shared with the

@@ -1,7 +1,7 @@
 """Every call the replayed XLA programs make into torch_xla's private ``_XLAC`` module, in one place.
 
 The replays of :mod:`~torchfold.train.capture.xla_programs` (and the all-reduce of
-:mod:`~torchfold.train.distributed`) trace a step lazily, compile the
+:mod:`~torchfold.train.distributed.world`) trace a step lazily, compile the
 trace, and from then on run the compiled graph directly on the tensors that play each of its
 inputs' roles. torch_xla has no public API for this; its own dynamo bridge is built on the same
 private calls (graph hashes, the device data behind a trace's inputs, running a cached graph).

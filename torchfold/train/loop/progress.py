@@ -10,7 +10,7 @@ an evaluation, its metrics.
 Lines go to the ``torchfold`` logger (:data:`LOGGER`) at INFO, or to a ``log`` callable instead;
 where the program has not configured :mod:`logging`, the logger shows them on stderr (through
 tqdm, so that a bar stays whole). Beside the lines, each metrics callback (``on_metrics``, e.g. a
-:class:`~torchfold.train.tensorboard.TensorBoardWriter`) gets the same numbers by name:
+:class:`~torchfold.train.loop.tensorboard.TensorBoardWriter`) gets the same numbers by name:
 ``train/loss``, ``train/lr``, ``train/batch_size``, ``train/samples_per_s`` at every line, and
 ``eval/<name>`` for each metric of an evaluation.
 """
@@ -26,7 +26,7 @@ from types import TracebackType
 
 from tqdm import tqdm
 
-from torchfold.train.stats import StepStats
+from torchfold.train.loop.stats import StepStats
 
 __all__ = [
     "DEFAULT_LOG_EVERY",

@@ -19,7 +19,7 @@ import warnings
 
 from torchfold._deprecation import RenamedAttribute
 from torchfold._validate import check_int
-from torchfold.train.distributed import check_rank, world
+from torchfold.train.distributed.world import check_rank, world
 
 __all__ = ["ElasticConfig"]
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from torchfold._deprecation import RenamedAttribute
-from torchfold.train.distributed import all_reduce_sum_, world
-from torchfold.train.optim import AccumulatingOptimizer
-from torchfold.train.sampler import StepSplit
+from torchfold.train.data.sampler import StepSplit
+from torchfold.train.distributed.world import all_reduce_sum_, world
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 __all__ = ["StepLoss", "StepStats", "read_loss", "step_stats", "summed_over_ranks"]
 

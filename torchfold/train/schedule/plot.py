@@ -4,7 +4,7 @@ matplotlib is imported when a plot is drawn, not with this module: the rest of t
 need it. Without it, plotting raises an ImportError that names the extra to install.
 
 A trace is read through :class:`PlottedTrace`, what :func:`plot_trace` needs of one, so that
-this module knows nothing of :mod:`torchfold.train.trace`, whose ``BatchSizeTrace.plot`` it is.
+this module knows nothing of :mod:`torchfold.train.schedule.trace`, whose ``BatchSizeTrace.plot`` it is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchfold._validate import check_int
-from torchfold.train.lr import scaled_lr
+from torchfold.train.optim.lr import scaled_lr
 
 __all__ = ["plot_trace"]
 
@@ -31,7 +31,7 @@ def _figure_class() -> Any:
 
 
 class PlottedTrace(Protocol):
-    """What :func:`plot_trace` reads of a trace: a :class:`~torchfold.train.trace.BatchSizeTrace` is one."""
+    """What :func:`plot_trace` reads of a trace: a :class:`~torchfold.train.schedule.trace.BatchSizeTrace` is one."""
 
     @property
     def source(self) -> str: ...
@@ -63,7 +63,7 @@ def plot_trace(
         path: output image file.
         lr: base learning rate at ``ref_batch_size``; adds a learning-rate panel.
         ref_batch_size: reference batch size for ``lr`` (default: the first step's batch size).
-        rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`~torchfold.train.lr.scaled_lr`).
+        rule: ``"constant"``, ``"linear"`` or ``"sqrt"`` (see :func:`~torchfold.train.optim.lr.scaled_lr`).
         num_steps: how many steps to plot (required for an unbounded trace).
 
     Raises:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torchfold._deprecation import warn_renamed
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
-from torchfold.train.capture import xla_calls
+from torchfold.train.distributed import xla_calls
 
 __all__ = [
     "CHECKPOINT_MAP_LOCATION",

@@ -1,7 +1,7 @@
 """Reading the CSV files of traces: rows with line numbers, strict integers, errors naming file and line.
 
-Shared by :mod:`torchfold.train.trace` (``step,batchsize`` files) and
-:mod:`torchfold.train.availability` (``,Time,GPUs`` files).
+Shared by :mod:`torchfold.train.schedule.trace` (``step,batchsize`` files) and
+:mod:`torchfold.train.schedule.availability` (``,Time,GPUs`` files).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_the_exact_seed_loop_is_told_once_to_pad(data_dir: Any) -> None:
     import torch_xla
 
     from torchfold import Fold
-    from torchfold.engine.static.plan import EXACT_SIZES_WARN
+    from torchfold.engine.static.padded import EXACT_SIZES_WARN
     from torchfold.examples.models import TreeLSTM, encode_trees
 
     batches, vocab = _sst(data_dir)

@@ -11,7 +11,7 @@ why an envelope.
 """
 
 from torchfold.engine.static.layout import StaticLayout
-from torchfold.engine.static.plan import StaticInputs, StaticPlan
+from torchfold.engine.static.padded import StaticInputs, StaticPlan
 from torchfold.engine.static.shapes import (
     StaticShapes,
     StaticShapesOverflow,

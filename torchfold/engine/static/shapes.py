@@ -55,7 +55,7 @@ from torchfold.engine.ir import PlanData
 from torchfold.engine.static.columns import Batch, Column, OpKey, Stream, count_items, decode, request_kinds
 from torchfold.engine.static.layout import StaticLayout
 from torchfold.engine.static.pack import Packer
-from torchfold.engine.static.plan import StaticPlan
+from torchfold.engine.static.padded import StaticPlan
 
 __all__ = ["StaticShapes", "StaticShapesOverflow", "StaticShapesWarning", "envelope_for"]
 

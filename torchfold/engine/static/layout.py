@@ -3,7 +3,7 @@
 A :class:`StaticLayout` is all that stays constant between plans fitted to one version of a
 :class:`~torchfold.engine.static.shapes.StaticShapes` envelope (for one list of request
 kinds and one depth bucket): so one compiled graph (XLA, ``torch.compile``, a CUDA graph) per layout runs them all.
-It also pads a plan's arrays into its :class:`~torchfold.engine.static.plan.StaticPlan`.
+It also pads a plan's arrays into its :class:`~torchfold.engine.static.padded.StaticPlan`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torchfold._errors import FoldError
 from torchfold.engine.ir import PlanData, check_portable_op
 from torchfold.engine.node import Op
 from torchfold.engine.static.columns import Batch, Column, OpKey, Stream, count_items
-from torchfold.engine.static.plan import StaticInputs, StaticPlan, run
+from torchfold.engine.static.padded import StaticInputs, StaticPlan, run
 
 if TYPE_CHECKING:
     from torchfold.engine.static.shapes import StaticShapes
@@ -52,7 +52,7 @@ class StaticGather:
     is the number of calls each position takes (the slot's capacity, or 1 for a shared node).
     ``streams``: for a gather reading every earlier slot of its streams (trees), those streams;
     gathers reading one set of streams read prefixes of one list of pieces (slots are in depth
-    order), so the runner keeps one running concatenation per set: O(levels) operations, not
+    order), so the executor keeps one running concatenation per set: O(levels) operations, not
     O(levels²). None for a gather reading only the level before it (a chain: one piece or few).
     """
 
@@ -335,7 +335,7 @@ class StaticLayout:
     def run(self, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
         """Run the layout's ops on ``nn`` with one plan's ``inputs``; one padded tensor per request.
 
-        The runner of every plan (:func:`~torchfold.engine.executor.run_calls`), each slot's
+        The executor of every plan (:func:`~torchfold.engine.executor.run_calls`), each slot's
         arguments read as slices of ``inputs``. A pure function of ``nn`` and the tensors of
         ``inputs``: tensor operations only, no transfer, nothing read back to Python, no branch
         on a tensor's value; so it can be traced once per layout (``torch.compile``, a CUDA

@@ -157,7 +157,7 @@ _LAYERS_BELOW = [
         (
             "torchfold.train.loop.trainer",
             "torchfold.train.loop.trainer_state",
-            "torchfold.train.loop.trainer_args",
+            "torchfold.train.loop.arguments",
             "torchfold.train.loop.progress",
             "torchfold.train.loop.deferral",
             "torchfold.train.loop.checkpoint",

@@ -42,6 +42,16 @@ from torchfold._validate import check_int
 from torchfold.train.capture import StepRunner, step_runner
 from torchfold.train.data.loader import Step, StepLoader, to_device
 from torchfold.train.distributed.world import abort_replica_threads, broadcast_parameters, run_context, world
+from torchfold.train.loop.arguments import (
+    Evaluate,
+    check_arguments,
+    check_evaluation,
+    check_loader_rank,
+    check_parts,
+    ends_epoch,
+    fit_end,
+    warn_if_unpadded,
+)
 from torchfold.train.loop.checkpoint import (
     checkpoint_path,
     keep_hyperparameters,
@@ -65,16 +75,6 @@ from torchfold.train.loop.progress import (
 from torchfold.train.loop.rng import derived_seed, seed_generators
 from torchfold.train.loop.stats import StepLoss, StepStats, read_loss, step_stats, summed_over_ranks
 from torchfold.train.loop.threads import set_intra_op_threads
-from torchfold.train.loop.trainer_args import (
-    Evaluate,
-    check_arguments,
-    check_evaluation,
-    check_loader_rank,
-    check_parts,
-    ends_epoch,
-    fit_end,
-    warn_if_unpadded,
-)
 from torchfold.train.loop.trainer_state import (
     checkpoint_due,
     load_trainer_state,

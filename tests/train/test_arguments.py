@@ -1,4 +1,4 @@
-"""The trainer's argument and build checks (``train/trainer_args.py``)."""
+"""The trainer's argument and build checks, and the bounds of a fit (``train/loop/arguments.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torchfold.engine.static import StaticShapes
 from torchfold.examples.datasets import Vocab, generate_sst
 from torchfold.examples.models import TreeLSTMBuild
-from torchfold.train.loop.trainer_args import warn_if_unpadded
+from torchfold.train.loop.arguments import warn_if_unpadded
 
 
 def test_only_an_unpadded_plan_on_xla_is_warned_about() -> None:

@@ -78,7 +78,7 @@ from torchfold.train.loop.threads import set_intra_op_threads
 from torchfold.train.loop.trainer_state import (
     checkpoint_due,
     load_trainer_state,
-    non_finite_loss,
+    non_finite_loss_message,
     trainer_state,
     write_checkpoint,
 )
@@ -100,7 +100,7 @@ def _runs_whole(local_minibatches: int) -> bool:
 
 
 @dataclass
-class _Fit:
+class _FitCall:
     """One call of :meth:`TraceTrainer.fit`: the step it stops before, its bar and log lines, the steps run."""
 
     end: int
@@ -291,7 +291,7 @@ class TraceTrainer:
         self._sigterm = SigtermGuard(rank)
         # one process on an accelerator: fit() reads each step's loss while the next step runs
         self._defers = world().size == 1 and self.device.type != "cpu"
-        self._deferred: DeferredReport[tuple[_Fit, StepStats, StepLoss, float]] = DeferredReport(
+        self._deferred: DeferredReport[tuple[_FitCall, StepStats, StepLoss, float]] = DeferredReport(
             lambda held, until: self._complete(*held, until=until)
         )
         self._warned_unpadded = False
@@ -381,7 +381,7 @@ class TraceTrainer:
             self.next_step, end, self.progress, self.log_every, self.log, self.is_main, self.on_metrics
         )
         with sigterm, progress:
-            run = _Fit(end, progress)
+            run = _FitCall(end, progress)
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
                 self.loader.set_epoch(epoch)
                 self._fit_epoch(iter(self.loader), run)
@@ -390,7 +390,7 @@ class TraceTrainer:
                 self._final_checkpoint()
         return run.history
 
-    def _fit_epoch(self, steps: Iterator[Step[Any]], run: _Fit) -> None:
+    def _fit_epoch(self, steps: Iterator[Step[Any]], run: _FitCall) -> None:
         """Run the steps of one epoch until ``run.end``, recording each in ``run``.
 
         next() only while steps remain: the loader's position is then the trainer's. One process
@@ -437,7 +437,7 @@ class TraceTrainer:
 
     def _complete(
         self,
-        run: _Fit,
+        run: _FitCall,
         stats: StepStats,
         loss_sum: StepLoss | None,
         started: float,
@@ -447,7 +447,9 @@ class TraceTrainer:
         now), record the step and run what follows it: the bar and log, ``on_step``, a checkpoint."""
         if loss_sum is not None:
             seconds = (time.perf_counter() if until is None else until) - started
-            stats = dataclasses.replace(read_loss(stats, loss_sum, self._non_finite_loss), seconds=seconds)
+            stats = dataclasses.replace(
+                read_loss(stats, loss_sum, self._non_finite_loss_message), seconds=seconds
+            )
         self.next_step = stats.step + 1
         metrics = self.run_evaluation() if self._evaluation_due(stats.epoch) else None
         if metrics is not None:
@@ -497,8 +499,8 @@ class TraceTrainer:
         except (TypeError, ValueError) as e:
             raise TypeError(f"evaluate's metrics must be numbers (a float or a 0-dim tensor): {e}") from e
 
-    def _non_finite_loss(self, step: int, loss: float) -> str:
-        return non_finite_loss(step, loss, self.checkpoint_dir)
+    def _non_finite_loss_message(self, step: int, loss: float) -> str:
+        return non_finite_loss_message(step, loss, self.checkpoint_dir)
 
     def train_step(self, step: Step[Any]) -> StepStats:
         """Run one step: this rank's minibatches of ``step`` (maybe none), then the update.
@@ -506,7 +508,7 @@ class TraceTrainer:
         Every rank must call it for every step, also when it has no minibatch in it.
         """
         stats, loss = self._run_step(step, defer=False)
-        return read_loss(stats, loss, self._non_finite_loss)
+        return read_loss(stats, loss, self._non_finite_loss_message)
 
     def _run_step(self, step: Step[Any], defer: bool) -> tuple[StepStats, StepLoss | None]:
         """:meth:`train_step`; with ``defer`` (one process on an accelerator), its loss is left on the
@@ -533,7 +535,9 @@ class TraceTrainer:
         if defer:  # one process: its samples and SIGTERM are the step's; the loss is read later
             return stats, (loss_sum, scale)
         stop, loss = self._sigterm.received, loss_sum * scale
-        return summed_over_ranks(stats, loss, samples, stop, dtype, start, self._non_finite_loss), None
+        return summed_over_ranks(
+            stats, loss, samples, stop, dtype, start, self._non_finite_loss_message
+        ), None
 
     def _run_minibatches(self, step: Step[Any]) -> tuple[int, int]:
         """This rank's minibatches of ``step`` through the runner; their samples and plan nodes."""

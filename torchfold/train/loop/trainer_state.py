@@ -37,7 +37,7 @@ __all__ = [
     "DEVICE_OPTIONS",
     "checkpoint_due",
     "load_trainer_state",
-    "non_finite_loss",
+    "non_finite_loss_message",
     "on_this_device",
     "trainer_state",
     "write_checkpoint",
@@ -61,7 +61,7 @@ def write_checkpoint(state: dict[str, Any], path: Path, checkpoint_dir: Path | N
         prune_checkpoints(checkpoint_dir, keep)
 
 
-def non_finite_loss(step: int, loss: float, checkpoint_dir: Path | None) -> str:
+def non_finite_loss_message(step: int, loss: float, checkpoint_dir: Path | None) -> str:
     """Why the run stopped at ``step``, and the checkpoint to resume from."""
     last = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
     where = (

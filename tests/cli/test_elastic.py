@@ -1,4 +1,4 @@
-"""``python -m torchfold elastic replay``: the schedule as pure functions, bad input, and real replays."""
+"""``python -m torchfold elastic run``: the schedule as pure functions, bad input, and real elastic runs."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_schedule_max_steps_cuts_and_drops_what_follows() -> None:
 
 
 def test_schedule_steps_match_the_batch_size_trace(tmp_path: Path) -> None:
-    # The replay's steps are from_availability's: with 1 sample per device, batch size == devices.
+    # The elastic run's steps are from_availability's: with 1 sample per device, batch size == devices.
     path = write(tmp_path, ",Time,GPUs\n0,100.0,2\n1,110.0,0\n2,120.0,4\n3,125.5,1\n4,126.0,3\n5,140,0\n")
     schedule = elastic_schedule(read_availability(path), step_time=4, max_processes=2)
     trace = BatchSizeTrace.from_availability(path, per_device_batch=1, step_time=4)
@@ -195,7 +195,7 @@ def test_schedule_of_the_a100_trace(traces_dir: Path) -> None:
         (
             ",Time,GPUs\n0,0,2\n1,60,2\n",
             ["--step-time", "10", "--trace", "constant:48:3"],
-            "--trace constant:48:3 has 3 steps, the replay needs 6; use a longer trace, or --max-steps 3",
+            "--trace constant:48:3 has 3 steps, the elastic run needs 6; use a longer trace, or --max-steps 3",
         ),
     ],
 )
@@ -203,7 +203,7 @@ def test_bad_input_is_one_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, args: list[str], message: str
 ) -> None:
     path = write(tmp_path, text)
-    status = main(["replay", "--availability", str(path), "--run-dir", str(tmp_path / "run"), *args])
+    status = main(["run", "--availability", str(path), "--run-dir", str(tmp_path / "run"), *args])
     err = capsys.readouterr().err
     assert status == 2
     assert message in err
@@ -211,12 +211,12 @@ def test_bad_input_is_one_clear_error(
 
 
 def test_missing_file_and_used_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "--availability", str(tmp_path / "no.csv"), "--run-dir", str(tmp_path)]) == 2
+    assert main(["run", "--availability", str(tmp_path / "no.csv"), "--run-dir", str(tmp_path)]) == 2
     assert "no.csv" in capsys.readouterr().err
     path = write(tmp_path, ",Time,GPUs\n0,0,2\n1,60,2\n")
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000004.pt").write_bytes(b"")
-    assert main(["replay", "--availability", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    assert main(["run", "--availability", str(path), "--run-dir", str(tmp_path / "run")]) == 2
     assert "already holds checkpoints of a run; use a new --run-dir" in capsys.readouterr().err
 
 
@@ -225,23 +225,49 @@ def test_elastic_command_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli(["--help"]) == 0
     assert "elastic" in capsys.readouterr().out
+    assert cli(["elastic", "run", "--help"]) == 0
+    captured = capsys.readouterr()
+    assert "--max-device-batch-size" in captured.out and captured.err == ""
+    assert cli(["elastic", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "{run}" in out and "replay" not in out  # the earlier name is a hidden alias
+
+
+def test_the_earlier_name_still_runs_and_says_it_was_renamed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchfold.cli import main as cli
+
+    # The same missing trace through both names (past the parser, into the command itself): the
+    # same error, under the new name, after the line that names it.
+    args = ["--availability", str(tmp_path / "no.csv"), "--run-dir", str(tmp_path / "run"), "--data", "sst"]
+    assert cli(["elastic", "run", *args]) == 2
+    new = capsys.readouterr().err
+    assert cli(["elastic", "replay", *args]) == 2
+    old = capsys.readouterr().err
+    renamed = "torchfold elastic replay was renamed: use torchfold elastic run\n"
+    assert new.startswith("torchfold elastic run: error: ") and "no.csv" in new, new
+    assert old == renamed + new, old
     assert cli(["elastic", "replay", "--help"]) == 0
-    assert "--max-device-batch-size" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.err == renamed and "usage: python -m torchfold elastic run" in captured.out
 
 
-# -- real replays ----------------------------------------------------------------------------------
+# -- real elastic runs -----------------------------------------------------------------------------
 
 SMALL = ["--max-train", "120", "--max-words", "10", "--hidden-dim", "16", "--global-batch", "24"]
 
 
-def replay(tmp_path: Path, text: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def elastic_run(
+    tmp_path: Path, text: str, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     path = write(tmp_path, text)
     command = [
         sys.executable,
         "-m",
         "torchfold",
         "elastic",
-        "replay",
+        "run",
         "--availability",
         str(path),
         "--run-dir",
@@ -256,7 +282,7 @@ def replay(tmp_path: Path, text: str, *args: str, timeout: float = 240) -> subpr
 
 @pytest.mark.slow
 def test_a_failing_group_is_named(tmp_path: Path) -> None:
-    result = replay(
+    result = elastic_run(
         tmp_path,
         ",Time,GPUs\n0,0,1\n1,30,1\n",
         "--step-time",
@@ -273,7 +299,7 @@ def test_a_failing_group_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_hanging_group_is_killed_and_named(tmp_path: Path) -> None:
-    result = replay(
+    result = elastic_run(
         tmp_path,
         ",Time,GPUs\n0,0,1\n1,30,1\n",
         "--step-time",
@@ -291,7 +317,7 @@ def test_a_hanging_group_is_killed_and_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_without_matplotlib_the_replay_says_so_first_and_still_compares(
+def test_without_matplotlib_the_elastic_run_says_so_first_and_still_compares(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # matplotlib unimportable in this process (the groups, other processes, never import it)
@@ -300,7 +326,7 @@ def test_without_matplotlib_the_replay_says_so_first_and_still_compares(
     path = write(tmp_path, ",Time,GPUs\n0,0,1\n1,10,1\n")
     run = tmp_path / "run"
     argv = [
-        "replay",
+        "run",
         "--availability",
         str(path),
         "--run-dir",
@@ -313,20 +339,20 @@ def test_without_matplotlib_the_replay_says_so_first_and_still_compares(
     ]
     assert main(argv) == 0, capsys.readouterr()
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("replay.png will not be drawn: matplotlib could not be imported"), lines
+    assert lines[1].startswith("elastic.png will not be drawn: matplotlib could not be imported"), lines
     assert "pip install 'pytorch-fold[plot]'" in lines[1]
     [result] = [line for line in lines if line.startswith("parameters after step 1: ")]
     assert "within float64 summation-order tolerance" in result
-    assert lines[-1].startswith("replay.png not drawn: matplotlib could not be imported"), lines
-    assert (run / "replay.csv").is_file() and not (run / "replay.png").exists()
+    assert lines[-1].startswith("elastic.png not drawn: matplotlib could not be imported"), lines
+    assert (run / "steps.csv").is_file() and not (run / "elastic.png").exists()
 
 
 @pytest.mark.slow
-def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
+def test_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
     # 10 s per step: 4 of 6 devices (2 processes) for 4 steps, 6 (3) for 4, none for 2 step
     # times, then 1 device (1 process) for 4 steps.
     text = ",Time,GPUs\n0,1000,4\n1,1040,6\n2,1080,0\n3,1100,1\n4,1140,1\n"
-    result = replay(tmp_path, text, "--step-time", "10", "--max-device-batch-size", "4", timeout=300)
+    result = elastic_run(tmp_path, text, "--step-time", "10", "--max-device-batch-size", "4", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     run = tmp_path / "run"
     [result_line] = [
@@ -334,7 +360,7 @@ def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
     ]
     assert "within float64 summation-order tolerance" in result_line
 
-    with (run / "replay.csv").open() as f:
+    with (run / "steps.csv").open() as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames or ()) == CSV_COLUMNS
         rows = list(reader)
@@ -377,7 +403,7 @@ def test_replay_two_three_pause_one_matches_one_process(tmp_path: Path) -> None:
         for line in history.read_text().splitlines():
             assert json.loads(line).get("num_replicas", int(group["processes"])) == int(group["processes"])
 
-    assert (run / "replay.png").read_bytes().startswith(b"\x89PNG")
+    assert (run / "elastic.png").read_bytes().startswith(b"\x89PNG")
     ours = load_checkpoint(checkpoint_path(run / "checkpoints", 12))["model"]
     theirs = load_checkpoint(checkpoint_path(run / "reference", 12))["model"]
     torch.testing.assert_close(ours, theirs)

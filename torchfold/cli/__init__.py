@@ -17,7 +17,7 @@ USAGE = """usage: python -m torchfold COMMAND [ARGS...]
 
 commands:
   demo     train a small Tree-LSTM with dynamic batching (SST trees from a path, or generated ones)
-  elastic  replay a resource-availability trace with a real elastic training (elastic replay --help)
+  elastic  drive a real elastic training through a resource-availability trace (elastic run --help)
   trace    check, convert and plot batch-size traces (python -m torchfold trace --help)
   train    train a Tree-LSTM on SST with a batch-size trace, also under torchrun (train --help)
 """

@@ -1,35 +1,35 @@
-"""``python -m torchfold elastic replay``: drive a real training run through a resource-availability trace.
+"""``python -m torchfold elastic run``: drive a real training run through a resource-availability trace.
 
 This module holds the command line and the process orchestration; the schedule (steps and
 segments) is :mod:`torchfold.cli.elastic_schedule`, the figure :mod:`torchfold.cli.elastic_plot`.
 
 A resource trace (``,Time,GPUs`` rows, see :func:`~torchfold.train.schedule.availability.read_availability`) says how
-many devices a job had over time. The replay scales that count to the processes one machine can
+many devices a job had over time. The command scales that count to the processes one machine can
 run (:func:`processes_for`), maps trace time to optimizer steps (one step per ``step_time``
 seconds, as :meth:`~torchfold.train.BatchSizeTrace.from_availability` counts them) and cuts the
 steps into segments of one process count (:func:`elastic_schedule`). Each segment runs as one
 ``torchrun`` group of ``python -m torchfold train``, which resumes from the newest checkpoint;
-when the process count changes, the replay sends SIGTERM to the group's torchrun agent (it
+when the process count changes, the command sends SIGTERM to the group's torchrun agent (it
 forwards the signal to its workers, which finish the step in progress, checkpoint and exit), waits
 for it to exit, and starts the next group. Like a real preemption, the signal races the training:
 a group whose steps are faster than the signal's way to its workers runs a few steps of the next
-segment; ``replay.csv`` records the processes that ran each step, and the next group resumes
-from the newest checkpoint (or is skipped if it has nothing left to run). A span without devices pauses the run: no process
+segment; ``steps.csv`` records the processes that ran each step, and the next group resumes
+from the newest checkpoint (or is skipped if it has nothing left to run). A span without devices pauses the elastic run: no process
 runs for a short real pause. At the end one uninterrupted process trains on the same steps, and
-the replay compares the two runs' parameters: training is world-size invariant, so they agree up
+the command compares the two runs' parameters: training is world-size invariant, so they agree up
 to float summation order.
 
-The run folder holds ``replay.csv`` (one row per step), ``segments.csv`` (one row per group or
-pause), ``replay.png`` (with the ``plot`` extra; without matplotlib the replay says so before it
+The run folder holds ``steps.csv`` (one row per step), ``segments.csv`` (one row per group or
+pause), ``elastic.png`` (with the ``plot`` extra; without matplotlib the command says so before it
 starts, and runs and compares all the same), ``logs/`` (each group's output), ``history/`` (each group's step stats),
 ``checkpoints/`` and ``reference/`` (the uninterrupted run).
 
 Example::
 
-    python -m torchfold elastic replay --availability DATA/traces/gcp_a100_gpus.csv \\
+    python -m torchfold elastic run --availability DATA/traces/gcp_a100_gpus.csv \\
         --run-dir runs/a100 --step-time 630 --max-train 400 --max-words 12
 
-Exit status: 0 when the replay ran and its parameters match the uninterrupted run, 1 when a
+Exit status: 0 when every group ran and the parameters match the uninterrupted run, 1 when a
 group failed, hung or the parameters differ beyond summation order, 2 for bad arguments or input
 files (the message names the value, the file and line, and the fix).
 """
@@ -77,9 +77,13 @@ __all__ = [
     "processes_for",
 ]
 
-_PROG = "python -m torchfold elastic replay"
+_PROG = "python -m torchfold elastic run"
 
-# The columns of replay.csv, in order.
+# The command's earlier name: a hidden alias of `run` for one release, which says so on stderr.
+_OLD_NAME = "replay"
+_RENAMED = "torchfold elastic replay was renamed: use torchfold elastic run"
+
+# The columns of steps.csv, in order.
 CSV_COLUMNS = (
     "step",
     "trace_time_s",
@@ -99,7 +103,7 @@ CSV_COLUMNS = (
 
 
 class ElasticRunError(RuntimeError):
-    """A group of the replay failed, hung, or left no checkpoint (the message names the segment)."""
+    """A group of the elastic run failed, hung, or left no checkpoint (the message names the segment)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,16 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchfold elastic", description="Elastic training tools."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{replay}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run}")
     p = commands.add_parser(
-        "replay",
+        "run",
         prog=_PROG,
-        help="replay a resource-availability trace with a real training run",
-        description="Replay a resource-availability trace with a real Tree-LSTM training: scale the devices to "
+        help="drive a real training run through a resource-availability trace",
+        description="Drive a real Tree-LSTM training through a resource-availability trace: scale the devices to "
         "1..--max-processes gloo processes, restart the run (SIGTERM, torchrun with the new count, resume from "
         "the newest checkpoint) at every change of the process count, pause while no device is available, and "
         "compare the final parameters with one uninterrupted process. Arguments after '--' go to every "
-        "`python -m torchfold train` run. Writes replay.csv, segments.csv and (with matplotlib, the plot extra) replay.png to --run-dir.",
+        "`python -m torchfold train` run. Writes steps.csv, segments.csv and (with matplotlib, the plot extra) elastic.png to --run-dir.",
     )
     p.add_argument(
         "--availability", required=True, metavar="FILE", help="availability CSV (',Time,GPUs' rows)"
@@ -135,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         help="trace seconds per optimizer step (default: the trace's median row interval, one step per row)",
     )
-    p.add_argument("--max-steps", type=positive_int, help="replay at most this many steps")
+    p.add_argument("--max-steps", type=positive_int, help="run at most this many steps")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=positive_int, default=48, help="samples per step (default 48)")
     batch.add_argument(
@@ -182,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--segment-timeout",
         type=positive_float,
         default=600.0,
-        help="seconds one group may run before it is killed and the replay fails (default 600)",
+        help="seconds one group may run before it is killed and the elastic run fails (default 600)",
     )
     p.add_argument(
         "--stop-timeout",
@@ -332,7 +336,7 @@ def _run_group(
                     break
                 time.sleep(0.01)  # a short poll keeps the overrun past a segment small
         finally:
-            if process.poll() is None:  # an error or Ctrl-C in the replay itself: leave no process behind
+            if process.poll() is None:  # an error or Ctrl-C in this command itself: leave no process behind
                 _kill_group(process)
     seconds = time.monotonic() - began
     rows = _read_history(history)
@@ -375,7 +379,7 @@ def _run_reference(train_args: list[str], run_dir: Path, final_step: int, timeou
     ]
     env = _env()
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # one process, even when the replay itself runs under a launcher
+        env.pop(name, None)  # one process, even when this command itself runs under a launcher
     with log.open("wb") as out:
         out.write(("$ " + " ".join(command) + "\n").encode())
         out.flush()
@@ -401,7 +405,7 @@ def _run_reference(train_args: list[str], run_dir: Path, final_step: int, timeou
     return checkpoint_path(directory, step)
 
 
-def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]:
+def compare_parameters(elastic: Path, reference: Path) -> tuple[float, int, bool]:
     """``(max abs difference, number of values, within float summation-order tolerance)`` of two checkpoints' models.
 
     The tolerance is :func:`torch.testing.assert_close`'s default for the parameters' dtype
@@ -411,10 +415,10 @@ def compare_parameters(replay: Path, reference: Path) -> tuple[float, int, bool]
 
     from torchfold.train.loop.checkpoint import load_checkpoint
 
-    ours, theirs = load_checkpoint(replay)["model"], load_checkpoint(reference)["model"]
+    ours, theirs = load_checkpoint(elastic)["model"], load_checkpoint(reference)["model"]
     if ours.keys() != theirs.keys():
         raise ElasticRunError(
-            f"{replay} and {reference} hold different parameters: {sorted(ours)} vs {sorted(theirs)}"
+            f"{elastic} and {reference} hold different parameters: {sorted(ours)} vs {sorted(theirs)}"
         )
     diff, count = 0.0, 0
     for name, value in ours.items():
@@ -440,8 +444,15 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run ``elastic replay`` with ``argv`` (the arguments after ``elastic``); return the exit status."""
+    """Run ``elastic run`` with ``argv`` (the arguments after ``elastic``); return the exit status.
+
+    ``elastic replay``, the command's earlier name, still runs it (a hidden alias, for this release
+    only) after one line on stderr that names the new one.
+    """
     argv = list(argv)
+    if argv[:1] == [_OLD_NAME]:
+        print(_RENAMED, file=sys.stderr)
+        argv[0] = "run"
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -453,10 +464,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         return _run_elastic(args, extra)
     except (ValueError, FileNotFoundError) as e:  # bad arguments or input files
-        print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
+        print(f"torchfold elastic run: error: {e}", file=sys.stderr)
         return 2
     except (ElasticRunError, OSError) as e:
-        print(f"torchfold elastic replay: error: {e}", file=sys.stderr)
+        print(f"torchfold elastic run: error: {e}", file=sys.stderr)
         return 1
 
 
@@ -489,7 +500,7 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
         trace = BatchSizeTrace.parse(args.trace)
         if trace.num_steps is not None and trace.num_steps < final_step:
             raise ValueError(
-                f"--trace {args.trace} has {trace.num_steps} steps, the replay needs {final_step}; "
+                f"--trace {args.trace} has {trace.num_steps} steps, the elastic run needs {final_step}; "
                 f"use a longer trace, or --max-steps {trace.num_steps}"
             )
     train_args = [
@@ -533,13 +544,13 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
         (run_dir / folder).mkdir(parents=True, exist_ok=True)
     groups, pauses = schedule.groups, schedule.pauses
     print(
-        f"replay of {source}: {final_step} steps of {step_time:g} trace s, peak {schedule.peak_devices} devices "
+        f"elastic run of {source}: {final_step} steps of {step_time:g} trace s, peak {schedule.peak_devices} devices "
         f"-> {args.max_processes} processes; {_count(len(groups), 'group')}, {_count(len(pauses), 'pause')}; run folder {run_dir}",
         flush=True,
     )
     no_picture = plot_unavailable()
     if no_picture is not None:  # said before the training, not found after it
-        print(f"replay.png will not be drawn: {no_picture}", flush=True)
+        print(f"elastic.png will not be drawn: {no_picture}", flush=True)
     results: list[_GroupResult] = []
     segment_rows: list[dict[str, Any]] = []
     for segment in schedule.segments:
@@ -640,8 +651,8 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
                 "segment": result.segment.index,
             }
         )
-    _write_csv(run_dir / "replay.csv", rows)
-    print(f"written: {run_dir / 'replay.csv'}, {run_dir / 'segments.csv'}", flush=True)
+    _write_csv(run_dir / "steps.csv", rows)
+    print(f"written: {run_dir / 'steps.csv'}, {run_dir / 'segments.csv'}", flush=True)
     restarts = sum(1 for r in results if r.rows) - 1
     close = True
     if reference is not None:  # the result first: nothing after it can hide it
@@ -656,20 +667,20 @@ def _run_elastic(args: argparse.Namespace, extra: list[str]) -> int:
             else "NOT within float64 summation-order tolerance (assert_close: rtol 1e-07, atol 1e-07)"
         )
         print(
-            f"parameters after step {final_step}: replay ({_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}) vs one "
+            f"parameters after step {final_step}: elastic run ({_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}) vs one "
             f"uninterrupted process: max abs difference {diff:.3g} over {count} values; {verdict}",
             flush=True,
         )
     if no_picture is None:
         plot_elastic(
-            run_dir / "replay.png",
+            run_dir / "elastic.png",
             intervals,
             schedule,
             rows,
             [r.first_step for r in results[1:] if r.rows],  # where a restarted group resumed
             f"{Path(source).name}: {final_step} steps, {_count(restarts, 'restart')}, {_count(len(pauses), 'pause')}",
         )
-        print(f"written: {run_dir / 'replay.png'}")
+        print(f"written: {run_dir / 'elastic.png'}")
     else:
-        print(f"replay.png not drawn: {no_picture}")
+        print(f"elastic.png not drawn: {no_picture}")
     return 0 if close else 1

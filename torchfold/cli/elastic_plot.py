@@ -1,4 +1,4 @@
-"""The figure of an elastic replay (``replay.png``), drawn with matplotlib's Agg backend."""
+"""The figure of an elastic run (``elastic.png``), drawn with matplotlib's Agg backend."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ __all__ = ["plot_elastic", "plot_unavailable"]
 
 
 def plot_unavailable() -> str | None:
-    """Why ``replay.png`` cannot be drawn here (matplotlib, the ``plot`` extra, does not import), else ``None``.
+    """Why ``elastic.png`` cannot be drawn here (matplotlib, the ``plot`` extra, does not import), else ``None``.
 
-    The replay asks before it trains, and then trains and compares without the picture.
+    The elastic run asks before it trains, and then trains and compares without the picture.
     """
     try:
         import matplotlib  # noqa: F401
@@ -41,7 +41,7 @@ def plot_elastic(
     group_starts: Sequence[int],
     title: str,
 ) -> None:
-    """Write the replay's figure to ``path``: availability and processes, batch, accumulation, LR, loss.
+    """Write the elastic run's figure to ``path``: availability and processes, batch, accumulation, LR, loss.
 
     ``group_starts``: the first step of each group after the first (a dashed line marks each).
     """
@@ -53,7 +53,7 @@ def plot_elastic(
     scale, unit = _time_unit(horizon)
     fig = Figure(figsize=(9, 12))
     axes = fig.subplots(5, 1)
-    # Panel 1, over trace time: what the trace offered and what the replay ran.
+    # Panel 1, over trace time: what the trace offered and what the elastic run ran.
     shown = [i for i in intervals if i.start_time - origin < horizon]
     times = [(i.start_time - origin) / scale for i in shown] + [
         min(shown[-1].end_time - origin, horizon) / scale
@@ -105,7 +105,7 @@ def plot_elastic(
     )
     axes[2].legend(loc="upper right", fontsize=8)
     # Losses are points, one per step: without the repeated end.
-    axes[4].plot(steps[:-1], [r["loss"] for r in rows[:-1]], color="tab:red", label="replay")
+    axes[4].plot(steps[:-1], [r["loss"] for r in rows[:-1]], color="tab:red", label="elastic run")
     if any(r["reference_loss"] != "" for r in rows):
         axes[4].plot(
             steps[:-1],

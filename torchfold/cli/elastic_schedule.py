@@ -1,4 +1,4 @@
-"""The schedule of an elastic replay: an availability trace mapped onto optimizer steps and process groups.
+"""The schedule of an elastic run: an availability trace mapped onto optimizer steps and process groups.
 
 No processes are run here (that is :mod:`torchfold.cli.elastic`): :func:`elastic_schedule` turns the
 trace's intervals into a :class:`ElasticSchedule` of steps and :class:`Segment` s, one per stretch of
@@ -43,7 +43,7 @@ def processes_for(devices: int, peak_devices: int, max_processes: int) -> int:
 
 @dataclass(frozen=True)
 class ScheduledStep:
-    """One optimizer step of a replay: when it starts in the trace and what was available then.
+    """One optimizer step of an elastic run: when it starts in the trace and what was available then.
 
     Args:
         step: global step index (into the batch-size trace).
@@ -65,7 +65,7 @@ class Segment:
     """Consecutive steps with one process count (a group of processes), or a pause without devices.
 
     Args:
-        index: position in the replay, from 0.
+        index: position in the elastic run, from 0.
         processes: the group's processes; 0 for a pause.
         first_step: the first step the group runs (for a pause: the step it delays).
         end_step: the step after its last (``== first_step`` for a pause).
@@ -93,7 +93,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class ElasticSchedule:
-    """The steps and segments of a replay (see :func:`elastic_schedule`).
+    """The steps and segments of an elastic run (see :func:`elastic_schedule`).
 
     Args:
         steps: every step, in order.
@@ -109,7 +109,7 @@ class ElasticSchedule:
 
     @property
     def num_steps(self) -> int:
-        """Steps in the replay."""
+        """Steps in the elastic run."""
         return len(self.steps)
 
     @property
@@ -170,7 +170,7 @@ def elastic_schedule(
     if peak == 0:
         raise ValueError(
             f"{source}: no device is available at any time (all {len(intervals)} intervals have 0 devices); "
-            "a replay needs a trace with at least one device"
+            "an elastic run needs a trace with at least one device"
         )
     origin = intervals[0].start_time
     if not math.isfinite((intervals[-1].end_time - origin) / step_time):

@@ -171,7 +171,7 @@ def test_the_command_line_section_runs_as_written(tmp_path: Path, data_dir: Path
         assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert (tmp_path / "tpu.csv").is_file() and (tmp_path / "tpu.png").is_file()
     assert list((tmp_path / "runs" / "tpu").glob("*")), "train wrote no checkpoint"
-    assert (tmp_path / "runs" / "replay" / "replay.csv").is_file()
+    assert (tmp_path / "runs" / "elastic" / "steps.csv").is_file()
 
 
 def test_install_leads_with_what_works_today() -> None:

@@ -227,4 +227,4 @@ def test_clean_install_runs_the_readme_outside_the_repository(work: Path, wheel:
     write_task_module(outside)
     for command in commands:  # in order: train reads the trace that convert wrote
         run(cli_argv(command, data, str(python)), outside)
-    assert (outside / "tpu.png").is_file() and (outside / "runs" / "replay" / "replay.csv").is_file()
+    assert (outside / "tpu.png").is_file() and (outside / "runs" / "elastic" / "steps.csv").is_file()

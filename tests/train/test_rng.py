@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,23 +57,3 @@ def test_a_captured_state_holds_every_host_generator_and_passes_its_own_check() 
         rng_state_problem({"python": 0})
         == "expected a dict with 'torch' and 'python' entries, got {'python': 0}"
     )
-
-
-def test_the_old_checkpoint_paths_import_with_a_future_warning() -> None:
-    code = (
-        "import warnings; warnings.simplefilter('always')\n"
-        "import torchfold.train.loop.rng as rng\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    from torchfold.train.loop.checkpoint import rng_state, set_rng_state\n"
-        "assert rng_state is rng.rng_state and set_rng_state is rng.set_rng_state\n"
-        "print([(w.category.__name__, str(w.message), w.filename) for w in caught])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == [
-        (
-            "FutureWarning",
-            f"torchfold.train.loop.checkpoint.{name} is deprecated; use torchfold.train.loop.rng.{name}",
-            "<string>",  # the warning points at the user's import
-        )
-        for name in ("rng_state", "set_rng_state")
-    ]

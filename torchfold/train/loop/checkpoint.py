@@ -44,7 +44,6 @@ from typing import IO, Any, cast
 
 import torch
 
-from torchfold._deprecation import moved_names
 from torchfold._validate import brief, check_int
 from torchfold.train.distributed.world import CHECKPOINT_MAP_LOCATION
 from torchfold.train.loop import rng as generators
@@ -64,16 +63,6 @@ __all__ = [
     "save_checkpoint",
     "set_aside_checkpoints",
 ]
-
-# Names that moved to another module: the old path still works, warning once with the new one.
-__getattr__ = moved_names(
-    "torchfold.train.loop.checkpoint",
-    {
-        name: ("torchfold.train.loop.rng", name, f"torchfold.train.loop.rng.{name}")
-        for name in ("rng_state", "set_rng_state")
-    },
-)
-
 
 CHECKPOINT_FORMAT = "torchfold.checkpoint"
 CHECKPOINT_VERSION = 1

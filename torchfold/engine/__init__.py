@@ -2,10 +2,10 @@
 
 - :mod:`~torchfold.engine.node` and :mod:`~torchfold.engine.fold`: recording (``Fold.add``);
 - :mod:`~torchfold.engine.planner`: a recorded fold planned into a picklable :class:`FoldPlan`;
-- :mod:`~torchfold.engine.executor`: the runner of a plan, padded or not;
+- :mod:`~torchfold.engine.executor`: the executor of a plan, padded or not;
 - :mod:`~torchfold.engine.static`: padding a plan into a fixed envelope of shapes (XLA, CUDA graphs,
-  compiled steps), run by the same runner (``StaticLayout.run``);
-- :mod:`~torchfold.engine.ops`: calling an op and checking what it returns, for the runner;
+  compiled steps), run by the same executor (``StaticLayout.run``);
+- :mod:`~torchfold.engine.ops`: calling an op and checking what it returns, for the executor;
 - :mod:`~torchfold.engine.eager`: the eager twin (:class:`EagerFold`), one call per node, for tests;
 - :mod:`~torchfold.engine.draw`: pictures of a fold (needs the ``plot`` extra).
 

@@ -1,4 +1,4 @@
-"""The runner of a plan, padded or not: one loop over its batched calls (:func:`run_calls`).
+"""The executor of a plan, padded or not: one loop over its batched calls (:func:`run_calls`).
 
 :func:`run_calls` resolves the ops, then for each batched call in order assembles its
 arguments, calls the op (:func:`~torchfold.engine.ops.call_op`), checks and keeps what it
@@ -42,7 +42,7 @@ _Tensor = torch.Tensor
 
 
 class BatchedCall(Protocol):
-    """What the runner reads of a batched call: a plan's ``GroupCall`` or a static ``Slot``."""
+    """What the executor reads of a batched call: a plan's ``GroupCall`` or a static ``Slot``."""
 
     op: Op
     name: str
@@ -74,7 +74,7 @@ class Results(Protocol[_Call]):
         ...
 
 
-# NOTE: one runner for plain and padded plans. The loop, the op call, the output checks and the
+# NOTE: one executor for plain and padded plans. The loop, the op call, the output checks and the
 # request assembly are here once; a plan kind only says how it reads arguments (a plain plan:
 # numpy indices, with pass-through, combined gathers and compaction, and precise mismatch
 # errors; a static layout: slices of its packed input tensors and running concatenations). The

@@ -185,7 +185,7 @@ class Fold:
             op: the name of a method of the module given to ``apply``, or a callable.
             *args: nodes of this fold, ints, floats or tensors (leading dim = rows). The op
                 must not change its arguments in place (``apply`` refuses it: a batched argument
-                is an earlier node's own rows or a copy, as the runner chooses).
+                is an earlier node's own rows or a copy, as the executor chooses).
 
         Raises:
             FoldError: an argument is a node of another fold, an int outside int64, or of an

@@ -1,13 +1,13 @@
-"""Calling an op on one batched call and checking what it returns: one place for every runner.
+"""Calling an op on one batched call and checking what it returns: one place for the executor.
 
-The runner (:func:`torchfold.engine.executor.run_calls`), for plain and padded plans alike,
+The executor (:func:`torchfold.engine.executor.run_calls`), for plain and padded plans alike,
 calls each op through :func:`call_op` and checks its result with :func:`check_outputs`, so a
 failing op reads the same whichever kind of plan ran it (a padded call says ``padded; static
 shapes``). It resolves ops on the module with :func:`torchfold.engine.resolve.resolve_ops`. The
 eager twin (:class:`~torchfold.EagerFold`) keeps the same rule on arguments changed in place
 (:func:`versions`, :func:`check_unchanged`).
 
-Everything here runs inside compiled steps too (``torch.compile`` traces the runner on padded plans):
+Everything here runs inside compiled steps too (``torch.compile`` traces the executor on padded plans):
 no branch on a tensor's value, and ``isinstance`` with tuples of types, not PEP 604 unions.
 """
 
@@ -114,11 +114,11 @@ def tuple_used_whole(what: str, name: str, depth: int, count: int) -> FoldError:
 
 # NOTE: ops must not change their arguments in place. A batched argument is the very tensor of
 # an earlier result (passed through whole, or a view of one call's rows) or a gathered copy, as
-# the runner chooses, and padding copies some more: an in-place change would reach the earlier
+# the executor chooses, and padding copies some more: an in-place change would reach the earlier
 # nodes in one kind of plan and not in the other (unpadded [[2, 2], [2, 2]], padded [[1, 1], [2, 2]]).
 # Refusing it is the only rule both kinds of plan, and the eager twin, can keep alike. The version
 # counters make the check cheap; inference tensors keep none, and a compiled graph (torch.compile
-# traces the runner) has no counters to read, so there the check is skipped.
+# traces the executor) has no counters to read, so there the check is skipped.
 
 
 def versions(args: Sequence[Any]) -> list[int] | None:

@@ -52,7 +52,7 @@ class StaticGather:
     is the number of calls each position takes (the slot's capacity, or 1 for a shared node).
     ``streams``: for a gather reading every earlier slot of its streams (trees), those streams;
     gathers reading one set of streams read prefixes of one list of pieces (slots are in depth
-    order), so the runner keeps one running concatenation per set: O(levels) operations, not
+    order), so the executor keeps one running concatenation per set: O(levels) operations, not
     O(levels²). None for a gather reading only the level before it (a chain: one piece or few).
     """
 
@@ -335,7 +335,7 @@ class StaticLayout:
     def run(self, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
         """Run the layout's ops on ``nn`` with one plan's ``inputs``; one padded tensor per request.
 
-        The runner of every plan (:func:`~torchfold.engine.executor.run_calls`), each slot's
+        The executor of every plan (:func:`~torchfold.engine.executor.run_calls`), each slot's
         arguments read as slices of ``inputs``. A pure function of ``nn`` and the tensors of
         ``inputs``: tensor operations only, no transfer, nothing read back to Python, no branch
         on a tensor's value; so it can be traced once per layout (``torch.compile``, a CUDA

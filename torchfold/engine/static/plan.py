@@ -1,7 +1,7 @@
 """A plan padded into an envelope (:class:`StaticPlan`), its inputs (:class:`StaticInputs`), and how they run.
 
 :meth:`StaticLayout.run <torchfold.engine.static.layout.StaticLayout.run>` (:func:`run`) is the
-runner of every plan (:func:`~torchfold.engine.executor.run_calls`) with its arguments read as
+executor of every plan (:func:`~torchfold.engine.executor.run_calls`) with its arguments read as
 slices of the inputs' tensors: a pure function of a module and those tensors, so that compiled
 steps can trace it once per layout. :meth:`StaticPlan.apply` runs it on the plan's own inputs.
 """
@@ -40,7 +40,7 @@ EXACT_SIZES_WARN = 4
 
 
 class StaticInputs(NamedTuple):
-    """What one batch gives a :class:`StaticLayout`'s runner: fixed-shape tensors, one set per plan.
+    """What one batch gives a :class:`StaticLayout`'s executor: fixed-shape tensors, one set per plan.
 
     ``ints`` (int64) holds every gather's index and every int column, ``floats`` (the default
     float dtype) every float column, end to end; their lengths are the layout's
@@ -243,7 +243,7 @@ def _outside_torchfold() -> int:
 
 
 def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool = True) -> list[_Tensor]:
-    """:meth:`StaticLayout.run` (see there): the runner (:func:`~torchfold.engine.executor.run_calls`)
+    """:meth:`StaticLayout.run` (see there): the executor (:func:`~torchfold.engine.executor.run_calls`)
     on the layout's slots, their arguments read from one plan's inputs."""
     if not padded:
         raise ValueError(
@@ -267,7 +267,7 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
 class _SlotResults:
     """A static layout's results (:class:`~torchfold.engine.executor.Results`): the outputs of the
     slots run so far, by (slot, output or None), and the running concatenations; arguments are
-    slices of the inputs' packed tensors. Tensor operations only: the runner is traced through it."""
+    slices of the inputs' packed tensors. Tensor operations only: the executor is traced through it."""
 
     def __init__(self, layout: StaticLayout, inputs: StaticInputs) -> None:
         self.slots = layout.slots

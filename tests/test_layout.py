@@ -147,44 +147,172 @@ def test_engine_imports_nothing_above_it(forbidden: str) -> None:
     assert {name: deps for name, deps in offenders.items() if deps} == {}
 
 
-# The training half's layers, each importing only below it: the step mechanisms (capture) know
-# nothing of the loop that calls them or of what it writes; the library nothing of its examples.
-_LAYERS_BELOW = [
-    ("torchfold.train", ("torchfold.examples", "torchfold.cli")),
-    ("torchfold.examples", ("torchfold.cli",)),
-    (
-        "torchfold.train.capture",
-        (
-            "torchfold.train.loop.trainer",
-            "torchfold.train.loop.trainer_state",
-            "torchfold.train.loop.arguments",
-            "torchfold.train.loop.progress",
-            "torchfold.train.loop.deferral",
-            "torchfold.train.loop.checkpoint",
-            "torchfold.train.distributed.elastic",
-        ),
-    ),
+# The layers, bottom to top: a module imports modules of its own layer and of the layers below,
+# never one above. ``x.*`` is the package ``x`` and every module under it; a plain name is that
+# module alone (the ``torchfold.train`` package re-exports the layers' public names, so it sits
+# above them all, though its subpackages are below it). Where the two modules at the top of
+# ``torchfold/train/`` sit, by their imports: ``loss`` (``PlanLoss``, a protocol) imports nothing of
+# the training half and the optimizer's precision and the runners name it, so it is the bottom;
+# ``task`` imports nothing of it either and nothing of it imports ``task`` (the CLI and the examples
+# do): the loop runs without a task, so it sits above the loop.
+LAYERS: list[tuple[str, ...]] = [
+    ("torchfold._deprecation", "torchfold._errors", "torchfold._validate", "torchfold._version"),
+    ("torchfold.engine.*",),
+    ("torchfold.train.loss",),
+    ("torchfold.train.distributed.*",),
+    ("torchfold.train.optim.*",),
+    ("torchfold.train.schedule.*",),
+    ("torchfold.train.data.*",),
+    ("torchfold.train.capture.*",),
+    ("torchfold.train.loop.*",),
+    ("torchfold.train.task",),
+    ("torchfold.train",),
+    ("torchfold.examples.*",),
+    ("torchfold.cli.*",),
+    ("torchfold", "torchfold.__main__"),
 ]
 
 
-def _upward(layer: str, above: tuple[str, ...]) -> dict[str, list[str]]:
-    """Each module of ``layer`` that imports a module of ``above``, with those modules."""
+def _layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
+    """The index in ``layers`` of the layer that holds ``module`` (None: in none of them)."""
+    for number, entries in enumerate(layers):
+        for entry in entries:
+            package = entry.removesuffix(".*")
+            if module == package or (entry.endswith(".*") and module.startswith(package + ".")):
+                return number
+    return None
+
+
+def _upward(graph: dict[str, set[str]], layers: list[tuple[str, ...]], layer: int) -> dict[str, list[str]]:
+    """Each module of layer number ``layer`` that imports a module of a layer above it, with those modules."""
     offenders = {
-        name: sorted(d for d in deps if any(d == up or d.startswith(up + ".") for up in above))
-        for name, deps in _graph().items()
-        if name == layer or name.startswith(layer + ".")
+        name: sorted(dep for dep in deps if (_layer_of(dep, layers) or 0) > layer)
+        for name, deps in graph.items()
+        if _layer_of(name, layers) == layer
     }
     return {name: deps for name, deps in offenders.items() if deps}
 
 
-@pytest.mark.parametrize(("layer", "above"), _LAYERS_BELOW, ids=[layer for layer, _ in _LAYERS_BELOW])
-def test_no_import_points_up(layer: str, above: tuple[str, ...]) -> None:
-    assert _upward(layer, above) == {}
+def test_every_module_has_a_layer() -> None:
+    """A new module or subpackage is placed in ``LAYERS`` (by where its imports put it)."""
+    assert sorted(name for name in _graph() if _layer_of(name, LAYERS) is None) == []
+
+
+@pytest.mark.parametrize(
+    "layer", range(len(LAYERS)), ids=[entries[0].removesuffix(".*") for entries in LAYERS]
+)
+def test_no_import_points_up(layer: int) -> None:
+    assert _upward(_graph(), LAYERS, layer) == {}
+
+
+@pytest.mark.parametrize(
+    "layer", range(len(LAYERS)), ids=[entries[0].removesuffix(".*") for entries in LAYERS]
+)
+def test_no_type_import_points_up(layer: int) -> None:
+    """Imports for annotations alone keep the order too: a type a lower layer needs from a higher
+    one is a type in the wrong layer (the runner's mechanisms' types, which the trainer's
+    ``compiled`` and ``replay`` name, are below the loop)."""
+    assert _upward(_graph(types=True), LAYERS, layer) == {}
 
 
 def test_the_layer_check_finds_an_import_between_layers() -> None:
-    # the examples build on the training half: seen from the other side, that is an import "up"
-    assert _upward("torchfold.examples", ("torchfold.train",))
+    layers = [("lib.low",), ("lib.high.*",), ("lib",)]
+    graph = {
+        "lib.low": {"lib.high.a"},
+        "lib.high.a": {"lib.low"},
+        "lib.high.b": {"lib"},
+        "lib": {"lib.high.b"},
+    }
+    assert _layer_of("lib.high", layers) == 1 and _layer_of("lib.other", layers) is None
+    assert _upward(graph, layers, 0) == {"lib.low": ["lib.high.a"]}
+    assert _upward(graph, layers, 1) == {"lib.high.b": ["lib"]}
+    assert _upward(graph, layers, 2) == {}
+
+
+# What the modules outside ``torchfold/train/capture/`` may import from it: the runner and the
+# captured step, never a mechanism behind them (``compiled``, ``cuda_replay``, ``xla_programs``,
+# ``guards``): the runner picks and drives those. One name a line.
+CAPTURE_NAMES_OUTSIDE = {
+    "StepRunner",
+    "step_runner",
+    "CapturedStep",
+    "captured_step",
+}
+CAPTURE = "torchfold.train.capture"
+
+
+def _names_from_capture(path: Path) -> list[str]:
+    """What the file ``path`` imports at run time from ``torchfold.train.capture`` (its package or
+    modules), ``line N: name`` each; a module imported whole (``import torchfold.train.capture.x``,
+    ``from torchfold.train import capture``) is its name. Imports under ``if TYPE_CHECKING`` name
+    types for annotations and run nothing: the layer checks above see those."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if node.module == CAPTURE or node.module.startswith(CAPTURE + "."):
+                    found.append(f"line {node.lineno}: {alias.name}")
+                elif full == CAPTURE or full.startswith(CAPTURE + "."):
+                    found.append(f"line {node.lineno}: {full}")
+        elif isinstance(node, ast.Import):
+            found.extend(
+                f"line {node.lineno}: {alias.name}"
+                for alias in node.names
+                if alias.name == CAPTURE or alias.name.startswith(CAPTURE + ".")
+            )
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return found
+
+
+def _capture_mechanisms_named(package: Path) -> dict[str, list[str]]:
+    """Per file of ``package`` outside its ``train/capture/``, the names it imports from capture
+    beyond ``CAPTURE_NAMES_OUTSIDE``."""
+    offenders = {
+        str(path.relative_to(package.parent)): [
+            use for use in _names_from_capture(path) if use.partition(": ")[2] not in CAPTURE_NAMES_OUTSIDE
+        ]
+        for path in sorted(package.rglob("*.py"))
+        if (package / "train" / "capture") not in path.parents
+    }
+    return {path: uses for path, uses in offenders.items() if uses}
+
+
+def test_only_the_runner_is_named_outside_capture() -> None:
+    """Above the step mechanisms, code asks :func:`step_runner` for a runner and drives it; which
+    mechanism runs a step (eager, ``torch.compile``, CUDA graph replay, XLA programs) is capture's."""
+    assert _capture_mechanisms_named(PACKAGE) == {}
+
+
+def test_the_capture_check_finds_a_mechanism_named_outside(tmp_path: Path) -> None:
+    package = tmp_path / "torchfold"
+    (package / "train" / "capture").mkdir(parents=True)
+    (package / "train" / "capture" / "runner.py").write_text(
+        "from torchfold.train.capture.compiled import CompiledLoss\n"  # inside capture: its own
+    )
+    (package / "cli.py").write_text(
+        "from typing import TYPE_CHECKING\n\n"
+        "from torchfold.train.capture import StepRunner, step_runner\n"
+        "from torchfold.train import capture\n\n"
+        "if TYPE_CHECKING:\n    from torchfold.train.capture.cuda_replay import CudaStepReplay\n\n\n"
+        "def run() -> None:\n    from torchfold.train.capture.compiled import wants_compile\n"
+        "    import torchfold.train.capture.guards\n"
+    )
+    assert _capture_mechanisms_named(package) == {
+        "torchfold/cli.py": [
+            "line 4: torchfold.train.capture",
+            "line 11: wants_compile",
+            "line 12: torchfold.train.capture.guards",
+        ]
+    }
 
 
 def test_nothing_imports_the_cli() -> None:

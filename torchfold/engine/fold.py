@@ -27,7 +27,7 @@ from torchfold.engine.node import (
     op_name,
     outside_int64,
 )
-from torchfold.engine.plan import FoldPlan
+from torchfold.engine.plan import FoldPlan, apply_plan
 from torchfold.engine.planner import plan_fold
 from torchfold.engine.resolve import cuda_device
 from torchfold.engine.static.shapes import StaticShapes, envelope_for
@@ -345,7 +345,7 @@ class Fold:
             return plan.apply(nn, padded=padded)
         shapes: list[list[tuple[Any, Any]]] = []
         try:
-            return plan._run(nn, shapes)
+            return apply_plan(plan, nn, shapes)
         finally:  # print(fold) shows the batched shapes of the last apply (kept here: the plan is not written)
             for number, group in enumerate(self.groups()):
                 group.arg_shapes = shapes[number] if number < len(shapes) else None

@@ -8,6 +8,7 @@ shared value (``nobatch``).
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,12 +28,15 @@ __all__ = [
     "check_split",
     "describe_arg_shapes",
     "fold_gone",
+    "foreign_node",
+    "handle_of",
     "ints_and_floats_mixed",
     "literals_and_rows_mixed",
     "new_node",
     "node_label",
     "op_name",
     "outside_int64",
+    "tape_ref_of",
 ]
 
 Op = str | Callable[..., Any]
@@ -413,6 +417,23 @@ class Node:
             if tape is None
             else tape.label(self._handle)
         )
+
+
+#: A node's handle (its number on its fold's tape), and the weak reference to that tape it holds:
+#: the getters of ``Node``'s two slots, for the planner and the request checks, which read them
+#: for whole requests at once (``map(handle_of, request)``, no Python frame per node).
+handle_of: Callable[[Node], int] = operator.attrgetter("_handle")
+tape_ref_of: Callable[[Node], weakref.ref[Tape]] = operator.attrgetter("_ref")
+
+
+def foreign_node(node: Node, ref: weakref.ref[Tape]) -> str | None:
+    """Why ``node`` is not a node of the tape whose reference is ``ref`` (the end of an error
+    message): its fold no longer exists, or it belongs to another fold; None when it is that tape's."""
+    if node._ref is ref:
+        return None
+    if node._ref() is None:
+        return fold_gone(node._handle)
+    return f"{node!r} belongs to another Fold; apply it on its own Fold"
 
 
 def _node_of(tape: Tape, handle: int) -> Node:

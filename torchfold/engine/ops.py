@@ -1,4 +1,4 @@
-"""Calling an op on one batched call and checking what it returns: one place for every executor.
+"""Calling an op on one batched call and checking what it returns: one place for the executor.
 
 The executor (:func:`torchfold.engine.executor.run_calls`), for plain and padded plans alike,
 calls each op through :func:`call_op` and checks its result with :func:`check_outputs`, so a

@@ -16,7 +16,7 @@ from torchfold.engine.ir import PlanData, check_pad_rows, check_request_number
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import envelope_for
 
-__all__ = ["FoldPlan"]
+__all__ = ["FoldPlan", "apply_plan"]
 
 _Tensor = torch.Tensor
 
@@ -78,18 +78,7 @@ class FoldPlan(PlanData):
             Exception: an exception raised inside an op, of its own type, with a note naming
                 the op, the depth, the nodes and the batched argument shapes.
         """
-        return self._run(nn)
-
-    def _run(self, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None) -> list[_Tensor]:
-        """``apply``, also giving each group's batched argument shapes to ``arg_shapes`` (the plan is never written)."""
-        device = device_for(nn, self.device)
-        envelope = envelope_for("auto" if self.pad_on_xla else None, nn, device)
-        if envelope is not None:
-            return envelope.cover(self).apply(nn)
-        if self.volatile and torch.is_grad_enabled():
-            with torch.no_grad():
-                return run(self, nn, arg_shapes, device)
-        return run(self, nn, arg_shapes, device)
+        return apply_plan(self, nn)
 
     def __repr__(self) -> str:
         groups, requests = len(self.groups), len(self.requests)
@@ -97,3 +86,19 @@ class FoldPlan(PlanData):
             f"FoldPlan({groups} group{'s' * (groups != 1)}, {self.num_nodes} node{'s' * (self.num_nodes != 1)}, "
             f"{requests} request{'s' * (requests != 1)})"
         )
+
+
+def apply_plan(
+    plan: FoldPlan, nn: object, arg_shapes: list[list[tuple[Any, Any]]] | None = None
+) -> list[_Tensor]:
+    """``plan.apply(nn)``, also giving each group's batched argument shapes to ``arg_shapes`` when
+    given (what ``print(fold)`` shows after :meth:`Fold.apply <torchfold.Fold.apply>`); the plan
+    is never written."""
+    device = device_for(nn, plan.device)
+    envelope = envelope_for("auto" if plan.pad_on_xla else None, nn, device)
+    if envelope is not None:
+        return envelope.cover(plan).apply(nn)
+    if plan.volatile and torch.is_grad_enabled():
+        with torch.no_grad():
+            return run(plan, nn, arg_shapes, device)
+    return run(plan, nn, arg_shapes, device)

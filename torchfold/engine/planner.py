@@ -23,7 +23,7 @@ import torch
 from torchfold._errors import FoldError
 from torchfold.engine import native
 from torchfold.engine.ir import Arg, Gather, GroupCall
-from torchfold.engine.node import Group, Node, ints_and_floats_mixed, literals_and_rows_mixed
+from torchfold.engine.node import Group, Node, handle_of, ints_and_floats_mixed, literals_and_rows_mixed
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.resolve import check_requests
 
@@ -34,7 +34,6 @@ __all__ = ["plan_fold"]
 
 _Tensor = torch.Tensor
 _Item = TypeVar("_Item")
-_handle = operator.attrgetter("_handle")
 # Groups of at most this many calls have their columns read in Python: numpy's ~1-3 us per call
 # outweighs its speed on a few dozen items (SST batches: most groups above the first depths).
 _SMALL = 64
@@ -426,7 +425,7 @@ class _Planner:
         if Node not in kinds:
             return Arg("concat", list(request))  # tensors only: any number of rows each, like the original
         if kinds == {Node}:
-            handles = np.fromiter(map(_handle, request), dtype=np.int64, count=len(request))
+            handles = np.fromiter(map(handle_of, request), dtype=np.int64, count=len(request))
             sources = self.handle_source[handles]
             sources = np.where(sources < 0, ~sources, sources)  # a nobatch handle: its rows, as any other's
             calls = self.handle_index[handles]
@@ -439,7 +438,7 @@ class _Planner:
                 return Arg("whole", first)  # every node of one group, in order: the common request
             column = self.node_column(0, sources, calls)
         else:  # nodes and tensors: one gather (never a whole source), each tensor one call's rows
-            items = [item._handle if item.__class__ is Node else item for item in request]
+            items = [handle_of(item) if item.__class__ is Node else item for item in request]
             column = self.mixed_column(0, items, f"apply request {number}")
         return self.gather([column])
 

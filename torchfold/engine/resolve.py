@@ -8,7 +8,6 @@ malformed request) is reported before a single tensor is computed. The plan itse
 from __future__ import annotations
 
 import difflib
-import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,10 +20,11 @@ from torchfold.engine.node import (
     Node,
     Op,
     Tape,
-    fold_gone,
+    foreign_node,
     ints_and_floats_mixed,
     node_label,
     outside_int64,
+    tape_ref_of,
 )
 
 if TYPE_CHECKING:
@@ -39,8 +39,6 @@ __all__ = [
     "module_device",
     "resolve_ops",
 ]
-
-_ref = operator.attrgetter("_ref")
 
 
 class _Batched(Protocol):
@@ -102,16 +100,12 @@ def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
             )
         # The common case, checked without a Python loop (else find the culprit). The refs are
         # counted, not put in a set: a dead one (a node of a fold that is gone) cannot be hashed.
-        if set(map(type, request)) == {Node} and list(map(_ref, request)).count(ref) == len(request):
+        if set(map(type, request)) == {Node} and list(map(tape_ref_of, request)).count(ref) == len(request):
             continue
         check_request_items(i, request, Node)
         for j, node in enumerate(request):
-            if node.__class__ is Node and node._ref is not ref:
-                if node._ref() is None:
-                    raise FoldError(f"request {i}, item {j}: {fold_gone(node._handle)}")
-                raise FoldError(
-                    f"request {i}, item {j}: {node!r} belongs to another Fold; apply it on its own Fold"
-                )
+            if node.__class__ is Node and (foreign := foreign_node(node, ref)) is not None:
+                raise FoldError(f"request {i}, item {j}: {foreign}")
 
 
 def check_request_items(number: int, request: Sequence[Any], node_type: type) -> None:

@@ -90,9 +90,9 @@ __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 
 def _sole_minibatch(local_minibatches: int) -> bool:
-    """Whether this rank's ``local_minibatches`` minibatches are one that is the step's only one
-    (one minibatch, one process): ``runner.minibatch(..., sole_minibatch=True)`` may then run the
-    whole step at once (forward, backward and update)."""
+    """Whether this rank's ``local_minibatches`` are the step's only minibatch (one minibatch, in one
+    process): ``runner.minibatch(..., sole_minibatch=True)`` may then run the whole step at once
+    (forward, backward and update)."""
     return local_minibatches == 1 and world().size == 1
 
 

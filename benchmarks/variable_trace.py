@@ -32,7 +32,7 @@ from harness import DATA_DIR, machine_lines
 import torchfold
 from torchfold.examples.datasets import Vocab, load_sst
 from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
-from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, fit_static_shapes
+from torchfold.train import AccumulatingOptimizer, StepLoader, StepMechanism, TraceTrainer, fit_static_shapes
 from torchfold.train.schedule.trace import BatchSizeTrace
 
 
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace, device_name: str, trees: list[Any], vocab: Voc
     torch.manual_seed(0)
     model = TreeLSTM(len(vocab), args.dims, args.dims).to(device)
     xla = device.type == "xla"
-    base = torch.optim.Adam(model.parameters(), lr=0.005, capturable=xla, fused=None if xla else True)
+    # the device's options: capturable on XLA (a replayed update), fused on the CPU and CUDA
+    base = StepMechanism(device).optimizer(torch.optim.Adam, model.parameters(), lr=0.005)
     optimizer = AccumulatingOptimizer(base)
     trace = BatchSizeTrace.from_schedule(args.trace)
     loader = StepLoader(

@@ -16,24 +16,15 @@ after the current step with a checkpoint and exit status 75 (:data:`PREEMPTED_EX
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import gc
-import importlib.metadata
-import importlib.util
-import json
 import os
-import re
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TextIO
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torchfold._deprecation import warn_renamed
 from torchfold._validate import (
     non_negative_float,
     non_negative_int,
@@ -42,26 +33,44 @@ from torchfold._validate import (
     seed_int,
     thread_count,
 )
+from torchfold.cli.train_options import (
+    DEFAULT_MINIBATCH_SIZE,
+    INTERRUPTED_LINE,
+    TERMINATED_LINE,
+    add_sst_data_flags,
+    banner_lines,
+    checkpoint_settings,
+    device_from_flag,
+    done_line,
+    dtype_from_flags,
+    evaluation_line,
+    handshake_settings,
+    loader_flags,
+    mismatch_error,
+    option_names,
+    ref_batch_size,
+    task_from_flags,
+    trace_from_flags,
+    trainer_flags,
+)
+from torchfold.cli.train_options import default_minibatch_size as default_minibatch_size  # deprecated
+from torchfold.cli.train_run import StepHistory, check_paths, frozen_gc, lock_checkpoint_dir
 from torchfold.engine.static.shapes import StaticShapes
-from torchfold.examples.datasets import ENV_VAR, TreeParseError
-from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
+from torchfold.examples.datasets import TreeParseError
+from torchfold.train.capture import StepMechanism
 from torchfold.train.data.envelope import fit_static_shapes
 from torchfold.train.data.loader import StepLoader
-from torchfold.train.distributed.world import RunContext, default_device, init_distributed, run_context, world
-from torchfold.train.loop.checkpoint import (
-    CheckpointDirLock,
-    HyperparameterMismatch,
-)
+from torchfold.train.distributed.world import RunContext, init_distributed, run_context, world
+from torchfold.train.loop.checkpoint import CheckpointDirLock, HyperparameterMismatch
 from torchfold.train.loop.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
-from torchfold.train.loop.trainer import Preempted, StepStats, TraceTrainer
+from torchfold.train.loop.trainer import Preempted, TraceTrainer
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
 from torchfold.train.schedule.trace import BatchSizeTrace
-from torchfold.train.task import BUILTIN_TASKS, Task, load_task, parse_task_args
+from torchfold.train.task import BUILTIN_TASKS, Task
 
 __all__ = ["build_parser", "main"]
 
 _PROG = "python -m torchfold train"
-DEFAULT_MINIBATCH_SIZE = 25
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,24 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "32,64,96, or a schedule such as linear:32:256:1000 (see python -m torchfold trace --help); the "
         "trace= of StepLoader takes the same strings",
     )
-    p.add_argument(
-        "--data",
-        metavar="DIR",
-        help=f"sst task: directory with SST's train.txt (or an sst/ subdirectory); default ${ENV_VAR}; one of "
-        "the two, or --generate, is required",
-    )
-    p.add_argument("--max-train", type=positive_int, help="sst task: use only the first N training trees")
-    p.add_argument(
-        "--max-words",
-        type=positive_int,
-        help="sst task: use only training trees of at most N words (before --max-train)",
-    )
-    p.add_argument(
-        "--generate",
-        type=positive_int,
-        metavar="N",
-        help="sst task, without --data or $" + ENV_VAR + ": train on N generated SST-like trees",
-    )
+    add_sst_data_flags(p)  # (the sst task's options, also flags of this command)
     size = p.add_mutually_exclusive_group()
     size.add_argument(
         "--minibatch-size",
@@ -196,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compile",
-        choices=COMPILE_CHOICES,
+        choices=StepMechanism.compile_choices,
         default="auto",
         help="capture each minibatch's forward, loss and backward once per static-shape layout and replay it: "
         "auto (default) on XLA and CUDA, on: also on the CPU, off: never",
@@ -218,98 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=positive_float, default=60.0, help="seconds to wait for other ranks (default 60)"
     )
     return p
-
-
-# The built-in sst task's options that this command also takes as flags (as before tasks had a name).
-_SST_FLAGS = ("data", "max_train", "max_words", "generate", "embedding_dim", "hidden_dim")
-
-
-def _sst_flags(args: argparse.Namespace) -> bool:
-    """Whether the run names the sst task's options by this command's flags (no --task given)."""
-    return args.task is None
-
-
-def _task(args: argparse.Namespace) -> Task:
-    """The task --task names, made with --task-arg (and, for the sst task, --data, --hidden-dim, ...)."""
-    spec = args.task or "sst"
-    task_args = parse_task_args(args.task_arg)
-    given = {name: getattr(args, name) for name in _SST_FLAGS if getattr(args, name) is not None}
-    if given and BUILTIN_TASKS.get(spec, spec) != BUILTIN_TASKS["sst"]:
-        name = next(iter(given))
-        raise ValueError(
-            f"--{name.replace('_', '-')} is an option of the built-in sst task, and --task is {spec}; give that "
-            f"task's own options as --task-arg KEY=VALUE (e.g. --task-arg {name}={given[name]})"
-        )
-    for name, value in given.items():
-        if name in task_args:
-            raise ValueError(
-                f"--{name.replace('_', '-')} {value} and --task-arg {name}={task_args[name]} name the same option; "
-                "give one"
-            )
-        task_args[name] = str(value)
-    if BUILTIN_TASKS.get(spec, spec) == BUILTIN_TASKS["sst"] and "seed" not in task_args:
-        task_args["seed"] = str(args.seed)  # the generated trees follow --seed, as they always did
-    return load_task(spec, task_args)
-
-
-def _check_paths(args: argparse.Namespace) -> None:
-    """Refuse --history and --checkpoint-dir paths of the wrong kind before any work is done."""
-    if args.history is not None:
-        history = Path(args.history)
-        if history.is_dir():
-            raise ValueError(f"--history {args.history} is a directory; give a file to write JSON lines to")
-        if not history.parent.is_dir():
-            raise ValueError(f"--history {args.history}: directory {history.parent} does not exist")
-    if args.checkpoint_dir is not None:
-        directory = Path(args.checkpoint_dir)
-        if directory.exists() and not directory.is_dir():
-            raise ValueError(
-                f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (created if missing)"
-            )
-
-
-def _lock_checkpoint_dir(args: argparse.Namespace, main_rank: bool) -> CheckpointDirLock | None:
-    """Lock --checkpoint-dir on the main rank for the run; every rank raises if it is in use."""
-    lock, problem = None, None
-    if args.checkpoint_dir is not None and main_rank:
-        try:
-            lock = CheckpointDirLock(args.checkpoint_dir)
-        except ValueError as e:
-            problem = f"--checkpoint-dir {e}"
-        except OSError as e:
-            problem = f"--checkpoint-dir {args.checkpoint_dir}: cannot create it or its lock file ({e})"
-    if args.checkpoint_dir is not None and dist.is_available() and dist.is_initialized():
-        shared = [problem]
-        dist.broadcast_object_list(shared, src=0)  # the other ranks stop too, with rank 0's reason
-        problem = shared[0]
-    if problem is not None:
-        raise ValueError(problem)
-    if lock is not None and lock.removed:
-        names = ", ".join(path.name for path in lock.removed)
-        print(f"--checkpoint-dir: removed the temporary files of interrupted checkpoint writes: {names}")
-    return lock
-
-
-def _open_history(path: str, resumed_at: int | None) -> TextIO:
-    """Open --history: afresh, or on resume keep the lines of the steps before ``resumed_at`` and append."""
-    try:
-        if resumed_at is None or not Path(path).is_file():
-            return open(path, "w")
-        kept = []
-        with open(path) as old:
-            for line in old:
-                try:
-                    step = json.loads(line)["step"]
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by a crash
-                if isinstance(step, int) and step < resumed_at:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        handle = open(path, "w")  # noqa: SIM115
-        handle.writelines(kept)  # the steps the resumed run repeats are written again as it goes
-        handle.flush()
-        return handle
-    except OSError as e:
-        raise OSError(e.errno, f"--history {path}: cannot write it ({e.strerror or e})") from e
 
 
 def _init_distributed(args: argparse.Namespace, config: dict[str, object], context: RunContext) -> bool:
@@ -337,18 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with terminated_on_sigterm():
             return _main(argv)
     except KeyboardInterrupt:
-        print(
-            "torchfold train: interrupted (Ctrl-C); the checkpoints written before it are kept: run the same "
-            "command again to resume from the newest",
-            file=sys.stderr,
-        )
+        print(f"torchfold train: {INTERRUPTED_LINE}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except Terminated:
-        print(
-            "torchfold train: SIGTERM received outside a training step: stopped; the checkpoints written before "
-            "it are kept: run the same command again to resume from the newest",
-            file=sys.stderr,
-        )
+        print(f"torchfold train: {TERMINATED_LINE}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
 
 
@@ -363,42 +255,19 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"{_PROG}: error: --max-accumulation needs --max-device-batch-size", file=sys.stderr)
         return 2
     try:
-        trace = BatchSizeTrace.parse(args.trace)
-        if args.minibatch_size is None and args.max_device_batch_size is None:
-            args.minibatch_size = trace.largest_minibatch_size(DEFAULT_MINIBATCH_SIZE)
-        elif args.minibatch_size is not None:
-            try:
-                trace.check_minibatch_size(args.minibatch_size)
-            except ValueError as e:
-                detail = str(e).replace("minibatch_size=", "--minibatch-size ")  # the trace module's word
-                raise ValueError(f"--trace {args.trace}: {detail}") from e
-        if trace.num_steps is None and args.max_steps is None and args.epochs is None:
-            raise ValueError(
-                f"--trace {args.trace} has no end (every step the same or a schedule without one): pass "
-                "--max-steps N or --epochs N"
-            )
-        _check_paths(args)
-        task = _task(args)
+        trace = trace_from_flags(args)  # (--minibatch-size's default set)
+        check_paths(args)
+        task = task_from_flags(args)
     except (ValueError, TypeError, FileNotFoundError, TreeParseError) as e:
-        print(f"torchfold train: error: {_option_names(_task_arg_names(str(e), args))}", file=sys.stderr)
+        print(f"torchfold train: error: {option_names(str(e), args)}", file=sys.stderr)
         return 2
-    # The settings themselves (all small), so that a mismatch names the option and both values.
-    config: dict[str, object] = {
-        "trace batch sizes (fingerprint)": trace.fingerprint(),
-        "training trees": len(task.train),
-        **{
-            f"--{k.replace('_', '-')}": v
-            for k, v in vars(args).items()
-            if k not in ("no_progress", "history")
-        },
-    }
     joined = False
     try:
-        context = run_context(_device(args.device))
-        joined = _init_distributed(args, config, context)
+        context = run_context(device_from_flag(args.device))
+        joined = _init_distributed(args, handshake_settings(args, trace, task), context)
         return _train(args, trace, task, context)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"torchfold train: error: {_option_names(str(e))}", file=sys.stderr)
+        print(f"torchfold train: error: {option_names(str(e))}", file=sys.stderr)
         return 2
     except Preempted as e:
         print(f"torchfold train: {e}", file=sys.stderr)
@@ -411,154 +280,33 @@ def _main(argv: Sequence[str] | None) -> int:
             dist.destroy_process_group()
 
 
-def _task_arg_names(message: str, args: argparse.Namespace) -> str:
-    """The sst task's words for its options (``max_words=N``) as this run names them: ``--max-words N``
-    when no --task is given, else ``--task-arg max_words=N``."""
-    for name in sorted(_SST_FLAGS, key=len, reverse=True):
-        flag = f"--{name.replace('_', '-')} " if _sst_flags(args) else f"--task-arg {name}="
-        message = re.sub(rf"(?<![^ (])(?<!--task-arg ){name}=", flag, message)
-    return message
-
-
-def _option_names(message: str) -> str:
-    """``message`` with the library's argument names the command line sets replaced by its options."""
-    for argument, option in (
-        ("the per-device maximum or max_accumulation_steps", "--max-device-batch-size or --max-accumulation"),
-        ("max_accumulation_steps=", "--max-accumulation "),
-        ("pass root=DIR", "pass --data DIR"),  # load_sst's advice on a missing data folder
-    ):
-        message = message.replace(argument, option)
-    return message
-
-
-def default_minibatch_size(trace: BatchSizeTrace, largest: int = DEFAULT_MINIBATCH_SIZE) -> int:
-    """Deprecated: :meth:`BatchSizeTrace.largest_minibatch_size` (``trace.largest_minibatch_size(largest)``)."""
-    warn_renamed(
-        "torchfold.cli.train.default_minibatch_size(trace)", "BatchSizeTrace.largest_minibatch_size()"
-    )
-    return trace.largest_minibatch_size(largest)
-
-
-def _stop_line(args: argparse.Namespace, trace: BatchSizeTrace, loader: StepLoader) -> str | None:
-    """Why the run ends before the trace's last step, if it does (``None`` otherwise)."""
-    sampler = loader.sampler
-    if trace.num_steps is None:
-        return None  # an unbounded trace: the run ends at --max-steps or --epochs, as asked
-    total, trees = trace.num_steps, sampler.dataset_size
-    epochs: int | None = args.epochs if args.epochs is not None else sampler.num_epochs
-    if not epochs:
-        return None
-    end = trace.epoch(epochs - 1, trees, drop_last=sampler.drop_last).end_step
-    if args.max_steps is not None and args.max_steps < end:
-        return f"stops before step {args.max_steps} of the trace's {total} (--max-steps {args.max_steps})"
-    if end >= total:
-        return None
-    if args.epochs is not None:
-        return f"stops before step {end} of the trace's {total}: there epoch {epochs} ends (--epochs {args.epochs})"
-    return (
-        f"stops before step {end} of the trace's {total}: they hold {epochs} complete epoch(s) of {trees} "
-        f"trees, and the last {total - end} step(s) would start one the trace cannot finish "
-        f"(--epochs {epochs + 1} trains them too)"
-    )
-
-
-def _installed_version(distribution: str) -> str:
-    """The installed version of ``distribution``, or ``"(version unknown)"``."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "(version unknown)"
-
-
-def _device(choice: str) -> torch.device:
-    """The device ``--device`` names, by the library's rule (:func:`default_device`): ``auto`` is
-    XLA when ``PJRT_DEVICE`` is set and torch_xla is installed, else CUDA, else the CPU; torch_xla
-    is imported only for XLA."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available; use --device cpu or auto")
-    try:
-        return default_device(None if choice == "auto" else choice)
-    except ImportError as e:
-        if importlib.util.find_spec("torch_xla") is None:
-            raise ValueError(
-                "--device xla needs torch_xla: pip install 'pytorch-fold[xla]' (and set PJRT_DEVICE=TPU, or CPU to try it)"
-            ) from e
-        # Installed but broken: most often a torch_xla built for another torch (an undefined symbol).
-        raise ValueError(
-            f"--device {choice}: torch_xla {_installed_version('torch_xla')} is installed but fails to import "
-            f"beside torch {torch.__version__} ({e}); install a matching pair: "
-            "pip install 'pytorch-fold[xla]' (torch 2.9.0 with torch_xla 2.9.0)"
-        ) from e
-
-
 def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context: RunContext) -> int:
     device = context.device
-    static = device.type == "xla" or wants_compile(args.compile, device)  # folds padded into static shapes
-    if args.pack_levels and not static:
+    mechanism = StepMechanism(device, compile=args.compile)  # how steps run: static shapes, the optimizer
+    if args.pack_levels and not mechanism.needs_static_shapes:
         raise ValueError(
             f"--pack-levels packs static shapes, and on {device.type} with --compile {args.compile} folds run "
             "unpadded; add --compile on (or train on XLA), or drop --pack-levels"
         )
     torch.manual_seed(args.seed)
-    dtype = torch.float64 if args.dtype == "float64" else torch.float32
-    if args.lr > torch.finfo(dtype).max:
-        raise ValueError(
-            f"--lr {args.lr} is beyond {args.dtype}'s range (at most {torch.finfo(dtype).max:.3g})"
-        )
-    model = _model(task).to(device=device, dtype=dtype)
-    params = model.parameters()
-    fused = (
-        True if device.type in ("cpu", "cuda") else None
-    )  # one kernel for all parameters (CPU: 5x less time)
-    base: torch.optim.Optimizer = (
-        # on XLA, the step count stays on the device, so a captured update replays (--compile)
-        torch.optim.Adam(params, lr=args.lr, fused=fused, capturable=device.type == "xla")
-        if args.optimizer == "adam"
-        else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, fused=fused)
-    )
-    optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=_ref_batch_size(args, trace))
-    fold_trees = args.minibatch_size or args.max_device_batch_size
+    dtype = dtype_from_flags(args)
+    model = task.make_model().to(device=device, dtype=dtype)
+    momentum = {"momentum": args.momentum} if args.optimizer == "sgd" else {}
+    optimizer_class = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    base = mechanism.optimizer(optimizer_class, model.parameters(), lr=args.lr, **momentum)
+    optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=ref_batch_size(args, trace))
     build = task.build
-    if static:
-        # static shapes: what XLA needs to repeat its graphs, and what a captured step replays;
-        # fitted to a pass over the data and frozen: the loader splits what does not fit, so none grows
-        shapes = fit_static_shapes(
-            task.train,
-            task.build,
-            fold_trees,
-            shapes=StaticShapes(pack_levels=args.pack_levels),
-            seed=args.seed,
-        )
+    if mechanism.needs_static_shapes:  # fitted to a pass over the data and frozen: none grows
+        fold_trees = args.minibatch_size or args.max_device_batch_size
+        shapes = StaticShapes(pack_levels=args.pack_levels)
+        shapes = fit_static_shapes(task.train, task.build, fold_trees, shapes=shapes, seed=args.seed)
         build = functools.partial(task.build, shapes=shapes)
-    loader = StepLoader(
-        task.train,
-        args.minibatch_size,
-        build=build,
-        trace=trace,
-        seed=args.seed,
-        drop_last=args.drop_last,
-        num_workers=args.workers,
-        max_device_batch_size=args.max_device_batch_size,
-        max_accumulation_steps=args.max_accumulation,
-    )
-    history: list[TextIO] = []  # opened once the resume step is known (main rank)
-
-    def record(stats: StepStats) -> None:
-        for handle in history:
-            try:
-                handle.write(json.dumps(stats.__dict__) + "\n")
-                handle.flush()  # a line per step, readable while the run goes on
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"--history {args.history}: cannot write step {stats.step}'s line ({e.strerror or e}); the run "
-                    "stopped after that step",
-                ) from e
-
+    loader = StepLoader(task.train, args.minibatch_size, build=build, trace=trace, **loader_flags(args))
+    history = StepHistory(args.history)  # opened once the resume step is known (main rank)
     lock: CheckpointDirLock | None = None
     try:
         # before the trainer resumes from it or sets its checkpoints aside: one run per directory
-        lock = _lock_checkpoint_dir(args, world().rank == 0)
+        lock = lock_checkpoint_dir(args, world().rank == 0)
         try:
             trainer = TraceTrainer(
                 model,
@@ -566,53 +314,24 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
                 loader,
                 task.loss,
                 device=device,
-                checkpoint_dir=args.checkpoint_dir,
-                checkpoint_every=args.checkpoint_every,
-                keep_checkpoints=args.keep_checkpoints,
-                log_every=args.log_every,
-                progress=False if args.no_progress else None,
-                on_step=record
-                if args.history
-                else None,  # (without: the host runs a step ahead on an accelerator)
-                seed=args.seed,  # each fold's random draws: the same on any number of processes
-                settings=_checkpoint_settings(args, trace, task),
-                compile=args.compile,
-                resume=not args.no_resume,  # the library's rule: resume, or set the old checkpoints aside
-                override_hyperparameters=[
-                    name for name in ("lr", "momentum") if getattr(args, f"override_{name}")
-                ],
+                on_step=history.record if args.history else None,  # (without: a step ahead on an accelerator)
+                settings=checkpoint_settings(args, trace, task),
                 log=tqdm.write,  # (stdout, the bar kept whole)
-                num_threads=args.threads,  # None: the library's rule
+                **trainer_flags(args),
             )
         except HyperparameterMismatch as e:
-            raise _mismatch(e) from e
-        main_rank = trainer.is_main
-        if main_rank:
-            print(
-                f"task {task.name}: {task.description or f'{len(task.train)} samples'}; trace {trace.source!r} "
-                f"({'unbounded' if trace.num_steps is None else f'{trace.num_steps} steps'}); "
-                f"{loader.num_replicas} process(es), "
-                + (
-                    f"minibatch {args.minibatch_size}, "
-                    if args.minibatch_size is not None
-                    else f"at most {args.max_device_batch_size} samples per fold, "
-                )
-                + f"{args.workers} fold-building worker(s) each, device {device}"
-            )
-            stop = _stop_line(args, trace, loader)
-            if stop is not None:
-                print(f"run: {stop}")
+            raise mismatch_error(e) from e
+        if trainer.is_main:
+            print("\n".join(banner_lines(args, trace, task, loader, device)))
         return _run(args, trainer, history, task)
     finally:
         loader.close()
-        for handle in history:
-            with contextlib.suppress(OSError):  # a failed write was reported already; keep that error
-                handle.close()
+        history.close()
         if lock is not None:
             lock.release()
 
 
-def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO], task: Task) -> int:
+def _run(args: argparse.Namespace, trainer: TraceTrainer, history: StepHistory, task: Task) -> int:
     """Open --history (after the trainer resumed, or not), train; the caller closes what this opens."""
     main_rank = trainer.is_main
     resumed = trainer.resumed_from  # (resumed, or set the checkpoints aside, when it was made: it said which)
@@ -620,101 +339,11 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: list[TextIO],
         for name, (saved, value) in trainer.overridden.items():
             print(f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {saved}")
     if args.history and main_rank:
-        history.append(_open_history(args.history, trainer.next_step if resumed is not None else None))
-    # The parsed trees live as long as the run: out of the cyclic GC's full collections (and,
-    # forked into the workers, out of their copy-on-write pages). Undone at the end (main() may
-    # run inside a bigger process), unless something else had frozen objects before.
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    try:
+        history.open(trainer.next_step if resumed is not None else None)
+    with frozen_gc():  # (the parsed trees live as long as the run)
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
-    finally:
-        if freeze:
-            gc.unfreeze()
     if main_rank:
-        samples = sum(s.batch_size for s in steps)
-        seconds = sum(s.seconds for s in steps)
-        final = f"; loss {steps[-1].loss:.4f} (mean over the last step)" if steps else ""
-        print(
-            f"done: {len(steps)} steps ({samples} samples, {samples / max(seconds, 1e-9):.1f} samples/s) up to "
-            f"step {trainer.next_step}{final}"
-        )
+        print(done_line(steps, trainer.next_step))
         if task.evaluate is not None and not args.no_eval:
-            print(f"eval: {_evaluate(task, trainer.model)}")
+            print(f"eval: {evaluation_line(task, trainer.model)}")
     return 0
-
-
-def _evaluate(task: Task, model: torch.nn.Module) -> str:
-    """The task's evaluation of ``model`` on its eval samples, as one line."""
-    assert task.evaluate is not None
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            metrics = task.evaluate(model, task.eval)
-    finally:
-        model.train(training)
-    shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
-    return f"{shown} ({len(task.eval)} held-out samples of task {task.name})"
-
-
-def _model(task: Task) -> torch.nn.Module:
-    """The task's model, checked: a module (the message names the task's factory)."""
-    try:
-        model = task.model()
-    except TypeError as e:
-        raise TypeError(
-            f"task {task.name}: model() failed: {e}; model must be callable with no argument, e.g. "
-            "functools.partial(MyModel, hidden_dim)"
-        ) from e
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"task {task.name}: model() returned a {type(model).__name__}, not a torch.nn.Module; make it return "
-            "the module whose methods are the fold's ops"
-        )
-    return model
-
-
-def _checkpoint_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Task) -> dict[str, object]:
-    """The options a checkpoint is only valid with (the model, the data, the split), by their names."""
-    settings: dict[str, object] = {
-        "--trace (batch sizes fingerprint)": trace.fingerprint(),
-        "training trees": len(task.train),
-        "--task": BUILTIN_TASKS.get(args.task or "sst", args.task or "sst"),
-    }
-    for name, value in task.settings.items():  # the task's own: its model's sizes, its vocabulary
-        flag = (
-            f"--{name.replace('_', '-')}"
-            if _sst_flags(args) and name in _SST_FLAGS
-            else f"task {task.name}'s {name}"
-        )
-        settings[flag] = value
-    for name in ("dtype", "minibatch_size", "max_device_batch_size", "seed"):
-        settings[f"--{name.replace('_', '-')}"] = getattr(args, name)
-    # The optimizer's and the sampler's states refuse these too, in the library's words (lr_rule=...):
-    # checked here first, a mismatch names the option. (Checkpoints written before they were
-    # settings lack them; the library's check still refuses a mismatch there.)
-    settings["--lr-rule"] = args.lr_rule
-    settings["--ref-batch-size"] = _ref_batch_size(args, trace)  # the one the run uses, default included
-    settings["--drop-last"] = args.drop_last
-    return settings
-
-
-def _ref_batch_size(args: argparse.Namespace, trace: BatchSizeTrace) -> int | None:
-    """The optimizer's reference batch size: --ref-batch-size, else the trace's first; none for the constant rule."""
-    if args.lr_rule == "constant":
-        return None
-    return args.ref_batch_size if args.ref_batch_size is not None else trace[0]
-
-
-def _mismatch(e: HyperparameterMismatch) -> ValueError:
-    """A checkpoint of another optimizer, --lr or --momentum, in the command line's words."""
-    if e.name == "optimizer":
-        fix = f"resume with --optimizer {e.saved}, or start afresh (--no-resume or another --checkpoint-dir)"
-    else:
-        fix = f"resume with --{e.name} {e.saved}, or add --override-{e.name} to train on with --{e.name} {e.value}"
-    return ValueError(
-        f"{e.source} was written with --{e.name} {e.saved}, this run has --{e.name} {e.value}; {fix}"
-    )

@@ -10,7 +10,7 @@ many (``torchrun``), in one namespace; the engine (``Fold``, ``FoldPlan``) is at
 """
 
 from torchfold._deprecation import moved_names
-from torchfold.train.capture import CapturedStep, captured_step
+from torchfold.train.capture import CapturedStep, StepMechanism, captured_step
 from torchfold.train.data.envelope import fit_static_shapes
 from torchfold.train.data.loader import Minibatch, Step, StepLoader, to_device
 from torchfold.train.data.prefetch import Prefetcher
@@ -57,6 +57,7 @@ __all__ = [
     "RunContext",
     "Step",
     "StepLoader",
+    "StepMechanism",
     "StepSplit",
     "StepStats",
     "Task",

@@ -138,6 +138,35 @@ class Task:
                 f"Task {self.name!r}: settings must be a mapping, got {type(self.settings).__name__}"
             )
 
+    def make_model(self) -> nn.Module:
+        """``model()``, checked: a :class:`torch.nn.Module`, else an error naming the task and the fix."""
+        try:
+            model = self.model()
+        except TypeError as e:
+            raise TypeError(
+                f"task {self.name}: model() failed: {e}; model must be callable with no argument, e.g. "
+                "functools.partial(MyModel, hidden_dim)"
+            ) from e
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"task {self.name}: model() returned a {type(model).__name__}, not a torch.nn.Module; make it "
+                "return the module whose methods are the fold's ops"
+            )
+        return model
+
+    def evaluate_model(self, model: nn.Module) -> Mapping[str, float]:
+        """``evaluate(model, eval)`` in ``model.eval()`` and :func:`torch.no_grad`; the model goes back
+        to the mode it was in. A ValueError where the task has no ``evaluate``."""
+        if self.evaluate is None:
+            raise ValueError(f"task {self.name} has no evaluate; give Task(..., evaluate=..., eval=...)")
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return self.evaluate(model, self.eval)
+        finally:
+            model.train(training)
+
 
 def parse_task_args(items: Sequence[str]) -> dict[str, str]:
     """``["k=v", ...]`` (each ``--task-arg``) as a dict; a key given twice or an item without ``=`` is refused.

@@ -1,8 +1,10 @@
 """How a training step runs: eagerly, or captured once and replayed (:class:`StepRunner`).
 
-:func:`step_runner` picks one mechanism from the device, the world, the optimizer and
-``compile=``; the trainer calls its :meth:`~StepRunner.minibatch` and :meth:`~StepRunner.update`
-and nothing else.
+:class:`StepMechanism` picks one mechanism from the device, the world, the optimizer and
+``compile=`` (and says what the run needs around it: static shapes, the optimizer's options);
+the trainer calls its runner's :meth:`~StepRunner.minibatch` and :meth:`~StepRunner.update` and
+nothing else. Above this package, only :class:`StepMechanism`, :class:`StepRunner`,
+:func:`step_runner`, :func:`captured_step` and :class:`CapturedStep` are used.
 
 The package's names load on first use, each from its own module: importing one runner does
 not import the others' mechanisms.
@@ -14,7 +16,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchfold.train.capture.runner import CudaRunner, EagerRunner, StepRunner, XlaRunner, step_runner
+    from torchfold.train.capture.mechanism import StepMechanism, step_runner
+    from torchfold.train.capture.runner import CudaRunner, EagerRunner, StepRunner, XlaRunner
     from torchfold.train.capture.step import CapturedStep, captured_step
     from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
 
@@ -22,6 +25,7 @@ __all__ = [
     "CapturedStep",
     "CudaRunner",
     "EagerRunner",
+    "StepMechanism",
     "StepRunner",
     "XlaPrograms",
     "XlaRunner",
@@ -35,7 +39,8 @@ _HOME = {
     "EagerRunner": "runner",
     "StepRunner": "runner",
     "XlaRunner": "runner",
-    "step_runner": "runner",
+    "StepMechanism": "mechanism",
+    "step_runner": "mechanism",
     "CapturedStep": "step",
     "captured_step": "step",
     "XlaPrograms": "xla_programs",

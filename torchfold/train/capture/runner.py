@@ -2,8 +2,9 @@
 
 A step is any number of minibatches of this rank (each: a plan, its targets and its sample
 count), then one update. The trainer calls :meth:`StepRunner.minibatch` for each and
-:meth:`StepRunner.update` once, and nothing else; :func:`step_runner` chooses the mechanism once,
-from the device, the number of processes, the optimizer and ``compile=``:
+:meth:`StepRunner.update` once, and nothing else; :class:`~torchfold.train.capture.mechanism.StepMechanism`
+(or :func:`~torchfold.train.capture.mechanism.step_runner`) chooses the mechanism once, from the
+device, the number of processes, the optimizer and ``compile=``:
 
 * :class:`EagerRunner`: the ordinary PyTorch step (``loss.backward()`` inside
   ``optimizer.minibatch(n)``, then ``optimizer.step()``), each minibatch's forward, loss and
@@ -17,41 +18,34 @@ from the device, the number of processes, the optimizer and ``compile=``:
   (:class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`); a step of several runs eagerly (no
   inductor compile on the default path: its compiles took seconds per new minibatch count).
 
-Adding a backend means one more runner here.
+Adding a backend means one more runner here, and its choice in :mod:`.mechanism`.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture.compiled import (
-    CompiledLoss,
-    CompiledUpdate,
-    check_loss,
-    uncapturable_update,
-    wants_compile,
-)
-from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_step
-from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
+from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate, check_loss
+from torchfold.train.capture.cuda_replay import CudaStepReplay
+from torchfold.train.capture.xla_programs import XlaPrograms
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed.world import accumulation_dtype, world, xla_sync
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
-__all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
+__all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner"]
 
 
 class StepRunner:
     """Runs a step's minibatches, then its update; the trainer's only way to run a step.
 
-    Per step: :meth:`minibatch` for each of this rank's minibatches (``alone=True`` when it is the
-    step's only one, in one process: a runner may then run the whole step at once), then
+    Per step: :meth:`minibatch` for each of this rank's minibatches (``sole_minibatch=True``
+    when it is the step's only one, in one process: a runner may then run the whole step at once), then
     :meth:`update` on every rank (also one without minibatches), which returns the step's loss
     sum (losses times sample counts with ``reduction="mean"``) as ``(tensor, scale)``: the sum is
     ``float(tensor) * scale``, read back whenever the caller likes.
@@ -60,7 +54,7 @@ class StepRunner:
     def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
         self.model, self.loss, self.optimizer = model, loss, optimizer
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
         raise NotImplementedError
 
     def update(self) -> tuple[torch.Tensor | None, float]:
@@ -134,7 +128,7 @@ class EagerRunner(StepRunner):
     def captures(self) -> int:
         return self.compiled.captures if self.compiled is not None else 0
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
         with self.optimizer.minibatch(num_samples):
             if self.compiled is not None and (isinstance(plan, StaticPlan) or self.strict):
                 loss = self.compiled(plan, targets)  # forward, loss and backward, captured
@@ -186,7 +180,7 @@ class XlaRunner(StepRunner):
     def compiles_ahead(self) -> bool:
         return True
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
         self.programs.minibatch(plan, targets, num_samples)
         self._samples += num_samples
         self._count += 1
@@ -248,25 +242,27 @@ class CudaRunner(EagerRunner):
 
     def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
         super().__init__(model, loss, optimizer)
-        self.whole = CudaStepReplay(
+        #: the step of one minibatch (``sole_minibatch=True``), forward, backward and update, as one CUDA graph
+        self.whole_step_replay = CudaStepReplay(
             model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
         )
         self._whole_loss: tuple[torch.Tensor, float] | None = None
 
     @property
     def captures(self) -> int:
-        return int(getattr(self.whole, "captures", 0))
+        return int(getattr(self.whole_step_replay, "captures", 0))
 
     @property
     def replay(self) -> CudaStepReplay | None:
-        return self.whole
+        return self.whole_step_replay
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
-        if alone and isinstance(plan, StaticPlan) and self.whole.refused is None:
-            loss = self.optimizer.external_step(num_samples, 1, functools.partial(self.whole, plan, targets))
+    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
+        if sole_minibatch and isinstance(plan, StaticPlan) and self.whole_step_replay.refused is None:
+            replay = functools.partial(self.whole_step_replay, plan, targets)
+            loss = self.optimizer.external_step(num_samples, 1, replay)
             self._whole_loss = (loss, self._loss_weight(num_samples))
             return
-        super().minibatch(plan, targets, num_samples, alone=alone)
+        super().minibatch(plan, targets, num_samples, sole_minibatch=sole_minibatch)
 
     def update(self) -> tuple[torch.Tensor | None, float]:
         if self._whole_loss is not None:
@@ -274,68 +270,3 @@ class CudaRunner(EagerRunner):
             self.optimizer.zero_grad()
             return loss
         return super().update()
-
-
-def step_runner(
-    model: torch.nn.Module,
-    loss: PlanLoss,
-    optimizer: AccumulatingOptimizer,
-    *,
-    device: torch.device,
-    compile: str = "auto",
-    backend: str | None = None,
-) -> StepRunner:
-    """The runner for ``compile=`` on ``device`` (``"auto"``: replayed steps on XLA and CUDA,
-    eager on the CPU; ``"on"``: :func:`torch.compile` anywhere; ``"off"``: eager), chosen once.
-
-    A runner that cannot be had here says why in a warning and the next best one is used.
-
-    >>> import torch, torchfold
-    >>> model = torch.nn.Linear(2, 1)
-    >>> opt = torchfold.train.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    >>> type(step_runner(model, lambda m, o, t: o[0].sum(), opt, device=torch.device("cpu"))).__name__
-    'EagerRunner'
-    """
-    if not wants_compile(compile, device):
-        return EagerRunner(model, loss, optimizer)
-    if optimizer.grad_scaler is not None:
-        warnings.warn(
-            f"compile={compile!r}: steps run eagerly with a grad_scaler (fp16): a captured update cannot skip "
-            "the steps whose gradients overflowed",
-            stacklevel=3,
-        )
-        return EagerRunner(model, loss, optimizer)
-    single = world().size == 1 and optimizer.lr_rule != "adascale" and backend is None
-    if device.type == "xla" and optimizer.lr_rule != "adascale" and backend is None:
-        why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
-        if why is None:  # (several replicas: the minibatch and update programs, an all-reduce between them)
-            return XlaRunner(model, loss, optimizer)
-        warnings.warn(
-            f"compile={compile!r}: steps are not replayed on XLA, they run as with compile='off': {why}",
-            stacklevel=3,
-        )
-        return EagerRunner(model, loss, optimizer)
-    if single and device.type == "cuda":
-        why = uncapturable_step(optimizer.optimizer)
-        if why is None and optimizer.max_grad_norm is not None:
-            why = f"max_grad_norm={optimizer.max_grad_norm}: the captured step does not clip its gradient"
-        if why is None:
-            return CudaRunner(model, loss, optimizer)
-        warnings.warn(
-            f"compile={compile!r}: steps are not replayed as CUDA graphs (they run eagerly): {why}",
-            stacklevel=3,
-        )
-        return EagerRunner(model, loss, optimizer)
-    compiled = CompiledLoss(model, loss, device=device, backend=backend)
-    update = None
-    if device.type != "cuda":
-        reason = uncapturable_update(optimizer.optimizer)
-        if reason is None:
-            update = CompiledUpdate(optimizer.optimizer, device=device, backend=backend)
-        else:
-            warnings.warn(
-                f"compile={compile!r}: the forward, loss and backward are captured, but the optimizer's update "
-                f"runs op by op: {reason}",
-                stacklevel=3,
-            )
-    return EagerRunner(model, loss, optimizer, compiled=compiled, update=update, strict=compile == "on")

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from torchfold.train.capture.runner import StepRunner, step_runner
+from torchfold.train.capture.mechanism import StepMechanism
+from torchfold.train.capture.runner import StepRunner
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed.world import run_context
 from torchfold.train.loss import PlanLoss
@@ -51,11 +52,11 @@ class CapturedStep:
                 )
         # NOTE: the model keeps the mode its user set (a step in eval() runs without dropout); every
         # capture keys its programs on ``model.training``, so a change of mode is a new capture
-        total = 0
+        total, sole = 0, len(batch) == 1  # (a step of one minibatch may run whole)
         for plan, targets, num_samples in batch:
             # targets from the host (plan.pad's, numpy) go to the device, as the trainer's loader moves
             # them, whichever runner runs the step (the eager one would hand XLA a CPU tensor)
-            self.runner.minibatch(plan, to_device(targets, self.device), num_samples, alone=len(batch) == 1)
+            self.runner.minibatch(plan, to_device(targets, self.device), num_samples, sole_minibatch=sole)
             total += num_samples
         summed, scale = self.runner.update()
         assert summed is not None
@@ -86,7 +87,9 @@ def captured_step(
         model: the module whose methods are the fold ops.
         loss: the minibatch's scalar loss, averaged over its samples.
         optimizer: a ``torch.optim`` optimizer (on XLA created with ``capturable=True`` where it
-            has the option), or an :class:`~torchfold.train.AccumulatingOptimizer`.
+            has the option: :meth:`StepMechanism.optimizer
+            <torchfold.train.capture.mechanism.StepMechanism.optimizer>` adds the options the device
+            needs), or an :class:`~torchfold.train.AccumulatingOptimizer`.
         compile: ``"auto"`` (default), ``"on"`` or ``"off"``.
         device: where the model runs (default: the model's, by :func:`~torchfold.train.run_context`).
         lr_rule, ref_batch_size: the learning-rate rule when ``optimizer`` is a plain optimizer.
@@ -111,4 +114,4 @@ def captured_step(
     if not isinstance(optimizer, AccumulatingOptimizer):
         optimizer = AccumulatingOptimizer(optimizer, lr_rule=lr_rule, ref_batch_size=ref_batch_size)  # type: ignore[arg-type]
     device = run_context(device, model=model).device
-    return CapturedStep(step_runner(model, loss, optimizer, device=device, compile=compile), device)
+    return CapturedStep(StepMechanism(device, compile=compile).runner(model, loss, optimizer), device)

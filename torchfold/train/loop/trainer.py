@@ -34,12 +34,12 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from torchfold._validate import check_int
-from torchfold.train.capture import StepRunner, step_runner
+from torchfold.train.capture import StepMechanism, StepRunner
 from torchfold.train.data.loader import Step, StepLoader, to_device
 from torchfold.train.distributed.world import abort_replica_threads, broadcast_parameters, run_context, world
 from torchfold.train.loop.arguments import (
@@ -86,16 +86,13 @@ from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer, check_max_grad_norm
 from torchfold.train.optim.precision import ScaledLoss, autocast, check_precision, grad_scaler
 
-if TYPE_CHECKING:  # (the mechanisms stay behind the runner: only their types are named here)
-    from torchfold.train.capture.compiled import CompiledLoss
-    from torchfold.train.capture.cuda_replay import CudaStepReplay
-
 __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 
-def _runs_whole(local_minibatches: int) -> bool:
-    """Whether a step of ``local_minibatches`` minibatches on this rank runs whole (forward,
-    backward and update as one, ``runner.minibatch(..., alone=True)``): one minibatch, one process."""
+def _sole_minibatch(local_minibatches: int) -> bool:
+    """Whether this rank's ``local_minibatches`` are the step's only minibatch (one minibatch, in one
+    process): ``runner.minibatch(..., sole_minibatch=True)`` may then run the whole step at once
+    (forward, backward and update)."""
     return local_minibatches == 1 and world().size == 1
 
 
@@ -286,11 +283,12 @@ class TraceTrainer:
         self.preemption_timeout = float(preemption_timeout)
         self.settings = dict(settings or {})
         self.compile = compile
-        self._compile_backend = compile_backend
+        #: how steps run here (``compile``, the device, the processes): it makes :attr:`runner`
+        self.mechanism = StepMechanism(self.device, compile=compile, backend=compile_backend)
         self.loss = loss  # (makes the runner)
         self._sigterm = SigtermGuard(rank)
         # one process on an accelerator: fit() reads each step's loss while the next step runs
-        self._defers = world().size == 1 and self.device.type != "cpu"
+        self._defers = self.mechanism.defers_losses
         self._deferred: DeferredReport[tuple[_FitCall, StepStats, StepLoss, float]] = DeferredReport(
             lambda held, until: self._complete(*held, until=until)
         )
@@ -328,23 +326,22 @@ class TraceTrainer:
         #: how every step runs (eagerly, or captured and replayed): chosen once, see ``compile``
         with self.optimizer.default_minibatch_size(self.loader.minibatch_size):  # a runner may keep it
             scaler = self.optimizer.grad_scaler
-            self.runner: StepRunner = step_runner(
-                self.model,
-                ScaledLoss(value, scaler) if scaler is not None else value,
-                self.optimizer,
-                device=self.device,
-                compile=self.compile,
-                backend=self._compile_backend,
+            self.runner: StepRunner = self.mechanism.runner(
+                self.model, ScaledLoss(value, scaler) if scaler is not None else value, self.optimizer
             )
 
     @property
-    def compiled(self) -> CompiledLoss | None:
-        """The :func:`torch.compile` capture of minibatches, when the runner uses one (else None)."""
+    def compiled(self) -> Any:
+        """The runner's :attr:`~torchfold.train.capture.StepRunner.compiled`: the :func:`torch.compile`
+        capture of minibatches (a :class:`~torchfold.train.capture.compiled.CompiledLoss`), when the
+        runner uses one (else None)."""
         return self.runner.compiled
 
     @property
-    def replay(self) -> CudaStepReplay | None:
-        """The whole-step replay of one-minibatch steps, when the runner has one (on CUDA; else None)."""
+    def replay(self) -> Any:
+        """The runner's :attr:`~torchfold.train.capture.StepRunner.replay`: the whole-step replay of
+        one-minibatch steps (a :class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`), when the
+        runner has one (on CUDA; else None)."""
         return self.runner.replay
 
     # -- running -------------------------------------------------------------------------------
@@ -543,7 +540,7 @@ class TraceTrainer:
         """This rank's minibatches of ``step`` through the runner; their samples and plan nodes."""
         split = step.split
         samples, nodes = 0, 0
-        alone = _runs_whole(split.local_minibatches)
+        sole = _sole_minibatch(split.local_minibatches)
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
@@ -552,7 +549,7 @@ class TraceTrainer:
             # NOTE: the runner's backward runs inside the autocast too (the eager runner's minibatch()
             # is forward, loss and backward); autograd gives each op's backward its forward's dtype
             with autocast(self.precision, self.device):
-                self.runner.minibatch(plan, targets, minibatch.num_samples, alone=alone)
+                self.runner.minibatch(plan, targets, minibatch.num_samples, sole_minibatch=sole)
             nodes += len(plan)
             samples += minibatch.num_samples
         return samples, nodes

@@ -39,8 +39,8 @@ from torchfold.engine.static import StaticInputs, StaticPlan
 from torchfold.train.capture._replay import (
     Options,
     StepReplay,
+    at_rates_without_grads,
     gradients_into,
-    stepping,
     target_tensors,
 )
 from torchfold.train.capture.compiled import check_loss
@@ -269,7 +269,7 @@ class CudaStepReplay(StepReplay):
         with (
             self._capture_context(),
             torch.cuda.stream(side),
-            stepping(self.optimizer, rates),
+            at_rates_without_grads(self.optimizer, rates),
             warnings.catch_warnings(),
         ):
             # capturable=True optimizers warn when they step outside a capture: this one step must
@@ -304,7 +304,7 @@ class CudaStepReplay(StepReplay):
         try:
             with (
                 self._capture_context(),
-                stepping(self.optimizer, rates),
+                at_rates_without_grads(self.optimizer, rates),
                 _capture_flags(self.optimizer),
                 _capturing(graph, current),
             ):

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture._replay import optimizer_options, stepping, target_tensors
+from torchfold.train.capture._replay import at_rates_without_grads, optimizer_options, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.guards import StepGuard
 from torchfold.train.capture.xla_linear import transposed_weights
@@ -58,7 +58,7 @@ __all__ = [
     "VERIFY_EVERY",
     "XlaPrograms",
     "graph_sources",
-    "untouched",
+    "restored_afterwards",
     "xla_programs_unavailable",
 ]
 
@@ -553,7 +553,7 @@ class XlaPrograms:
         trace: Callable[[], _T],
     ) -> _T | None:
         """``trace()`` (a trace with ``run=False``: compiled, never run) unless ``programs`` has
-        ``key``, with ``changed`` and the optimizer's state put back afterwards (:func:`untouched`);
+        ``key``, with ``changed`` and the optimizer's state put back afterwards (:func:`restored_afterwards`);
         its result, or None: the program exists, or its trace is refused (refused from now on:
         the steps would be)."""
         with TRACE_LOCK:
@@ -562,7 +562,7 @@ class XlaPrograms:
                 return None
             for attempt in range(3):
                 try:
-                    with untouched(changed, self.optimizer):
+                    with restored_afterwards(changed, self.optimizer):
                         return trace()
                 except _Refused as refusal:
                     # (replicas that are threads count each other's graphs: a trace put back
@@ -713,7 +713,7 @@ class XlaPrograms:
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
         position = _positions(setup.live, self._computed)
         executed = executions()
-        with stepping(self.optimizer, _rates_for(self.optimizer, setup.rates)):
+        with at_rates_without_grads(self.optimizer, _rates_for(self.optimizer, setup.rates)):
             for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
                 p.grad = acc / divisor.reshape(())
             if self.max_grad_norm is not None and graded:
@@ -776,7 +776,7 @@ class XlaPrograms:
         import torch_xla
 
         params = self._params()
-        with stepping(self.optimizer, lrs):
+        with at_rates_without_grads(self.optimizer, lrs):
             graded = [p for p in params if id(p) in self._has_grad]
             for p in graded:
                 p.grad = self._acc[id(p)] / divisor
@@ -850,7 +850,7 @@ class XlaPrograms:
         since = program.replays
         program.replays, program.due = 0, False
         try:
-            with untouched(changed, self.optimizer):
+            with restored_afterwards(changed, self.optimizer):
                 traced = trace()
         except _Refused as refusal:
             if refusal.host_read and xla_calls.replica_threads():
@@ -916,7 +916,7 @@ def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 @contextlib.contextmanager
-def untouched(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def restored_afterwards(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Inside, a step may be traced (never run): afterwards ``tensors`` (materialized: device
     data) and the optimizer's state are what they were before, whatever the trace did to them in
     place (an update), and state the trace created is gone; gradients are ``None``.

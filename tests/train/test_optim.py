@@ -14,7 +14,7 @@ from _dist_worker import make_model, mnist_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
 
 REF = 32
 LR = 0.05
@@ -424,6 +424,35 @@ def test_external_step_refuses_to_skip_clipping_or_loss_scaling() -> None:
     for bad, error in ((0.0, ValueError), (math.inf, ValueError), ("1", TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_grad_norm must be"):
             AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=bad)
+
+
+def test_the_weighting_rule_makes_the_mean_over_the_step_however_it_is_split() -> None:
+    """sample_weight: minibatch gradients weighted by it and divided once by the step's weight give
+    the gradient of the mean (or summed) loss over all the step's samples, in any unit; the loss
+    sum over the step's weight is the mean loss."""
+    model = make_model()
+    x, y = mnist_rows()
+    x, y = x[:10], y[:10]
+    sizes = [3, 6, 1]
+    for reduction in ("mean", "sum"):
+        whole = torch.autograd.grad(
+            F.cross_entropy(model(x), y, reduction=reduction), list(model.parameters())
+        )
+        for unit in (1.0, 4.0):
+            summed = [torch.zeros_like(p) for p in model.parameters()]
+            loss_sum = 0.0
+            for xb, yb in zip(x.split(sizes), y.split(sizes), strict=True):
+                loss = F.cross_entropy(model(xb), yb, reduction=reduction)
+                grads = torch.autograd.grad(loss, list(model.parameters()))
+                for acc, grad in zip(summed, grads, strict=True):
+                    acc += grad * sample_weight(len(xb), reduction, unit)
+                loss_sum += float(loss.detach()) * sample_weight(len(xb), reduction)
+            for acc, want in zip(summed, whole, strict=True):
+                torch.testing.assert_close(acc / sample_weight(len(x), reduction, unit), want)
+            full = float(F.cross_entropy(model(x), y, reduction=reduction).detach())
+            assert loss_sum / sample_weight(len(x), reduction) == pytest.approx(full)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        sample_weight(3, "none")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -42,7 +42,7 @@ from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unava
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed.world import accumulation_dtype, world, xla_sync
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner", "step_runner"]
 
@@ -102,7 +102,8 @@ class StepRunner:
         trainer calls it at each checkpoint); nothing for a runner that replays nothing."""
 
     def _loss_weight(self, num_samples: int) -> float:
-        return float(num_samples) if self.optimizer.reduction == "mean" else 1.0
+        """A minibatch's weight in the step's loss sum (:func:`~torchfold.train.optim.optimizer.sample_weight`)."""
+        return sample_weight(num_samples, self.optimizer.reduction)
 
 
 class EagerRunner(StepRunner):

@@ -53,6 +53,7 @@ from torchfold.train.distributed import xla_calls
 from torchfold.train.distributed.world import all_reduce_sum_
 from torchfold.train.distributed.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
+from torchfold.train.optim.optimizer import sample_weight
 
 __all__ = [
     "VERIFY_EVERY",
@@ -273,9 +274,12 @@ class XlaPrograms:
         model: the module whose methods are the fold ops, on an XLA device.
         loss: ``loss(model, outputs, targets) -> scalar``.
         optimizer: the ``torch.optim`` optimizer (capturable: e.g. ``Adam(..., capturable=True)``).
-        minibatch_unit: what a sample count is measured in (``AccumulatingOptimizer``'s
-            ``minibatch_size``, or 1).
-        reduction: ``"mean"`` (losses averaged over a minibatch's samples) or ``"sum"``.
+        minibatch_unit: what a sample count is measured in (``AccumulatingOptimizer.minibatch_unit()``:
+            its ``minibatch_size``, or 1).
+        reduction: ``"mean"`` (losses averaged over a minibatch's samples) or ``"sum"``. With
+            ``minibatch_unit``, what the minibatches' gradients and losses are weighted by, and the
+            step's gradient divided by: :func:`~torchfold.train.optim.optimizer.sample_weight`, the
+            optimizer's own rule.
         transpose_weights: trace ``F.linear`` against transposed weight copies (XLA's CPU backend).
         verify_every: trace a program again after this many replays and compare (0: never).
         max_grad_norm: clip the step's mean gradient to this total 2-norm before the update
@@ -307,6 +311,7 @@ class XlaPrograms:
         if verify_every < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {verify_every}")
         self.model, self.loss, self.optimizer = model, loss, optimizer
+        sample_weight(1, reduction)  # (raises for a reduction other than "mean" or "sum", naming it)
         self.unit = float(minibatch_unit)
         self.reduction = reduction
         if transpose_weights is None:
@@ -594,12 +599,8 @@ class XlaPrograms:
         batch, why = target_tensors(targets)
         if why is not None:
             return None, why
-        weight = self._scalar(
-            "weight", num_samples / self.unit if self.reduction == "mean" else 1.0, params[0]
-        )
-        loss_weight = self._scalar(
-            "loss weight", float(num_samples) if self.reduction == "mean" else 1.0, None, device
-        )
+        weight = self._scalar("weight", sample_weight(num_samples, self.reduction, self.unit), params[0])
+        loss_weight = self._scalar("loss weight", sample_weight(num_samples, self.reduction), None, device)
         loss_sum = self._loss_sum if self._loss_sum is not None and not first else self._zero_sum(device)
         data = [inputs.ints, inputs.floats, *inputs.given, *batch]
         live = [*params, *others, *buffers, *accs, weight, loss_weight, loss_sum, *data]
@@ -665,7 +666,7 @@ class XlaPrograms:
             raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
 
     def _divisor(self, batch_size: int) -> float:
-        return batch_size / self.unit if self.reduction == "mean" else 1.0
+        return sample_weight(batch_size, self.reduction, self.unit)
 
     # -- tracing -------------------------------------------------------------------------------
 
@@ -759,16 +760,14 @@ class XlaPrograms:
         device = self._params()[0].device
         loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
         grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
-        weight = num_samples / self.unit if self.reduction == "mean" else 1.0
+        weight = sample_weight(num_samples, self.reduction, self.unit)
         with torch.no_grad():
             for p, grad in zip(params, grads, strict=True):
                 if grad is not None:
                     self._acc[id(p)] = self._acc_of(p) + grad * weight
                     self._has_grad.add(id(p))
             loss_sum = self._loss_sum if self._loss_sum is not None else self._zero_sum(device)
-            self._loss_sum = loss_sum + loss.detach().float() * (
-                num_samples if self.reduction == "mean" else 1
-            )
+            self._loss_sum = loss_sum + loss.detach().float() * sample_weight(num_samples, self.reduction)
         self._minibatches += 1
         torch_xla.sync()
 

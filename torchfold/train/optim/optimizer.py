@@ -35,7 +35,7 @@ from torchfold.train.distributed.world import accumulation_dtype, all_reduce_sum
 from torchfold.train.optim.lr import scaled_lr
 
 _T = TypeVar("_T")
-__all__ = ["AccumulatingOptimizer", "check_max_grad_norm"]
+__all__ = ["AccumulatingOptimizer", "check_max_grad_norm", "sample_weight"]
 
 # The trace module's rules (constant, linear, sqrt: scaled_lr) plus AdaScale, which needs gradients.
 _LRRuleName = Literal["constant", "linear", "sqrt", "adascale"]
@@ -44,6 +44,37 @@ _LR_RULES: tuple[_LRRuleName, ...] = ("constant", "linear", "sqrt", "adascale")
 # Stats that ride along with the gradients in the same all-reduce.
 _SAMPLES, _MINIBATCHES, _PLAIN_RANKS, _WEIGHTED_SQNORM, _UNIT = 0, 1, 2, 3, 4
 _N_STATS = 5
+
+
+def sample_weight(num_samples: float, reduction: str, unit: float = 1.0) -> float:
+    """What a loss or gradient over ``num_samples`` samples counts for in its step: the weighting rule.
+
+    Every way a step runs weighs by this one function: :meth:`AccumulatingOptimizer.minibatch`
+    and :meth:`~AccumulatingOptimizer.synchronize`, the step runners, and the programs they
+    replay (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`). With ``reduction="mean"``
+    (a minibatch's loss averaged over its samples) it is ``num_samples / unit``; with ``"sum"``
+    (losses summed over the samples) it is 1: every sample counts once already. Its uses:
+
+    * a minibatch's gradient is weighted by ``sample_weight(n, reduction, unit)``;
+    * the step's summed gradient is divided once by ``sample_weight(B, reduction, unit)``, ``B``
+      the step's samples over all ranks (replicas): the mean gradient over the step's samples
+      however they were split among minibatches and ranks (with ``"sum"``: no division);
+    * a minibatch's loss enters the step's loss sum weighted by ``sample_weight(n, reduction)``,
+      and the step's mean loss is that sum over ``sample_weight(B, reduction)``.
+
+    ``unit`` (the optimizer's ``minibatch_size``) changes no result, only the passes over the
+    gradients: a full minibatch has weight 1 (nothing to multiply), and so has the divisor of a
+    step of one full minibatch. A step of one minibatch needs no weighting at all: its weight and
+    its divisor are the same number.
+
+    >>> sample_weight(6, "mean", unit=4), sample_weight(6, "sum", unit=4), sample_weight(6, "mean")
+    (1.5, 1.0, 6.0)
+    """
+    if reduction == "mean":
+        return num_samples / unit
+    if reduction == "sum":
+        return 1.0
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
 def _accumulate_hook(
@@ -428,9 +459,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._plain = True
             return None
         if self.lr_rule == "adascale":
-            # n_i * |mean-loss gradient|^2, whatever the reduction (see _adascale_gain).
+            # n_i * |g_i|^2 (see _adascale_gain), g_i = grad * w_i / n_i the mean-loss gradient
+            # whatever the reduction, w_i = sample_weight(n_i, reduction)
             n = self._minibatch_samples
-            term = grad.detach().pow(2).sum() * (float(n) if self.reduction == "mean" else 1.0 / n)
+            w = sample_weight(n, self.reduction)
+            term = grad.detach().pow(2).sum() * (w * w / n)
             self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
         return grad * self._weight if self._weight != 1.0 else None
 
@@ -467,7 +500,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         params = self._params()
         # Parameters unfrozen, or groups added to the wrapped optimizer, since the last scan.
         self._check_unweighted(self._hook_params(params))
-        self._weight = num_samples / self._unit() if self.reduction == "mean" else 1.0
+        self._weight = sample_weight(num_samples, self.reduction, self._unit())
         self._minibatch_samples = num_samples
         try:
             yield
@@ -664,7 +697,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             if plain_ranks:
                 divisor = float(plain_ranks)
             else:
-                divisor = num_samples / self._unit() if self.reduction == "mean" else 1.0
+                divisor = sample_weight(num_samples, self.reduction, self._unit())
             for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 if totals[_N_STATS + i] == 0:
                     p.grad = None  # no rank produced a gradient for it: leave it out of the update

@@ -409,18 +409,18 @@ def test_a_grad_scaler_given_to_the_optimizer_unscales_clips_and_skips_as_the_ma
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_external_step_refuses_to_skip_clipping_or_loss_scaling() -> None:
+def test_computed_step_refuses_to_skip_clipping_or_loss_scaling() -> None:
     """A runner that computes the step itself must clip (clipped=True); loss scaling it cannot do."""
     model = make_model()
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match=r"max_grad_norm=1.0: .* does not clip it"):
-        opt.external_step(4, 1, lambda lrs: None)
+        opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1)
     assert opt.steps == 0
-    opt.external_step(4, 1, lambda lrs: None, clipped=True)
+    opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1, clipped=True)
     assert opt.steps == 1
     opt.grad_scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(RuntimeError, match="with a grad_scaler"):
-        opt.external_step(4, 1, lambda lrs: None, clipped=True)
+        opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1, clipped=True)
     for bad, error in ((0.0, ValueError), (math.inf, ValueError), ("1", TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_grad_norm must be"):
             AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=bad)
@@ -453,6 +453,61 @@ def test_the_weighting_rule_makes_the_mean_over_the_step_however_it_is_split() -
             assert loss_sum / sample_weight(len(x), reduction) == pytest.approx(full)
     with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
         sample_weight(3, "none")
+
+
+@pytest.mark.parametrize("rule", ["constant", "linear"])
+def test_a_computed_update_after_minibatches_equals_step(rule: str) -> None:
+    """computed_step(run) without counts: the minibatches' gradients synchronized, then run(lrs)
+    with the rule's rates (in the param groups too while it runs), the step counted as step() does."""
+    results = []
+    for computed in (False, True):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = AccumulatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+            lr_rule=rule,
+            ref_batch_size=REF,  # type: ignore[arg-type]
+        )
+        seen: list[tuple[list[float], list[float]]] = []
+
+        def run(lrs: list[float], opt: AccumulatingOptimizer = opt, seen: list = seen) -> str:
+            seen.append((lrs, [group["lr"] for group in opt.param_groups]))
+            opt.optimizer.step()
+            return "ran"
+
+        for step in _batches(STEPS):
+            for xb, yb in step:
+                opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+            if computed:
+                assert opt.computed_step(run) == "ran"
+            else:
+                opt.step()
+            opt.zero_grad()
+        if computed:
+            factors = [RULE_FACTORS[rule](sum(sizes)) for sizes in STEPS]
+            assert seen == [([LR * f], [LR * f]) for f in factors]
+        assert opt.param_groups[0]["lr"] == LR and opt.steps == len(STEPS)
+        results.append(
+            (opt.last_batch_size, opt.last_lr_factor, [p.detach().clone() for p in model.parameters()])
+        )
+    (size, factor, params), (size_c, factor_c, params_c) = results
+    assert (size, factor) == (size_c, factor_c)
+    for p, q in zip(params, params_c, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_computed_step_takes_both_counts_or_neither_and_only_between_steps() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    with pytest.raises(ValueError, match=r"num_samples=4, num_minibatches=None\): give both"):
+        opt.computed_step(lambda lrs: None, num_samples=4)
+    x, y = mnist_rows()
+    opt.backward(F.cross_entropy(model(x[:4]), y[:4]), num_samples=4)
+    with pytest.raises(
+        RuntimeError, match=r"in the middle of a step; call it after step\(\) and zero_grad\(\)"
+    ):
+        opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1)
+    assert opt.steps == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

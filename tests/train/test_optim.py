@@ -14,7 +14,7 @@ from _dist_worker import make_model, mnist_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
 
 REF = 32
 LR = 0.05
@@ -409,21 +409,105 @@ def test_a_grad_scaler_given_to_the_optimizer_unscales_clips_and_skips_as_the_ma
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_external_step_refuses_to_skip_clipping_or_loss_scaling() -> None:
+def test_computed_step_refuses_to_skip_clipping_or_loss_scaling() -> None:
     """A runner that computes the step itself must clip (clipped=True); loss scaling it cannot do."""
     model = make_model()
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match=r"max_grad_norm=1.0: .* does not clip it"):
-        opt.external_step(4, 1, lambda lrs: None)
+        opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1)
     assert opt.steps == 0
-    opt.external_step(4, 1, lambda lrs: None, clipped=True)
+    opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1, clipped=True)
     assert opt.steps == 1
     opt.grad_scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(RuntimeError, match="with a grad_scaler"):
-        opt.external_step(4, 1, lambda lrs: None, clipped=True)
+        opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1, clipped=True)
     for bad, error in ((0.0, ValueError), (math.inf, ValueError), ("1", TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_grad_norm must be"):
             AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=bad)
+
+
+def test_the_weighting_rule_makes_the_mean_over_the_step_however_it_is_split() -> None:
+    """sample_weight: minibatch gradients weighted by it and divided once by the step's weight give
+    the gradient of the mean (or summed) loss over all the step's samples, in any unit; the loss
+    sum over the step's weight is the mean loss."""
+    model = make_model()
+    x, y = mnist_rows()
+    x, y = x[:10], y[:10]
+    sizes = [3, 6, 1]
+    for reduction in ("mean", "sum"):
+        whole = torch.autograd.grad(
+            F.cross_entropy(model(x), y, reduction=reduction), list(model.parameters())
+        )
+        for unit in (1.0, 4.0):
+            summed = [torch.zeros_like(p) for p in model.parameters()]
+            loss_sum = 0.0
+            for xb, yb in zip(x.split(sizes), y.split(sizes), strict=True):
+                loss = F.cross_entropy(model(xb), yb, reduction=reduction)
+                grads = torch.autograd.grad(loss, list(model.parameters()))
+                for acc, grad in zip(summed, grads, strict=True):
+                    acc += grad * sample_weight(len(xb), reduction, unit)
+                loss_sum += float(loss.detach()) * sample_weight(len(xb), reduction)
+            for acc, want in zip(summed, whole, strict=True):
+                torch.testing.assert_close(acc / sample_weight(len(x), reduction, unit), want)
+            full = float(F.cross_entropy(model(x), y, reduction=reduction).detach())
+            assert loss_sum / sample_weight(len(x), reduction) == pytest.approx(full)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        sample_weight(3, "none")
+
+
+@pytest.mark.parametrize("rule", ["constant", "linear"])
+def test_a_computed_update_after_minibatches_equals_step(rule: str) -> None:
+    """computed_step(run) without counts: the minibatches' gradients synchronized, then run(lrs)
+    with the rule's rates (in the param groups too while it runs), the step counted as step() does."""
+    results = []
+    for computed in (False, True):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = AccumulatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+            lr_rule=rule,
+            ref_batch_size=REF,  # type: ignore[arg-type]
+        )
+        seen: list[tuple[list[float], list[float]]] = []
+
+        def run(lrs: list[float], opt: AccumulatingOptimizer = opt, seen: list = seen) -> str:
+            seen.append((lrs, [group["lr"] for group in opt.param_groups]))
+            opt.optimizer.step()
+            return "ran"
+
+        for step in _batches(STEPS):
+            for xb, yb in step:
+                opt.backward(F.cross_entropy(model(xb), yb), num_samples=len(xb))
+            if computed:
+                assert opt.computed_step(run) == "ran"
+            else:
+                opt.step()
+            opt.zero_grad()
+        if computed:
+            factors = [RULE_FACTORS[rule](sum(sizes)) for sizes in STEPS]
+            assert seen == [([LR * f], [LR * f]) for f in factors]
+        assert opt.param_groups[0]["lr"] == LR and opt.steps == len(STEPS)
+        results.append(
+            (opt.last_batch_size, opt.last_lr_factor, [p.detach().clone() for p in model.parameters()])
+        )
+    (size, factor, params), (size_c, factor_c, params_c) = results
+    assert (size, factor) == (size_c, factor_c)
+    for p, q in zip(params, params_c, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_computed_step_takes_both_counts_or_neither_and_only_between_steps() -> None:
+    model = make_model()
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    with pytest.raises(ValueError, match=r"num_samples=4, num_minibatches=None\): give both"):
+        opt.computed_step(lambda lrs: None, num_samples=4)
+    x, y = mnist_rows()
+    opt.backward(F.cross_entropy(model(x[:4]), y[:4]), num_samples=4)
+    with pytest.raises(
+        RuntimeError, match=r"in the middle of a step; call it after step\(\) and zero_grad\(\)"
+    ):
+        opt.computed_step(lambda lrs: None, num_samples=4, num_minibatches=1)
+    assert opt.steps == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

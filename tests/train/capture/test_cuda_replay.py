@@ -233,7 +233,8 @@ def test_the_trainer_replays_steps_of_one_minibatch_and_ends_where_eager_trainin
 
 
 def test_released_accumulators_are_hooked_again_afterwards() -> None:
-    """Inside, gradients come from torch.autograd.grad with no weighting; afterwards a step of two
+    """A step computed by its runner (computed_step with counts) runs with the gradient accumulators
+    released: gradients come from torch.autograd.grad with no weighting; afterwards a step of two
     minibatches is weighted by their sample counts again."""
     p = torch.nn.Parameter(torch.tensor([1.0]))
     optimizer = AccumulatingOptimizer(torch.optim.SGD([p], lr=1.0))
@@ -243,9 +244,18 @@ def test_released_accumulators_are_hooked_again_afterwards() -> None:
 
     accumulator().metadata["made"] = "before"
     assert accumulator().metadata == {"made": "before"}  # the optimizer holds it
-    with optimizer.released_accumulators():
+
+    def run(lrs: list[float]) -> float:
         assert accumulator().metadata == {}  # autograd made a new one: nothing held the old one
-        assert torch.autograd.grad((p * 3).sum(), [p])[0].item() == 3.0
+        grad = torch.autograd.grad((p * 3).sum(), [p])[0]
+        with torch.no_grad():
+            p.sub_(lrs[0] * grad)
+        return lrs[0]
+
+    assert optimizer.computed_step(run, num_samples=2, num_minibatches=1) == 1.0
+    assert p.item() == -2.0 and p.grad is None and optimizer.last_batch_size == 2
+    with torch.no_grad():
+        p.fill_(1.0)
     with optimizer.minibatch(1):
         (p * 2).sum().backward()
     with optimizer.minibatch(3):

@@ -23,9 +23,9 @@ __all__ = [
     "MAX_OPTIONS",
     "Options",
     "StepReplay",
+    "at_rates_without_grads",
     "gradients_into",
     "optimizer_options",
-    "stepping",
     "target_tensors",
 ]
 
@@ -64,7 +64,7 @@ class StepReplay:
 
     def _eager_step(self, plan: StaticPlan, targets: Any, lrs: list[float]) -> torch.Tensor:
         """One ordinary step (the optimizer's own update); the loss."""
-        with stepping(self.optimizer, lrs):
+        with at_rates_without_grads(self.optimizer, lrs):
             loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
             loss.backward()
             self.optimizer.step()
@@ -123,7 +123,7 @@ def optimizer_options(
 
 
 @contextlib.contextmanager
-def stepping(optimizer: torch.optim.Optimizer, rates: Sequence[Any]) -> Iterator[None]:
+def at_rates_without_grads(optimizer: torch.optim.Optimizer, rates: Sequence[Any]) -> Iterator[None]:
     """Inside, param group ``i`` steps with learning rate ``rates[i]`` (a number or a tensor)
     from no gradients; afterwards its own learning rates are back and the gradients ``None``."""
     groups = optimizer.param_groups

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,8 @@ from torchfold.engine.static import StaticInputs, StaticPlan
 from torchfold.train.capture._replay import (
     Options,
     StepReplay,
+    at_rates_without_grads,
     gradients_into,
-    stepping,
     target_tensors,
 )
 from torchfold.train.capture.compiled import check_loss
@@ -116,17 +116,17 @@ class CudaStepReplay(StepReplay):
     back to the host, or its targets hold more than tensors) runs eagerly instead, with one
     warning, and :attr:`refused` says why: run the next steps another way.
 
+    Whatever holds the parameters' gradient accumulators must let go of them before a step, or
+    its capture fails: an ``AccumulatingOptimizer`` does when a step goes through its
+    :meth:`~torchfold.train.AccumulatingOptimizer.computed_step` (what the trainer's runner
+    does).
+
     Args:
         model: the module whose methods are the fold ops, on a CUDA device.
         loss: ``loss(model, outputs, targets) -> scalar``, as for
             :class:`~torchfold.train.capture.compiled.CompiledLoss`.
         optimizer: the ``torch.optim`` optimizer to update with, made with ``capturable=True``
             or ``fused=True`` (see :func:`uncapturable_step`).
-        capture_context: a context the warm-up and the capture run in, e.g.
-            :meth:`AccumulatingOptimizer.released_accumulators
-            <torchfold.train.AccumulatingOptimizer.released_accumulators>` (what
-            :class:`~torchfold.train.TraceTrainer` passes): whatever holds the parameters'
-            gradient accumulators must let go of them, or the capture fails.
 
     Raises:
         ValueError: the optimizer's update cannot be captured (the message names the fix).
@@ -143,8 +143,6 @@ class CudaStepReplay(StepReplay):
         model: torch.nn.Module,
         loss: PlanLoss,
         optimizer: torch.optim.Optimizer,
-        *,
-        capture_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -154,7 +152,6 @@ class CudaStepReplay(StepReplay):
         if reason is not None:
             raise ValueError(f"the optimizer's update cannot be captured in a CUDA graph: {reason}")
         super().__init__(model, loss, optimizer)
-        self._capture_context = capture_context or nullcontext
         self._graphs: dict[tuple[Any, ...], _Graph] = {}
         self._captured = 0
         #: what the Python side of a step reads besides the graph's inputs, read before every replay
@@ -267,9 +264,8 @@ class CudaStepReplay(StepReplay):
         side.wait_stream(current)
         synced: str | None = None  # where the step reads back to the host, if it does
         with (
-            self._capture_context(),
             torch.cuda.stream(side),
-            stepping(self.optimizer, rates),
+            at_rates_without_grads(self.optimizer, rates),
             warnings.catch_warnings(),
         ):
             # capturable=True optimizers warn when they step outside a capture: this one step must
@@ -303,8 +299,7 @@ class CudaStepReplay(StepReplay):
         graph = torch.cuda.CUDAGraph()
         try:
             with (
-                self._capture_context(),
-                stepping(self.optimizer, rates),
+                at_rates_without_grads(self.optimizer, rates),
                 _capture_flags(self.optimizer),
                 _capturing(graph, current),
             ):

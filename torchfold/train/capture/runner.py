@@ -36,7 +36,7 @@ from torchfold.train.capture.xla_programs import XlaPrograms
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed.world import accumulation_dtype, world, xla_sync
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
 
 __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner"]
 
@@ -96,7 +96,8 @@ class StepRunner:
         trainer calls it at each checkpoint); nothing for a runner that replays nothing."""
 
     def _loss_weight(self, num_samples: int) -> float:
-        return float(num_samples) if self.optimizer.reduction == "mean" else 1.0
+        """A minibatch's weight in the step's loss sum (:func:`~torchfold.train.optim.optimizer.sample_weight`)."""
+        return sample_weight(num_samples, self.optimizer.reduction)
 
 
 class EagerRunner(StepRunner):
@@ -104,7 +105,9 @@ class EagerRunner(StepRunner):
 
     With ``compiled``, a static plan's forward, loss and backward replay a
     :class:`~torchfold.train.capture.compiled.CompiledLoss` graph instead (``strict``: an unpadded plan is
-    refused rather than run eagerly).
+    refused rather than run eagerly); with ``update``, the optimizer's update is that
+    :class:`~torchfold.train.capture.compiled.CompiledUpdate`, handed to the optimizer by
+    :meth:`~torchfold.train.AccumulatingOptimizer.computed_step` as every runner's own step is.
     """
 
     def __init__(
@@ -140,7 +143,10 @@ class EagerRunner(StepRunner):
         self._losses.append((loss.detach(), self._loss_weight(num_samples)))
 
     def update(self) -> tuple[torch.Tensor | None, float]:
-        self.optimizer.step(update=self.compiled_update)
+        if self.compiled_update is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.computed_step(functools.partial(_compiled_update, self.compiled_update))
         self.optimizer.zero_grad()
         losses, self._losses = self._losses, []
         if self.optimizer.params_device().type == "xla":
@@ -216,8 +222,11 @@ class XlaRunner(StepRunner):
         if world().size == 1:
             if not count:
                 return None, 0.0
-            loss_sum = self.optimizer.external_step(
-                samples, count, functools.partial(_update, self.programs, samples), clipped=clipped
+            loss_sum = self.optimizer.computed_step(
+                functools.partial(_update, self.programs, samples),
+                num_samples=samples,
+                num_minibatches=count,
+                clipped=clipped,
             )
             return loss_sum, 1.0
         # several replicas: their gradients summed (a program of its own), then the same update program on each
@@ -227,8 +236,12 @@ class XlaRunner(StepRunner):
                 "a step with no minibatch on any replica: the trace gave it no samples, or every replica's loader "
                 "skipped them"
             )
-        loss_sum = self.optimizer.external_step(
-            samples, count, functools.partial(_update, self.programs, samples), reduced=True, clipped=clipped
+        loss_sum = self.optimizer.computed_step(
+            functools.partial(_update, self.programs, samples),
+            num_samples=samples,
+            num_minibatches=count,
+            reduced=True,
+            clipped=clipped,
         )
         return loss_sum, 1.0  # (zero on a replica without minibatches; the trainer sums over the replicas)
 
@@ -237,15 +250,17 @@ def _update(programs: XlaPrograms, samples: int, lrs: list[float]) -> torch.Tens
     return programs.update(lrs, samples)
 
 
+def _compiled_update(update: CompiledUpdate, lrs: list[float]) -> None:
+    update()  # (it reads the rates ``lrs`` from the param groups, where computed_step puts them)
+
+
 class CudaRunner(EagerRunner):
     """One GPU: a step of one minibatch replayed whole from one CUDA graph; others eagerly."""
 
     def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
         super().__init__(model, loss, optimizer)
         #: the step of one minibatch (``sole_minibatch=True``), forward, backward and update, as one CUDA graph
-        self.whole_step_replay = CudaStepReplay(
-            model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
-        )
+        self.whole_step_replay = CudaStepReplay(model, loss, optimizer.optimizer)
         self._whole_loss: tuple[torch.Tensor, float] | None = None
 
     @property
@@ -258,8 +273,12 @@ class CudaRunner(EagerRunner):
 
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
         if sole_minibatch and isinstance(plan, StaticPlan) and self.whole_step_replay.refused is None:
-            replay = functools.partial(self.whole_step_replay, plan, targets)
-            loss = self.optimizer.external_step(num_samples, 1, replay)
+            # (one minibatch: its weight and the step's divisor cancel, so the graph weighs nothing)
+            loss = self.optimizer.computed_step(
+                functools.partial(self.whole_step_replay, plan, targets),
+                num_samples=num_samples,
+                num_minibatches=1,
+            )
             self._whole_loss = (loss, self._loss_weight(num_samples))
             return
         super().minibatch(plan, targets, num_samples, sole_minibatch=sole_minibatch)

@@ -12,7 +12,7 @@ from torchfold.train.capture.runner import StepRunner
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed.world import run_context
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
 
 __all__ = ["CapturedStep", "captured_step"]
 
@@ -60,8 +60,7 @@ class CapturedStep:
             total += num_samples
         summed, scale = self.runner.update()
         assert summed is not None
-        weight = scale / total if self.optimizer.reduction == "mean" else scale
-        return summed * weight
+        return summed * (scale / sample_weight(total, self.optimizer.reduction))
 
 
 def captured_step(

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture._replay import optimizer_options, stepping, target_tensors
+from torchfold.train.capture._replay import at_rates_without_grads, optimizer_options, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.guards import StepGuard
 from torchfold.train.capture.xla_linear import transposed_weights
@@ -53,12 +53,13 @@ from torchfold.train.distributed import xla_calls
 from torchfold.train.distributed.world import all_reduce_sum_
 from torchfold.train.distributed.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
+from torchfold.train.optim.optimizer import sample_weight
 
 __all__ = [
     "VERIFY_EVERY",
     "XlaPrograms",
     "graph_sources",
-    "untouched",
+    "restored_afterwards",
     "xla_programs_unavailable",
 ]
 
@@ -273,9 +274,12 @@ class XlaPrograms:
         model: the module whose methods are the fold ops, on an XLA device.
         loss: ``loss(model, outputs, targets) -> scalar``.
         optimizer: the ``torch.optim`` optimizer (capturable: e.g. ``Adam(..., capturable=True)``).
-        minibatch_unit: what a sample count is measured in (``AccumulatingOptimizer``'s
-            ``minibatch_size``, or 1).
-        reduction: ``"mean"`` (losses averaged over a minibatch's samples) or ``"sum"``.
+        minibatch_unit: what a sample count is measured in (``AccumulatingOptimizer.minibatch_unit()``:
+            its ``minibatch_size``, or 1).
+        reduction: ``"mean"`` (losses averaged over a minibatch's samples) or ``"sum"``. With
+            ``minibatch_unit``, what the minibatches' gradients and losses are weighted by, and the
+            step's gradient divided by: :func:`~torchfold.train.optim.optimizer.sample_weight`, the
+            optimizer's own rule.
         transpose_weights: trace ``F.linear`` against transposed weight copies (XLA's CPU backend).
         verify_every: trace a program again after this many replays and compare (0: never).
         max_grad_norm: clip the step's mean gradient to this total 2-norm before the update
@@ -307,6 +311,7 @@ class XlaPrograms:
         if verify_every < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {verify_every}")
         self.model, self.loss, self.optimizer = model, loss, optimizer
+        sample_weight(1, reduction)  # (raises for a reduction other than "mean" or "sum", naming it)
         self.unit = float(minibatch_unit)
         self.reduction = reduction
         if transpose_weights is None:
@@ -553,7 +558,7 @@ class XlaPrograms:
         trace: Callable[[], _T],
     ) -> _T | None:
         """``trace()`` (a trace with ``run=False``: compiled, never run) unless ``programs`` has
-        ``key``, with ``changed`` and the optimizer's state put back afterwards (:func:`untouched`);
+        ``key``, with ``changed`` and the optimizer's state put back afterwards (:func:`restored_afterwards`);
         its result, or None: the program exists, or its trace is refused (refused from now on:
         the steps would be)."""
         with TRACE_LOCK:
@@ -562,7 +567,7 @@ class XlaPrograms:
                 return None
             for attempt in range(3):
                 try:
-                    with untouched(changed, self.optimizer):
+                    with restored_afterwards(changed, self.optimizer):
                         return trace()
                 except _Refused as refusal:
                     # (replicas that are threads count each other's graphs: a trace put back
@@ -594,12 +599,8 @@ class XlaPrograms:
         batch, why = target_tensors(targets)
         if why is not None:
             return None, why
-        weight = self._scalar(
-            "weight", num_samples / self.unit if self.reduction == "mean" else 1.0, params[0]
-        )
-        loss_weight = self._scalar(
-            "loss weight", float(num_samples) if self.reduction == "mean" else 1.0, None, device
-        )
+        weight = self._scalar("weight", sample_weight(num_samples, self.reduction, self.unit), params[0])
+        loss_weight = self._scalar("loss weight", sample_weight(num_samples, self.reduction), None, device)
         loss_sum = self._loss_sum if self._loss_sum is not None and not first else self._zero_sum(device)
         data = [inputs.ints, inputs.floats, *inputs.given, *batch]
         live = [*params, *others, *buffers, *accs, weight, loss_weight, loss_sum, *data]
@@ -665,7 +666,7 @@ class XlaPrograms:
             raise ValueError(f"lrs has {len(lrs)} learning rates for {len(groups)} param groups")
 
     def _divisor(self, batch_size: int) -> float:
-        return batch_size / self.unit if self.reduction == "mean" else 1.0
+        return sample_weight(batch_size, self.reduction, self.unit)
 
     # -- tracing -------------------------------------------------------------------------------
 
@@ -713,7 +714,7 @@ class XlaPrograms:
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
         position = _positions(setup.live, self._computed)
         executed = executions()
-        with stepping(self.optimizer, _rates_for(self.optimizer, setup.rates)):
+        with at_rates_without_grads(self.optimizer, _rates_for(self.optimizer, setup.rates)):
             for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
                 p.grad = acc / divisor.reshape(())
             if self.max_grad_norm is not None and graded:
@@ -759,16 +760,14 @@ class XlaPrograms:
         device = self._params()[0].device
         loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
         grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
-        weight = num_samples / self.unit if self.reduction == "mean" else 1.0
+        weight = sample_weight(num_samples, self.reduction, self.unit)
         with torch.no_grad():
             for p, grad in zip(params, grads, strict=True):
                 if grad is not None:
                     self._acc[id(p)] = self._acc_of(p) + grad * weight
                     self._has_grad.add(id(p))
             loss_sum = self._loss_sum if self._loss_sum is not None else self._zero_sum(device)
-            self._loss_sum = loss_sum + loss.detach().float() * (
-                num_samples if self.reduction == "mean" else 1
-            )
+            self._loss_sum = loss_sum + loss.detach().float() * sample_weight(num_samples, self.reduction)
         self._minibatches += 1
         torch_xla.sync()
 
@@ -776,7 +775,7 @@ class XlaPrograms:
         import torch_xla
 
         params = self._params()
-        with stepping(self.optimizer, lrs):
+        with at_rates_without_grads(self.optimizer, lrs):
             graded = [p for p in params if id(p) in self._has_grad]
             for p in graded:
                 p.grad = self._acc[id(p)] / divisor
@@ -850,7 +849,7 @@ class XlaPrograms:
         since = program.replays
         program.replays, program.due = 0, False
         try:
-            with untouched(changed, self.optimizer):
+            with restored_afterwards(changed, self.optimizer):
                 traced = trace()
         except _Refused as refusal:
             if refusal.host_read and xla_calls.replica_threads():
@@ -916,7 +915,7 @@ def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 @contextlib.contextmanager
-def untouched(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def restored_afterwards(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Inside, a step may be traced (never run): afterwards ``tensors`` (materialized: device
     data) and the optimizer's state are what they were before, whatever the trace did to them in
     place (an update), and state the trace created is gone; gradients are ``None``.

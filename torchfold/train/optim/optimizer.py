@@ -35,7 +35,7 @@ from torchfold.train.distributed.world import accumulation_dtype, all_reduce_sum
 from torchfold.train.optim.lr import scaled_lr
 
 _T = TypeVar("_T")
-__all__ = ["AccumulatingOptimizer", "check_max_grad_norm"]
+__all__ = ["AccumulatingOptimizer", "check_max_grad_norm", "sample_weight"]
 
 # The trace module's rules (constant, linear, sqrt: scaled_lr) plus AdaScale, which needs gradients.
 _LRRuleName = Literal["constant", "linear", "sqrt", "adascale"]
@@ -44,6 +44,37 @@ _LR_RULES: tuple[_LRRuleName, ...] = ("constant", "linear", "sqrt", "adascale")
 # Stats that ride along with the gradients in the same all-reduce.
 _SAMPLES, _MINIBATCHES, _PLAIN_RANKS, _WEIGHTED_SQNORM, _UNIT = 0, 1, 2, 3, 4
 _N_STATS = 5
+
+
+def sample_weight(num_samples: float, reduction: str, unit: float = 1.0) -> float:
+    """What a loss or gradient over ``num_samples`` samples counts for in its step: the weighting rule.
+
+    Every way a step runs weighs by this one function: :meth:`AccumulatingOptimizer.minibatch`
+    and :meth:`~AccumulatingOptimizer.synchronize`, the step runners, and the programs they
+    replay (:class:`~torchfold.train.capture.xla_programs.XlaPrograms`). With ``reduction="mean"``
+    (a minibatch's loss averaged over its samples) it is ``num_samples / unit``; with ``"sum"``
+    (losses summed over the samples) it is 1: every sample counts once already. Its uses:
+
+    * a minibatch's gradient is weighted by ``sample_weight(n, reduction, unit)``;
+    * the step's summed gradient is divided once by ``sample_weight(B, reduction, unit)``, ``B``
+      the step's samples over all ranks (replicas): the mean gradient over the step's samples
+      however they were split among minibatches and ranks (with ``"sum"``: no division);
+    * a minibatch's loss enters the step's loss sum weighted by ``sample_weight(n, reduction)``,
+      and the step's mean loss is that sum over ``sample_weight(B, reduction)``.
+
+    ``unit`` (the optimizer's ``minibatch_size``) changes no result, only the passes over the
+    gradients: a full minibatch has weight 1 (nothing to multiply), and so has the divisor of a
+    step of one full minibatch. A step of one minibatch needs no weighting at all: its weight and
+    its divisor are the same number.
+
+    >>> sample_weight(6, "mean", unit=4), sample_weight(6, "sum", unit=4), sample_weight(6, "mean")
+    (1.5, 1.0, 6.0)
+    """
+    if reduction == "mean":
+        return num_samples / unit
+    if reduction == "sum":
+        return 1.0
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
 def _accumulate_hook(
@@ -194,7 +225,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             check_int("minibatch_size", minibatch_size)
         self.minibatch_size = minibatch_size
         #: the step's gradient is clipped to this total norm in :meth:`synchronize` (None: not clipped);
-        #: a runner that computes a step itself (:meth:`external_step`) must clip to it as well
+        #: a runner that computes a step's gradients itself (:meth:`computed_step`) must clip to it as well
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         #: unscales the step's gradient and skips overflowed updates (see ``grad_scaler``)
         self.grad_scaler = grad_scaler
@@ -236,9 +267,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._sqr_avg: float | None = None
         self.scale_invariant_steps = 0.0
         self.steps = 0
-        #: runs the wrapped optimizer's update in :meth:`step` (None: its ``step()``), e.g. a
-        #: :class:`~torchfold.train.capture.compiled.CompiledUpdate` (``step(update=...)`` for one step)
-        self.update_fn: Callable[[], object] | None = None
         self.last_batch_size = 0
         self.last_num_minibatches = 0
         self.last_lr_factor = 1.0
@@ -428,9 +456,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._plain = True
             return None
         if self.lr_rule == "adascale":
-            # n_i * |mean-loss gradient|^2, whatever the reduction (see _adascale_gain).
+            # n_i * |g_i|^2 (see _adascale_gain), g_i = grad * w_i / n_i the mean-loss gradient
+            # whatever the reduction, w_i = sample_weight(n_i, reduction)
             n = self._minibatch_samples
-            term = grad.detach().pow(2).sum() * (float(n) if self.reduction == "mean" else 1.0 / n)
+            w = sample_weight(n, self.reduction)
+            term = grad.detach().pow(2).sum() * (w * w / n)
             self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
         return grad * self._weight if self._weight != 1.0 else None
 
@@ -467,7 +497,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         params = self._params()
         # Parameters unfrozen, or groups added to the wrapped optimizer, since the last scan.
         self._check_unweighted(self._hook_params(params))
-        self._weight = num_samples / self._unit() if self.reduction == "mean" else 1.0
+        self._weight = sample_weight(num_samples, self.reduction, self._unit())
         self._minibatch_samples = num_samples
         try:
             yield
@@ -480,93 +510,110 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             # step has, instead of one new graph per distinct count.
             xla_sync()
 
-    @contextlib.contextmanager
-    def released_accumulators(self) -> Iterator[None]:
-        """Inside, this optimizer holds no parameter's gradient accumulator and weighs no gradient.
-
-        Autograd then makes the accumulators anew, on the CUDA stream current at the forward: a
-        CUDA graph capture on its own stream needs that (an accumulator made earlier, on the
-        default stream, breaks the capture). For a step computed whole elsewhere
-        (:meth:`whole_step`), whose gradients come from ``torch.autograd.grad``. Afterwards the
-        accumulators are hooked again.
-        """
-        self._unhook()  # in a function of its own: a loop variable here would keep a node alive
-        try:
-            yield
-        finally:
-            self._hook_params(self._params())
-
     def _unhook(self) -> None:
         """Remove the gradient hooks, and let go of the gradient accumulators they sit on."""
         for _, handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
 
-    def whole_step(self, num_samples: int, run: Callable[[list[float]], _T]) -> _T:
-        """:meth:`external_step` of one minibatch (kept for compatibility)."""
-        return self.external_step(num_samples, 1, run)
-
-    def external_step(
+    def computed_step(
         self,
-        num_samples: int,
-        num_minibatches: int,
         run: Callable[[list[float]], _T],
         *,
+        num_samples: int | None = None,
+        num_minibatches: int | None = None,
         reduced: bool = False,
         clipped: bool = False,
     ) -> _T:
-        """One step whose gradients and update ``run`` computes itself (e.g. replayed programs); its result.
+        """End a step whose update a step runner computes itself (compiled, replayed); ``run``'s result.
 
-        ``run(lrs)`` gets each param group's learning rate after the LR rule for ``num_samples``
-        samples and must do what the step's minibatches (weighted by sample count),
-        :meth:`synchronize` and the wrapped optimizer's update would do; this records the step as
-        :meth:`step` would (its counts, the rule's factor). In one process, or, with ``reduced``,
-        in several whose gradients the caller has summed over the ranks already: then
-        ``num_samples`` and ``num_minibatches`` are the step's over all ranks. With
-        :attr:`max_grad_norm`, ``run`` must clip the step's mean gradient to it before the update,
-        and say so with ``clipped=True``.
+        The one way a runner hands this optimizer a step of its own making. ``run(lrs)`` gets each
+        param group's learning rate after the LR rule (the param groups hold the same rates while it
+        runs, and their own afterwards) and must update the parameters as the wrapped optimizer's
+        ``step()`` would; this then records the step as :meth:`step` does (its counts, the rule's
+        factor). Two kinds of steps:
+
+        * without ``num_samples``: the step's minibatches ran in :meth:`minibatch`, so this runs
+          :meth:`synchronize` first (all-reduce, division, clipping), and ``run`` updates from
+          ``p.grad`` (e.g. a compiled ``optimizer.step()``);
+        * with ``num_samples`` and ``num_minibatches``: ``run`` computes the gradients too (e.g.
+          replayed programs), weighted by :func:`sample_weight` as :meth:`minibatch` and
+          :meth:`synchronize` weigh them, and never into ``p.grad`` through autograd's gradient
+          accumulators: this optimizer lets go of them first (a CUDA graph capture needs that: an
+          accumulator made on another stream breaks it), and takes them again at the next
+          :meth:`minibatch`. In one process, or, with ``reduced``, in several whose gradients the
+          runner has summed over the ranks already: the counts are then the step's over all
+          ranks. With :attr:`max_grad_norm`, ``run`` must clip the step's mean gradient to it
+          before the update, and say so with ``clipped=True``.
 
         Raises:
-            RuntimeError: several processes without ``reduced`` (their gradients must be
-                all-reduced: use :meth:`minibatch` and :meth:`step`), ``lr_rule="adascale"`` (it
-                needs the gradients' statistics), a :attr:`grad_scaler`, a :attr:`max_grad_norm`
+            RuntimeError: a :attr:`grad_scaler` (a runner's update cannot be skipped when the gradient
+                overflowed); with ``num_samples``: several processes without ``reduced`` (their
+                gradients must be all-reduced: use :meth:`minibatch` and :meth:`step`),
+                ``lr_rule="adascale"`` (it needs the gradients' statistics), a :attr:`max_grad_norm`
                 without ``clipped``, or a step already under way.
+            ValueError: one of ``num_samples`` and ``num_minibatches`` without the other.
         """
+        if self.grad_scaler is not None:
+            raise RuntimeError(
+                "computed_step() with a grad_scaler: a step runner's update cannot be skipped when the gradient "
+                "overflowed; use minibatch() and step() (TraceTrainer: compile='off')"
+            )
+        if (num_samples is None) != (num_minibatches is None):
+            raise ValueError(
+                f"computed_step(num_samples={num_samples}, num_minibatches={num_minibatches}): give both (a step "
+                "whose gradients the runner computed) or neither (a step whose minibatches ran in minibatch())"
+            )
+        if num_samples is None or num_minibatches is None:
+            self.synchronize()
+            return self._update(run)
         check_int("num_samples", num_samples)
         check_int("num_minibatches", num_minibatches)
         if world().size != 1 and not reduced:
             raise RuntimeError(
-                f"external_step() in a run of {world().size} processes: their gradients must be all-reduced; use "
-                "optimizer.minibatch(num_samples) and optimizer.step()"
+                f"computed_step() in a run of {world().size} processes: their gradients must be all-reduced; use "
+                "optimizer.minibatch(num_samples) and optimizer.step(), or all-reduce them and pass reduced=True"
             )
         if self.lr_rule == "adascale":
             raise RuntimeError(
-                "external_step() with lr_rule='adascale', which needs the gradients' statistics; use step()"
-            )
-        if self.grad_scaler is not None:
-            raise RuntimeError(
-                "external_step() with a grad_scaler: the step's gradient never reaches p.grad here to be "
-                "unscaled and checked for overflow; use minibatch() and step() (TraceTrainer: compile='off')"
+                "computed_step(num_samples=...) with lr_rule='adascale', which needs the gradients' statistics; "
+                "use minibatch() and step()"
             )
         if self.max_grad_norm is not None and not clipped:
             raise RuntimeError(
-                f"external_step() with max_grad_norm={self.max_grad_norm}: the step's gradient never reaches "
+                f"computed_step() with max_grad_norm={self.max_grad_norm}: the step's gradient never reaches "
                 "p.grad here to be clipped, and this runner's update does not clip it (clipped=False); use "
                 "minibatch() and step() (TraceTrainer: compile='off')"
             )
         if self._step_in_progress() or self._synced:
             raise RuntimeError(
-                "external_step() in the middle of a step; call it after step() and zero_grad()"
+                "computed_step(num_samples=...) in the middle of a step; call it after step() and zero_grad()"
             )
-        factor = self._rule_factor(num_samples)
-        result = run([group["lr"] * factor for group in self.optimizer.param_groups])
-        self._factor = factor
+        self._unhook()  # (cheap when nothing is hooked: a minibatch() since the last one hooks them)
+        self._factor = self._rule_factor(num_samples)
+        result = self._update(run)
         self._needs_zero_grad = False
         self.last_batch_size = num_samples
         self.last_num_minibatches = num_minibatches
-        self.last_lr_factor = factor
+        self.last_lr_factor = self._factor
+        return result
+
+    def _update(self, run: Callable[[list[float]], _T]) -> _T:
+        """``run(lrs)`` with the rule's learning rates (in the param groups too while it runs); the
+        step counted. The update of :meth:`step` and :meth:`computed_step` alike."""
+        factor = self._factor
+        ref_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        rates = [lr * factor for lr in ref_lrs]
+        try:
+            for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
+            result = run(rates)
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
+                group["lr"] = lr
+        self._synced = False
         self.steps += 1
-        self.scale_invariant_steps += 1.0
+        self.scale_invariant_steps += factor if self.lr_rule == "adascale" else 1.0
         return result
 
     def minibatch_unit(self) -> float:
@@ -664,7 +711,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             if plain_ranks:
                 divisor = float(plain_ranks)
             else:
-                divisor = num_samples / self._unit() if self.reduction == "mean" else 1.0
+                divisor = sample_weight(num_samples, self.reduction, self._unit())
             for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 if totals[_N_STATS + i] == 0:
                     p.grad = None  # no rank produced a gradient for it: leave it out of the update
@@ -689,15 +736,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grads = [p for p in self._params() if p.grad is not None]
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
 
-    def step(
-        self, closure: Callable[[], Any] | None = None, *, update: Callable[[], object] | None = None
-    ) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """End the step: :meth:`synchronize` (unless done), then update with the rule's learning rate.
 
-        Every rank must call it once per step, also a rank without minibatches in this step.
-        ``update`` runs the wrapped optimizer's update instead of :attr:`update_fn` (or its ``step()``),
-        with the rule's rates in its param groups: what a step runner passes, leaving this object as
-        the user made it.
+        Every rank must call it once per step, also a rank without minibatches in this step. With a
+        :attr:`grad_scaler`, the update is the scaler's (skipped where the gradient overflowed), and
+        the scale is updated.
 
         ``closure`` is called once, first (gradients enabled), and its result returned, as
         ``torch.optim`` optimizers do: Lightning's manual optimization passes one, which runs its
@@ -709,32 +753,17 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 result = closure()
         self.synchronize()
-        factor = self._factor
-        ref_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        try:
-            for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
-                group["lr"] = lr * factor
-            update = update if update is not None else self.update_fn
-            scaler = self.grad_scaler
-            if scaler is not None and update is not None:
-                raise RuntimeError(
-                    "step(update=...) with a grad_scaler: a captured update cannot be skipped when the gradient "
-                    "overflowed; leave the update to the optimizer (TraceTrainer: compile='off')"
-                )
-            if scaler is not None:
-                scaler.step(self.optimizer)  # skipped where the unscaled gradient is not finite
-                scaler.update()
-            elif update is not None:
-                update()
-            else:
-                self.optimizer.step()
-        finally:
-            for group, lr in zip(self.optimizer.param_groups, ref_lrs, strict=True):
-                group["lr"] = lr
-        self._synced = False
-        self.steps += 1
-        self.scale_invariant_steps += factor if self.lr_rule == "adascale" else 1.0
+        self._update(self._own_update)
         return result
+
+    def _own_update(self, lrs: list[float]) -> None:
+        """The wrapped optimizer's update (the rates ``lrs`` are in its param groups), or the grad scaler's."""
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.step(self.optimizer)  # skipped where the unscaled gradient is not finite
+            scaler.update()
+        else:
+            self.optimizer.step()
 
     def _rule_factor(self, batch_size: int) -> float:
         if self.lr_rule == "constant":

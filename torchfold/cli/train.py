@@ -47,6 +47,7 @@ from torchfold.examples.datasets import ENV_VAR, TreeParseError
 from torchfold.train.capture.compiled import COMPILE_CHOICES, wants_compile
 from torchfold.train.data.envelope import fit_static_shapes
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.devices import capturable_optimizer, fused_optimizer
 from torchfold.train.distributed.world import RunContext, default_device, init_distributed, run_context, world
 from torchfold.train.loop.checkpoint import (
     CheckpointDirLock,
@@ -493,7 +494,7 @@ def _device(choice: str) -> torch.device:
 
 def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context: RunContext) -> int:
     device = context.device
-    static = device.type == "xla" or wants_compile(args.compile, device)  # folds padded into static shapes
+    static = context.static_shapes or wants_compile(args.compile, device)  # folds padded into static shapes
     if args.pack_levels and not static:
         raise ValueError(
             f"--pack-levels packs static shapes, and on {device.type} with --compile {args.compile} folds run "
@@ -507,12 +508,10 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
         )
     model = _model(task).to(device=device, dtype=dtype)
     params = model.parameters()
-    fused = (
-        True if device.type in ("cpu", "cuda") else None
-    )  # one kernel for all parameters (CPU: 5x less time)
+    fused = fused_optimizer(device)  # one kernel for all parameters (CPU: 5x less time)
     base: torch.optim.Optimizer = (
         # on XLA, the step count stays on the device, so a captured update replays (--compile)
-        torch.optim.Adam(params, lr=args.lr, fused=fused, capturable=device.type == "xla")
+        torch.optim.Adam(params, lr=args.lr, fused=fused, capturable=capturable_optimizer(device))
         if args.optimizer == "adam"
         else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, fused=fused)
     )
@@ -565,7 +564,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
                 optimizer,
                 loader,
                 task.loss,
-                device=device,
+                device=context,
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
                 keep_checkpoints=args.keep_checkpoints,

@@ -40,7 +40,8 @@ from torchfold.train.capture.compiled import (
 from torchfold.train.capture.cuda_replay import CudaStepReplay, uncapturable_step
 from torchfold.train.capture.xla_programs import XlaPrograms, xla_programs_unavailable
 from torchfold.train.data.loader import to_device
-from torchfold.train.distributed.world import accumulation_dtype, world, xla_sync
+from torchfold.train.distributed.devices import accumulation_dtype, runner_kind, synchronize
+from torchfold.train.distributed.world import world
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
@@ -55,10 +56,22 @@ class StepRunner:
     :meth:`update` on every rank (also one without minibatches), which returns the step's loss
     sum (losses times sample counts with ``reduction="mean"``) as ``(tensor, scale)``: the sum is
     ``float(tensor) * scale``, read back whenever the caller likes.
+
+    ``device`` is the run's (:func:`step_runner` passes the one it chose for); left out, the
+    optimizer's parameters' (:meth:`~torchfold.train.AccumulatingOptimizer.params_device`).
     """
 
-    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: PlanLoss,
+        optimizer: AccumulatingOptimizer,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
         self.model, self.loss, self.optimizer = model, loss, optimizer
+        #: the run's device, asked of the device policy (never of ``device.type``)
+        self.device = device if device is not None else optimizer.params_device()
 
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, alone: bool = False) -> None:
         raise NotImplementedError
@@ -122,8 +135,9 @@ class EagerRunner(StepRunner):
         compiled: CompiledLoss | None = None,
         update: CompiledUpdate | None = None,
         strict: bool = False,
+        device: torch.device | None = None,
     ) -> None:
-        super().__init__(model, loss, optimizer)
+        super().__init__(model, loss, optimizer, device=device)
         self.compiled = compiled
         #: the optimizer's update, captured (None: the optimizer's own)
         self.compiled_update = update
@@ -149,9 +163,8 @@ class EagerRunner(StepRunner):
         self.optimizer.step(update=self.compiled_update)
         self.optimizer.zero_grad()
         losses, self._losses = self._losses, []
-        if self.optimizer.params_device().type == "xla":
-            # the update as a graph of its own (the same every step), not cut at the next host read
-            xla_sync()
+        # on XLA, the update as a graph of its own (the same every step), not cut at the next host read
+        synchronize(self.device)
         if not losses:
             return None, 0.0
         if len(losses) == 1:  # weighted on the host when read: no operation on the device
@@ -166,8 +179,15 @@ class EagerRunner(StepRunner):
 class XlaRunner(StepRunner):
     """XLA: every step replayed, however many minibatches it has, on one device or several replicas (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
-        super().__init__(model, loss, optimizer)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: PlanLoss,
+        optimizer: AccumulatingOptimizer,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(model, loss, optimizer, device=device)
         self.programs = XlaPrograms(
             model,
             loss,
@@ -246,8 +266,15 @@ def _update(programs: XlaPrograms, samples: int, lrs: list[float]) -> torch.Tens
 class CudaRunner(EagerRunner):
     """One GPU: a step of one minibatch replayed whole from one CUDA graph; others eagerly."""
 
-    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
-        super().__init__(model, loss, optimizer)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: PlanLoss,
+        optimizer: AccumulatingOptimizer,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(model, loss, optimizer, device=device)
         self.whole = CudaStepReplay(
             model, loss, optimizer.optimizer, capture_context=optimizer.released_accumulators
         )
@@ -297,38 +324,39 @@ def step_runner(
     'EagerRunner'
     """
     if not wants_compile(compile, device):
-        return EagerRunner(model, loss, optimizer)
+        return EagerRunner(model, loss, optimizer, device=device)
     if optimizer.grad_scaler is not None:
         warnings.warn(
             f"compile={compile!r}: steps run eagerly with a grad_scaler (fp16): a captured update cannot skip "
             "the steps whose gradients overflowed",
             stacklevel=3,
         )
-        return EagerRunner(model, loss, optimizer)
+        return EagerRunner(model, loss, optimizer, device=device)
     single = world().size == 1 and optimizer.lr_rule != "adascale" and backend is None
-    if device.type == "xla" and optimizer.lr_rule != "adascale" and backend is None:
+    kind = runner_kind(device)
+    if kind == "xla" and optimizer.lr_rule != "adascale" and backend is None:
         why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
         if why is None:  # (several replicas: the minibatch and update programs, an all-reduce between them)
-            return XlaRunner(model, loss, optimizer)
+            return XlaRunner(model, loss, optimizer, device=device)
         warnings.warn(
             f"compile={compile!r}: steps are not replayed on XLA, they run as with compile='off': {why}",
             stacklevel=3,
         )
-        return EagerRunner(model, loss, optimizer)
-    if single and device.type == "cuda":
+        return EagerRunner(model, loss, optimizer, device=device)
+    if single and kind == "cuda":
         why = uncapturable_step(optimizer.optimizer)
         if why is None and optimizer.max_grad_norm is not None:
             why = f"max_grad_norm={optimizer.max_grad_norm}: the captured step does not clip its gradient"
         if why is None:
-            return CudaRunner(model, loss, optimizer)
+            return CudaRunner(model, loss, optimizer, device=device)
         warnings.warn(
             f"compile={compile!r}: steps are not replayed as CUDA graphs (they run eagerly): {why}",
             stacklevel=3,
         )
-        return EagerRunner(model, loss, optimizer)
+        return EagerRunner(model, loss, optimizer, device=device)
     compiled = CompiledLoss(model, loss, device=device, backend=backend)
     update = None
-    if device.type != "cuda":
+    if kind != "cuda":
         reason = uncapturable_update(optimizer.optimizer)
         if reason is None:
             update = CompiledUpdate(optimizer.optimizer, device=device, backend=backend)
@@ -338,4 +366,6 @@ def step_runner(
                 f"runs op by op: {reason}",
                 stacklevel=3,
             )
-    return EagerRunner(model, loss, optimizer, compiled=compiled, update=update, strict=compile == "on")
+    return EagerRunner(
+        model, loss, optimizer, compiled=compiled, update=update, strict=compile == "on", device=device
+    )

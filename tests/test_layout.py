@@ -366,3 +366,74 @@ def test_subpackages_load_lazily() -> None:
 
     assert torchfold.train.StepLoader.__name__ == "StepLoader"
     assert torchfold.examples.datasets.__name__ == "torchfold.examples.datasets"
+
+
+# The device policy: the only modules that ask what kind a device is. Everything else asks them
+# (on_host, is_cuda, is_xla, needs_static_shapes, runner_kind...), so a new kind of device, or a
+# new answer for one, is one edit.
+_DEVICE_POLICY = {"torchfold.engine.devices", "torchfold.train.distributed.devices"}
+
+
+def _is_kind_of_device(node: ast.expr) -> bool:
+    """``x.type`` (a device's kind), or ``str(...)`` of something named a device (``str(device)``)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "type"
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "str"
+        and "device" in ast.unparse(node).lower()
+    )
+
+
+def _device_kind_tests(path: Path) -> list[int]:
+    """The lines of ``path`` that test a device's kind: a comparison with ``x.type`` on either side
+    (``device.type == "xla"``, ``"cuda" != t.device.type``, ``d.type in (...)``), or a string test
+    of ``str(device)`` / ``x.type`` (``str(device).startswith("xla")``, ``"cuda" in str(device)``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(side, ast.Attribute) and side.attr == "type" for side in sides) or (
+                any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+                and any(_is_kind_of_device(side) for side in node.comparators)
+            ):
+                found.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and _is_kind_of_device(node.func.value)
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def _device_kind_testers(root: Path = PACKAGE) -> dict[str, list[int]]:
+    tests = {
+        _module_name(p) if root == PACKAGE else str(p): _device_kind_tests(p) for p in root.rglob("*.py")
+    }
+    return {name: lines for name, lines in tests.items() if lines}
+
+
+def test_only_the_device_policy_tests_a_devices_kind() -> None:
+    testers = _device_kind_testers()
+    assert {name: lines for name, lines in testers.items() if name not in _DEVICE_POLICY} == {}
+    assert set(_graph()) >= _DEVICE_POLICY  # the allowed modules exist (renamed: update the list)
+
+
+def test_the_device_kind_finder_sees_each_form(tmp_path: Path) -> None:
+    forms = [
+        'device.type == "xla"',
+        '"cuda" != tensor.device.type',
+        'torch.device(d).type in ("cpu", "cuda")',
+        'str(device).startswith("xla")',
+        '"cuda" in str(device)',
+    ]
+    for number, form in enumerate(forms):
+        (tmp_path / f"m{number}.py").write_text(
+            f"import torch\n\ndef f(device, tensor, d):\n    return {form}\n"
+        )
+    fine = 'def g(device, name, error):\n    return is_xla(device), name == "type", "CUDA" in str(error)\n'
+    (tmp_path / "fine.py").write_text(fine)
+    assert _device_kind_testers(tmp_path) == {str(tmp_path / f"m{n}.py"): [4] for n in range(len(forms))}

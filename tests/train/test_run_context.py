@@ -23,7 +23,9 @@ from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import RunContext, TraceTrainer, captured_step, run_context, world
 from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate
+from torchfold.train.capture.runner import EagerRunner, step_runner
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed import devices
 from torchfold.train.distributed.world import (
     CHECKPOINT_MAP_LOCATION,
     accumulation_dtype,
@@ -137,3 +139,73 @@ def test_the_cli_process_group_backend_follows_the_device_not_the_machine(
     )
     assert code == 2 and "stopped before joining the group" in err, err
     assert chosen == [run_context("cpu").backend] == ["gloo"]
+
+
+def test_the_device_policy_answers_each_question_per_kind() -> None:
+    kinds = ("cpu", "cuda:1", "xla:0")  # (made as torch.device values: no CUDA, no torch_xla needed)
+    answers = {
+        "needs_static_shapes": [devices.needs_static_shapes(k) for k in kinds],
+        "compiles_by_default": [devices.compiles_by_default(k) for k in kinds],
+        "runner_kind": [devices.runner_kind(k) for k in kinds],
+        "process_group_backend": [devices.process_group_backend(k) for k in kinds],
+        "accumulation_dtype": [devices.accumulation_dtype(k) for k in kinds],
+        "fused_optimizer": [devices.fused_optimizer(k) for k in kinds],
+        "capturable_optimizer": [devices.capturable_optimizer(k) for k in kinds],
+        "checkpoint_map_location": [devices.checkpoint_map_location(k) for k in kinds],
+        "on_host": [devices.on_host(torch.device(k)) for k in kinds],
+    }
+    assert answers == {
+        "needs_static_shapes": [False, False, True],
+        "compiles_by_default": [False, True, True],
+        "runner_kind": ["compiled", "cuda", "xla"],
+        "process_group_backend": ["gloo", "nccl", "gloo"],
+        "accumulation_dtype": [torch.float64, torch.float64, torch.float32],
+        "fused_optimizer": [True, True, None],
+        "capturable_optimizer": [False, False, True],
+        "checkpoint_map_location": [CHECKPOINT_MAP_LOCATION] * 3,
+        "on_host": [True, False, False],
+    }
+    # the run context gives the same answers for its device
+    xla = run_context("xla:0")
+    assert (xla.is_xla, xla.static_shapes, xla.runner_kind, xla.map_location) == (
+        True,
+        True,
+        "xla",
+        torch.device("cpu"),
+    )
+    cpu = run_context("cpu")
+    assert (cpu.is_xla, cpu.static_shapes, cpu.runner_kind) == (False, False, "compiled")
+    cpu.synchronize()  # nothing to cut on the CPU (on XLA: torchfold.train.distributed.devices.xla_sync)
+
+
+def test_a_run_context_is_its_own_device_so_the_cli_works_it_out_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = run_context("cpu")
+    assert run_context(ctx) is ctx and run_context(ctx, model=torch.nn.Linear(2, 2).to(META)) is ctx
+    made: list[RunContext] = []
+    real = cli_train.run_context
+
+    def noting(*args: Any, **kwargs: Any) -> RunContext:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(cli_train, "run_context", noting)
+    contexts: list[RunContext] = []
+    real_init = TraceTrainer.__init__
+
+    def init(self: TraceTrainer, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        contexts.append(self.context)
+
+    monkeypatch.setattr(TraceTrainer, "__init__", init)
+    assert run_train(small_run(tmp_path, "--workers", "0", "--max-steps", "1"), capsys)[0] == 0
+    assert len(made) == 1 and contexts == made and contexts[0] is made[0]
+
+
+def test_a_step_runner_runs_on_the_device_it_was_chosen_for() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    chosen = step_runner(model, lambda m, o, t: o[0].sum(), optimizer, device=META, compile="off")
+    assert chosen.device == META  # the run's device, not the parameters' (the CPU)
+    assert EagerRunner(model, lambda m, o, t: o[0].sum(), optimizer).device == torch.device("cpu")

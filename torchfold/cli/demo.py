@@ -25,6 +25,7 @@ from torchfold.engine.fold import Fold
 from torchfold.examples.datasets import ENV_VAR, Tree, TreeParseError, Vocab, generate_sst, load_sst
 from torchfold.examples.models import TreeLSTM, encode_trees
 from torchfold.examples.tasks import evaluate_sst
+from torchfold.train.distributed.devices import is_cuda
 from torchfold.train.task import load_task
 
 __all__ = ["main"]
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as error:
         print(f"torchfold demo: error: --device {args.device!r}: {error}", file=sys.stderr)
         return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if is_cuda(device) and not torch.cuda.is_available():
         print(
             f"torchfold demo: error: --device {args.device!r}: CUDA is not available here; use cpu",
             file=sys.stderr,

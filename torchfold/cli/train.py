@@ -313,7 +313,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
                 optimizer,
                 loader,
                 task.loss,
-                device=device,
+                device=context,  # (the trainer asks this run's context, not a second one)
                 on_step=history.record if args.history else None,  # (without: a step ahead on an accelerator)
                 settings=checkpoint_settings(args, trace, task),
                 log=tqdm.write,  # (stdout, the bar kept whole)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
+from torchfold.engine.devices import on_host
 from torchfold.engine.ir import Arg, Gather, GroupCall, PlanData, call_offsets, stored_index
 from torchfold.engine.node import Op
 from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
@@ -208,7 +209,7 @@ def _rows_index(calls: np.ndarray, rows: int, device: torch.device) -> _Tensor:
     if rows != 1:
         calls = (calls.astype(np.int64)[:, None] * rows + np.arange(rows, dtype=np.int64)).reshape(-1)
     index = torch.from_numpy(calls)  # int32 or int64, contiguous: made so by the planner
-    return index if device.type == "cpu" else index.to(device)
+    return index if on_host(device) else index.to(device)
 
 
 def _value(arg: Arg, results: _Results, device: torch.device) -> _Tensor:

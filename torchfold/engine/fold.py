@@ -16,6 +16,7 @@ import torch
 
 from torchfold._errors import FoldError
 from torchfold.engine import native
+from torchfold.engine.devices import is_cuda
 from torchfold.engine.node import (
     INT64_MAX,
     INT64_MIN,
@@ -142,7 +143,7 @@ class Fold:
                 DeprecationWarning,
                 stacklevel=2,
             )
-        if cuda and device is not None and torch.device(device).type != "cuda":
+        if cuda and device is not None and not is_cuda(device):
             raise ValueError(f"Fold(cuda=True) contradicts device={device!r}; pass only device=")
         self.device: torch.device | None = torch.device("cuda") if cuda else None
         if device is not None:

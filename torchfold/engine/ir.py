@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
+from torchfold.engine.devices import on_host
 from torchfold.engine.node import Group, Op, node_label
 
 __all__ = [
@@ -348,9 +349,6 @@ def portable_tensors(value: Any, where: str) -> Any:
             "of it, so no gradient would reach the original: use parameters inside the module's ops instead, or "
             "plan and apply this fold in the same process"
         )
-    if (
-        tensor.device.type == "cpu"
-        and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
-    ):
+    if on_host(tensor.device) and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
         return tensor.clone()  # a view of a bigger tensor (images[i : i + 1]) would pickle all of it
     return tensor

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from torchfold._errors import FoldError
+from torchfold.engine.devices import is_xla, on_host
 from torchfold.engine.executor import run_calls
 from torchfold.engine.ir import check_pad_rows, check_portable_op, check_request_number, portable_tensors
 from torchfold.engine.ops import tuple_used_whole
@@ -133,7 +134,7 @@ class StaticPlan:
         """
         check_request_number(request, len(self.sizes))
         size, capacity = self.sizes[request], self.capacities[request]
-        if isinstance(values, _Tensor) and values.device.type != "cpu":
+        if isinstance(values, _Tensor) and not on_host(values.device):
             tensor = values  # already on a device: padded there (on XLA, sizes that vary then compile anew)
             check_pad_rows(request, tuple(tensor.shape), size)
             out = tensor.new_full((capacity, *tensor.shape[1:]), fill)
@@ -185,7 +186,7 @@ class StaticPlan:
         self._undo = None  # it ran: what it grew is the envelope's for good
         if padded:
             return outputs
-        if device.type == "xla":
+        if is_xla(device):
             _note_exact(nn, self.sizes)
         return self.unpad(outputs)
 

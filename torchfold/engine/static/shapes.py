@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from torchfold._validate import check_int
+from torchfold.engine.devices import needs_static_shapes
 from torchfold.engine.ir import PlanData
 from torchfold.engine.static.columns import Batch, Column, OpKey, Stream, count_items, decode, request_kinds
 from torchfold.engine.static.layout import StaticLayout
@@ -722,7 +723,7 @@ def envelope_for(
     """
     if isinstance(shapes, StaticShapes):
         return shapes
-    if shapes == "auto" and device is not None and device.type == "xla":
+    if shapes == "auto" and device is not None and needs_static_shapes(device):
         return StaticShapes.of(module)
     return None
 

@@ -42,6 +42,7 @@ import torch
 from torchfold._errors import add_note
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticLayout, StaticPlan
+from torchfold.train.distributed.devices import compiles_by_default, is_cuda, is_xla, on_host
 from torchfold.train.loss import PlanLoss
 
 __all__ = [
@@ -78,7 +79,7 @@ def wants_compile(choice: str, device: torch.device) -> bool:
     """
     if choice not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {choice!r}")
-    return device.type in ("xla", "cuda") if choice == "auto" else choice == "on"
+    return compiles_by_default(device) if choice == "auto" else choice == "on"
 
 
 def compile_backend(device: torch.device) -> tuple[str, str | None]:
@@ -87,7 +88,7 @@ def compile_backend(device: torch.device) -> tuple[str, str | None]:
     >>> compile_backend(torch.device("cuda"))
     ('inductor', None)
     """
-    if device.type == "xla":
+    if is_xla(device):
         return "openxla", None
     return "inductor", None
 
@@ -167,7 +168,7 @@ class CompiledLoss:
             fn = self._compiled[layout.key] = self._capture(layout)
         inputs = plan.inputs(self.device)
         # a mode of inductor's own (reduce-overhead, max-autotune) may run CUDA graphs on a GPU
-        cuda_graphs = self.device.type == "cuda" and self.mode is not None
+        cuda_graphs = is_cuda(self.device) and self.mode is not None
         # Dynamo compiles the forward at the first call and AOTAutograd the backward at the first
         # backward, and neither is safe in two threads at once (torch_xla's replicas on one host
         # may be threads): one captured step at a time in a process.
@@ -241,11 +242,7 @@ def uncapturable_update(optimizer: torch.optim.Optimizer) -> str | None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             for key, value in optimizer.state.get(param, {}).items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.device != param.device
-                    and value.device.type == "cpu"
-                ):
+                if isinstance(value, torch.Tensor) and value.device != param.device and on_host(value.device):
                     return (
                         f"{type(optimizer).__name__} keeps its state {key!r} on the host (cpu) while the parameters "
                         f"are on {param.device}, and has no capturable option to keep it there; use an optimizer "

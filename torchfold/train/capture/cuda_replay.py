@@ -45,6 +45,7 @@ from torchfold.train.capture._replay import (
 )
 from torchfold.train.capture.compiled import check_loss
 from torchfold.train.capture.guards import StepGuard
+from torchfold.train.distributed.devices import is_cuda
 from torchfold.train.loss import PlanLoss
 
 __all__ = ["CudaStepReplay", "uncapturable_step"]
@@ -183,7 +184,7 @@ class CudaStepReplay(StepReplay):
             return self._eager_step(plan, targets, lrs)
         params = [p for group in groups for p in group["params"]]
         device = params[0].device
-        if device.type != "cuda":
+        if not is_cuda(device):
             raise ValueError(
                 f"CudaStepReplay needs the model on a CUDA device, its parameters are on {device}"
             )

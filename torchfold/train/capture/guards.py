@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from torchfold.train.distributed.devices import on_host
+
 __all__ = ["MAX_VALUES", "StepGuard", "frozen_value"]
 
 #: distinct values of what a guard reads, per program key, before a value that keeps changing is refused
@@ -208,7 +210,7 @@ class _Places:
     ) -> None:
         if id(tensor) in self.held or id(tensor) in self.tensors:
             return
-        if self.device is not None and tensor.device == self.device and self.device.type != "cpu":
+        if self.device is not None and tensor.device == self.device and not on_host(self.device):
             # an input, read where it is kept at every step (a new tensor there is followed)
             self.tensors[id(tensor)] = (label, read)
             self.slots[label] = functools.partial(_layout_of, read)

@@ -40,6 +40,13 @@ from torchfold.train.capture.compiled import (
 from torchfold.train.capture.cuda_replay import uncapturable_step
 from torchfold.train.capture.runner import CudaRunner, EagerRunner, StepRunner, XlaRunner
 from torchfold.train.capture.xla_programs import xla_programs_unavailable
+from torchfold.train.distributed.devices import (
+    capturable_optimizer,
+    fused_optimizer,
+    needs_static_shapes,
+    on_host,
+    runner_kind,
+)
 from torchfold.train.distributed.world import world
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
@@ -103,13 +110,13 @@ class StepMechanism:
         """Whether folds must be padded into static shapes (``Fold(shapes=StaticShapes(...))``, e.g.
         :func:`~torchfold.train.fit_static_shapes`): on XLA always (its graphs repeat only then),
         elsewhere where steps are captured (a capture replays one static-shape layout)."""
-        return self.device.type == "xla" or self.captures_steps
+        return needs_static_shapes(self.device) or self.captures_steps
 
     @property
     def defers_losses(self) -> bool:
         """Whether a step's loss is read back after the next step is launched: in one process on an
         accelerator, so that the host does not wait for the device at every step."""
-        return self.world_size == 1 and self.device.type != "cpu"
+        return self.world_size == 1 and not on_host(self.device)
 
     @property
     def optimizer_options(self) -> dict[str, bool]:
@@ -117,11 +124,12 @@ class StepMechanism:
         on the CPU and CUDA (one kernel for all parameters; on the CPU about 5x less time, on CUDA what
         a CUDA graph captures), ``capturable=True`` on XLA (the step count stays on the device, so a
         captured update replays)."""
-        if self.device.type in ("cpu", "cuda"):
-            return {"fused": True}
-        if self.device.type == "xla":
-            return {"capturable": True}
-        return {}
+        options: dict[str, bool] = {}
+        if fused_optimizer(self.device):
+            options["fused"] = True
+        if capturable_optimizer(self.device):
+            options["capturable"] = True
+        return options
 
     def optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any], **options: Any
@@ -150,40 +158,41 @@ class StepMechanism:
         """
         compile, device, backend = self.compile, self.device, self.backend
         if not self.captures_steps:
-            return EagerRunner(model, loss, optimizer)
+            return EagerRunner(model, loss, optimizer, device=device)
         if optimizer.grad_scaler is not None:
             warnings.warn(
                 f"compile={compile!r}: steps run eagerly with a grad_scaler (fp16): a captured update cannot skip "
                 "the steps whose gradients overflowed",
                 stacklevel=3,
             )
-            return EagerRunner(model, loss, optimizer)
+            return EagerRunner(model, loss, optimizer, device=device)
         single = self.world_size == 1 and optimizer.lr_rule != "adascale" and backend is None
-        if device.type == "xla" and optimizer.lr_rule != "adascale" and backend is None:
+        kind = runner_kind(device)
+        if kind == "xla" and optimizer.lr_rule != "adascale" and backend is None:
             why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
             if (
                 why is None
             ):  # (several replicas: the minibatch and update programs, an all-reduce between them)
-                return XlaRunner(model, loss, optimizer)
+                return XlaRunner(model, loss, optimizer, device=device)
             warnings.warn(
                 f"compile={compile!r}: steps are not replayed on XLA, they run as with compile='off': {why}",
                 stacklevel=3,
             )
-            return EagerRunner(model, loss, optimizer)
-        if single and device.type == "cuda":
+            return EagerRunner(model, loss, optimizer, device=device)
+        if single and kind == "cuda":
             why = uncapturable_step(optimizer.optimizer)
             if why is None and optimizer.max_grad_norm is not None:
                 why = f"max_grad_norm={optimizer.max_grad_norm}: the captured step does not clip its gradient"
             if why is None:
-                return CudaRunner(model, loss, optimizer)
+                return CudaRunner(model, loss, optimizer, device=device)
             warnings.warn(
                 f"compile={compile!r}: steps are not replayed as CUDA graphs (they run eagerly): {why}",
                 stacklevel=3,
             )
-            return EagerRunner(model, loss, optimizer)
+            return EagerRunner(model, loss, optimizer, device=device)
         compiled = CompiledLoss(model, loss, device=device, backend=backend)
         update = None
-        if device.type != "cuda":
+        if kind != "cuda":
             reason = uncapturable_update(optimizer.optimizer)
             if reason is None:
                 update = CompiledUpdate(optimizer.optimizer, device=device, backend=backend)
@@ -193,7 +202,9 @@ class StepMechanism:
                     f"runs op by op: {reason}",
                     stacklevel=3,
                 )
-        return EagerRunner(model, loss, optimizer, compiled=compiled, update=update, strict=compile == "on")
+        return EagerRunner(
+            model, loss, optimizer, compiled=compiled, update=update, strict=compile == "on", device=device
+        )
 
 
 def step_runner(

@@ -34,7 +34,8 @@ from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate, check
 from torchfold.train.capture.cuda_replay import CudaStepReplay
 from torchfold.train.capture.xla_programs import XlaPrograms
 from torchfold.train.data.loader import to_device
-from torchfold.train.distributed.world import accumulation_dtype, world, xla_sync
+from torchfold.train.distributed.devices import accumulation_dtype, synchronize
+from torchfold.train.distributed.world import world
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
 
@@ -49,10 +50,22 @@ class StepRunner:
     :meth:`update` on every rank (also one without minibatches), which returns the step's loss
     sum (losses times sample counts with ``reduction="mean"``) as ``(tensor, scale)``: the sum is
     ``float(tensor) * scale``, read back whenever the caller likes.
+
+    ``device`` is the run's (:func:`step_runner` passes the one it chose for); left out, the
+    optimizer's parameters' (:meth:`~torchfold.train.AccumulatingOptimizer.params_device`).
     """
 
-    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: PlanLoss,
+        optimizer: AccumulatingOptimizer,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
         self.model, self.loss, self.optimizer = model, loss, optimizer
+        #: the run's device, asked of the device policy (never of ``device.type``)
+        self.device = device if device is not None else optimizer.params_device()
 
     def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
         raise NotImplementedError
@@ -119,8 +132,9 @@ class EagerRunner(StepRunner):
         compiled: CompiledLoss | None = None,
         update: CompiledUpdate | None = None,
         strict: bool = False,
+        device: torch.device | None = None,
     ) -> None:
-        super().__init__(model, loss, optimizer)
+        super().__init__(model, loss, optimizer, device=device)
         self.compiled = compiled
         #: the optimizer's update, captured (None: the optimizer's own)
         self.compiled_update = update
@@ -149,9 +163,8 @@ class EagerRunner(StepRunner):
             self.optimizer.computed_step(functools.partial(_compiled_update, self.compiled_update))
         self.optimizer.zero_grad()
         losses, self._losses = self._losses, []
-        if self.optimizer.params_device().type == "xla":
-            # the update as a graph of its own (the same every step), not cut at the next host read
-            xla_sync()
+        # on XLA, the update as a graph of its own (the same every step), not cut at the next host read
+        synchronize(self.device)
         if not losses:
             return None, 0.0
         if len(losses) == 1:  # weighted on the host when read: no operation on the device
@@ -166,8 +179,15 @@ class EagerRunner(StepRunner):
 class XlaRunner(StepRunner):
     """XLA: every step replayed, however many minibatches it has, on one device or several replicas (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
-        super().__init__(model, loss, optimizer)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: PlanLoss,
+        optimizer: AccumulatingOptimizer,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(model, loss, optimizer, device=device)
         self.programs = XlaPrograms(
             model,
             loss,
@@ -257,8 +277,15 @@ def _compiled_update(update: CompiledUpdate, lrs: list[float]) -> None:
 class CudaRunner(EagerRunner):
     """One GPU: a step of one minibatch replayed whole from one CUDA graph; others eagerly."""
 
-    def __init__(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> None:
-        super().__init__(model, loss, optimizer)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: PlanLoss,
+        optimizer: AccumulatingOptimizer,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(model, loss, optimizer, device=device)
         #: the step of one minibatch (``sole_minibatch=True``), forward, backward and update, as one CUDA graph
         self.whole_step_replay = CudaStepReplay(model, loss, optimizer.optimizer)
         self._whole_loss: tuple[torch.Tensor, float] | None = None

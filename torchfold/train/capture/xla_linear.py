@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 
+from torchfold.train.distributed.devices import is_xla, of_kind
+
 __all__ = ["transposed_weights"]
 
 
@@ -81,7 +83,7 @@ class _TransposedWeights(TorchFunctionMode):
             or x.dim() < 1
             or weight.shape[1] == 0
             or (bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]))
-            or weight.device.type != self.device_type
+            or not of_kind(weight.device, self.device_type)
             or torch.is_autocast_enabled(weight.device.type)
         ):  # anything else (a bias that broadcasts, autocast's dtypes) as F.linear does it
             return func(*args, **kwargs)
@@ -96,7 +98,7 @@ class _TransposedWeights(TorchFunctionMode):
         if known is not None and known[0] is weight and known[1] == weight._version:
             return known[2]
         copy = weight.detach().t().clone()
-        if copy.device.type == "xla":
+        if is_xla(copy.device):
             import torch_xla.core.xla_model as xm
 
             xm.optimization_barrier_([copy])  # else XLA folds the transpose back into the product

@@ -50,6 +50,7 @@ from torchfold.train.capture.guards import StepGuard
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed import xla_calls
+from torchfold.train.distributed.devices import is_xla
 from torchfold.train.distributed.world import all_reduce_sum_
 from torchfold.train.distributed.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
@@ -928,7 +929,7 @@ def restored_afterwards(tensors: Sequence[torch.Tensor], optimizer: torch.optim.
     def held(value: Any) -> Any:  # a tensor's device data as a tensor of its own (in-place ops leave it)
         if not isinstance(value, torch.Tensor):
             return value
-        if value.device.type != "xla":
+        if not is_xla(value.device):
             return value.clone()
         return xla_calls.device_data([value])[1][0]
 

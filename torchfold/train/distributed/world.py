@@ -3,7 +3,9 @@
 :func:`world` is the one rule for the number of processes and this one's rank; :func:`run_context`
 adds the rest of what a run must agree on, each from one rule: the device (the engine's
 :func:`~torchfold.engine.resolve.device_for`, else :func:`default_device`), the process-group
-backend, the dtype losses and statistics accumulate in, and where checkpoints are read to.
+backend, the dtype losses and statistics accumulate in, and where checkpoints are read to; what
+each kind of device needs is the device policy's (:mod:`~torchfold.train.distributed.devices`),
+whose answers for the run's device :class:`RunContext` gives.
 
 Everything here works in three settings with the same calls:
 
@@ -43,6 +45,18 @@ from torchfold._deprecation import warn_renamed
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
 from torchfold.train.distributed import xla_calls
+from torchfold.train.distributed.devices import (
+    CHECKPOINT_MAP_LOCATION,
+    RunnerKind,
+    accumulation_dtype,
+    checkpoint_map_location,
+    is_xla,
+    needs_static_shapes,
+    process_group_backend,
+    runner_kind,
+    synchronize,
+    xla_sync,
+)
 
 __all__ = [
     "CHECKPOINT_MAP_LOCATION",
@@ -214,32 +228,6 @@ def default_device(kind: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def process_group_backend(device: torch.device | str) -> str:
-    """The ``torch.distributed`` backend for a run on ``device``: ``"nccl"`` for CUDA, else ``"gloo"``.
-
-    >>> process_group_backend("cuda:1"), process_group_backend("cpu")
-    ('nccl', 'gloo')
-    """
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-def accumulation_dtype(device: torch.device | str) -> torch.dtype:
-    """The dtype losses and step statistics accumulate in on ``device``: float64, where the device has it.
-
-    XLA (TPUs) and MPS have no float64 arithmetic: float32 there.
-
-    >>> accumulation_dtype("cpu"), accumulation_dtype("mps")
-    (torch.float64, torch.float32)
-    """
-    return torch.float32 if torch.device(device).type in ("xla", "mps") else torch.float64
-
-
-#: Where checkpoints are read to, whatever the run's device: the host. Loading a state dict then
-#: copies the values into the model's and the optimizer's tensors on their devices; reading straight
-#: onto an XLA device breaks a resume there.
-CHECKPOINT_MAP_LOCATION = torch.device("cpu")
-
-
 @dataclasses.dataclass(frozen=True)
 class RunContext:
     """What one run trains with, every answer from one rule: ask it instead of choosing again.
@@ -275,19 +263,47 @@ class RunContext:
 
     @property
     def map_location(self) -> torch.device:
-        """Where checkpoints are read to (:data:`CHECKPOINT_MAP_LOCATION`: the host)."""
-        return CHECKPOINT_MAP_LOCATION
+        """Where checkpoints are read to (:func:`~torchfold.train.distributed.devices.checkpoint_map_location`: the host)."""
+        return checkpoint_map_location(self.device)
+
+    @property
+    def is_xla(self) -> bool:
+        """Whether the run is on XLA (:func:`~torchfold.train.distributed.devices.is_xla`): lazy graphs,
+        replicas that may be threads of this process."""
+        return is_xla(self.device)
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether folds are padded to static shapes without being asked
+        (:func:`~torchfold.train.distributed.devices.needs_static_shapes`)."""
+        return needs_static_shapes(self.device)
+
+    @property
+    def runner_kind(self) -> RunnerKind:
+        """How captured steps replay here (:func:`~torchfold.train.distributed.devices.runner_kind`)."""
+        return runner_kind(self.device)
+
+    def synchronize(self) -> None:
+        """End the work queued so far as a unit of its own (:func:`~torchfold.train.distributed.devices.synchronize`)."""
+        synchronize(self.device)
 
 
-def run_context(device: torch.device | str | None = None, *, model: object = None) -> RunContext:
+def run_context(device: torch.device | str | RunContext | None = None, *, model: object = None) -> RunContext:
     """The :class:`RunContext` of a run on ``device``; left out, ``model``'s device, else :func:`default_device`.
 
     The trainer, the CLI and :func:`~torchfold.train.captured_step` all make theirs here, so an
-    explicit device is honoured everywhere and the default is the same everywhere.
+    explicit device is honoured everywhere and the default is the same everywhere. A
+    :class:`RunContext` is its own answer: the CLI hands its context to the trainer, which then
+    works the device out no second time.
 
     >>> run_context(model=torch.nn.Linear(2, 2)).device, run_context("meta").device
     (device(type='cpu'), device(type='meta'))
+    >>> ctx = run_context("cpu")
+    >>> run_context(ctx) is ctx, ctx.is_xla, ctx.static_shapes, ctx.runner_kind
+    (True, False, False, 'compiled')
     """
+    if isinstance(device, RunContext):
+        return device
     if device is None and model is None:
         return RunContext(default_device())
     return RunContext(device_for(model, device))
@@ -325,7 +341,7 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
     """
     if not tensors:
         return
-    if any(t.device.type == "xla" for t in tensors):
+    if any(is_xla(t.device) for t in tensors):
         _xla_all_reduce_sum_(tensors)
         return
     if not _dist_active() or dist.get_world_size() == 1:
@@ -358,18 +374,6 @@ def _unflatten_into(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
-
-
-def xla_sync() -> None:
-    """Cut and launch the pending lazy XLA graph (``torch_xla.sync``; ``xm.mark_step`` before 2.4)."""
-    import torch_xla
-
-    sync = getattr(torch_xla, "sync", None)
-    if sync is None:
-        import torch_xla.core.xla_model as xm
-
-        sync = xm.mark_step
-    sync()
 
 
 def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ import torch
 from torchfold._validate import check_int
 from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.distributed.devices import needs_static_shapes
 from torchfold.train.distributed.world import world
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
@@ -146,7 +147,7 @@ def fit_end(
 
 def warn_if_unpadded(plan: Any, device: torch.device) -> bool:
     """Whether a plan from the loader's build runs unpadded on XLA (then a warning says how to pad)."""
-    if device.type != "xla" or isinstance(plan, StaticPlan):
+    if not needs_static_shapes(device) or isinstance(plan, StaticPlan):
         return False
     warnings.warn(
         "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "

@@ -45,7 +45,7 @@ from typing import IO, Any, cast
 import torch
 
 from torchfold._validate import brief, check_int
-from torchfold.train.distributed.world import CHECKPOINT_MAP_LOCATION
+from torchfold.train.distributed.devices import CHECKPOINT_MAP_LOCATION, on_host
 from torchfold.train.loop import rng as generators
 
 __all__ = [
@@ -381,7 +381,7 @@ def _remove_temporaries(directory: Path) -> list[Path]:
 def _on_host(value: Any) -> Any:
     """``value`` with every tensor on a device other than the CPU copied to the CPU (containers rebuilt)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu() if value.device.type != "cpu" else value
+        return value if on_host(value.device) else value.detach().cpu()
     if isinstance(value, dict):
         return {key: _on_host(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
@@ -393,7 +393,7 @@ def _on_host(value: Any) -> Any:
 def _loads_on_the_host(path: Path, map_location: str | torch.device) -> bool:
     """Whether ``path`` loads on the CPU (only tried where ``map_location`` is another place)."""
     try:
-        if torch.device(map_location).type == "cpu":
+        if on_host(map_location):
             return False  # it failed there already
     except (RuntimeError, TypeError):
         pass  # a place torch.device does not parse: try the CPU
@@ -446,7 +446,7 @@ def load_checkpoint(
     Args:
         path: the checkpoint file.
         map_location: where to put its tensors (default
-            :data:`~torchfold.train.distributed.world.CHECKPOINT_MAP_LOCATION`, the CPU).
+            :data:`~torchfold.train.distributed.devices.CHECKPOINT_MAP_LOCATION`, the CPU).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

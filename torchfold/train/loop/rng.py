@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from torchfold._validate import brief
+from torchfold.train.distributed.devices import is_xla
 
 __all__ = ["derived_seed", "rng_state", "rng_state_problem", "seed_generators", "set_rng_state"]
 
@@ -61,7 +62,7 @@ class _Generator:
 
 
 def _on_xla(device: torch.device | None) -> bool:
-    return device is not None and device.type == "xla"
+    return device is not None and is_xla(device)
 
 
 # -- torch (CPU) --

@@ -41,7 +41,13 @@ import torch
 from torchfold._validate import check_int
 from torchfold.train.capture import StepMechanism, StepRunner
 from torchfold.train.data.loader import Step, StepLoader, to_device
-from torchfold.train.distributed.world import abort_replica_threads, broadcast_parameters, run_context, world
+from torchfold.train.distributed.world import (
+    RunContext,
+    abort_replica_threads,
+    broadcast_parameters,
+    run_context,
+    world,
+)
 from torchfold.train.loop.arguments import (
     Evaluate,
     check_arguments,
@@ -124,7 +130,8 @@ class TraceTrainer:
         loss: ``loss(model, outputs, targets) -> scalar`` (see :class:`PlanLoss`).
         device: where targets go and plans run (default: the model's device); ``trainer.context``
             (:func:`~torchfold.train.run_context`) answers it with the backend, the accumulation
-            dtype and where checkpoints are read to.
+            dtype and where checkpoints are read to. A :class:`~torchfold.train.RunContext` (the
+            CLI's) is taken as the trainer's context, its device worked out once.
         checkpoint_dir: directory for ``step-N.pt`` checkpoints (``None``: none are written); one that
             holds checkpoints already is resumed from (see ``resume``).
         resume: where ``checkpoint_dir`` holds checkpoints, ``True`` (default) continues from the
@@ -223,7 +230,7 @@ class TraceTrainer:
         loader: StepLoader[Any, Any],
         loss: PlanLoss,
         *,
-        device: torch.device | str | None = None,
+        device: torch.device | str | RunContext | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
@@ -514,7 +521,7 @@ class TraceTrainer:
         try:
             return self._train_step(step, defer)
         except BaseException:
-            if self.device.type == "xla":  # replicas that are threads of this process: stop them too
+            if self.context.is_xla:  # replicas that are threads of this process: stop them too
                 abort_replica_threads()
             raise
 

@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
-from torchfold.train.distributed.world import accumulation_dtype, all_reduce_sum_, world, xla_sync
+from torchfold.train.distributed.devices import accumulation_dtype, is_xla, synchronize, xla_sync
+from torchfold.train.distributed.world import all_reduce_sum_, world
 from torchfold.train.optim.lr import scaled_lr
 
 _T = TypeVar("_T")
@@ -505,10 +506,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._weight = None
         self._local_samples += num_samples
         self._local_minibatches += 1
-        if params and params[0].device.type == "xla":
-            # One lazy graph per minibatch: compiled once and reused however many minibatches a
-            # step has, instead of one new graph per distinct count.
-            xla_sync()
+        if params:
+            # On XLA, one lazy graph per minibatch: compiled once and reused however many
+            # minibatches a step has, instead of one new graph per distinct count.
+            synchronize(params[0].device)
 
     def _unhook(self) -> None:
         """Remove the gradient hooks, and let go of the gradient accumulators they sit on."""
@@ -896,7 +897,7 @@ def _own_xla_scalar_buffers(optimizer: torch.optim.Optimizer) -> None:
         value
         for state in optimizer.state.values()
         for value in state.values()
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "xla"
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and is_xla(value.device)
     ]
     if not scalars:
         return

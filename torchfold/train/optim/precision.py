@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from torchfold.train.distributed.devices import is_cuda
 from torchfold.train.loss import PlanLoss
 
 __all__ = ["PRECISIONS", "ScaledLoss", "autocast", "check_precision", "grad_scaler"]
@@ -39,7 +40,7 @@ def check_precision(precision: object, device: torch.device) -> str:
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if precision == "fp16" and device.type != "cuda":
+    if precision == "fp16" and not is_cuda(device):
         raise ValueError(
             f"precision='fp16' needs a CUDA device (its loss scaling is CUDA's recipe), and this run is on "
             f"{device.type}; use precision='bf16' there"

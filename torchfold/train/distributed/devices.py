@@ -1,0 +1,157 @@
+"""The training half's device policy: every question a run asks about its device, answered here.
+
+The rest of :mod:`torchfold.train` (and :mod:`torchfold.cli`) asks these functions, or the
+:class:`~torchfold.train.RunContext` that answers them for the run's device, instead of comparing
+``device.type`` itself. The engine's own questions (:func:`on_host`, :func:`is_cuda`,
+:func:`is_xla`, :func:`needs_static_shapes`) come from :mod:`torchfold.engine.devices` and are
+re-exported here, so a training module imports one place. Each function accepts a
+:class:`torch.device` or a string torch parses.
+
+================================  ===========  ==========  =========
+question                          CPU          CUDA        XLA
+================================  ===========  ==========  =========
+:func:`needs_static_shapes`       no           no          yes
+:func:`compiles_by_default`       no           yes         yes
+:func:`runner_kind`               compiled     cuda        xla
+:func:`process_group_backend`     gloo         nccl        gloo
+:func:`accumulation_dtype`        float64      float64     float32
+:func:`fused_optimizer`           True         True        None
+:func:`capturable_optimizer`      False        False       True
+:func:`checkpoint_map_location`   cpu          cpu         cpu
+:func:`synchronize`               nothing      nothing     graph cut
+================================  ===========  ==========  =========
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from torchfold.engine.devices import DeviceLike, is_cuda, is_xla, needs_static_shapes, of_kind, on_host
+
+__all__ = [
+    "CHECKPOINT_MAP_LOCATION",
+    "RunnerKind",
+    "accumulation_dtype",
+    "capturable_optimizer",
+    "checkpoint_map_location",
+    "compiles_by_default",
+    "fused_optimizer",
+    "is_cuda",
+    "is_xla",
+    "needs_static_shapes",
+    "of_kind",
+    "on_host",
+    "process_group_backend",
+    "runner_kind",
+    "synchronize",
+    "xla_sync",
+]
+
+#: The step mechanism a device replays captured steps with: ``"xla"`` (one program per minibatch
+#: and one per update), ``"cuda"`` (a whole step from a CUDA graph), ``"compiled"``
+#: (:func:`torch.compile` of each minibatch's forward, loss and backward, and of the update).
+RunnerKind = Literal["xla", "cuda", "compiled"]
+
+#: Where checkpoints are read to, whatever the run's device: the host. Loading a state dict then
+#: copies the values into the model's and the optimizer's tensors on their devices; reading straight
+#: onto an XLA device breaks a resume there.
+CHECKPOINT_MAP_LOCATION = torch.device("cpu")
+
+
+def process_group_backend(device: DeviceLike) -> str:
+    """The ``torch.distributed`` backend for a run on ``device``: ``"nccl"`` for CUDA, else ``"gloo"``.
+
+    >>> process_group_backend("cuda:1"), process_group_backend("cpu")
+    ('nccl', 'gloo')
+    """
+    return "nccl" if is_cuda(device) else "gloo"
+
+
+def accumulation_dtype(device: DeviceLike) -> torch.dtype:
+    """The dtype losses and step statistics accumulate in on ``device``: float64, where the device has it.
+
+    XLA (TPUs) and MPS have no float64 arithmetic: float32 there.
+
+    >>> accumulation_dtype("cpu"), accumulation_dtype("mps")
+    (torch.float64, torch.float32)
+    """
+    return torch.float32 if is_xla(device) or of_kind(device, "mps") else torch.float64
+
+
+def checkpoint_map_location(device: DeviceLike) -> torch.device:
+    """Where a run on ``device`` reads checkpoints to: :data:`CHECKPOINT_MAP_LOCATION` (the host) on every device.
+
+    >>> checkpoint_map_location("xla:0")
+    device(type='cpu')
+    """
+    del device  # the same on every device: the state is copied onto its device by load_state_dict
+    return CHECKPOINT_MAP_LOCATION
+
+
+def compiles_by_default(device: DeviceLike) -> bool:
+    """Whether ``compile="auto"`` captures steps on ``device``: on XLA and CUDA, not on the CPU.
+
+    >>> compiles_by_default("xla"), compiles_by_default("cuda:0"), compiles_by_default("cpu")
+    (True, True, False)
+    """
+    return is_xla(device) or is_cuda(device)
+
+
+def runner_kind(device: DeviceLike) -> RunnerKind:
+    """How captured steps replay on ``device`` (:data:`RunnerKind`); the step runner falls back to
+    an eager step where the run cannot have it (several processes, a grad scaler, an optimizer
+    whose update cannot be captured).
+
+    >>> runner_kind("xla:0"), runner_kind("cuda"), runner_kind("cpu")
+    ('xla', 'cuda', 'compiled')
+    """
+    if is_xla(device):
+        return "xla"
+    if is_cuda(device):
+        return "cuda"
+    return "compiled"
+
+
+def fused_optimizer(device: DeviceLike) -> bool | None:
+    """The ``fused=`` to create a torch optimizer with on ``device``: ``True`` on the CPU and CUDA
+    (one kernel for all parameters: 5x less time on the CPU), else ``None`` (torch's default).
+
+    >>> fused_optimizer("cpu"), fused_optimizer("cuda"), fused_optimizer("xla")
+    (True, True, None)
+    """
+    return True if on_host(device) or is_cuda(device) else None
+
+
+def capturable_optimizer(device: DeviceLike) -> bool:
+    """The ``capturable=`` to create a torch optimizer with on ``device``: ``True`` on XLA, where the
+    step count must stay on the device for a captured update to replay.
+
+    >>> capturable_optimizer("xla"), capturable_optimizer("cpu")
+    (True, False)
+    """
+    return is_xla(device)
+
+
+def xla_sync() -> None:
+    """Cut and launch the pending lazy XLA graph (``torch_xla.sync``; ``xm.mark_step`` before 2.4)."""
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is None:
+        import torch_xla.core.xla_model as xm
+
+        sync = xm.mark_step
+    sync()
+
+
+def synchronize(device: DeviceLike) -> None:
+    """End the work queued so far on ``device`` as a unit of its own: on XLA, cut the lazy graph
+    and launch it (:func:`xla_sync`), so that the same graph repeats; elsewhere nothing (the
+    CPU runs eagerly and CUDA's streams keep their order without a cut).
+
+    >>> synchronize("cpu")  # nothing to do
+    """
+    if is_xla(device):
+        xla_sync()

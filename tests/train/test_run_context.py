@@ -23,7 +23,8 @@ from torchfold.examples.datasets import Vocab
 from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
 from torchfold.train import RunContext, TraceTrainer, captured_step, run_context, world
 from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate
-from torchfold.train.capture.runner import EagerRunner, step_runner
+from torchfold.train.capture.mechanism import step_runner
+from torchfold.train.capture.runner import EagerRunner
 from torchfold.train.data.loader import StepLoader
 from torchfold.train.distributed import devices
 from torchfold.train.distributed.world import (

@@ -666,3 +666,18 @@ def test_fit_sets_one_intra_op_thread_unless_the_user_chose_and_says_so_once(tre
         assert said == ["2 intra-op CPU thread(s) per process (num_threads=2)"]  # once
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_mechanism_given_as_compile_is_the_trainers_own() -> None:
+    """The command line makes one StepMechanism (to pad its folds and build its optimizer) and hands
+    it to the trainer: the run decides how steps run once, not twice."""
+    from torchfold.train import StepMechanism
+
+    trees = sst_trees(8)
+    mechanism = StepMechanism("cpu", compile="off")
+    trainer = make_trainer(trees, compile=mechanism)
+    assert trainer.mechanism is mechanism and trainer.compile == "off"
+    with pytest.raises(ValueError, match=r"made for another run .*device is cpu.*StepMechanism\(device"):
+        make_trainer(trees, compile=StepMechanism("meta", compile="off"))
+    with pytest.raises(ValueError, match=r"compile_backend='eager'"):
+        make_trainer(trees, compile=mechanism, compile_backend="eager")

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=non_negative_int,
         default=1,
-        help="worker processes per rank that record and compile the folds (default 1; 0: in the training process)",
+        help="worker processes per rank that record and plan the folds (default 1; 0: in the training process)",
     )
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on a CUDA --device, else gloo")
     p.add_argument(
@@ -314,6 +314,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
                 loader,
                 task.loss,
                 device=context,  # (the trainer asks this run's context, not a second one)
+                compile=mechanism,  # (decided once: the folds' padding, the optimizer, the runner)
                 on_step=history.record if args.history else None,  # (without: a step ahead on an accelerator)
                 settings=checkpoint_settings(args, trace, task),
                 log=tqdm.write,  # (stdout, the bar kept whole)

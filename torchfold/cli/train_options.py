@@ -172,7 +172,6 @@ def trainer_flags(args: argparse.Namespace) -> dict[str, Any]:
         "log_every": args.log_every,
         "progress": False if args.no_progress else None,
         "seed": args.seed,  # each fold's random draws: the same on any number of processes
-        "compile": args.compile,
         "resume": not args.no_resume,  # the library's rule: resume, or set the old checkpoints aside
         "override_hyperparameters": [n for n in ("lr", "momentum") if getattr(args, f"override_{n}")],
         "num_threads": args.threads,  # None: the library's rule

@@ -11,7 +11,7 @@ constant ``minibatch_size * num_replicas * gradient_accumulation`` or, with ``tr
 one seeded permutation that changes with :meth:`StepLoader.set_epoch`.
 
 With ``build``, every minibatch's items go through ``build(items) -> (FoldPlan, targets)`` in
-``num_workers`` worker processes (recording and compiling the folds there), ``prefetch_factor``
+``num_workers`` worker processes (recording and planning the folds there), ``prefetch_factor``
 minibatches ahead per worker; the training process only applies plans. The loader owns its
 position: :meth:`StepLoader.state_dict` (no arguments) resumes after the last step it handed
 out, also with workers and read-ahead in flight (the read-ahead is simply built again).

@@ -1,7 +1,7 @@
 """The trace-aware training loop on a :class:`~torchfold.train.StepLoader`: plans built in workers, applied here.
 
 :class:`TraceTrainer` runs the steps its loader yields. The loader's ``build(items) ->
-(FoldPlan, targets)`` records and compiles every minibatch's folds (in worker processes when it
+(FoldPlan, targets)`` records and plans every minibatch's folds (in worker processes when it
 has ``num_workers``); the trainer applies each plan, computes ``loss(model, outputs, targets)``,
 backpropagates it inside ``optimizer.minibatch(num_samples)`` and, after this rank's minibatches
 of the step (there may be none), ends the step on every rank together: the
@@ -102,6 +102,19 @@ def _sole_minibatch(local_minibatches: int) -> bool:
     return local_minibatches == 1 and world().size == 1
 
 
+def _mechanism(compile: str | StepMechanism, backend: str | None, device: torch.device) -> StepMechanism:
+    """The trainer's :class:`StepMechanism`: ``compile`` itself when it is one (made for ``device``)."""
+    if not isinstance(compile, StepMechanism):
+        return StepMechanism(device, compile=compile, backend=backend)
+    if compile.device != device or backend is not None:
+        raise ValueError(
+            f"compile={compile!r} was made for another run (the trainer's device is {device}"
+            + (f", compile_backend={backend!r}" if backend is not None else "")
+            + "): make it with StepMechanism(device, compile=..., backend=...) for this one, or pass compile='auto'"
+        )
+    return compile
+
+
 @dataclass
 class _FitCall:
     """One call of :meth:`TraceTrainer.fit`: the step it stops before, its bar and log lines, the steps run."""
@@ -199,6 +212,8 @@ class TraceTrainer:
             others run eagerly) and an update that can be captured (``Adam`` and others need
             ``capturable=True``, or ``fused=True`` on CUDA; a warning names the fix otherwise).
             Optimizer and tensor hooks then run when a step is captured, not at every replay.
+            A :class:`~torchfold.train.StepMechanism` made for this run's device (as ``train`` makes
+            one to pad its folds and build its optimizer) is taken as it is: the run decides once.
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
         warm_up: with steps replayed (XLA), compile the programs of every static-shape layout
@@ -242,7 +257,7 @@ class TraceTrainer:
         handle_sigterm: bool = True,
         preemption_timeout: float = 120.0,
         settings: dict[str, Any] | None = None,
-        compile: str = "auto",
+        compile: str | StepMechanism = "auto",
         compile_backend: str | None = None,
         warm_up: bool = True,
         resume: bool = True,
@@ -289,9 +304,9 @@ class TraceTrainer:
         self.handle_sigterm = handle_sigterm
         self.preemption_timeout = float(preemption_timeout)
         self.settings = dict(settings or {})
-        self.compile = compile
         #: how steps run here (``compile``, the device, the processes): it makes :attr:`runner`
-        self.mechanism = StepMechanism(self.device, compile=compile, backend=compile_backend)
+        self.mechanism = _mechanism(compile, compile_backend, self.device)
+        self.compile = self.mechanism.compile
         self.loss = loss  # (makes the runner)
         self._sigterm = SigtermGuard(rank)
         # one process on an accelerator: fit() reads each step's loss while the next step runs

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -83,10 +84,20 @@ class StepHistory:
                         continue  # a line cut short by a crash
                     if isinstance(step, int) and step < resumed_at:
                         kept.append(line if line.endswith("\n") else line + "\n")
-            handle = open(path, "w")  # noqa: SIM115
-            handle.writelines(kept)  # the steps the resumed run repeats are written again as it goes
-            handle.flush()
-            self._handle = handle
+            # the kept lines go to a file beside it that then replaces it: a kill in between leaves
+            # the old history whole, never a truncated one (the steps the resumed run repeats are
+            # written again as it goes)
+            spare = Path(path).with_name(Path(path).name + ".resuming")
+            try:
+                with open(spare, "w") as fresh:
+                    fresh.writelines(kept)
+                    fresh.flush()
+                    os.fsync(fresh.fileno())
+                os.replace(spare, path)
+            finally:
+                with contextlib.suppress(OSError):
+                    spare.unlink()  # (gone already once it replaced the history)
+            self._handle = open(path, "a")  # noqa: SIM115
         except OSError as e:
             raise OSError(e.errno, f"--history {path}: cannot write it ({e.strerror or e})") from e
 

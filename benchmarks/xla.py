@@ -115,7 +115,7 @@ def train(
         targets = plan.pad(0, labels).to(device)
         if replay is not None:
             assert isinstance(plan, StaticPlan)
-            replay.minibatch(plan, (targets, weights), len(trees))  # forward, loss, backward: replayed
+            replay.run_minibatch(plan, (targets, weights), len(trees))  # forward, loss, backward: replayed
             losses.append(replay.update([0.01], len(trees)))  # the update, replayed; the step's loss
             traced = time.perf_counter()
             PHASES["apply + loss + backward + step"] += traced - planned

@@ -186,7 +186,7 @@ def test_xla_programs_take_targets_on_the_cpu() -> None:
         batch = to_device(targets, torch.device("cpu")) if on == "cpu" else to_device(targets, device)
         losses = []
         for _ in range(3):  # the update that makes Adam's state, the update program traced, then replayed
-            programs.minibatch(plan, batch, MINIBATCH)
+            programs.run_minibatch(plan, batch, MINIBATCH)
             losses.append(float(programs.update([0.01], MINIBATCH)) / MINIBATCH)
         assert programs.refused is None, programs.refused
         results.append((losses, [p.detach().cpu() for p in model.parameters()]))

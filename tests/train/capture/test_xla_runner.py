@@ -175,7 +175,7 @@ def test_a_python_number_the_loss_reads_is_followed_or_refused() -> None:
             batches = [trees[4 * (number % 4) : 4 * (number % 4) + 4], trees[4 * ((number + 1) % 4) :][:4]]
             for part in batches:
                 plan, targets = build(part)
-                programs.minibatch(plan, to_device(targets, device), 4)
+                programs.run_minibatch(plan, to_device(targets, device), 4)
             programs.update([0.01], 8)
             plain.zero_grad()
             for part in batches:
@@ -225,7 +225,7 @@ def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved
             reference.temperature.fill_(1.0 + number)
         for part in (trees[:4], trees[4:8]):
             plan, targets = build(part)  # numpy targets: the runner moves them
-            programs.minibatch(plan, tuple(torch.as_tensor(t) for t in targets), 4)
+            programs.run_minibatch(plan, tuple(torch.as_tensor(t) for t in targets), 4)
         programs.update([0.01], 8)
         plain.zero_grad()
         for part in (trees[:4], trees[4:8]):

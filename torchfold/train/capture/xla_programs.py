@@ -265,7 +265,7 @@ class _UpdateSetup(NamedTuple):
 class XlaPrograms:
     """Steps of any number of minibatches on one XLA device, as replayed minibatch and update programs.
 
-    Per step: :meth:`minibatch` once per minibatch (it accumulates the minibatch's gradient,
+    Per step: :meth:`run_minibatch` once per minibatch (it accumulates the minibatch's gradient,
     weighted by its sample count, into persistent buffers, and its loss into the step's loss
     sum), then :meth:`update` once (the optimizer's update on the step's mean gradient; the
     buffers are zeroed). The results equal ``AccumulatingOptimizer``'s ``minibatch()`` /
@@ -349,7 +349,7 @@ class XlaPrograms:
         """How many programs have been traced and compiled (minibatch and update programs)."""
         return len(self._minibatch) + len(self._update)
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
+    def run_minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
         """Accumulate one minibatch of ``num_samples`` samples (forward, loss, backward) into the step."""
         params = self._params()
         targets = to_device(targets, params[0].device)  # a replayed program reads device tensors only

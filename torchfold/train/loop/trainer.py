@@ -568,7 +568,7 @@ class TraceTrainer:
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
             plan, targets = to_device(minibatch.data, self.device)
             self._warned_unpadded = self._warned_unpadded or warn_if_unpadded(plan, self.device)
-            # NOTE: the runner's backward runs inside the autocast too (the eager runner's minibatch()
+            # NOTE: the runner's backward runs inside the autocast too (the eager runner's run_minibatch()
             # is forward, loss and backward); autograd gives each op's backward its forward's dtype
             with autocast(self.precision, self.device):
                 self.runner.run_minibatch(plan, targets, minibatch.num_samples, sole_minibatch=sole)

@@ -107,7 +107,7 @@ class StepRunner:
         return 0
 
     def check(self) -> None:
-        """Have the next replay of each captured program check it against a new trace first (the
+        """Have the next replay of each captured program check it against a new capture first (the
         trainer calls it at each checkpoint); nothing for a runner that replays nothing."""
 
     def _loss_weight(self, num_samples: int) -> float:
@@ -237,7 +237,7 @@ class XlaRunner(StepRunner):
         return compiled
 
     def check(self) -> None:
-        """Have the next use of each program trace it again and compare (at a checkpoint)."""
+        """Have the next use of each program capture it again and compare (at a checkpoint)."""
         self.programs.check()
 
     def update(self) -> tuple[torch.Tensor | None, float]:

@@ -27,10 +27,10 @@ optimizer's options but the learning rate and its state's structure, and what a
 globals). A guarded value that keeps changing (more than :data:`~torchfold.train.capture.guards.MAX_VALUES` values for one
 layout) is refused with a warning naming it. What a captured step reads from elsewhere is
 checked by capturing it again: at a program's second use, every ``verify_every`` replays, and at
-:meth:`XlaPrograms.check` (the trainer's checkpoints): a second capture that differs refuses replays with a warning, a later
-one raises (earlier replays may have used an old value). A step that draws random numbers, or
-reads a value back to the host, is refused too. A refused runner runs the steps lazily (op by
-op), as without capture.
+:meth:`XlaPrograms.check` (the trainer's checkpoints): a second capture that differs refuses
+replays with a warning, a later one raises (earlier replays may have used an old value). A step
+that draws random numbers, or reads a value back to the host, is refused too. A refused runner
+runs the steps lazily (op by op), as without capture.
 """
 
 from __future__ import annotations
@@ -490,8 +490,8 @@ class XlaPrograms:
 
     def check(self) -> None:
         """Have the next use of every program capture it again and compare, before it is replayed
-        (the trainer calls it at each checkpoint): a program that no longer matches its capture
-        raises there (see :meth:`_check`)."""
+        (the trainer calls it at each checkpoint): a program that no longer matches its new
+        capture raises there (see :meth:`_check`)."""
         for program in [*self._minibatch.values(), *self._update.values()]:
             program.due = program.verified
 
@@ -845,7 +845,7 @@ class XlaPrograms:
         self, program: _Program, kind: str, changed: list[torch.Tensor], capture: Callable[[], _Program]
     ) -> None:
         """Capture ``program``'s step again (never run: ``changed`` and the optimizer's state are put
-        back) and compare: a program that no longer matches its capture has replayed a value that
+        back) and compare: a program that no longer matches its new capture has replayed a value that
         is not its input, and that is an error, not a warning."""
         since = program.replays
         program.replays, program.due = 0, False

@@ -9,7 +9,7 @@ when they train alike). The table gives every run and each XLA run's ratio to th
 
 Variants are ``DEVICE/COMPILE`` pairs of the trainer's ``--device`` and ``--compile``:
 ``cpu/off`` (eager, the reference), ``xla/auto`` (every step replayed: a minibatch program per
-minibatch, then the update program), ``xla/off`` (traced op by op); ``DEVICE/COMPILE/WORKERS`` sets the
+minibatch, then the update program), ``xla/off`` (run op by op); ``DEVICE/COMPILE/WORKERS`` sets the
 trainer's ``--workers`` too (default 1: folds built in one worker process; 0: in the trainer's),
 and a last ``/packed`` adds ``--pack-levels`` (``xla/auto/packed``, ``xla/auto/0/packed``).
 

@@ -13,16 +13,16 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
   plans on the host (``StaticShapes.fit``: no tensor op, milliseconds), so warm-up compiles once;
 * ``xla captured``: fitted static shapes, and the forward, loss and backward captured once per
   layout (``torchfold.train.capture.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
-  replayed with each batch's index tensors: no op is traced per batch; the update stays lazy;
+  replayed with each batch's index tensors: no op is recorded per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
   (``torchfold.train.capture.compiled.CompiledUpdate``, Adam with ``capturable=True``);
 * ``xla replayed``: fitted static shapes, and each step as two programs replayed from XLA's
-  cache: the minibatch program (forward, loss, backward, the gradient's accumulation), traced
-  once per layout, and the update program (Adam's update), traced once
+  cache: the minibatch program (forward, loss, backward, the gradient's accumulation), captured
+  once per layout, and the update program (Adam's update), captured once
   (``torchfold.train.capture.XlaPrograms``, what ``TraceTrainer`` runs on XLA);
   ``xla replayed packed``: the same with ``StaticShapes(pack_levels=True)`` (tree nodes run later
   than their depth where there is room: less padding); ``xla replayed plain linear``: the same
-  with ``F.linear`` traced as it is (``XlaPrograms(transpose_weights=False)``: the forward
+  with ``F.linear`` captured as it is (``XlaPrograms(transpose_weights=False)``: the forward
   products read the weights transposed, which XLA's CPU backend runs slower);
   ``xla replayed shallow`` / ``xla replayed deep`` as below;
 * ``xla captured shallow`` / ``xla captured deep`` (and ``xla captured and update shallow`` /
@@ -31,7 +31,8 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
 
 Prints, per variant, new compilations in the warm-up and after it, compile seconds, padding
 waste (padded calls / real calls - 1), steady-state sentences/s (batches after the warm-up) and
-the host's milliseconds per steady step (building the plan aside: tracing or replaying the step).
+the host's milliseconds per steady step (building the plan aside: issuing the step, op by op,
+captured or replayed).
 Run with torch_xla on its CPU backend::
 
     PJRT_DEVICE=CPU .venv-xla/bin/python benchmarks/xla.py --trees 25 --batches 100
@@ -77,7 +78,8 @@ def node_loss(model: torch.nn.Module, outputs: list[torch.Tensor], targets: tupl
 
 
 PHASES: dict[str, float] = {}
-HOST: list[float] = []  # per step: the host's time to trace (or replay) forward, loss, backward and update
+# per step: the host's time to issue forward, loss, backward and update (op by op, or replayed)
+HOST: list[float] = []
 
 
 def train(
@@ -115,13 +117,13 @@ def train(
         targets = plan.pad(0, labels).to(device)
         if replay is not None:
             assert isinstance(plan, StaticPlan)
-            replay.minibatch(plan, (targets, weights), len(trees))  # forward, loss, backward: replayed
+            replay.run_minibatch(plan, (targets, weights), len(trees))  # forward, loss, backward: replayed
             losses.append(replay.update([0.01], len(trees)))  # the update, replayed; the step's loss
-            traced = time.perf_counter()
-            PHASES["apply + loss + backward + step"] += traced - planned
-            HOST.append(traced - planned)
+            issued = time.perf_counter()
+            PHASES["apply + loss + backward + step"] += issued - planned
+            HOST.append(issued - planned)
             on_step(number)
-            PHASES["sync (launch, wait when timed)"] += time.perf_counter() - traced
+            PHASES["sync (launch, wait when timed)"] += time.perf_counter() - issued
             continue
         optimizer.zero_grad(set_to_none=step is None)  # a captured step's gradients stay where they are
         if step is not None:
@@ -132,11 +134,11 @@ def train(
             loss.backward()
         update()
         losses.append(loss.detach())
-        traced = time.perf_counter()
-        PHASES["apply + loss + backward + step"] += traced - planned
-        HOST.append(traced - planned)
+        issued = time.perf_counter()
+        PHASES["apply + loss + backward + step"] += issued - planned
+        HOST.append(issued - planned)
         on_step(number)
-        PHASES["sync (launch, wait when timed)"] += time.perf_counter() - traced
+        PHASES["sync (launch, wait when timed)"] += time.perf_counter() - issued
     return [float(loss) for loss in losses]
 
 
@@ -164,7 +166,7 @@ def run_variant(
             return (0, 0.0) if data is None else (int(data[0]), data[1] / 1e9)
 
         def on_step(number: int) -> None:
-            torch_xla.sync()  # launches the step's graph; it runs while the next one is traced
+            torch_xla.sync()  # launches the step's graph; it runs while the host issues the next one
             if number in (warmup - 1, len(batches) - 1):  # the steady window starts and ends idle
                 torch_xla._XLAC._xla_wait_device_ops(devices=[])
             stamps.append(time.perf_counter())

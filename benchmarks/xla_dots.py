@@ -6,14 +6,14 @@ weight's gradient ``gᵀ·x``. This script times each of them alone, with the we
 Tree-LSTM's node op (``W`` of 640 x 256), at several row counts:
 
 * ``xla``: one compiled program of ``--products`` products of one kind, run under torch_xla's
-  profiler; the median time of its ``dot`` operations (the device's own time: no tracing, no
+  profiler; the median time of its ``dot`` operations (the device's own time: no host work, no
   transfer). As in a fold's levels, the products of ``W`` share one weight, each product's rows
   made from the one before (so XLA cannot merge them into one product), and the weight
   gradients each read their own rows;
 * ``eager``: the same program in eager PyTorch on the CPU (``--threads``), its time per product
   (the few copies between the products included).
 
-The fourth kind is the forward product as :mod:`torchfold.train.capture.xla_linear` traces it: against
+The fourth kind is the forward product as :mod:`torchfold.train.capture.xla_linear` captures it: against
 a copy of ``Wᵀ`` made once per program, behind an optimization barrier. XLA's CPU backend runs
 its products on its own thread pool (all cores), whatever ``--threads`` says.
 
@@ -57,7 +57,7 @@ def program(kind: str, rows: int, args: argparse.Namespace, device: Any) -> Call
         start = torch.randn(rows, into).to(device)
 
         def forward() -> Any:
-            # nn.Linear's product; the fourth kind as replayed steps trace it (one copy per program)
+            # nn.Linear's product; the fourth kind as replayed steps capture it (one copy per program)
             linear = transposed_weights(weight.device.type) if kind == KINDS[3] else contextlib.nullcontext()
             x, total = start, 0
             with linear:

@@ -54,7 +54,7 @@ import atexit, os, runpy, sys
 import torch_xla.debug.profiler as xp
 from torchfold.train.capture import XlaPrograms
 first, last, where = int(os.environ["PROFILE_FIRST"]), int(os.environ["PROFILE_LAST"]), os.environ["PROFILE_DIR"]
-call, count = XlaPrograms.minibatch, [0]
+call, count = XlaPrograms.run_minibatch, [0]
 def traced(self, *args, **kwargs):
     count[0] += 1
     if count[0] == first:
@@ -64,7 +64,7 @@ def traced(self, *args, **kwargs):
         atexit.unregister(xp.stop_trace)
         xp.stop_trace()
     return call(self, *args, **kwargs)
-XlaPrograms.minibatch = traced
+XlaPrograms.run_minibatch = traced
 sys.argv = ["torchfold", *sys.argv[1:]]
 runpy.run_module("torchfold", run_name="__main__", alter_sys=True)
 """
@@ -171,7 +171,7 @@ def profile_alone(args: argparse.Namespace, trace_dir: Path) -> dict[str, Any]:
     )
 
     def run(plan: Any, targets: Iterable[Any]) -> None:
-        programs.minibatch(plan, tuple(torch.from_numpy(t).to(device) for t in targets), args.trees)
+        programs.run_minibatch(plan, tuple(torch.from_numpy(t).to(device) for t in targets), args.trees)
         programs.update([0.01], args.trees).item()
 
     for plan, targets in plans[: args.warmup]:

@@ -448,7 +448,7 @@ def test_a_failing_replica_thread_stops_the_others_at_once(tmp_path: Path) -> No
 def _replayed_step(programs: Any, plan: Any, targets: Any, lrs: list[float], num_samples: int) -> float:
     """One step of one minibatch through XlaPrograms (``reduction="mean"``, a minibatch unit of 1):
     the minibatch program, then the update program; the step's loss (its loss sum over its samples)."""
-    programs.minibatch(plan, targets, num_samples)
+    programs.run_minibatch(plan, targets, num_samples)
     return float(programs.update(lrs, num_samples)) / num_samples
 
 
@@ -585,7 +585,7 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
     labels, weights = to_device((labels, weights), device)
     count = len(batches[0])
     with pytest.raises(RuntimeError, match=r"[Ss]hape"):
-        programs.minibatch(plan, (labels, torch.cat([weights, weights])), count)
+        programs.run_minibatch(plan, (labels, torch.cat([weights, weights])), count)
     # and the next step of the right shapes runs as before, still equal to the CPU's
     after = _replayed_step(programs, plan, (labels, weights), [0.01], count)
     assert after == pytest.approx(eager_step(batches[0]), rel=1e-4)

@@ -185,8 +185,8 @@ def test_xla_programs_take_targets_on_the_cpu() -> None:
         programs = XlaPrograms(model, tree_lstm_loss, optimizer)
         batch = to_device(targets, torch.device("cpu")) if on == "cpu" else to_device(targets, device)
         losses = []
-        for _ in range(3):  # the update that makes Adam's state, the update program traced, then replayed
-            programs.minibatch(plan, batch, MINIBATCH)
+        for _ in range(3):  # the update that makes Adam's state, the update program captured, then replayed
+            programs.run_minibatch(plan, batch, MINIBATCH)
             losses.append(float(programs.update([0.01], MINIBATCH)) / MINIBATCH)
         assert programs.refused is None, programs.refused
         results.append((losses, [p.detach().cpu() for p in model.parameters()]))
@@ -245,7 +245,7 @@ def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back(tmp_path: Path) -> None
 def test_loaded_adam_step_counts_on_xla_each_have_a_buffer_of_their_own() -> None:
     """torch_xla moves equal scalars to the device as one shared buffer (its scalar cache): the
     equal step counts of a loaded Adam state would be one input of a step program, whose next
-    trace (where they are separate) differs, and replays would be refused after every resume.
+    capture (where they are separate) differs, and replays would be refused after every resume.
     ``AccumulatingOptimizer.load_state_dict`` gives each its own buffer, values kept."""
     import torch_xla
 

@@ -295,7 +295,7 @@ def _hidden_loss(model: Any, outputs: Any, targets: Any) -> torch.Tensor:
 
 @pytest.mark.xla
 def test_a_value_out_of_the_guards_reach_is_found_by_the_periodic_check() -> None:
-    # The guard reads no dict entries of globals; the programs' periodic second trace finds the change.
+    # The guard reads no dict entries of globals; the programs' periodic second capture finds the change.
     def on_step(trainer: Any, stats: Any) -> None:
         if stats.step == 4:
             _HIDDEN["weight"] = 3.0
@@ -317,7 +317,7 @@ def test_a_value_out_of_the_guards_reach_is_found_by_the_periodic_check() -> Non
 @pytest.mark.xla
 @pytest.mark.parametrize("kind", ["adam", "momentum"])
 def test_the_periodic_check_passes_a_run_whose_values_stay_and_the_run_equals_the_cpu(kind: str) -> None:
-    # A check traces a step again and puts back what the trace changed: the optimizer's state
+    # A check captures a step again and puts back what the capture changed: the optimizer's state
     # tensors that the update program reads must be the same objects, with their data, after it
     # (a check once left SGD's momentum buffers pending, and the next replay failed).
     def make(params: list[torch.nn.Parameter], xla: bool) -> torch.optim.Optimizer:

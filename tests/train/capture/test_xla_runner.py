@@ -91,7 +91,7 @@ def test_steps_of_any_minibatch_count_replay_and_equal_eager_steps_on_the_cpu(ki
     assert [s.loss for s in got] == pytest.approx([s.loss for s in expected], rel=1e-5)
     for p, q in zip(xla.model.parameters(), cpu.model.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
-    # Adam and SGD (its learning-rate tensor requires grad inside the trace: multiplied by, never
+    # Adam and SGD (its learning-rate tensor requires grad inside the capture: multiplied by, never
     # read back to the host) both replay, none refused
     messages = [str(w.message) for w in caught if "not replayed" in str(w.message)]
     assert not messages, messages
@@ -175,7 +175,7 @@ def test_a_python_number_the_loss_reads_is_followed_or_refused() -> None:
             batches = [trees[4 * (number % 4) : 4 * (number % 4) + 4], trees[4 * ((number + 1) % 4) :][:4]]
             for part in batches:
                 plan, targets = build(part)
-                programs.minibatch(plan, to_device(targets, device), 4)
+                programs.run_minibatch(plan, to_device(targets, device), 4)
             programs.update([0.01], 8)
             plain.zero_grad()
             for part in batches:
@@ -193,7 +193,7 @@ def test_a_python_number_the_loss_reads_is_followed_or_refused() -> None:
 
 def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved() -> None:
     """A module parameter the optimizer does not hold, changed between steps, is read anew by
-    every replay (an input, not a constant of the trace); targets given on the CPU are moved."""
+    every replay (an input, not a constant of the capture); targets given on the CPU are moved."""
     import torch_xla
 
     from torchfold import StaticShapes
@@ -225,7 +225,7 @@ def test_a_parameter_outside_the_optimizer_is_an_input_and_cpu_targets_are_moved
             reference.temperature.fill_(1.0 + number)
         for part in (trees[:4], trees[4:8]):
             plan, targets = build(part)  # numpy targets: the runner moves them
-            programs.minibatch(plan, tuple(torch.as_tensor(t) for t in targets), 4)
+            programs.run_minibatch(plan, tuple(torch.as_tensor(t) for t in targets), 4)
         programs.update([0.01], 8)
         plain.zero_grad()
         for part in (trees[:4], trees[4:8]):

@@ -160,7 +160,7 @@ class _Scale(torch.nn.Module):
 
 @pytest.mark.timeout(300)
 def test_compile_off_on_xla_takes_targets_from_the_host() -> None:
-    """``captured_step(..., compile="off")`` on XLA (the eager runner, traced op by op) is given
+    """``captured_step(..., compile="off")`` on XLA (the eager runner, run op by op) is given
     ``plan.pad``'s CPU targets, as with ``compile="auto"``: they are moved, not handed to XLA ops
     ("Expected XLA tensor"); the steps equal the same steps on the CPU."""
     import torch_xla

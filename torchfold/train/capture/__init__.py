@@ -2,7 +2,7 @@
 
 :class:`StepMechanism` picks one mechanism from the device, the world, the optimizer and
 ``compile=`` (and says what the run needs around it: static shapes, the optimizer's options);
-the trainer calls its runner's :meth:`~StepRunner.minibatch` and :meth:`~StepRunner.update` and
+the trainer calls its runner's :meth:`~StepRunner.run_minibatch` and :meth:`~StepRunner.update` and
 nothing else. Above this package, only :class:`StepMechanism`, :class:`StepRunner`,
 :func:`step_runner`, :func:`captured_step` and :class:`CapturedStep` are used.
 

@@ -1,8 +1,8 @@
 """Captured training steps: a static plan's forward, loss and backward compiled once per layout, then replayed.
 
-On an XLA device every eager step is traced op by op into a lazy graph before XLA runs it; with
-static shapes the graph repeats, so XLA compiles it once, but the host still traces every op of
-every batch. On a GPU the same step is hundreds of small kernel launches. Both costs go when the
+On an XLA device every eager step is recorded op by op into a lazy graph before XLA runs it;
+with static shapes the graph repeats, so XLA compiles it once, but the host still records every op
+of every batch. On a GPU the same step is hundreds of small kernel launches. Both costs go when the
 step is captured once and replayed: :class:`CompiledLoss` compiles ``loss(model,
 layout.run(model, inputs), targets)`` with :func:`torch.compile` once per
 :class:`~torchfold.engine.static.StaticLayout` (the structure an envelope version fixes), and
@@ -23,7 +23,7 @@ CUDAGraphs that has been overwritten by a subsequent run"), also with
 then copies.
 
 The optimizer's update is captured separately, by :class:`CompiledUpdate`: on XLA it would
-otherwise be traced op by op at every step too (a few ops per parameter). It runs after the
+otherwise be recorded op by op at every step too (a few ops per parameter). It runs after the
 all-reduce, once per step, so the minibatch graphs stay the same whatever the number of
 minibatches. On CUDA the update stays eager: a fused optimizer (``Adam(fused=True)``) is already
 a few kernels.
@@ -210,7 +210,7 @@ class CompiledLoss:
             None,
             step.__closure__,
         )
-        # fullgraph: a graph break would leave part of the step traced op by op, silently slow
+        # fullgraph: a graph break would leave part of the step run op by op, silently slow
         compiled: Callable[..., torch.Tensor] = torch.compile(
             own, backend=self.backend, mode=self.mode, fullgraph=True, dynamic=False
         )

@@ -2,14 +2,14 @@
 
 A replayed program sees only its inputs: the tensors it was given by role (parameters, buffers,
 optimizer state, the batch, the runner's own scalars). Everything else the step's Python code
-read while it was traced is frozen into the program: a number in the loss (``0.01 * penalty``),
+read while it was captured is frozen into the program: a number in the loss (``0.01 * penalty``),
 a module's ``training`` flag, a tensor kept as a plain attribute. Replaying after such a value
 changed would silently compute with the old one. A guard, in the spirit of TorchDynamo's, reads
 the places such values live in before every replay, for a few microseconds, and the runner
-keys its programs on what it reads: a change selects (or traces) the program of the new value,
+keys its programs on what it reads: a change selects (or captures) the program of the new value,
 and a value that keeps changing is refused, with a warning naming it and where it is read.
 
-Where a guard looks (once per trace, then the same places at every replay):
+Where a guard looks (once per capture, then the same places at every replay):
 
 * every submodule of the model: its ``training`` flag and its attributes holding numbers,
   strings, ``None`` or tuples, lists and dicts of them (``self.alpha = 0.5``); a tensor kept as
@@ -23,7 +23,7 @@ Where a guard looks (once per trace, then the same places at every replay):
 * whether autocast is on for the model's device, and its dtype (``precision="bf16"``).
 
 A value read from anywhere else (a global of another module that a helper reads, an object
-two levels down) is not seen here: the runner's periodic check (a trace compared with the
+two levels down) is not seen here: the runner's periodic check (a new capture compared with the
 program every ``verify_every`` replays, and at every checkpoint) finds it, with an error.
 """
 
@@ -96,7 +96,7 @@ class StepGuard:
         self.refresh()
 
     def refresh(self) -> None:
-        """Find the places to read anew (a trace calls it: the model may have new attributes)."""
+        """Find the places to read anew (a capture calls it: the model may have new attributes)."""
         places = _Places(self.model)
         for name, module in self.model.named_modules():
             places.attributes(
@@ -108,7 +108,7 @@ class StepGuard:
             for function in _functions_of(kind):
                 places.globals_named(function, f"named by {kind.__name__}.{function.__name__}")
         places.function(self.loss, "the loss", depth=0)
-        if places.device is not None:  # autocast changes the ops a trace records
+        if places.device is not None:  # autocast changes the ops a capture records
             places.slots[f"autocast on {places.device.type}"] = functools.partial(
                 _autocast, places.device.type
             )

@@ -1,7 +1,7 @@
 """The one seam between the training loop and the ways a step can run: :class:`StepRunner`.
 
 A step is any number of minibatches of this rank (each: a plan, its targets and its sample
-count), then one update. The trainer calls :meth:`StepRunner.minibatch` for each and
+count), then one update. The trainer calls :meth:`StepRunner.run_minibatch` for each and
 :meth:`StepRunner.update` once, and nothing else; :class:`~torchfold.train.capture.mechanism.StepMechanism`
 (or :func:`~torchfold.train.capture.mechanism.step_runner`) chooses the mechanism once, from the
 device, the number of processes, the optimizer and ``compile=``:
@@ -45,7 +45,7 @@ __all__ = ["CudaRunner", "EagerRunner", "StepRunner", "XlaRunner"]
 class StepRunner:
     """Runs a step's minibatches, then its update; the trainer's only way to run a step.
 
-    Per step: :meth:`minibatch` for each of this rank's minibatches (``sole_minibatch=True``
+    Per step: :meth:`run_minibatch` for each of this rank's minibatches (``sole_minibatch=True``
     when it is the step's only one, in one process: a runner may then run the whole step at once), then
     :meth:`update` on every rank (also one without minibatches), which returns the step's loss
     sum (losses times sample counts with ``reduction="mean"``) as ``(tensor, scale)``: the sum is
@@ -67,7 +67,9 @@ class StepRunner:
         #: the run's device, asked of the device policy (never of ``device.type``)
         self.device = device if device is not None else optimizer.params_device()
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
+    def run_minibatch(
+        self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False
+    ) -> None:
         raise NotImplementedError
 
     def update(self) -> tuple[torch.Tensor | None, float]:
@@ -105,7 +107,7 @@ class StepRunner:
         return 0
 
     def check(self) -> None:
-        """Have the next replay of each captured program check it against a new trace first (the
+        """Have the next replay of each captured program check it against a new capture first (the
         trainer calls it at each checkpoint); nothing for a runner that replays nothing."""
 
     def _loss_weight(self, num_samples: int) -> float:
@@ -145,7 +147,9 @@ class EagerRunner(StepRunner):
     def captures(self) -> int:
         return self.compiled.captures if self.compiled is not None else 0
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
+    def run_minibatch(
+        self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False
+    ) -> None:
         with self.optimizer.minibatch(num_samples):
             if self.compiled is not None and (isinstance(plan, StaticPlan) or self.strict):
                 loss = self.compiled(plan, targets)  # forward, loss and backward, captured
@@ -206,8 +210,10 @@ class XlaRunner(StepRunner):
     def compiles_ahead(self) -> bool:
         return True
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
-        self.programs.minibatch(plan, targets, num_samples)
+    def run_minibatch(
+        self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False
+    ) -> None:
+        self.programs.run_minibatch(plan, targets, num_samples)
         self._samples += num_samples
         self._count += 1
 
@@ -231,7 +237,7 @@ class XlaRunner(StepRunner):
         return compiled
 
     def check(self) -> None:
-        """Have the next use of each program trace it again and compare (at a checkpoint)."""
+        """Have the next use of each program capture it again and compare (at a checkpoint)."""
         self.programs.check()
 
     def update(self) -> tuple[torch.Tensor | None, float]:
@@ -298,7 +304,9 @@ class CudaRunner(EagerRunner):
     def replay(self) -> CudaStepReplay | None:
         return self.whole_step_replay
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False) -> None:
+    def run_minibatch(
+        self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False
+    ) -> None:
         if sole_minibatch and isinstance(plan, StaticPlan) and self.whole_step_replay.refused is None:
             # (one minibatch: its weight and the step's divisor cancel, so the graph weighs nothing)
             loss = self.optimizer.computed_step(
@@ -308,7 +316,7 @@ class CudaRunner(EagerRunner):
             )
             self._whole_loss = (loss, self._loss_weight(num_samples))
             return
-        super().minibatch(plan, targets, num_samples, sole_minibatch=sole_minibatch)
+        super().run_minibatch(plan, targets, num_samples, sole_minibatch=sole_minibatch)
 
     def update(self) -> tuple[torch.Tensor | None, float]:
         if self._whole_loss is not None:

@@ -56,7 +56,7 @@ class CapturedStep:
         for plan, targets, num_samples in batch:
             # targets from the host (plan.pad's, numpy) go to the device, as the trainer's loader moves
             # them, whichever runner runs the step (the eager one would hand XLA a CPU tensor)
-            self.runner.minibatch(plan, to_device(targets, self.device), num_samples, sole_minibatch=sole)
+            self.runner.run_minibatch(plan, to_device(targets, self.device), num_samples, sole_minibatch=sole)
             total += num_samples
         summed, scale = self.runner.update()
         assert summed is not None

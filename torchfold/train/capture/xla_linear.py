@@ -1,15 +1,15 @@
-"""Linear layers traced for XLA's CPU backend: the forward product reads a transposed copy of the weight.
+"""Linear layers captured for XLA's CPU backend: the forward product reads a transposed copy of the weight.
 
 ``nn.Linear`` computes ``x·Wᵀ`` with ``W`` stored ``(out, in)``. On the few rows a fold's level
 has, XLA's CPU backend runs that product, with the weight as stored, several times slower than
 a product of the same work whose right operand is not transposed (``g·W``, the input's
 gradient; ``benchmarks/xla_dots.py`` measures both). XLA folds an explicit transpose back into
 the product, so writing ``x @ W.t()`` changes nothing. Inside :func:`transposed_weights`,
-``F.linear`` on an XLA tensor instead multiplies by a copy of ``Wᵀ`` made once per weight and per trace, kept from being folded
+``F.linear`` on an XLA tensor instead multiplies by a copy of ``Wᵀ`` made once per weight and per capture, kept from being folded
 back by an optimization barrier; the backward pass multiplies by ``W`` itself. Values and
 gradients are those of ``F.linear``, up to the order of floating-point sums.
 
-:class:`~torchfold.train.capture.xla_programs.XlaPrograms` traces its programs inside it on XLA's CPU
+:class:`~torchfold.train.capture.xla_programs.XlaPrograms` captures its programs inside it on XLA's CPU
 backend (on a TPU, XLA lays out the weight itself).
 """
 

@@ -2,7 +2,7 @@
 
 A step of ``k`` minibatches used to go through :func:`torch.compile` and the optimizer wrapper's
 Python weighting, and a new ``k`` could mean a new program. Here every step is made of two kinds
-of programs, each traced once and replayed from XLA's compilation cache:
+of programs, each captured once and replayed from XLA's compilation cache:
 
 * the **minibatch program**, one per envelope layout (and model state structure): forward, loss,
   backward, and the weighted accumulation of the gradients into persistent buffers
@@ -18,19 +18,19 @@ Every tensor a program reads is an input bound by its role, never by its value o
 buffer: the module's parameters, buffers and tensors kept as plain attributes, the optimizer's
 state, the accumulation buffers, the batch's tensors, and the runner's own numbers (sample
 weights, learning rates, divisors), which are 1-element vectors made for their role alone
-(torch_xla shares one buffer among equal 0-dim tensors, and with a trace's own constants).
+(torch_xla shares one buffer among equal 0-dim tensors, and with a capture's own constants).
 What a program depends on besides its inputs is its key: the layout, every module parameter and
 buffer (which tensor, shape, dtype, ``requires_grad``), the batch's tensor shapes, the
 optimizer's options but the learning rate and its state's structure, and what a
 :class:`~torchfold.train.capture.guards.StepGuard` reads before every replay (every module's
 ``training`` flag, numbers kept in module attributes, the loss function, its closure and
 globals). A guarded value that keeps changing (more than :data:`~torchfold.train.capture.guards.MAX_VALUES` values for one
-layout) is refused with a warning naming it. What a trace reads from elsewhere is checked by
-tracing again: at a program's second use, every ``verify_every`` replays, and at :meth:`XlaPrograms.check`
-(the trainer's checkpoints): a second trace that differs refuses replays with a warning, a later
-one raises (earlier replays may have used an old value). A step that draws random numbers, or
-reads a value back to the host, is refused too. A refused runner runs the steps lazily (op by
-op), as without capture.
+layout) is refused with a warning naming it. What a captured step reads from elsewhere is
+checked by capturing it again: at a program's second use, every ``verify_every`` replays, and at
+:meth:`XlaPrograms.check` (the trainer's checkpoints): a second capture that differs refuses
+replays with a warning, a later one raises (earlier replays may have used an old value). A step
+that draws random numbers, or reads a value back to the host, is refused too. A refused runner
+runs the steps lazily (op by op), as without capture.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from torchfold.train.data.loader import to_device
 from torchfold.train.distributed import xla_calls
 from torchfold.train.distributed.devices import is_xla
 from torchfold.train.distributed.world import all_reduce_sum_
-from torchfold.train.distributed.xla_calls import TRACE_LOCK, executions, materialize, replay_unavailable
+from torchfold.train.distributed.xla_calls import CAPTURE_LOCK, executions, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import sample_weight
 
@@ -64,14 +64,14 @@ __all__ = [
     "xla_programs_unavailable",
 ]
 
-#: replays of a program between two traces that check it (0: never)
+#: replays of a program between two captures that check it (0: never)
 VERIFY_EVERY = 100
 
 _T = TypeVar("_T")
 
 
 def xla_programs_unavailable() -> str | None:
-    """Why this torch_xla cannot replay traced programs (None if it can): the graph-cache calls
+    """Why this torch_xla cannot replay captured programs (None if it can): the graph-cache calls
     are those of :func:`~torchfold.train.distributed.xla_calls.replay_unavailable`.
 
     >>> isinstance(xla_programs_unavailable(), str | None)
@@ -81,22 +81,22 @@ def xla_programs_unavailable() -> str | None:
 
 
 class _Program:
-    """One traced graph: its hash, where each graph input comes from, which roots it returns."""
+    """One captured graph: its hash, where each graph input comes from, which roots it returns."""
 
     __slots__ = ("constants", "due", "graph", "outputs", "replays", "sources", "step", "verified")
 
     def __init__(self, graph: Any, sources: list[tuple[int, Any]], outputs: list[int]) -> None:
-        #: the step it was traced in (the runner's count): a second trace in a later step verifies it
+        #: the step it was captured in (the runner's count): a second capture in a later step verifies it
         self.step = -1
         self.graph = graph
-        # per graph input: (0, position among the live tensors) or (1, a constant of the trace)
+        # per graph input: (0, position among the live tensors) or (1, a constant of the capture)
         self.sources = sources
-        # the positions (among the roots of the trace) of the results the graph returns
+        # the positions (among the roots of the capture) of the results the graph returns
         self.outputs = outputs
-        # the trace's constants as host values, compared with the second trace's (then verified)
+        # the capture's constants as host values, compared with the second capture's (then verified)
         self.constants: list[torch.Tensor] = [value.cpu() for kind, value in sources if kind == 1]
         self.verified = False
-        #: replays since the last trace that checked it, and whether its next use checks it anyway
+        #: replays since the last capture that checked it, and whether its next use checks it anyway
         self.replays = 0
         self.due = False
 
@@ -125,13 +125,13 @@ class _Computed:
 
 
 class _Refused(Exception):
-    """A trace that cannot be replayed; its message says why, ``roots`` are the trace's results
+    """A capture that cannot be replayed; its message says why, ``roots`` are the captured step's results
     (pending: a sync runs them op by op, as without capture)."""
 
     def __init__(self, why: str, roots: list[torch.Tensor], *, host_read: bool = False) -> None:
         super().__init__(why)
         self.roots = roots
-        #: refused for a graph run during the trace (a read back to the host, or, with replicas
+        #: refused for a graph run during the capture (a read back to the host, or, with replicas
         #: that are threads, possibly another replica's graph)
         self.host_read = host_read
 
@@ -143,10 +143,10 @@ def _sync() -> None:
 
 
 def _positions(live: list[torch.Tensor], computed: _Computed) -> dict[int, int]:
-    """Each live tensor's position, by the id of the device data it holds (the id a traced graph
-    names its input by), taken just before a trace: each tensor is given a buffer of its own
+    """Each live tensor's position, by the id of the device data it holds (the id a captured graph
+    names its input by), taken just before a capture: each tensor is given a buffer of its own
     first (:func:`~torchfold.train.distributed.xla_calls.own_buffers`; ``computed``: the tensors
-    that hold one already), so that no two roles, nor a role and a constant of the trace, share one."""
+    that hold one already), so that no two roles, nor a role and a constant of the capture, share one."""
     for tensor in xla_calls.own_buffers(live, computed.holds):
         computed.add(tensor)
     ids = xla_calls.data_ids(live)
@@ -155,7 +155,7 @@ def _positions(live: list[torch.Tensor], computed: _Computed) -> dict[int, int]:
         first = position.setdefault(data, number)
         if first != number and live[first] is not live[number]:
             raise RuntimeError(
-                f"the inputs {first} and {number} of a program to trace hold one device buffer; "
+                f"the inputs {first} and {number} of a program to capture hold one device buffer; "
                 "please report this torch_xla version"
             )
     return position
@@ -165,7 +165,7 @@ def graph_sources(
     ids: Sequence[int], values: Sequence[torch.Tensor], position: dict[int, int], live: Sequence[torch.Tensor]
 ) -> list[tuple[int, Any]]:
     """Per graph input: ``(0, its position among the live tensors)``, or ``(1, the value)`` for a
-    constant of the trace (device data that no live tensor held before it, e.g. a Python number).
+    constant of the capture (device data that no live tensor held before it, e.g. a Python number).
 
     An input bound to a live tensor must have its shape and dtype: anything else is a binding
     error, raised here rather than replayed."""
@@ -178,7 +178,7 @@ def graph_sources(
         tensor = live[where]
         if tensor.shape != value.shape or tensor.dtype != value.dtype:
             raise RuntimeError(
-                f"a traced program's input of shape {tuple(value.shape)} and dtype {value.dtype} was bound to "
+                f"a captured program's input of shape {tuple(value.shape)} and dtype {value.dtype} was bound to "
                 f"live tensor {where} of shape {tuple(tensor.shape)} and dtype {tensor.dtype}; please report this "
                 "torch_xla version"
             )
@@ -194,9 +194,9 @@ def _compile(
     *,
     run: bool = True,
 ) -> tuple[_Program, list[Any]]:
-    """Compile the lazy trace ending in ``roots`` (those that changed: the others are returned
+    """Compile the captured graph ending in ``roots`` (those that changed: the others are returned
     as ``None``), run it once on its own inputs; the program and each root's value (``run=False``:
-    compiled only, every value ``None``; the caller drops the trace)."""
+    compiled only, every value ``None``; the caller drops the capture)."""
     changed = xla_calls.needs_materialization(roots)
     outputs = [where for where, need in enumerate(changed) if need]
     kept = [roots[where] for where in outputs]
@@ -265,7 +265,7 @@ class _UpdateSetup(NamedTuple):
 class XlaPrograms:
     """Steps of any number of minibatches on one XLA device, as replayed minibatch and update programs.
 
-    Per step: :meth:`minibatch` once per minibatch (it accumulates the minibatch's gradient,
+    Per step: :meth:`run_minibatch` once per minibatch (it accumulates the minibatch's gradient,
     weighted by its sample count, into persistent buffers, and its loss into the step's loss
     sum), then :meth:`update` once (the optimizer's update on the step's mean gradient; the
     buffers are zeroed). The results equal ``AccumulatingOptimizer``'s ``minibatch()`` /
@@ -281,8 +281,8 @@ class XlaPrograms:
             ``minibatch_unit``, what the minibatches' gradients and losses are weighted by, and the
             step's gradient divided by: :func:`~torchfold.train.optim.optimizer.sample_weight`, the
             optimizer's own rule.
-        transpose_weights: trace ``F.linear`` against transposed weight copies (XLA's CPU backend).
-        verify_every: trace a program again after this many replays and compare (0: never).
+        transpose_weights: capture ``F.linear`` against transposed weight copies (XLA's CPU backend).
+        verify_every: capture a program again after this many replays and compare (0: never).
         max_grad_norm: clip the step's mean gradient to this total 2-norm before the update
             (``torch.nn.utils.clip_grad_norm_``), inside the update program.
 
@@ -320,7 +320,7 @@ class XlaPrograms:
 
             transpose_weights = str(torch_xla.runtime.device_type()).upper() == "CPU"
         self.transpose_weights = transpose_weights
-        #: replays of a program between two traces that check it (0: never)
+        #: replays of a program between two captures that check it (0: never)
         self.verify_every = verify_every
         #: the total 2-norm the update clips the step's mean gradient to (None: no clipping)
         self.max_grad_norm = max_grad_norm
@@ -334,7 +334,7 @@ class XlaPrograms:
         self._scalars: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}
         self._zero: dict[torch.device, torch.Tensor] = {}
         # tensors whose device buffer a program computed (its results): no 0-dim one of them is
-        # torch_xla's cached scalar, so a trace need not give it a buffer of its own
+        # torch_xla's cached scalar, so a capture need not give it a buffer of its own
         self._computed = _Computed()
         self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
         self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
@@ -346,14 +346,14 @@ class XlaPrograms:
 
     @property
     def captures(self) -> int:
-        """How many programs have been traced and compiled (minibatch and update programs)."""
+        """How many programs have been captured and compiled (minibatch and update programs)."""
         return len(self._minibatch) + len(self._update)
 
-    def minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
+    def run_minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
         """Accumulate one minibatch of ``num_samples`` samples (forward, loss, backward) into the step."""
         params = self._params()
         targets = to_device(targets, params[0].device)  # a replayed program reads device tensors only
-        if self.refused is not None or not isinstance(plan, StaticPlan):  # an unpadded plan: traced op by op
+        if self.refused is not None or not isinstance(plan, StaticPlan):  # an unpadded plan: run op by op
             self._lazy_minibatch(plan, targets, num_samples)
             return
         setup, why = self._minibatch_setup(plan, targets, num_samples)
@@ -365,7 +365,7 @@ class XlaPrograms:
             self._lazy_minibatch(plan, targets, num_samples)
             return
         trainable, buffers, live, key = setup.trainable, setup.buffers, setup.live, setup.key
-        with TRACE_LOCK:
+        with CAPTURE_LOCK:
             materialize(live)
             program = self._minibatch.get(key)
             if program is not None and program.verified and self._due(program):
@@ -373,27 +373,27 @@ class XlaPrograms:
                     program,
                     "minibatch",
                     [*params, *buffers],
-                    lambda: self._trace_minibatch(plan, targets, setup, run=False)[0],
+                    lambda: self._capture_minibatch(plan, targets, setup, run=False)[0],
                 )
-            # replayed once verified, and in the step it was traced in (a schedule changes between steps)
+            # replayed once verified, and in the step it was captured in (a schedule changes between steps)
             if program is not None and (program.verified or program.step == self._steps):
                 results = program.run(live)
             else:
                 try:
-                    traced, found = self._trace_minibatch(plan, targets, setup)
-                except _Refused as refusal:  # this minibatch's trace still counts: run as it is
+                    captured, found = self._capture_minibatch(plan, targets, setup)
+                except _Refused as refusal:  # this minibatch's capture still counts: run as it is
                     self._refuse(str(refusal))
                     self._store_minibatch(refusal.roots, trainable, buffers, len(refusal.roots))
                     _sync()
                     return
-                if program is not None:  # the second trace: the same graph, the same constants?
-                    self._verify(program, traced)
+                if program is not None:  # the second capture: the same graph, the same constants?
+                    self._verify(program, captured)
                 else:
-                    traced.step = self._steps
-                    self._minibatch[key] = traced
+                    captured.step = self._steps
+                    self._minibatch[key] = captured
                 self._store_minibatch(found, trainable, buffers, len(found))
                 return
-        # a replay: its results are the roots that changed, in the traced order
+        # a replay: its results are the roots that changed, in the captured order
         full: list[Any] = [None] * (len(trainable) + len(buffers) + 1)
         for where, value in zip(program.outputs, results, strict=True):
             full[where] = value
@@ -402,7 +402,7 @@ class XlaPrograms:
     def warm_up(self, plan: Any, targets: Any, num_samples: int) -> list[torch.Tensor] | None:
         """Compile the minibatch program of ``plan``'s layout now, without running it: the
         parameters, buffers, optimizer state and the step under way stay as they are, and the first
-        minibatch of that layout replays the program (after its second trace, as always) instead
+        minibatch of that layout replays the program (after its second capture, as always) instead
         of compiling it. Returns the parameters the minibatch has gradients for (what
         :meth:`warm_up_update` needs), or None: no program (a program of this layout exists, or
         the plan cannot be replayed)."""
@@ -418,13 +418,13 @@ class XlaPrograms:
             setup.live,
             setup.key,
             [*params, *setup.buffers],
-            lambda: self._trace_minibatch(plan, targets, setup, run=False),
+            lambda: self._capture_minibatch(plan, targets, setup, run=False),
         )
         if ahead is None:
             return None
-        traced, _ = ahead
-        self._minibatch[setup.key] = traced  # (traced.step: none, so the first use verifies it)
-        changed = set(traced.outputs)
+        captured, _ = ahead
+        self._minibatch[setup.key] = captured  # (captured.step: none, so the first use verifies it)
+        changed = set(captured.outputs)
         return [p for number, p in enumerate(setup.trainable) if number in changed]
 
     def update(self, lrs: list[float], batch_size: int) -> torch.Tensor:
@@ -449,7 +449,7 @@ class XlaPrograms:
                 self._lazy_update(lrs, divisor)
                 return loss_sum
             live, key, slots = setup.live, setup.key, setup.slots
-            with TRACE_LOCK:
+            with CAPTURE_LOCK:
                 materialize(live)
                 program = self._update.get(key)
                 if program is not None and program.verified and self._due(program):
@@ -457,23 +457,23 @@ class XlaPrograms:
                         program,
                         "update",
                         params,
-                        lambda: self._trace_update(params, graded, setup, run=False)[0],
+                        lambda: self._capture_update(params, graded, setup, run=False)[0],
                     )
                 if program is None or not program.verified:
                     try:
-                        traced, found, new_slots = self._trace_update(params, graded, setup)
-                    except _Refused as refusal:  # this update's trace still counts: run as it is
+                        captured, found, new_slots = self._capture_update(params, graded, setup)
+                    except _Refused as refusal:  # this update's capture still counts: run as it is
                         self._refuse(str(refusal))
                         state = self.optimizer.state
                         made = [(p, name) for p in params for name in sorted(state.get(p, {}))]
                         self._store_update(refusal.roots, params, graded, made)
                         _sync()
                         return loss_sum
-                    if program is not None:  # the second trace: the same graph, the same constants?
-                        self._verify(program, traced)
+                    if program is not None:  # the second capture: the same graph, the same constants?
+                        self._verify(program, captured)
                     elif new_slots == slots:  # a program that creates the state is not one to replay
-                        traced.step = self._steps
-                        self._update[key] = traced
+                        captured.step = self._steps
+                        self._update[key] = captured
                     self._store_update(found, params, graded, new_slots)
                     return loss_sum
                 results = program.run(live)
@@ -489,9 +489,9 @@ class XlaPrograms:
             self._minibatches = 0
 
     def check(self) -> None:
-        """Have the next use of every program trace it again and compare, before it is replayed
-        (the trainer calls it at each checkpoint): a program that no longer matches its trace
-        raises there (see :meth:`_check`)."""
+        """Have the next use of every program capture it again and compare, before it is replayed
+        (the trainer calls it at each checkpoint): a program that no longer matches its new
+        capture raises there (see :meth:`_check`)."""
         for program in [*self._minibatch.values(), *self._update.values()]:
             program.due = program.verified
 
@@ -540,14 +540,14 @@ class XlaPrograms:
             setup.live,
             setup.key,
             params,
-            lambda: self._trace_update(params, list(graded), setup, run=False),
+            lambda: self._capture_update(params, list(graded), setup, run=False),
         )
         if ahead is None:
             return False
-        traced, _, new_slots = ahead
+        captured, _, new_slots = ahead
         if new_slots != setup.slots:  # the update would create state: not the program steps replay
             return False
-        self._update[setup.key] = traced
+        self._update[setup.key] = captured
         return True
 
     def _compile_ahead(
@@ -556,22 +556,22 @@ class XlaPrograms:
         live: list[torch.Tensor],
         key: Hashable,
         changed: list[torch.Tensor],
-        trace: Callable[[], _T],
+        capture: Callable[[], _T],
     ) -> _T | None:
-        """``trace()`` (a trace with ``run=False``: compiled, never run) unless ``programs`` has
+        """``capture()`` (a capture with ``run=False``: compiled, never run) unless ``programs`` has
         ``key``, with ``changed`` and the optimizer's state put back afterwards (:func:`restored_afterwards`);
-        its result, or None: the program exists, or its trace is refused (refused from now on:
+        its result, or None: the program exists, or its capture is refused (refused from now on:
         the steps would be)."""
-        with TRACE_LOCK:
+        with CAPTURE_LOCK:
             materialize(live)
             if key in programs:
                 return None
             for attempt in range(3):
                 try:
                     with restored_afterwards(changed, self.optimizer):
-                        return trace()
+                        return capture()
                 except _Refused as refusal:
-                    # (replicas that are threads count each other's graphs: a trace put back
+                    # (replicas that are threads count each other's graphs: a capture put back
                     # unchanged may be tried again)
                     if refusal.host_read and attempt < 2 and xla_calls.replica_threads():
                         continue
@@ -669,9 +669,9 @@ class XlaPrograms:
     def _divisor(self, batch_size: int) -> float:
         return sample_weight(batch_size, self.reduction, self.unit)
 
-    # -- tracing -------------------------------------------------------------------------------
+    # -- capturing -----------------------------------------------------------------------------
 
-    def _trace_minibatch(
+    def _capture_minibatch(
         self, plan: StaticPlan, targets: Any, setup: _MinibatchSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any]]:
         position = _positions(setup.live, self._computed)
@@ -710,7 +710,7 @@ class XlaPrograms:
         self._loss_sum = found[count - 1]
         self._minibatches += 1
 
-    def _trace_update(
+    def _capture_update(
         self, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
         position = _positions(setup.live, self._computed)
@@ -754,7 +754,7 @@ class XlaPrograms:
     # -- the lazy way (refused) ----------------------------------------------------------------
 
     def _lazy_minibatch(self, plan: Any, targets: Any, num_samples: int) -> None:
-        """The same minibatch traced op by op (no replay): into the buffers, as a replay would."""
+        """The same minibatch run op by op (no replay): into the buffers, as a replay would."""
         import torch_xla
 
         params = [p for p in self._params() if p.requires_grad]
@@ -808,7 +808,7 @@ class XlaPrograms:
     ) -> torch.Tensor:
         """``value`` for ``role`` (a sample weight, a learning rate...) as a 1-element vector on the
         device (in ``like``'s dtype, else float32), made once per role and value: a tensor no
-        other role and no constant of a trace shares (a 0-dim one would be torch_xla's cached
+        other role and no constant of a capture shares (a 0-dim one would be torch_xla's cached
         scalar of that value); the programs read it as a scalar."""
         dtype = like.dtype if like is not None else torch.float32
         where = like.device if like is not None else device
@@ -842,25 +842,25 @@ class XlaPrograms:
         return program.due or (self.verify_every > 0 and program.replays >= self.verify_every)
 
     def _check(
-        self, program: _Program, kind: str, changed: list[torch.Tensor], trace: Callable[[], _Program]
+        self, program: _Program, kind: str, changed: list[torch.Tensor], capture: Callable[[], _Program]
     ) -> None:
-        """Trace ``program``'s step again (never run: ``changed`` and the optimizer's state are put
-        back) and compare: a program that no longer matches its trace has replayed a value that
+        """Capture ``program``'s step again (never run: ``changed`` and the optimizer's state are put
+        back) and compare: a program that no longer matches its new capture has replayed a value that
         is not its input, and that is an error, not a warning."""
         since = program.replays
         program.replays, program.due = 0, False
         try:
             with restored_afterwards(changed, self.optimizer):
-                traced = trace()
+                captured = capture()
         except _Refused as refusal:
             if refusal.host_read and xla_calls.replica_threads():
                 program.due = True  # (maybe another replica's graph: the next use checks again)
                 return
             why = str(refusal)
         else:
-            if _same_constants(program, traced):
+            if _same_constants(program, captured):
                 return
-            why = "its trace is another graph, or reads other constants"
+            why = "its new capture is another graph, or reads other constants"
         raise RuntimeError(
             f"the replayed {kind} program no longer matches its step ({why}): a value the step reads changed "
             f"within the last {since} replays, and it is neither an input (a parameter, buffer or tensor attribute "
@@ -869,10 +869,10 @@ class XlaPrograms:
             "buffer (see the capture guide), or train with compile='off'"
         )
 
-    def _verify(self, program: _Program, traced: _Program) -> None:
-        """``program`` may be replayed if a second trace of it is the same graph on the same
+    def _verify(self, program: _Program, captured: _Program) -> None:
+        """``program`` may be replayed if a second capture of it is the same graph on the same
         constants; otherwise a value it reads is not among its inputs: refused."""
-        if _same_constants(program, traced):
+        if _same_constants(program, captured):
             program.verified = True
         else:
             self._refuse(
@@ -917,11 +917,11 @@ def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
 
 @contextlib.contextmanager
 def restored_afterwards(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Inside, a step may be traced (never run): afterwards ``tensors`` (materialized: device
-    data) and the optimizer's state are what they were before, whatever the trace did to them in
-    place (an update), and state the trace created is gone; gradients are ``None``.
+    """Inside, a step may be captured (never run): afterwards ``tensors`` (materialized: device
+    data) and the optimizer's state are what they were before, whatever the capture did to them in
+    place (an update), and state the capture created is gone; gradients are ``None``.
 
-    The trace's pending operations are dropped with it: a program compiled from it waits in
+    The capture's pending operations are dropped with it: a program compiled from it waits in
     XLA's cache for the step that will run it (:meth:`XlaPrograms.warm_up`), or is compared with
     the program a step replays (:meth:`XlaPrograms.check`).
     """
@@ -936,7 +936,7 @@ def restored_afterwards(tensors: Sequence[torch.Tensor], optimizer: torch.optim.
     kept = [held(t) for t in tensors]
     state = optimizer.state
     # each state tensor, and its device data: the same objects are put back (a program's inputs
-    # may be these objects), their data as it was (the trace changed some in place)
+    # may be these objects), their data as it was (the capture changed some in place)
     before = {p: {name: (value, held(value)) for name, value in entry.items()} for p, entry in state.items()}
     try:
         yield

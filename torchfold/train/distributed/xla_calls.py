@@ -1,18 +1,19 @@
 """Every call the replayed XLA programs make into torch_xla's private ``_XLAC`` module, in one place.
 
 The replays of :mod:`~torchfold.train.capture.xla_programs` (and the all-reduce of
-:mod:`~torchfold.train.distributed.world`) trace a step lazily, compile the
-trace, and from then on run the compiled graph directly on the tensors that play each of its
-inputs' roles. torch_xla has no public API for this; its own dynamo bridge is built on the same
-private calls (graph hashes, the device data behind a trace's inputs, running a cached graph).
+:mod:`~torchfold.train.distributed.world`) capture a step's program once (torch_xla's term: it
+traces the step lazily into a graph), compile it, and from then on run the compiled graph directly
+on the tensors that play each of its inputs' roles. torch_xla has no public API for this; its own
+dynamo bridge is built on the same private calls (graph hashes, the device data behind a captured
+graph's inputs, running a cached graph).
 They live here so that the next torch_xla version changes one file, and
 :func:`replay_unavailable` says which of them a torch_xla lacks.
 
 NOTE: torch_xla keeps a cache of 0-dim tensors moved to a device, keyed by value: equal scalars
-share one device buffer, and a Python number inside a trace is the same buffer as a tensor of
-that value made earlier. A trace over such a buffer has one input for both, which no binding
+share one device buffer, and a Python number inside a captured step is the same buffer as a
+tensor of that value made earlier. A capture over such a buffer has one input for both, which no binding
 can take apart. :func:`own_buffers` gives tensors a buffer of their own (a computed one) before
-they are traced; the runner's own scalars are 1-element vectors, which are never cached.
+they are captured; the runner's own scalars are 1-element vectors, which are never cached.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CAPTURE_LOCK",
     "NEEDED",
-    "TRACE_LOCK",
     "compile_graph",
     "data_ids",
     "device_data",
@@ -52,12 +53,12 @@ NEEDED = (
     "_xla_sync_multi",
     "_get_seed_info_id",
 )
-#: one lazy trace at a time in a process (tracing is not safe in two threads; replicas may be threads)
-TRACE_LOCK = threading.Lock()
+#: one capture at a time in a process (torch_xla's lazy graph is not safe in two threads; replicas may be threads)
+CAPTURE_LOCK = threading.Lock()
 
 
 def replay_unavailable() -> str | None:
-    """Why this torch_xla cannot replay traced programs (None if it can).
+    """Why this torch_xla cannot replay captured programs (None if it can).
 
     >>> isinstance(replay_unavailable(), str | None)
     True
@@ -80,7 +81,7 @@ def _xlac() -> Any:
 
 def device_data(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
     """The device data that the lazy graphs of ``tensors`` read, each once: its id and value (the
-    inputs of a compiled trace, in its parameter order)."""
+    inputs of a compiled capture, in its parameter order)."""
     ids, values = _xlac()._get_tensors_xla_device_data_node(list(tensors))
     return list(ids), list(values)
 
@@ -112,7 +113,7 @@ def run_graph(graph: Any, arguments: Sequence[torch.Tensor]) -> list[torch.Tenso
 
 
 def seed_id() -> int:
-    """The id of the device data that holds the random seed (a trace that reads it draws numbers)."""
+    """The id of the device data that holds the random seed (a captured step that reads it draws random numbers)."""
     return int(_xlac()._get_seed_info_id())
 
 
@@ -142,13 +143,13 @@ def own_buffers(
 ) -> list[torch.Tensor]:
     """Give each tensor of ``live`` that may share its device buffer (a 0-dim tensor: torch_xla's
     scalar cache; or one whose buffer another of ``live`` holds) a computed buffer of its own,
-    values kept, so that a trace over ``live`` has one input per tensor and none shared with a
-    constant of the trace. ``computed(tensor)``: whether a tensor is known to hold a buffer a
+    values kept, so that a capture over ``live`` has one input per tensor and none shared with a
+    constant of the capture. ``computed(tensor)``: whether a tensor is known to hold a buffer a
     program computed (a result of an earlier replay), left as it is. Returns the tensors given a
     new buffer.
 
     A small program per tensor (the same program for every 0-dim tensor of one dtype: compiled
-    once), run before a trace, never in a replay."""
+    once), run before a capture, never in a replay."""
     seen: dict[int, int] = {}
     ids = data_ids(live)
     shared = []

@@ -97,7 +97,7 @@ __all__ = ["DEFAULT_LOG_EVERY", "PlanLoss", "StepStats", "TraceTrainer"]
 
 def _sole_minibatch(local_minibatches: int) -> bool:
     """Whether this rank's ``local_minibatches`` are the step's only minibatch (one minibatch, in one
-    process): ``runner.minibatch(..., sole_minibatch=True)`` may then run the whole step at once
+    process): ``runner.run_minibatch(..., sole_minibatch=True)`` may then run the whole step at once
     (forward, backward and update)."""
     return local_minibatches == 1 and world().size == 1
 
@@ -568,10 +568,10 @@ class TraceTrainer:
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
             plan, targets = to_device(minibatch.data, self.device)
             self._warned_unpadded = self._warned_unpadded or warn_if_unpadded(plan, self.device)
-            # NOTE: the runner's backward runs inside the autocast too (the eager runner's minibatch()
+            # NOTE: the runner's backward runs inside the autocast too (the eager runner's run_minibatch()
             # is forward, loss and backward); autograd gives each op's backward its forward's dtype
             with autocast(self.precision, self.device):
-                self.runner.minibatch(plan, targets, minibatch.num_samples, sole_minibatch=sole)
+                self.runner.run_minibatch(plan, targets, minibatch.num_samples, sole_minibatch=sole)
             nodes += len(plan)
             samples += minibatch.num_samples
         return samples, nodes

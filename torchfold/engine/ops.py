@@ -7,7 +7,7 @@ shapes``). It resolves ops on the module with :func:`torchfold.engine.resolve.re
 eager twin (:class:`~torchfold.EagerFold`) keeps the same rule on arguments changed in place
 (:func:`versions`, :func:`check_unchanged`).
 
-Everything here runs inside compiled steps too (``torch.compile`` traces the executor on padded plans):
+Everything here runs inside compiled steps too (``torch.compile`` captures the executor on padded plans):
 no branch on a tensor's value, and ``isinstance`` with tuples of types, not PEP 604 unions.
 """
 

@@ -225,7 +225,7 @@ class StaticLayout:
         return [request.capacity for request in self.requests]
 
     def _content(self) -> tuple[Any, ...]:
-        """The layout as plain values: what a graph traced from :meth:`run` depends on."""
+        """The layout as plain values: what a graph captured from :meth:`run` depends on."""
         slots = tuple(
             (
                 slot.depth,

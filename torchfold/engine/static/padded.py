@@ -268,7 +268,7 @@ def run(layout: StaticLayout, nn: object, inputs: StaticInputs, *, padded: bool 
 class _SlotResults:
     """A static layout's results (:class:`~torchfold.engine.executor.Results`): the outputs of the
     slots run so far, by (slot, output or None), and the running concatenations; arguments are
-    slices of the inputs' packed tensors. Tensor operations only: the executor is traced through it."""
+    slices of the inputs' packed tensors. Tensor operations only: the executor is captured through it."""
 
     def __init__(self, layout: StaticLayout, inputs: StaticInputs) -> None:
         self.slots = layout.slots

@@ -384,7 +384,7 @@ def _xla_all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
         return
     # XLA pairs up the collectives of the replicas by their place in the compiled graph, so the
     # graph holding the all-reduce must be the same on every replica. It is not by itself: a
-    # replica without minibatches traced no forward/backward, and its zero gradients are constants
+    # replica without minibatches captured no forward/backward, and its zero gradients are constants
     # where the others have computed values. So: one flat buffer per dtype built by a cat (an op on
     # every replica), materialized by a graph cut, then reduced in a graph of its own.
     groups = _by_dtype(tensors)

@@ -889,7 +889,7 @@ def _own_xla_scalar_buffers(optimizer: torch.optim.Optimizer) -> None:
 
     torch_xla moves equal scalars to a device as one shared buffer (its scalar cache), so the step
     counts ``load_state_dict`` just loaded (all equal) are one buffer, named after the last. A step
-    program traced over them takes one input for all, and its next trace, where they are separate,
+    program captured over them takes one input for all, and its next capture, where they are separate,
     differs: a captured step would then be refused its replays. A computed copy of each is its
     own buffer; one small program, at load time rather than inside a step.
     """

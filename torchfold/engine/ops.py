@@ -118,7 +118,7 @@ def tuple_used_whole(what: str, name: str, depth: int, count: int) -> FoldError:
 # nodes in one kind of plan and not in the other (unpadded [[2, 2], [2, 2]], padded [[1, 1], [2, 2]]).
 # Refusing it is the only rule both kinds of plan, and the eager twin, can keep alike. The version
 # counters make the check cheap; inference tensors keep none, and a compiled graph (torch.compile
-# traces the executor) has no counters to read, so there the check is skipped.
+# captures the executor) has no counters to read, so there the check is skipped.
 
 
 def versions(args: Sequence[Any]) -> list[int] | None:

@@ -74,3 +74,20 @@ def _eager_plain(model: _Dropped, steps: list[list[int]]) -> tuple[list[float], 
         optimizer.step()
         losses.append(loss.item())
     return losses, model.w.detach().clone()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_step_returns_its_mean_loss_over_its_samples_with_either_reduction(reduction: str) -> None:
+    """``reduction="sum"`` (a loss summed over the minibatch's samples) gives the same mean as "mean"."""
+
+    def summed(model: Any, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        return ((outputs[0].sum(1) - targets) ** 2).sum()
+
+    model = _Dropped().eval()
+    optimizer = torchfold.train.AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), reduction=reduction
+    )
+    step = torchfold.train.captured_step(model, _loss if reduction == "mean" else summed, optimizer)
+    minibatches = [(_plan(values), torch.tensor(values, dtype=torch.float), len(values)) for values in STEPS]
+    squared = [(4 * v - v) ** 2 for values in STEPS for v in values]  # outputs: 4 ones times v
+    assert float(step(minibatches)) == pytest.approx(sum(squared) / len(squared), rel=1e-6)

@@ -12,7 +12,7 @@ from torchfold.train.capture.runner import StepRunner
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed.world import run_context
 from torchfold.train.loss import PlanLoss
-from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
+from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
 __all__ = ["CapturedStep", "captured_step"]
 
@@ -60,7 +60,9 @@ class CapturedStep:
             total += num_samples
         summed, scale = self.runner.update()
         assert summed is not None
-        return summed * (scale / sample_weight(total, self.optimizer.reduction))
+        # the loss sum weighs each minibatch's loss by sample_weight(n, reduction): its samples' sum
+        # either way, so over the step's samples it is their mean (what the trainer reports too)
+        return summed * (scale / total)
 
 
 def captured_step(

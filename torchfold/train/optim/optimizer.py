@@ -61,7 +61,8 @@ def sample_weight(num_samples: float, reduction: str, unit: float = 1.0) -> floa
       the step's samples over all ranks (replicas): the mean gradient over the step's samples
       however they were split among minibatches and ranks (with ``"sum"``: no division);
     * a minibatch's loss enters the step's loss sum weighted by ``sample_weight(n, reduction)``,
-      and the step's mean loss is that sum over ``sample_weight(B, reduction)``.
+      which is the sum of the samples' losses either way; the step's mean loss is that sum over
+      ``B``.
 
     ``unit`` (the optimizer's ``minibatch_size``) changes no result, only the passes over the
     gradients: a full minibatch has weight 1 (nothing to multiply), and so has the divisor of a

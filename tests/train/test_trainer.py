@@ -681,3 +681,12 @@ def test_a_step_mechanism_given_as_compile_is_the_trainers_own() -> None:
         make_trainer(trees, compile=StepMechanism("meta", compile="off"))
     with pytest.raises(ValueError, match=r"compile_backend='eager'"):
         make_trainer(trees, compile=mechanism, compile_backend="eager")
+    # made before the processes joined (or for another world): the deferral and the runner would be wrong
+    with pytest.raises(
+        ValueError, match=r"the run has 1 process\(es\), it was made for 4.*after init_distributed"
+    ):
+        make_trainer(trees, compile=StepMechanism("cpu", compile="off", world_size=4))
+    # "cuda" is the current CUDA device: the same device as "cuda:0" (no CUDA needed to ask)
+    from torchfold.train.distributed.devices import same_device
+
+    assert same_device("cuda", "cuda:0") and not same_device("cuda:1", "cuda:0")

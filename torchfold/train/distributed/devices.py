@@ -45,6 +45,7 @@ __all__ = [
     "on_host",
     "process_group_backend",
     "runner_kind",
+    "same_device",
     "synchronize",
     "xla_sync",
 ]
@@ -112,6 +113,19 @@ def runner_kind(device: DeviceLike) -> RunnerKind:
     if is_cuda(device):
         return "cuda"
     return "compiled"
+
+
+def same_device(first: DeviceLike, second: DeviceLike) -> bool:
+    """Whether ``first`` and ``second`` name one device: the same kind, and the same index where
+    both give one (``"cuda"`` is the current CUDA device, so it matches ``"cuda:0"``).
+
+    >>> same_device("cuda", "cuda:0"), same_device("cuda:0", "cuda:1"), same_device("cpu", "xla:0")
+    (True, False, False)
+    """
+    first, second = torch.device(first), torch.device(second)
+    if first.type != second.type:
+        return False
+    return first.index is None or second.index is None or first.index == second.index
 
 
 def fused_optimizer(device: DeviceLike) -> bool | None:

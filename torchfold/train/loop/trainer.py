@@ -41,6 +41,7 @@ import torch
 from torchfold._validate import check_int
 from torchfold.train.capture import StepMechanism, StepRunner
 from torchfold.train.data.loader import Step, StepLoader, to_device
+from torchfold.train.distributed.devices import same_device
 from torchfold.train.distributed.world import (
     RunContext,
     abort_replica_threads,
@@ -103,14 +104,21 @@ def _sole_minibatch(local_minibatches: int) -> bool:
 
 
 def _mechanism(compile: str | StepMechanism, backend: str | None, device: torch.device) -> StepMechanism:
-    """The trainer's :class:`StepMechanism`: ``compile`` itself when it is one (made for ``device``)."""
+    """The trainer's :class:`StepMechanism`: ``compile`` itself when it is one made for this run
+    (its device, its number of processes, no other backend)."""
     if not isinstance(compile, StepMechanism):
         return StepMechanism(device, compile=compile, backend=backend)
-    if compile.device != device or backend is not None:
+    differences = []
+    if not same_device(compile.device, device):
+        differences.append(f"the trainer's device is {device}")
+    if compile.world_size != world().size:
+        differences.append(f"the run has {world().size} process(es), it was made for {compile.world_size}")
+    if backend is not None:
+        differences.append(f"compile_backend={backend!r} (give the backend to the StepMechanism)")
+    if differences:
         raise ValueError(
-            f"compile={compile!r} was made for another run (the trainer's device is {device}"
-            + (f", compile_backend={backend!r}" if backend is not None else "")
-            + "): make it with StepMechanism(device, compile=..., backend=...) for this one, or pass compile='auto'"
+            f"compile={compile!r} was made for another run ({'; '.join(differences)}): make it with "
+            "StepMechanism(device, compile=..., backend=...) after init_distributed(), or pass compile='auto'"
         )
     return compile
 

@@ -47,14 +47,10 @@ from torchfold.engine.resolve import device_for
 from torchfold.train.distributed import xla_calls
 from torchfold.train.distributed.devices import (
     CHECKPOINT_MAP_LOCATION,
-    RunnerKind,
     accumulation_dtype,
     checkpoint_map_location,
     is_xla,
-    needs_static_shapes,
     process_group_backend,
-    runner_kind,
-    synchronize,
     xla_sync,
 )
 
@@ -272,21 +268,6 @@ class RunContext:
         replicas that may be threads of this process."""
         return is_xla(self.device)
 
-    @property
-    def static_shapes(self) -> bool:
-        """Whether folds are padded to static shapes without being asked
-        (:func:`~torchfold.train.distributed.devices.needs_static_shapes`)."""
-        return needs_static_shapes(self.device)
-
-    @property
-    def runner_kind(self) -> RunnerKind:
-        """How captured steps replay here (:func:`~torchfold.train.distributed.devices.runner_kind`)."""
-        return runner_kind(self.device)
-
-    def synchronize(self) -> None:
-        """End the work queued so far as a unit of its own (:func:`~torchfold.train.distributed.devices.synchronize`)."""
-        synchronize(self.device)
-
 
 def run_context(device: torch.device | str | RunContext | None = None, *, model: object = None) -> RunContext:
     """The :class:`RunContext` of a run on ``device``; left out, ``model``'s device, else :func:`default_device`.
@@ -299,8 +280,8 @@ def run_context(device: torch.device | str | RunContext | None = None, *, model:
     >>> run_context(model=torch.nn.Linear(2, 2)).device, run_context("meta").device
     (device(type='cpu'), device(type='meta'))
     >>> ctx = run_context("cpu")
-    >>> run_context(ctx) is ctx, ctx.is_xla, ctx.static_shapes, ctx.runner_kind
-    (True, False, False, 'compiled')
+    >>> run_context(ctx) is ctx, ctx.is_xla, ctx.backend
+    (True, False, 'gloo')
     """
     if isinstance(device, RunContext):
         return device

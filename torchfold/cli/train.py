@@ -323,7 +323,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
         except HyperparameterMismatch as e:
             raise mismatch_error(e) from e
         if trainer.is_main:
-            print("\n".join(banner_lines(args, trace, task, loader, device)))
+            print("\n".join(banner_lines(args, trace, task, loader, device, trainer.next_step)))
         return _run(args, trainer, history, task)
     finally:
         loader.close()

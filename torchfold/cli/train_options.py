@@ -22,6 +22,7 @@ from torchfold._validate import positive_int
 from torchfold.examples.datasets import ENV_VAR
 from torchfold.train.data.loader import StepLoader
 from torchfold.train.distributed.world import default_device
+from torchfold.train.loop.arguments import fit_end
 from torchfold.train.loop.checkpoint import HyperparameterMismatch
 from torchfold.train.loop.stats import StepStats
 from torchfold.train.schedule.trace import BatchSizeTrace
@@ -214,20 +215,21 @@ def option_names(message: str, args: argparse.Namespace | None = None) -> str:
     return message
 
 
-def stop_line(args: argparse.Namespace, trace: BatchSizeTrace, loader: StepLoader[Any, Any]) -> str | None:
-    """Why the run ends before the trace's last step, if it does (``None`` otherwise)."""
+def stop_line(
+    args: argparse.Namespace, trace: BatchSizeTrace, loader: StepLoader[Any, Any], next_step: int
+) -> str | None:
+    """Why the run ends before the trace's last step, if it does (``None`` otherwise): the bound
+    :meth:`TraceTrainer.fit <torchfold.train.TraceTrainer.fit>` stops at (``fit_end``), worded in flags."""
     sampler = loader.sampler
-    if trace.num_steps is None:
-        return None  # an unbounded trace: the run ends at --max-steps or --epochs, as asked
-    total, trees = trace.num_steps, sampler.dataset_size
     epochs: int | None = args.epochs if args.epochs is not None else sampler.num_epochs
-    if not epochs:
-        return None
-    end = trace.epoch(epochs - 1, trees, drop_last=sampler.drop_last).end_step
-    if args.max_steps is not None and args.max_steps < end:
-        return f"stops before step {args.max_steps} of the trace's {total} (--max-steps {args.max_steps})"
+    if trace.num_steps is None or not epochs:
+        return None  # an unbounded trace ends at --max-steps or --epochs, as asked; a short one at its end
+    total, trees = trace.num_steps, sampler.dataset_size
+    end, _ = fit_end(loader, next_step, args.max_steps, args.epochs)
     if end >= total:
         return None
+    if args.max_steps is not None and end == args.max_steps:
+        return f"stops before step {end} of the trace's {total} (--max-steps {args.max_steps})"
     if args.epochs is not None:
         return f"stops before step {end} of the trace's {total}: there epoch {epochs} ends (--epochs {args.epochs})"
     return (
@@ -243,6 +245,7 @@ def banner_lines(
     task: Task,
     loader: StepLoader[Any, Any],
     device: torch.device,
+    next_step: int = 0,
 ) -> list[str]:
     """What the main rank says before the first step: the task, the trace, the processes, and where the
     run stops before the trace's end (:func:`stop_line`)."""
@@ -257,7 +260,7 @@ def banner_lines(
         )
         + f"{args.workers} fold-building worker(s) each, device {device}"
     )
-    stop = stop_line(args, trace, loader)
+    stop = stop_line(args, trace, loader, next_step)
     return [line] if stop is None else [line, f"run: {stop}"]
 
 

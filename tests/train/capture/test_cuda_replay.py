@@ -232,7 +232,7 @@ def test_the_trainer_replays_steps_of_one_minibatch_and_ends_where_eager_trainin
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-def test_released_accumulators_are_hooked_again_afterwards() -> None:
+def test_accumulators_let_go_by_a_computed_step_are_hooked_again_afterwards() -> None:
     """A step computed by its runner (computed_step with counts) runs with the gradient accumulators
     released: gradients come from torch.autograd.grad with no weighting; afterwards a step of two
     minibatches is weighted by their sample counts again."""

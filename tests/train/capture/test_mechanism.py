@@ -85,7 +85,7 @@ def test_the_runner_is_the_one_step_runner_chooses() -> None:
     eager = StepMechanism("cpu").runner(model, _loss, optimizer)
     assert type(eager) is EagerRunner and eager.compiled is None
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (a CPU SGD update is captured: no warning expected, none needed)
+        warnings.simplefilter("error")  # a CPU SGD update is captured: a fallback warning fails the test
         captured = StepMechanism("cpu", compile="on", backend="aot_eager").runner(model, _loss, optimizer)
         shorthand = step_runner(
             model, _loss, optimizer, device=torch.device("cpu"), compile="on", backend="aot_eager"

@@ -1,7 +1,7 @@
 """Static shapes: pad a plan into a growing envelope so that XLA (and CUDA graphs) see repeating shapes.
 
 :class:`StaticShapes` (:mod:`.shapes`) is the envelope a module keeps; :meth:`StaticShapes.cover`
-pads a :class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan` (:mod:`.plan`),
+pads a :class:`~torchfold.FoldPlan` into it and returns a :class:`StaticPlan` (:mod:`.padded`),
 whose outputs and gradients equal the unpadded plan's. A plan is a :class:`StaticLayout`
 (:mod:`.layout`: all that is constant per envelope version) and its batch's
 :class:`StaticInputs`; ``plan.layout.run(nn, plan.inputs())`` is what ``plan.apply`` runs.

@@ -51,7 +51,8 @@ class StepRunner:
     sum (losses times sample counts with ``reduction="mean"``) as ``(tensor, scale)``: the sum is
     ``float(tensor) * scale``, read back whenever the caller likes.
 
-    ``device`` is the run's (:func:`step_runner` passes the one it chose for); left out, the
+    ``device`` is the run's (:meth:`StepMechanism.runner
+    <torchfold.train.capture.mechanism.StepMechanism.runner>` passes the one it chose for); left out, the
     optimizer's parameters' (:meth:`~torchfold.train.AccumulatingOptimizer.params_device`).
     """
 

@@ -42,3 +42,18 @@ def test_a_failed_rewrite_leaves_the_old_history_whole(
         StepHistory(str(path)).open(resumed_at=3)
     assert path.read_text() == _lines(range(6))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history.jsonl"]
+
+
+def test_a_resumed_history_keeps_its_permissions_and_its_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "runs" / "history.jsonl"
+    target.parent.mkdir()
+    target.write_text(_lines(range(4)))
+    target.chmod(0o640)
+    link = tmp_path / "history.jsonl"
+    link.symlink_to(target)
+    history = StepHistory(str(link))
+    history.open(resumed_at=2)
+    history.close()
+    assert link.is_symlink() and link.resolve() == target
+    assert [json.loads(line)["step"] for line in target.read_text().splitlines()] == [0, 1]
+    assert target.stat().st_mode & 0o777 == 0o640

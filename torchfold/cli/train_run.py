@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -87,13 +88,15 @@ class StepHistory:
             # the kept lines go to a file beside it that then replaces it: a kill in between leaves
             # the old history whole, never a truncated one (the steps the resumed run repeats are
             # written again as it goes)
-            spare = Path(path).with_name(Path(path).name + ".resuming")
+            target = Path(path).resolve()  # (a symlinked history: its target is rewritten, the link kept)
+            spare = target.with_name(target.name + ".resuming")
             try:
                 with open(spare, "w") as fresh:
                     fresh.writelines(kept)
                     fresh.flush()
                     os.fsync(fresh.fileno())
-                os.replace(spare, path)
+                shutil.copymode(target, spare)  # (the file's permissions, as the user set them)
+                os.replace(spare, target)
             finally:
                 with contextlib.suppress(OSError):
                     spare.unlink()  # (gone already once it replaced the history)

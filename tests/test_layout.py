@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,26 +24,36 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+def _import_nodes(path: Path, types: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The absolute import statements of ``path`` at any level (in functions too), but those under
+    ``if TYPE_CHECKING`` (for annotations alone) unless ``types``."""
+
+    def visit(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not types:
+            for child in node.orelse:
+                yield from visit(child)
+            return
+        if isinstance(node, ast.Import) or (
+            isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        ):
+            yield node
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child)
+
+    return visit(ast.parse(path.read_text(encoding="utf-8")))
+
+
 def _imports(path: Path, modules: set[str], types: bool = False) -> set[str]:
     """The torchfold modules ``path`` imports at run time, at any level (in functions too; with
     ``types``, also those under ``if TYPE_CHECKING``, for annotations alone)."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test) and not types:
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+    for node in _import_nodes(path, types):
+        if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
-                found.add(full if full in modules else node.module)
-        elif isinstance(node, ast.Import):
+                found.add(full if full in modules else str(node.module))
+        else:
             found.update(alias.name for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(encoding="utf-8")))
     return {name for name in found if name in modules}
 
 
@@ -250,29 +261,21 @@ def _names_from_capture(path: Path) -> list[str]:
     ``from torchfold.train import capture``) is its name. Imports under ``if TYPE_CHECKING`` name
     types for annotations and run nothing: the layer checks above see those."""
     found: list[str] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+    for node in _import_nodes(path):
+        if isinstance(node, ast.ImportFrom):
+            module = str(node.module)
             for alias in node.names:
-                full = f"{node.module}.{alias.name}"
-                if node.module == CAPTURE or node.module.startswith(CAPTURE + "."):
+                full = f"{module}.{alias.name}"
+                if module == CAPTURE or module.startswith(CAPTURE + "."):
                     found.append(f"line {node.lineno}: {alias.name}")
                 elif full == CAPTURE or full.startswith(CAPTURE + "."):
                     found.append(f"line {node.lineno}: {full}")
-        elif isinstance(node, ast.Import):
+        else:
             found.extend(
                 f"line {node.lineno}: {alias.name}"
                 for alias in node.names
                 if alias.name == CAPTURE or alias.name.startswith(CAPTURE + ".")
             )
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(encoding="utf-8")))
     return found
 
 

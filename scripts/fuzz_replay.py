@@ -1,21 +1,32 @@
-"""A differential fuzzer of replayed steps: random losses and schedules, XLA against the eager CPU.
+"""A differential fuzzer of XLA steps: random losses and schedules, XLA against the eager CPU.
 
 Each scenario (a seed) draws an optimizer (SGD, SGD with momentum, Adam, AdamW), learning rates
 and weight decays that collide with other scalars of the step (0.1, 0.01, 0.001, ``1 - beta1``),
-one or two param groups, a frozen parameter or none, dropout or none, an LR scheduler stepped in
-``on_step`` or none, a trace of 1-5 minibatches per step, and a loss that reads Python numbers (a
-module attribute, a closure variable, a global) and tensors (a tensor kept as a plain module
-attribute, a buffer) that ``on_step`` changes at random steps, in place or anew. The scenario
-trains a small Tree-LSTM on SST trees with :class:`~torchfold.train.TraceTrainer` twice: eagerly
-on the CPU (``compile="off"``) and on XLA (``compile="auto"``: every step replayed). Every step's
-loss, the final parameters and the optimizer state must agree within float tolerance, or the XLA
-run must have refused the replays with its warning (``steps are not replayed``); anything else
-is a *silent difference*, the defect this hunts.
+one or two param groups, a frozen parameter or none, an LR scheduler stepped in ``on_step`` or
+none (``StepLR``, ``LambdaLR``, or ``OneCycleLR``, which cycles the momentum or Adam's betas too),
+a trace of 1-5 minibatches per step, a loss that is a function or an ``nn.Module`` with a weight
+of its own, an op that rebinds a running statistic kept as a plain tensor attribute at every
+call (or none), a loss term switched on by Python's ``random`` (or none), and changes that
+``on_step`` makes at random steps to what the loss reads: a module attribute, a closure
+variable, a global, a tensor kept as a plain attribute (in place or anew), a buffer, a numpy
+scalar, a class attribute, a global and an attribute first set after the trainer was made, an
+activation function kept in an attribute, an attribute two objects down
+(``model.cfg.loss.weight``), the module loss's weight. ``on_step`` also sets an attribute no step
+reads (``model.global_step``). With ``--compile replay`` (the opt-in replay), dropout is drawn
+too: the CPU's and XLA's random numbers differ, so a replay must refuse it.
+
+The scenario trains a small Tree-LSTM on SST trees with :class:`~torchfold.train.TraceTrainer`
+twice: eagerly on the CPU (``compile="off"``) and on XLA (``compile=`` as ``--compile`` says;
+``auto``, the default, runs the step's Python at every step). Every step's loss, the final
+parameters and the optimizer state must agree within float tolerance, or the XLA run must have
+refused with its warning (``steps are not replayed``); anything else is a *silent difference*,
+the defect this hunts.
 
 Usage (the XLA environment, torch_xla's CPU backend)::
 
     PJRT_DEVICE=CPU .venv-xla/bin/python scripts/fuzz_replay.py --data tests/data --seeds 0:25
     PJRT_DEVICE=CPU .venv-xla/bin/python scripts/fuzz_replay.py --data ../shared/data --seeds 0:200 --chunk 25
+    PJRT_DEVICE=CPU .venv-xla/bin/python scripts/fuzz_replay.py --data tests/data --seeds 0:25 --compile replay
 
 ``--chunk`` runs that many scenarios per fresh process (torch_xla has crashed in a process that
 had run very many programs). The last line counts the scenarios: ``N passed, N failed``.
@@ -35,12 +46,15 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
-#: a global the scenario's loss reads (a value a guard must follow): changed by ``on_step``
+#: a global the scenario's loss reads: changed by ``on_step``
 GLOBAL_SCALE = 1.0
+# LATE_SCALE: a global the loss reads that is first assigned after the trainer was made (run())
 
 NUM_TREES = 30
 MINIBATCH = 3
@@ -59,13 +73,20 @@ class Scenario:
     dropout: bool
     schedule: str
     trace: list[int]
+    #: the loss is an ``nn.Module`` with a weight of its own (else a function)
+    module_loss: bool = False
+    #: the loss rebinds a running statistic kept as a plain tensor attribute at every call
+    running_stat: bool = False
+    #: a loss term switched on by Python's ``random``
+    random_term: bool = False
     #: (after step, what, value): ``on_step`` makes these changes before the next step
     changes: list[tuple[int, str, float]] = field(default_factory=list)
 
 
-def draw(seed: int, replicas: int = 1) -> Scenario:
-    """The scenario of ``seed`` (for ``replicas`` XLA replicas: threads of one process, which
-    share the module's globals, so no global changes there)."""
+def draw(seed: int, replicas: int = 1, compile: str = "auto") -> Scenario:
+    """The scenario of ``seed`` (for ``replicas`` XLA replicas, which take no global changes:
+    the scenario's initial model is made in the parent process; dropout only with
+    ``compile="replay"``, whose verdict on it is decidable: a refusal)."""
     rng = random.Random(seed)
     collide = [0.1, 0.01, 0.001, 1 - 0.9, 0.05]
     optimizer = rng.choice(["sgd", "momentum", "adam", "adamw"])
@@ -78,11 +99,27 @@ def draw(seed: int, replicas: int = 1) -> Scenario:
             trace.append(size)
             left -= size
     steps = len(trace)
-    kinds = ["attribute", "closure", "global", "tensor attribute", "buffer", "tensor replaced"]
+    module_loss = rng.random() < 0.3
+    kinds = [
+        "attribute",
+        "closure",
+        "global",
+        "tensor attribute",
+        "buffer",
+        "tensor replaced",
+        "numpy scalar",
+        "class attribute",
+        "late global",
+        "late attribute",
+        "swapped function",
+        "deep attribute",
+    ]
+    if module_loss:
+        kinds.append("module loss weight")
     if replicas > 1:
-        kinds.remove("global")
+        kinds = [kind for kind in kinds if "global" not in kind]
     changes = []
-    for _ in range(rng.randint(0, 4)):
+    for _ in range(rng.randint(0, 5)):
         changes.append(
             (rng.randrange(steps - 1), rng.choice(kinds), rng.choice([0.5, 1.0, 2.0, 0.1, 0.01, 3.0]))
         )
@@ -93,15 +130,21 @@ def draw(seed: int, replicas: int = 1) -> Scenario:
         weight_decay=rng.choice([0.0, 0.0, 0.01, 0.1, 0.001]),
         groups=rng.choice([1, 2]),
         frozen=rng.random() < 0.3,
-        dropout=rng.random() < 0.15,
-        schedule=rng.choice(["none", "none", "steplr", "lambda"]),
+        dropout=rng.random() < 0.15 and compile == "replay",
+        schedule=rng.choice(["none", "none", "steplr", "lambda", "onecycle"]),
         trace=trace,
         changes=sorted(changes),
+        module_loss=module_loss,
+        running_stat=rng.random() < 0.3,
+        random_term=rng.random() < 0.3,
     )
 
 
 class _Model(torch.nn.Module):
     """The example Tree-LSTM with what the loss reads beside its parameters."""
+
+    #: a class attribute the loss reads (``self.cls_scale``): changed on the class by ``on_step``
+    cls_scale = 1.0
 
     def __init__(self, vocab: int, dropout: bool) -> None:
         super().__init__()
@@ -110,6 +153,9 @@ class _Model(torch.nn.Module):
         self.tree = TreeLSTM(vocab, 6, 6)
         self.drop = torch.nn.Dropout(0.5) if dropout else torch.nn.Identity()
         self.alpha = 1.0  # a Python number the loss reads
+        self.np_scale = np.float64(1.0)  # a numpy scalar the loss reads
+        self.act = torch.tanh  # a function the loss calls, swapped by on_step
+        self.cfg = SimpleNamespace(loss=SimpleNamespace(weight=1.0))  # read two objects down
         self.register_buffer("offset", torch.zeros(()))
 
     def __getattr__(self, name: str) -> Any:
@@ -119,21 +165,43 @@ class _Model(torch.nn.Module):
             return getattr(self.tree, name)  # the fold ops are the Tree-LSTM's
 
 
-def _make_loss(model: _Model) -> tuple[Any, Any]:
+class _ModuleLoss(torch.nn.Module):
+    """A loss written as a module, with a weight of its own (``on_step`` changes it)."""
+
+    def __init__(self, loss: Any) -> None:
+        super().__init__()
+        self.loss = loss
+        self.weight = 1.0
+
+    def forward(self, m: Any, outputs: Any, targets: Any) -> torch.Tensor:
+        result: torch.Tensor = self.loss(m, outputs, targets) * self.weight
+        return result
+
+
+def _make_loss(model: _Model, scenario: Scenario) -> tuple[Any, Any]:
     from torchfold.examples.models import tree_lstm_loss
 
     weight = 1.0  # a closure variable the loss reads
 
     def loss(m: Any, outputs: Any, targets: Any) -> torch.Tensor:
         base = tree_lstm_loss(m.tree, [m.drop(o) for o in outputs], targets)
+        head = m.tree.classifier.weight
         penalty = sum((p**2).sum() for p in m.tree.classifier.parameters())
-        return base * weight * m.alpha * GLOBAL_SCALE + 0.01 * penalty + (m.scale * m.offset).sum()
+        scale = weight * m.alpha * GLOBAL_SCALE * LATE_SCALE * m.temperature * float(m.np_scale)
+        total = base * scale * m.cls_scale * m.cfg.loss.weight + 0.01 * penalty + (m.scale * m.offset).sum()
+        total = total + 0.01 * m.act(head).sum()
+        if scenario.running_stat:  # a running statistic, rebound at every call
+            m.center = 0.5 * m.center + 0.5 * head.detach().mean(0)
+            total = total + 0.1 * ((head - m.center) ** 2).sum()
+        if scenario.random_term and random.random() < 0.5:  # a term switched on by Python's random
+            total = total + 0.05 * penalty
+        return total
 
     def set_weight(value: float) -> None:
         nonlocal weight
         weight = value
 
-    return loss, set_weight
+    return (_ModuleLoss(loss) if scenario.module_loss else loss), set_weight
 
 
 def run(
@@ -144,16 +212,20 @@ def run(
     replicas: int = 1,
     rank: int = 0,
     initial: Any = None,
+    compile: str = "auto",
 ) -> dict[str, Any]:
     """Train ``scenario`` on ``device`` (as replica ``rank`` of ``replicas``, from a copy of the
-    model ``initial``); its losses, parameters, optimizer state and warnings."""
-    global GLOBAL_SCALE
+    model ``initial``, with ``compile=`` on XLA); its losses, parameters, optimizer state and warnings."""
+    global GLOBAL_SCALE, LATE_SCALE
     from torchfold.engine.static.shapes import StaticShapes
     from torchfold.examples.datasets import Vocab, load_sst
     from torchfold.examples.models import TreeLSTMBuild
     from torchfold.train import AccumulatingOptimizer, StepLoader, TraceTrainer, fit_static_shapes
 
     GLOBAL_SCALE = 1.0
+    globals().pop("LATE_SCALE", None)  # assigned after the trainer is made
+    _Model.cls_scale = 1.0
+    random.seed(scenario.seed)
     trees = load_sst(data, max_trees=NUM_TREES)
     vocab = Vocab.build(trees)
     xla = device.type == "xla"
@@ -164,6 +236,8 @@ def run(
         )
     model = (initial_model(scenario, data) if initial is None else copy.deepcopy(initial)).to(device)
     model.scale = torch.ones(2, dtype=torch.float64, device=device)  # a tensor kept as a plain attribute
+    if scenario.running_stat:
+        model.center = torch.zeros(6, dtype=torch.float64, device=device)
     if scenario.frozen:
         model.tree.embedding.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -197,15 +271,20 @@ def run(
         seed=0,
         num_workers=0,
     )
-    loss, set_weight = _make_loss(model)
+    loss, set_weight = _make_loss(model, scenario)
     scheduler: Any = None
     if scenario.schedule == "steplr":
         scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=2, gamma=0.5)
     elif scenario.schedule == "lambda":
         scheduler = torch.optim.lr_scheduler.LambdaLR(base, lambda step: 1.0 / (1 + step))
+    elif scenario.schedule == "onecycle":  # cycles the momentum (SGD) or beta1 (Adam) too
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            base, max_lr=[2 * group["lr"] for group in base.param_groups], total_steps=len(scenario.trace) + 1
+        )
 
     def on_step(stats: Any) -> None:
-        global GLOBAL_SCALE
+        global GLOBAL_SCALE, LATE_SCALE
+        model.global_step = stats.step  # an attribute no step reads
         if scheduler is not None:
             scheduler.step()
         for after, what, value in scenario.changes:
@@ -221,12 +300,29 @@ def run(
                 model.scale.fill_(value)
             elif what == "buffer":
                 model.offset.fill_(value)
+            elif what == "numpy scalar":
+                model.np_scale = np.float64(value)
+            elif what == "class attribute":
+                _Model.cls_scale = value
+            elif what == "late global":
+                LATE_SCALE = value
+            elif what == "late attribute":
+                model.temperature = value
+            elif what == "swapped function":
+                model.act = torch.relu if model.act is torch.tanh else torch.tanh
+            elif what == "deep attribute":
+                model.cfg.loss.weight = value
+            elif what == "module loss weight":
+                loss.weight = value
             else:  # a new tensor in the attribute's place
                 model.scale = torch.full((2,), value, dtype=torch.float64, device=device)
 
     trainer = TraceTrainer(
-        model, optimizer, loader, loss, progress=False, on_step=on_step, compile="auto" if xla else "off"
+        model, optimizer, loader, loss, progress=False, on_step=on_step, compile=compile if xla else "off"
     )
+    # first set after the trainer (and whatever it keeps of the step) was made
+    LATE_SCALE = 1.0
+    model.temperature = 1.0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = trainer.fit(max_steps=len(scenario.trace))
@@ -256,13 +352,13 @@ def initial_model(scenario: Scenario, data: Path) -> _Model:
     return _Model(len(vocab), scenario.dropout).to(dtype=torch.float64)
 
 
-def _replica(index: int, seed: int, data: str, out: str, initial: Any) -> None:
+def _replica(index: int, seed: int, data: str, out: str, initial: Any, compile: str) -> None:
     """One of several XLA replicas (``xmp.spawn``): train the scenario of ``seed``, rank 0 saves."""
     import torch_xla
     import torch_xla.runtime as xr
 
     torch.set_default_dtype(torch.float64)
-    scenario = draw(seed, xr.world_size())
+    scenario = draw(seed, xr.world_size(), compile)
     result = run(
         scenario,
         torch_xla.device(),
@@ -270,12 +366,13 @@ def _replica(index: int, seed: int, data: str, out: str, initial: Any) -> None:
         replicas=xr.world_size(),
         rank=xr.global_ordinal(),
         initial=initial,
+        compile=compile,
     )
     if xr.global_ordinal() == 0:
         torch.save(result, out)
 
 
-def run_replicas(seed: int, data: Path, replicas: int) -> dict[str, Any]:
+def run_replicas(seed: int, data: Path, replicas: int, compile: str = "auto") -> dict[str, Any]:
     """The XLA side of ``seed`` on ``replicas`` CPU devices, in a fresh process (torch_xla's
     devices are fixed when its runtime starts)."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -289,6 +386,8 @@ def run_replicas(seed: int, data: Path, replicas: int) -> dict[str, Any]:
             str(seed),
             "--out",
             str(out),
+            "--compile",
+            compile,
         ]
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(replicas)}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -354,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="append one JSON line per scenario here")
     parser.add_argument("--replicas", type=int, default=1, help="XLA replicas (CPU devices) per scenario")
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        help="the XLA run's compile= (auto: the default mechanism; replay: the opt-in)",
+    )
     parser.add_argument("--replica-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -361,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         torch.set_default_dtype(torch.float64)
-        initial = initial_model(draw(args.replica_child, 2), args.data)
-        xmp.spawn(_replica, args=(args.replica_child, str(args.data), str(args.out), initial))
+        initial = initial_model(draw(args.replica_child, 2, args.compile), args.data)
+        xmp.spawn(_replica, args=(args.replica_child, str(args.data), str(args.out), initial, args.compile))
         return 0
     seeds = _seeds(args.seeds)
     if args.replicas > 1:
@@ -378,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.data),
                 "--seeds",
                 f"{part[0]}:{part[-1] + 1}",
+                "--compile",
+                args.compile,
             ]
             if args.json:
                 command += ["--json", str(args.json)]
@@ -392,9 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_default_dtype(torch.float64)
     counts = {"equal": 0, "refused": 0, "SILENT": 0}
     for seed in seeds:
-        scenario = draw(seed)
+        scenario = draw(seed, compile=args.compile)
         cpu = run(scenario, torch.device("cpu"), args.data)
-        xla = run(scenario, device, args.data)
+        xla = run(scenario, device, args.data, compile=args.compile)
         verdict, details = compare(scenario, cpu, xla)
         counts[verdict] += 1
         print(f"seed {seed}: {verdict}: {details}  [{scenario}]", flush=True)
@@ -416,9 +522,9 @@ def _main_replicas(args: argparse.Namespace, seeds: list[int]) -> int:
     torch.set_default_dtype(torch.float64)
     counts = {"equal": 0, "refused": 0, "SILENT": 0}
     for seed in seeds:
-        scenario = draw(seed, args.replicas)
+        scenario = draw(seed, args.replicas, args.compile)
         cpu = run(scenario, torch.device("cpu"), args.data)
-        xla = run_replicas(seed, args.data, args.replicas)
+        xla = run_replicas(seed, args.data, args.replicas, args.compile)
         verdict, details = compare(scenario, cpu, xla)
         if "error" in xla:
             verdict, details = "SILENT", f"the replicas failed: {xla['error']}"

@@ -218,7 +218,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("sst")
     parser.add_argument("out")
-    parser.add_argument("compile", choices=("on", "off", "auto"))
+    parser.add_argument("compile", choices=("on", "off", "auto", "replay"))
     parser.add_argument("steps", type=int)
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")

@@ -146,7 +146,7 @@ def test_the_device_policy_answers_each_question_per_kind() -> None:
     kinds = ("cpu", "cuda:1", "xla:0")  # (made as torch.device values: no CUDA, no torch_xla needed)
     answers = {
         "needs_static_shapes": [devices.needs_static_shapes(k) for k in kinds],
-        "compiles_by_default": [devices.compiles_by_default(k) for k in kinds],
+        "replays_steps": [devices.replays_steps(k) for k in kinds],
         "runner_kind": [devices.runner_kind(k) for k in kinds],
         "process_group_backend": [devices.process_group_backend(k) for k in kinds],
         "accumulation_dtype": [devices.accumulation_dtype(k) for k in kinds],
@@ -157,7 +157,7 @@ def test_the_device_policy_answers_each_question_per_kind() -> None:
     }
     assert answers == {
         "needs_static_shapes": [False, False, True],
-        "compiles_by_default": [False, True, True],
+        "replays_steps": [False, True, True],
         "runner_kind": ["compiled", "cuda", "xla"],
         "process_group_backend": ["gloo", "nccl", "gloo"],
         "accumulation_dtype": [torch.float64, torch.float64, torch.float32],

@@ -190,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         choices=StepMechanism.compile_choices,
         default="auto",
-        help="capture each minibatch's forward, loss and backward once per static-shape layout and replay it: "
-        "auto (default) on XLA and CUDA, on: also on the CPU, off: never",
+        help="auto (default): run every step's Python (on XLA lazily: XLA compiles a program per graph and reuses "
+        "it); on: torch.compile on the CPU and CUDA; replay (XLA and CUDA, opt-in): capture each step once per "
+        "static-shape layout and replay it without running its Python (for a step that reads nothing but its "
+        "inputs: its warning says the contract); off: eager",
     )
     p.add_argument(
         "--pack-levels",

@@ -35,7 +35,7 @@ def _trainer(
     trace: list[int],
     *,
     on_step: Callable[[StepStats], None] | None = None,
-    compile: str = "auto",
+    compile: str = "replay",
 ) -> TraceTrainer:
     """A Tree-LSTM trainer on the first SST trees, with static-shape plans fitted to them."""
     trees = load_sst(split="train", max_trees=NUM_TREES)

@@ -171,10 +171,18 @@ def test_a_loss_that_reads_a_value_on_the_host_names_the_op() -> None:
 
 def test_compile_choices() -> None:
     cpu, cuda, xla = torch.device("cpu"), torch.device("cuda"), torch.device("xla")
-    assert [wants_compile("auto", d) for d in (cpu, cuda, xla)] == [False, True, True]
+    # auto runs every step's Python everywhere; replay (captured, Python not run) is an opt-in of XLA and CUDA
+    assert [wants_compile("auto", d) for d in (cpu, cuda, xla)] == [False, False, False]
     assert [wants_compile("off", d) for d in (cpu, cuda, xla)] == [False, False, False]
+    assert [wants_compile("replay", d) for d in (cuda, xla)] == [True, True]
     assert wants_compile("on", cpu)
-    with pytest.raises(ValueError, match=r"compile must be one of \('auto', 'off', 'on'\), got 'yes'"):
+    with pytest.raises(
+        ValueError, match=r"compile='replay' replays captured steps on XLA and CUDA only, not on cpu"
+    ):
+        wants_compile("replay", cpu)
+    with pytest.raises(
+        ValueError, match=r"compile must be one of \('auto', 'off', 'on', 'replay'\), got 'yes'"
+    ):
         wants_compile("yes", cpu)
     assert compile_backend(xla) == ("openxla", None)
     assert compile_backend(cuda) == ("inductor", None)  # CUDA graphs: CudaStepReplay's

@@ -74,7 +74,7 @@ def test_the_trainer_replays_whole_steps_on_gpus_only(data_dir: Path) -> None:
     model = _model(vocab)
     optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), fused=True))
     loader = StepLoader(trees, 4, build=TreeLSTMBuild(vocab, shapes=StaticShapes()), trace=[4])
-    trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="on")
+    trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="replay")
     assert trainer.compiled is not None and trainer.replay is None  # nothing is compiled until a step
 
 
@@ -214,7 +214,7 @@ def test_the_trainer_replays_steps_of_one_minibatch_and_ends_where_eager_trainin
         build(trees[start : start + 4])
     trace = [4, 8, 4, 4, 12, 4, 4, 8]
     results = []
-    for compile in ("auto", "off"):
+    for compile in ("replay", "off"):
         model = _model(vocab).cuda()
         optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
         loader = StepLoader(
@@ -223,7 +223,7 @@ def test_the_trainer_replays_steps_of_one_minibatch_and_ends_where_eager_trainin
         trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile=compile)
         stats = trainer.fit()
         results.append(([s.loss for s in stats], [p.detach().cpu() for p in model.parameters()]))
-        if compile == "auto":
+        if compile == "replay":
             assert isinstance(trainer.replay, CudaStepReplay)
             assert trainer.replay.refused is None and trainer.replay.captures >= 1
     (losses, params), (eager_losses, eager_params) = results

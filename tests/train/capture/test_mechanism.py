@@ -11,6 +11,7 @@ import torch
 import torchfold
 from torchfold.train import AccumulatingOptimizer, StepMechanism
 from torchfold.train.capture import EagerRunner, step_runner
+from torchfold.train.capture.mechanism import REPLAY_CONTRACT
 
 
 def _loss(model: Any, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor:
@@ -23,11 +24,13 @@ def _loss(model: Any, outputs: list[torch.Tensor], targets: Any) -> torch.Tensor
         ("cpu", "auto", False),
         ("cpu", "off", False),
         ("cpu", "on", True),
-        ("cuda", "auto", True),
+        ("cuda", "auto", False),  # every step's Python runs: folds as they come
         ("cuda", "off", False),
+        ("cuda", "replay", True),  # a captured step replays one static-shape layout
         ("xla", "auto", True),
         ("xla", "off", True),  # XLA repeats its graphs only with static shapes, captured or not
         ("xla", "on", True),
+        ("xla", "replay", True),
     ],
 )
 def test_static_shapes_follow_the_device_and_the_choice(device: str, choice: str, static: bool) -> None:
@@ -69,9 +72,36 @@ def test_the_optimizer_gets_the_options_its_class_takes_and_the_callers_win() ->
 
 
 def test_an_unknown_compile_choice_is_refused_naming_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"compile must be one of \('auto', 'off', 'on'\), got 'yes'"):
+    with pytest.raises(
+        ValueError, match=r"compile must be one of \('auto', 'off', 'on', 'replay'\), got 'yes'"
+    ):
         StepMechanism("cpu", compile="yes")
-    assert StepMechanism.compile_choices == ("auto", "off", "on")
+    assert StepMechanism.compile_choices == ("auto", "off", "on", "replay")
+
+
+def test_replay_is_an_opt_in_of_xla_and_cuda_that_states_its_contract() -> None:
+    with pytest.raises(
+        ValueError, match="compile='replay' replays captured steps on XLA and CUDA only, not on cpu"
+    ):
+        StepMechanism("cpu", compile="replay")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torchfold.train.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    # several processes on CUDA: no CUDA graph replay; the contract is said, then why not, and the step runs
+    with pytest.warns(UserWarning) as caught:
+        runner = StepMechanism("cuda", compile="replay", world_size=2).runner(model, _loss, optimizer)
+    said = [str(w.message) for w in caught]
+    assert said[0] == REPLAY_CONTRACT and "without running its Python" in said[0]
+    assert "steps are not replayed, they run as with compile='auto': 2 processes on CUDA" in said[1]
+    assert type(runner).__name__ == "EagerRunner" and runner.compiled is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xla"])
+def test_auto_runs_every_steps_python_on_every_device(device: str) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torchfold.train.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for choice in ("auto", "off"):
+        runner = StepMechanism(device, compile=choice, world_size=1).runner(model, _loss, optimizer)
+        assert type(runner).__name__ == "EagerRunner" and runner.compiled is None
 
 
 def test_a_world_size_below_one_is_refused() -> None:

@@ -94,7 +94,7 @@ def _train(
         loss or tree_lstm_loss,
         progress=False,
         on_step=report,
-        compile="auto" if xla else "off",
+        compile="replay" if xla else "off",
     )
     if verify_every is not None and xla:
         trainer.runner.programs.verify_every = verify_every

@@ -54,7 +54,7 @@ def _trainer(
         trees, 4, build=TreeLSTMBuild(vocab, shapes=shapes if xla else None), trace=trace, seed=0
     )
     return TraceTrainer(
-        model, optimizer, loader, tree_lstm_loss, progress=False, compile="auto" if xla else "off"
+        model, optimizer, loader, tree_lstm_loss, progress=False, compile="replay" if xla else "off"
     )
 
 
@@ -290,7 +290,7 @@ def test_a_build_holding_a_lock_warms_up_and_trains_past_the_first_step() -> Non
         optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), lr=0.1, capturable=True))
         build = _LockedBuild(shapes, locked)
         loader = StepLoader(items, 4, build=build, trace=[8, 4, 12, 8, 4], seed=0)
-        trainer = TraceTrainer(model, optimizer, loader, _leaves_loss, progress=False)
+        trainer = TraceTrainer(model, optimizer, loader, _leaves_loss, progress=False, compile="replay")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             stats = trainer.fit(max_steps=5)

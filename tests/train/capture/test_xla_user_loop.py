@@ -108,7 +108,7 @@ def test_the_users_loop_replays_one_program_per_layout_and_equals_an_eager_loop(
     model.load_state_dict(reference.state_dict())
     model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3, capturable=True)
-    step = torchfold.train.captured_step(model, _root_loss, optimizer)
+    step = torchfold.train.captured_step(model, _root_loss, optimizer, compile="replay")
     assert isinstance(step.runner, XlaRunner)
 
     feed = iter(minibatches)
@@ -161,7 +161,7 @@ class _Scale(torch.nn.Module):
 @pytest.mark.timeout(300)
 def test_compile_off_on_xla_takes_targets_from_the_host() -> None:
     """``captured_step(..., compile="off")`` on XLA (the eager runner, run op by op) is given
-    ``plan.pad``'s CPU targets, as with ``compile="auto"``: they are moved, not handed to XLA ops
+    ``plan.pad``'s CPU targets, as with ``compile="replay"``: they are moved, not handed to XLA ops
     ("Expected XLA tensor"); the steps equal the same steps on the CPU."""
     import torch_xla
 
@@ -213,7 +213,7 @@ def _moded_steps(model: _Moded, modes: list[bool]) -> tuple[list[float], Any]:
         return F.cross_entropy(outputs[0], targets, ignore_index=-100)
 
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1, capturable=model.w.device.type == "xla")
-    step = torchfold.train.captured_step(model, loss, optimizer)
+    step = torchfold.train.captured_step(model, loss, optimizer, compile="replay")
     results = []
     for number, training in enumerate(modes):
         model.train(training)

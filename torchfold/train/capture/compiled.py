@@ -42,7 +42,7 @@ import torch
 from torchfold._errors import add_note
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticLayout, StaticPlan
-from torchfold.train.distributed.devices import compiles_by_default, is_cuda, is_xla, on_host
+from torchfold.train.distributed.devices import is_cuda, is_xla, on_host, replays_steps
 from torchfold.train.loss import PlanLoss
 
 __all__ = [
@@ -56,9 +56,9 @@ __all__ = [
     "wants_compile",
 ]
 
-COMPILE_CHOICES = ("auto", "off", "on")
+COMPILE_CHOICES = ("auto", "off", "on", "replay")
 _CAPTURE_LOCK = threading.Lock()
-CompileChoice = Literal["auto", "off", "on"]
+CompileChoice = Literal["auto", "off", "on", "replay"]
 
 
 def check_loss(loss: Any) -> torch.Tensor:
@@ -72,14 +72,26 @@ def check_loss(loss: Any) -> torch.Tensor:
 
 
 def wants_compile(choice: str, device: torch.device) -> bool:
-    """Whether ``compile=choice`` captures steps on ``device``: ``auto`` does on XLA and CUDA.
+    """Whether ``compile=choice`` captures steps on ``device``: ``"on"`` (:func:`torch.compile`,
+    whose guards follow what the step's code reads) and ``"replay"`` (captured once, replayed
+    without running the step's Python: XLA and CUDA only); ``"auto"`` and ``"off"`` run every
+    step's Python (on XLA, XLA compiles the graphs it builds).
 
     >>> wants_compile("auto", torch.device("cpu")), wants_compile("on", torch.device("cpu"))
     (False, True)
+    >>> wants_compile("replay", torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    ValueError: compile='replay' replays captured steps on XLA and CUDA only, not on cpu; use compile='on' (torch.compile) or 'auto' there
     """
     if choice not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {choice!r}")
-    return compiles_by_default(device) if choice == "auto" else choice == "on"
+    if choice == "replay" and not replays_steps(device):
+        raise ValueError(
+            f"compile='replay' replays captured steps on XLA and CUDA only, not on {device}; use compile='on' "
+            "(torch.compile) or 'auto' there"
+        )
+    return choice in ("on", "replay")
 
 
 def compile_backend(device: torch.device) -> tuple[str, str | None]:

@@ -1,7 +1,9 @@
 """How a run's steps run, decided once from what is known before its parts exist: :class:`StepMechanism`.
 
 The device, the number of processes, ``compile=`` and a :func:`torch.compile` backend decide
-how every step of a run runs (eagerly, or captured once and replayed: :mod:`.runner`). Three
+how every step of a run runs (:mod:`.runner`): its Python run at every step (eagerly, lazily on
+XLA, or through :func:`torch.compile`, whose guards follow what the code reads), or, with the
+opt-in ``compile="replay"``, captured once and replayed without running its Python. Three
 things around the steps follow from the same choice and must be known before the model, the
 loss and the optimizer are made: whether folds are padded into static shapes (what a captured
 step replays, and what XLA needs to repeat its graphs), which options the torch optimizer needs
@@ -51,7 +53,17 @@ from torchfold.train.distributed.world import world
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
 
-__all__ = ["StepMechanism", "step_runner"]
+__all__ = ["REPLAY_CONTRACT", "StepMechanism", "step_runner"]
+
+#: the contract of ``compile="replay"``, said in the warning a replaying runner gives when it is made
+REPLAY_CONTRACT = (
+    "compile='replay' replays each captured step without running its Python, so a step sees the tensors it "
+    "takes as inputs and the values its guard lists (module attributes, the loss's closure, defaults and "
+    "globals, captured again every verify_every replays) as they are now, and anything else it reads (a class "
+    "attribute, a global first set later, an attribute two objects down, Python's random, an attribute the "
+    "step rebinds) as it was when captured: use it only for a step that reads nothing else, else "
+    "compile='auto' (docs/design/capture.md)"
+)
 
 
 class StepMechanism:
@@ -59,9 +71,13 @@ class StepMechanism:
 
     Args:
         device: where the model runs.
-        compile: ``"auto"`` (default): steps captured and replayed on XLA and CUDA, eager on the
-            CPU; ``"on"``: captured on any device (:func:`torch.compile` on the CPU); ``"off"``:
-            eager (:attr:`compile_choices`).
+        compile: ``"auto"`` (default): every step's Python runs (eagerly on the CPU and CUDA,
+            lazily on XLA, whose compiler caches a program per graph it builds), so whatever the
+            step reads is read anew; ``"on"``: :func:`torch.compile` on the CPU and CUDA (its guards
+            follow what the step's code reads), as ``"auto"`` on XLA; ``"replay"`` (XLA and CUDA,
+            opt-in): each step captured once and replayed without running its Python
+            (:data:`REPLAY_CONTRACT` says what that assumes); ``"off"``: eager
+            (:attr:`compile_choices`).
         backend: a :func:`torch.compile` backend instead of the device's (e.g. ``"aot_eager"``).
         world_size: the number of processes (default: :func:`~torchfold.train.world`'s).
 
@@ -148,16 +164,20 @@ class StepMechanism:
 
     def runner(self, model: torch.nn.Module, loss: PlanLoss, optimizer: AccumulatingOptimizer) -> StepRunner:
         """The :class:`~torchfold.train.capture.runner.StepRunner` that runs the steps of ``model``,
-        ``loss`` and ``optimizer`` here: replayed programs on XLA
-        (:class:`~torchfold.train.capture.runner.XlaRunner`), a step of one minibatch replayed whole
-        on one GPU (:class:`~torchfold.train.capture.runner.CudaRunner`), :func:`torch.compile` with
-        ``compile="on"`` elsewhere, else eager (:class:`~torchfold.train.capture.runner.EagerRunner`).
+        ``loss`` and ``optimizer`` here: the step's Python at every step
+        (:class:`~torchfold.train.capture.runner.EagerRunner`; on XLA, lazily), through
+        :func:`torch.compile` with ``compile="on"`` on the CPU and CUDA, and with
+        ``compile="replay"`` replayed programs on XLA
+        (:class:`~torchfold.train.capture.runner.XlaRunner`) or a step of one minibatch replayed whole
+        on one GPU (:class:`~torchfold.train.capture.runner.CudaRunner`).
 
         A runner that cannot be had with this optimizer says why in a warning and the next best one
         is used.
         """
         compile, device, backend = self.compile, self.device, self.backend
-        if not self.captures_steps:
+        kind = runner_kind(device)
+        if not self.captures_steps or (kind == "xla" and compile == "on" and backend is None):
+            # (on XLA, a step's lazy graph is XLA's to compile: torch_xla keeps a program per graph)
             return EagerRunner(model, loss, optimizer, device=device)
         if optimizer.grad_scaler is not None:
             warnings.warn(
@@ -167,8 +187,9 @@ class StepMechanism:
             )
             return EagerRunner(model, loss, optimizer, device=device)
         single = self.world_size == 1 and optimizer.lr_rule != "adascale" and backend is None
-        kind = runner_kind(device)
-        if kind == "xla" and optimizer.lr_rule != "adascale" and backend is None:
+        if compile == "replay":
+            warnings.warn(REPLAY_CONTRACT, stacklevel=3)
+        if compile == "replay" and kind == "xla" and optimizer.lr_rule != "adascale" and backend is None:
             why = xla_programs_unavailable() or uncapturable_update(optimizer.optimizer)
             if (
                 why is None
@@ -179,7 +200,7 @@ class StepMechanism:
                 stacklevel=3,
             )
             return EagerRunner(model, loss, optimizer, device=device)
-        if single and kind == "cuda":
+        if compile == "replay" and single and kind == "cuda":
             why = uncapturable_step(optimizer.optimizer)
             if why is None and optimizer.max_grad_norm is not None:
                 why = f"max_grad_norm={optimizer.max_grad_norm}: the captured step does not clip its gradient"
@@ -187,6 +208,19 @@ class StepMechanism:
                 return CudaRunner(model, loss, optimizer, device=device)
             warnings.warn(
                 f"compile={compile!r}: steps are not replayed as CUDA graphs (they run eagerly): {why}",
+                stacklevel=3,
+            )
+            return EagerRunner(model, loss, optimizer, device=device)
+        if compile == "replay":
+            why = (
+                f"backend={backend!r} is a torch.compile backend"
+                if backend is not None
+                else "lr_rule='adascale' reads each minibatch's gradient norm"
+                if optimizer.lr_rule == "adascale"
+                else f"{self.world_size} processes on CUDA (a CUDA graph replays one process's step)"
+            )
+            warnings.warn(
+                f"compile={compile!r}: steps are not replayed, they run as with compile='auto': {why}",
                 stacklevel=3,
             )
             return EagerRunner(model, loss, optimizer, device=device)

@@ -142,7 +142,8 @@ class EagerRunner(StepRunner):
         #: the optimizer's update, captured (None: the optimizer's own)
         self.compiled_update = update
         self.strict = strict
-        self._losses: list[tuple[torch.Tensor, float]] = []
+        #: the step's loss sum so far (None before its first minibatch)
+        self._loss_sum: torch.Tensor | None = None
 
     @property
     def captures(self) -> int:
@@ -158,8 +159,11 @@ class EagerRunner(StepRunner):
                 # padded=True: a static plan's outputs keep their capacity (the build padded the targets)
                 loss = check_loss(self.loss(self.model, plan.apply(self.model, padded=True), targets))
                 loss.backward()
-        # (on XLA, leaving optimizer.minibatch() cut the graph: one per minibatch)
-        self._losses.append((loss.detach(), self._loss_weight(num_samples)))
+            # summed here, inside the minibatch (on XLA, its graph, which leaving optimizer.minibatch()
+            # cuts): a sum over the step's minibatches at the update would make the update's graph
+            # depend on their number, a program per minibatch count
+            weighted = loss.detach().to(accumulation_dtype(loss.device)) * self._loss_weight(num_samples)
+            self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
 
     def update(self) -> tuple[torch.Tensor | None, float]:
         if self.compiled_update is None:
@@ -167,18 +171,10 @@ class EagerRunner(StepRunner):
         else:
             self.optimizer.computed_step(functools.partial(_compiled_update, self.compiled_update))
         self.optimizer.zero_grad()
-        losses, self._losses = self._losses, []
+        loss_sum, self._loss_sum = self._loss_sum, None
         # on XLA, the update as a graph of its own (the same every step), not cut at the next host read
         synchronize(self.device)
-        if not losses:
-            return None, 0.0
-        if len(losses) == 1:  # weighted on the host when read: no operation on the device
-            return losses[0]
-        dtype = accumulation_dtype(losses[0][0].device)
-        total = torch.zeros((), dtype=dtype, device=losses[0][0].device)
-        for value, weight in losses:
-            total += value.to(dtype) * weight
-        return total, 1.0
+        return (None, 0.0) if loss_sum is None else (loss_sum, 1.0)
 
 
 class XlaRunner(StepRunner):

@@ -75,14 +75,16 @@ def captured_step(
     lr_rule: str = "constant",
     ref_batch_size: int | None = None,
 ) -> CapturedStep:
-    """A training step to call once per optimizer step, captured and replayed where that pays.
+    """A training step to call once per optimizer step, run as ``compile=`` says.
 
     ``loss(model, outputs, targets) -> scalar`` gets ``plan.apply(model, padded=True)``'s outputs,
-    as in :class:`~torchfold.train.TraceTrainer`. On an XLA device (``compile="auto"``) every
-    step is replayed from programs captured once per static-shape layout (plans from
-    ``Fold(shapes=StaticShapes(...))``), however many minibatches it has; on a GPU a step of one
-    minibatch replays one CUDA graph; on the CPU steps run eagerly (``compile="on"``:
-    :func:`torch.compile`).
+    as in :class:`~torchfold.train.TraceTrainer`. With ``compile="auto"`` every step's Python runs
+    (on XLA lazily, XLA compiling a program per graph and reusing it); ``compile="on"``:
+    :func:`torch.compile` on the CPU and CUDA; ``compile="replay"`` (XLA and CUDA, opt-in): every
+    step replayed from programs captured once per static-shape layout (plans from
+    ``Fold(shapes=StaticShapes(...))``) without running its Python, however many minibatches it
+    has on XLA, a step of one minibatch from one CUDA graph on a GPU
+    (:data:`~torchfold.train.capture.mechanism.REPLAY_CONTRACT`).
 
     Args:
         model: the module whose methods are the fold ops.
@@ -91,7 +93,7 @@ def captured_step(
             has the option: :meth:`StepMechanism.optimizer
             <torchfold.train.capture.mechanism.StepMechanism.optimizer>` adds the options the device
             needs), or an :class:`~torchfold.train.AccumulatingOptimizer`.
-        compile: ``"auto"`` (default), ``"on"`` or ``"off"``.
+        compile: ``"auto"`` (default), ``"on"``, ``"replay"`` or ``"off"``.
         device: where the model runs (default: the model's, by :func:`~torchfold.train.run_context`).
         lr_rule, ref_batch_size: the learning-rate rule when ``optimizer`` is a plain optimizer.
 

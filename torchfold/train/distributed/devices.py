@@ -11,7 +11,7 @@ re-exported here, so a training module imports one place. Each function accepts 
 question                          CPU          CUDA        XLA
 ================================  ===========  ==========  =========
 :func:`needs_static_shapes`       no           no          yes
-:func:`compiles_by_default`       no           yes         yes
+:func:`replays_steps`            no           yes         yes
 :func:`runner_kind`               compiled     cuda        xla
 :func:`process_group_backend`     gloo         nccl        gloo
 :func:`accumulation_dtype`        float64      float64     float32
@@ -36,7 +36,6 @@ __all__ = [
     "accumulation_dtype",
     "capturable_optimizer",
     "checkpoint_map_location",
-    "compiles_by_default",
     "fused_optimizer",
     "is_cuda",
     "is_xla",
@@ -44,6 +43,7 @@ __all__ = [
     "of_kind",
     "on_host",
     "process_group_backend",
+    "replays_steps",
     "runner_kind",
     "same_device",
     "synchronize",
@@ -91,10 +91,11 @@ def checkpoint_map_location(device: DeviceLike) -> torch.device:
     return CHECKPOINT_MAP_LOCATION
 
 
-def compiles_by_default(device: DeviceLike) -> bool:
-    """Whether ``compile="auto"`` captures steps on ``device``: on XLA and CUDA, not on the CPU.
+def replays_steps(device: DeviceLike) -> bool:
+    """Whether ``compile="replay"`` (steps captured once and replayed without running their Python)
+    has a mechanism on ``device``: XLA's programs and CUDA graphs, nothing on the CPU.
 
-    >>> compiles_by_default("xla"), compiles_by_default("cuda:0"), compiles_by_default("cpu")
+    >>> replays_steps("xla"), replays_steps("cuda:0"), replays_steps("cpu")
     (True, True, False)
     """
     return is_xla(device) or is_cuda(device)

@@ -214,17 +214,23 @@ class TraceTrainer:
             where one was made (``OMP_NUM_THREADS``, ``torch.set_num_threads``), else
             :data:`~torchfold.train.loop.threads.DEFAULT_THREADS` (:mod:`torchfold.train.loop.threads`); set
             when :meth:`fit` starts, and said once in the log.
-        compile: capture steps once per static-shape layout and replay them (how, on each device:
-            :mod:`torchfold.train.capture`): ``"auto"`` (default) on XLA and CUDA, ``"on"`` on any
-            device, ``"off"`` never. Needs the build to return static-shape plans (``StaticPlan``;
-            others run eagerly) and an update that can be captured (``Adam`` and others need
-            ``capturable=True``, or ``fused=True`` on CUDA; a warning names the fix otherwise).
-            Optimizer and tensor hooks then run when a step is captured, not at every replay.
+        compile: how steps run (:class:`~torchfold.train.StepMechanism`): ``"auto"`` (default)
+            runs every step's Python, so whatever it reads is read anew (on XLA lazily: XLA
+            compiles a program per graph and reuses it); ``"on"``: :func:`torch.compile` on the CPU
+            and CUDA (its guards follow what the step reads); ``"replay"`` (XLA and CUDA, opt-in):
+            each step captured once per static-shape layout and replayed without running its
+            Python, faster where the host's time per step counts, for a step that reads nothing
+            but its inputs and the values its guard lists (its warning says the contract);
+            ``"off"``: eager. Capturing needs the build to return static-shape plans
+            (``StaticPlan``; others run eagerly) and an update that can be captured (``Adam`` and
+            others need ``capturable=True``, or ``fused=True`` on CUDA; a warning names the fix
+            otherwise). Optimizer and tensor hooks then run when a step is captured, not at every
+            replay.
             A :class:`~torchfold.train.StepMechanism` made for this run's device (as ``train`` makes
             one to pad its folds and build its optimizer) is taken as it is: the run decides once.
         compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
             on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
-        warm_up: with steps replayed (XLA), compile the programs of every static-shape layout
+        warm_up: with steps replayed (XLA, ``compile="replay"``), compile the programs of every static-shape layout
             that a pass over the dataset makes (:meth:`StepLoader.layout_examples()
             <torchfold.train.StepLoader.layout_examples>`) once the optimizer has its state
             (after the first step, or at a resume), so that no later step stops to compile

@@ -225,15 +225,14 @@ def run(
     GLOBAL_SCALE = 1.0
     globals().pop("LATE_SCALE", None)  # assigned after the trainer is made
     _Model.cls_scale = 1.0
-    random.seed(scenario.seed)
     trees = load_sst(data, max_trees=NUM_TREES)
     vocab = Vocab.build(trees)
     xla = device.type == "xla"
-    shapes = None
-    if xla:  # one layout: every minibatch fits it
-        shapes = fit_static_shapes(
-            trees, TreeLSTMBuild(vocab), MINIBATCH, shapes=StaticShapes(depth_buckets=False)
-        )
+    # one layout, on both devices: a minibatch that does not fit it is split in two, and the loss's
+    # Python (a running statistic, a random term) then runs once more; the CPU splits it the same way
+    shapes = fit_static_shapes(
+        trees, TreeLSTMBuild(vocab), MINIBATCH, shapes=StaticShapes(depth_buckets=False)
+    )
     model = (initial_model(scenario, data) if initial is None else copy.deepcopy(initial)).to(device)
     model.scale = torch.ones(2, dtype=torch.float64, device=device)  # a tensor kept as a plain attribute
     if scenario.running_stat:
@@ -323,6 +322,7 @@ def run(
     # first set after the trainer (and whatever it keeps of the step) was made
     LATE_SCALE = 1.0
     model.temperature = 1.0
+    random.seed(scenario.seed)  # (the draws of the loss's random term, the same on both devices)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = trainer.fit(max_steps=len(scenario.trace))

@@ -162,7 +162,8 @@ class EagerRunner(StepRunner):
             # summed here, inside the minibatch (on XLA, its graph, which leaving optimizer.minibatch()
             # cuts): a sum over the step's minibatches at the update would make the update's graph
             # depend on their number, a program per minibatch count
-            weighted = loss.detach().to(accumulation_dtype(loss.device)) * self._loss_weight(num_samples)
+            dtype = torch.promote_types(loss.dtype, accumulation_dtype(loss.device))
+            weighted = loss.detach().to(dtype) * self._loss_weight(num_samples)
             self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
 
     def update(self) -> tuple[torch.Tensor | None, float]:

@@ -1,0 +1,117 @@
+"""The default step on XLA runs the step's Python at every step, so it reads what eager code reads.
+
+Each case trains a small Tree-LSTM on SST trees with ``TraceTrainer`` on XLA's CPU backend with
+the default ``compile="auto"`` and the same run eagerly on the CPU, and compares every step's
+loss, the final parameters and the optimizer state (``scripts/fuzz_replay.py``'s comparison).
+The scenarios hold, at once, every kind of read that a replay which skips the step's Python
+got wrong without a word: a numpy scalar, a class attribute, a global and an attribute first
+set after the trainer was made, an activation function swapped in an attribute, an attribute
+two objects down, a loss that is an ``nn.Module`` whose weight changes, a tensor attribute
+rebound at every call (a running statistic), a term switched on by Python's ``random``, a tensor
+attribute replaced anew; and the two settings a replay refused: an attribute that no step reads
+set at every step (``model.global_step``) and ``OneCycleLR``, which cycles the momentum (SGD) or
+Adam's first beta.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "tests" / "data"
+
+#: every change kind of the fuzzer, at steps 0-3 of a 5-step epoch: (after step, kind, value)
+EVERY_READ = [
+    (0, "numpy scalar", 2.0),
+    (0, "class attribute", 3.0),
+    (1, "late global", 0.5),
+    (1, "late attribute", 2.0),
+    (2, "swapped function", 0.0),
+    (2, "deep attribute", 0.5),
+    (3, "module loss weight", 2.0),
+    (3, "tensor replaced", 0.5),
+    (3, "global", 2.0),
+]
+
+
+def _fuzzer() -> Any:
+    spec = importlib.util.spec_from_file_location("fuzz_replay", ROOT / "scripts" / "fuzz_replay.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_replay"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _float64() -> Any:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_every_kind_of_read_trains_on_xla_as_on_the_cpu(optimizer: str) -> None:
+    import torch_xla
+
+    fuzz = _fuzzer()
+    device = torch_xla.device()  # (before any backward on the CPU: autograd counts devices at its first)
+    scenario = fuzz.Scenario(
+        seed=7,
+        optimizer=optimizer,
+        lr=0.1,
+        weight_decay=0.01,
+        groups=2,
+        frozen=False,
+        dropout=False,
+        schedule="onecycle",
+        trace=[3, 6, 9, 3, 9],  # one epoch of the 30 trees, steps of 1-3 minibatches
+        changes=EVERY_READ,
+        module_loss=True,
+        running_stat=True,
+        random_term=True,
+    )
+    xla = fuzz.run(scenario, device, DATA)
+    cpu = fuzz.run(scenario, torch.device("cpu"), DATA)
+    verdict, details = fuzz.compare(scenario, cpu, xla)
+    assert verdict == "equal", details
+    assert not [w for w in xla["warnings"] if "not replayed" in w or "took more than" in w], xla["warnings"]
+    # the changes did change the run: the same scenario without them trains to other losses
+    unchanged = fuzz.run(fuzz.Scenario(**{**vars(scenario), "changes": []}), torch.device("cpu"), DATA)
+    assert unchanged["losses"][:1] == pytest.approx(cpu["losses"][:1], rel=1e-9)
+    assert unchanged["losses"][1:] != pytest.approx(cpu["losses"][1:], rel=1e-3)
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+def test_the_opt_in_replay_says_its_contract() -> None:
+    import torch_xla
+
+    fuzz = _fuzzer()
+    device = torch_xla.device()
+    scenario = fuzz.Scenario(
+        seed=3,
+        optimizer="adam",
+        lr=0.01,
+        weight_decay=0.0,
+        groups=1,
+        frozen=False,
+        dropout=False,
+        schedule="none",
+        trace=[15, 15],
+    )
+    xla = fuzz.run(scenario, device, DATA, compile="replay")
+    contract = [w for w in xla["warnings"] if "replays each captured step without running its Python" in w]
+    assert len(contract) == 1, xla["warnings"]
+    assert "compile='auto'" in contract[0]

@@ -44,6 +44,14 @@ def _blocks() -> list[str]:
     return blocks
 
 
+@pytest.fixture(autouse=True)
+def _keep_threads() -> Iterator[None]:
+    """The page sets one intra-op thread, as a reader's process does; the test process gets its count back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @contextlib.contextmanager
 def _adam_gradients() -> Iterator[list[list[torch.Tensor]]]:
     """The gradients every Adam update starts from (after the AccumulatingOptimizer's weighing,
@@ -68,6 +76,7 @@ def _run(block: int) -> tuple[dict[str, Any], list[list[torch.Tensor]], str]:
     blocks = _blocks()
     with contextlib.redirect_stdout(out):
         exec(compile(blocks[0], str(PAGE), "exec"), scope)
+        assert torch.get_num_threads() == 1  # the page's advice: one intra-op thread per process
         with _adam_gradients() as grads:
             exec(compile(blocks[block], str(PAGE), "exec"), scope)
     return scope, grads, out.getvalue()

@@ -186,3 +186,16 @@ def test_the_epoch_reaches_the_trace_sampler_through_accelerates_loaders() -> No
     dispatcher.set_epoch(1)
     assert sampler.epoch == 1 and [s.step for s in sampler.steps()] == [4, 5, 6]
     assert list(sampler) == list(reference)
+
+
+@pytest.mark.timeout(300)
+def test_the_threads_benchmark_runs_the_lightning_recipe_with_the_count_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/recipe_threads.py at its smallest: one run of the page's Lightning recipe."""
+    _needs("lightning")
+    monkeypatch.syspath_prepend(str(PAGE.parents[2] / "benchmarks"))
+    recipe_threads = importlib.import_module("recipe_threads")
+    result = recipe_threads.run_once(2)  # not the page's 1: the benchmark's count reaches the recipe
+    assert result["threads"] == 2 and result["global_step"] == 7
+    assert result["wall"] > 0 and result["cpu"] > 0

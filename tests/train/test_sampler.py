@@ -84,6 +84,9 @@ def check_epoch(samplers: list[TraceBatchSampler], complete: bool = True) -> lis
         seen.update(batch)
         steps.append(batch)
     assert positions == [len(y) for y in yielded]  # the plan accounts for every minibatch
+    order = [i for batch in steps for i in batch]
+    for s in samplers:  # .sampler: the order the steps take the indices in, the same on every rank
+        assert list(s.sampler) == order and len(s.sampler) == len(order)
     assert seen <= set(range(s0.dataset_size))
     if complete and not s0.drop_last:
         assert seen == set(range(s0.dataset_size))
@@ -274,6 +277,43 @@ def test_shuffle_and_set_epoch_change_the_order() -> None:
     assert first != list(TraceBatchSampler(1000, 100, minibatch_size=10, seed=2))
     assert TraceBatchSampler(20, 10, minibatch_size=5).num_epochs is None  # an int trace never ends
     assert list(chain(*TraceBatchSampler(20, 10, minibatch_size=5, shuffle=False))) == list(range(20))
+
+
+def _set_epoch_as_lightning_does(loader: DataLoader[Any], epoch: int) -> None:
+    """Lightning's ``_set_sampler_epoch`` (and accelerate's ``DataLoaderDispatcher.set_epoch``): the
+    loader's ``sampler`` and its ``batch_sampler.sampler``, never the batch sampler itself."""
+    candidates = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
+    for obj in {id(o): o for o in candidates if o is not None}.values():
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def test_set_epoch_through_the_loaders_batch_sampler_sampler_moves_order_and_steps() -> None:
+    trace = [8, 16, 4, 12, 12, 8, 20]  # two epochs of 40 samples
+    sampler = TraceBatchSampler(40, trace, minibatch_size=4, seed=0)
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_sampler=sampler)
+    assert not hasattr(loader.sampler, "set_epoch")  # the DataLoader's own SequentialSampler
+    epochs = []
+    for epoch in range(2):
+        _set_epoch_as_lightning_does(loader, epoch)
+        steps = sampler.steps()
+        epochs.append(
+            ([s.step for s in steps], [s.batch_size for s in steps], [x.tolist() for (x,) in loader])
+        )
+        reference = TraceBatchSampler(40, trace, minibatch_size=4, seed=0)
+        reference.set_epoch(epoch)
+        assert sampler.epoch == epoch and epochs[-1][2] == list(reference)
+        assert sorted(chain(*epochs[-1][2])) == list(range(40))
+    (steps0, sizes0, batches0), (steps1, sizes1, batches1) = epochs
+    assert (steps0, sizes0, steps1, sizes1) == ([0, 1, 2, 3], [8, 16, 4, 12], [4, 5, 6], [12, 8, 20])
+    assert list(chain(*batches0)) != list(chain(*batches1))  # a new permutation (seed + epoch)
+    # accelerate's DataLoaderShard.set_epoch calls both the batch sampler's and its .sampler's: the same
+    sampler.set_epoch(1)
+    sampler.sampler.set_epoch(1)
+    assert [x.tolist() for (x,) in loader] == batches1
+    with pytest.raises(ValueError, match="too short"):  # a third epoch the trace does not cover: loud
+        _set_epoch_as_lightning_does(loader, 2)
 
 
 def test_minibatches_per_rank_table() -> None:

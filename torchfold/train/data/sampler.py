@@ -244,6 +244,7 @@ class TraceBatchSampler(Sampler[list[int]]):
         self._epoch_steps = self.trace.epoch(0, dataset_size, drop_last=drop_last)
         self._splits: list[StepSplit] | None = None  # step_splits() of the current epoch, made on demand
         self._position = 0  # global step a resume starts at: see state_dict()
+        self._sample_order = _SampleOrder(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch: its permutation (``seed + epoch``) and its steps of the trace.
@@ -252,7 +253,8 @@ class TraceBatchSampler(Sampler[list[int]]):
             Call this at the start of every epoch, before creating the ``DataLoader`` iterator and
             before :meth:`steps`, with the same value on every rank. Otherwise every epoch yields
             the same order and the same steps. After :meth:`load_state_dict`, calling it with the
-            resumed epoch keeps the mid-epoch position.
+            resumed epoch keeps the mid-epoch position. Lightning calls it for you, and so does a
+            ``DataLoader`` that accelerate prepared, through :attr:`sampler`.
 
         Raises:
             ValueError: the trace is too short for ``epoch``.
@@ -343,11 +345,35 @@ class TraceBatchSampler(Sampler[list[int]]):
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_size, generator=g)
 
+    def _resume_offset(self) -> int:
+        """Samples of the current epoch that the steps before the resume point took."""
+        steps = self._epoch_steps
+        return sum(steps.batch_sizes[: self._start_step - steps.first_step])
+
+    def _order(self) -> list[int]:
+        """The indices the next ``iter()`` takes, in order, over all ranks (see :attr:`sampler`)."""
+        return self._permutation()[self._resume_offset() : self._epoch_steps.num_samples].tolist()
+
+    @property
+    def sampler(self) -> _SampleOrder:
+        """The order the steps take the dataset's indices in: what ``BatchSampler.sampler`` is to a ``BatchSampler``.
+
+        Its ``set_epoch`` is this sampler's :meth:`set_epoch`: Lightning's loop and accelerate's
+        prepared ``DataLoader`` set the epoch through ``loader.batch_sampler.sampler``, and so
+        reach the trace's steps. Iterating it gives the current epoch's indices from the resume
+        point, over all ranks (the same on every rank); this rank's minibatches are cut from it.
+
+        >>> sampler = TraceBatchSampler(6, [2, 4, 4, 2], minibatch_size=2, shuffle=False)
+        >>> sampler.sampler.set_epoch(1)  # as Lightning does, at the start of the second epoch
+        >>> sampler.epoch, [s.step for s in sampler.steps()], list(sampler.sampler)
+        (1, [2, 3], [0, 1, 2, 3, 4, 5])
+        """
+        return self._sample_order
+
     def __iter__(self) -> Iterator[list[int]]:
         steps = self._epoch_steps
         skip = self._start_step - steps.first_step
-        offset = sum(steps.batch_sizes[:skip])
-        indices = self._permutation()[offset : steps.num_samples].tolist()
+        indices = self._order()
         r, pos = self.num_replicas, 0
         self._position = self._start_step
         for step, size in zip(steps.steps[skip:], steps.batch_sizes[skip:], strict=True):
@@ -466,3 +492,28 @@ class TraceBatchSampler(Sampler[list[int]]):
         self.epoch, self._epoch_steps = epoch, steps
         self._start_step = self._position = next_step
         self._splits = None
+
+
+class _SampleOrder(Sampler[int]):
+    """:attr:`TraceBatchSampler.sampler`: a view of its epoch's order, whose ``set_epoch`` is the owner's.
+
+    NOTE: Lightning (``_set_sampler_epoch``) calls ``set_epoch`` on ``loader.sampler`` and
+    ``loader.batch_sampler.sampler`` only, never on the batch sampler itself; accelerate's
+    ``DataLoaderDispatcher`` likewise. A ``DataLoader(batch_sampler=...)``'s own ``sampler`` is a
+    ``SequentialSampler`` that knows no epoch, so without this view the trace sampler would stay
+    at epoch 0 and every epoch would repeat the first's order and steps.
+    """
+
+    def __init__(self, owner: TraceBatchSampler) -> None:
+        self._owner = owner
+
+    def set_epoch(self, epoch: int) -> None:
+        """:meth:`TraceBatchSampler.set_epoch` of the owner."""
+        self._owner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._owner._order())
+
+    def __len__(self) -> int:
+        owner = self._owner
+        return owner.epoch_steps.num_samples - owner._resume_offset()

@@ -16,6 +16,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import dynamo_guards  # noqa: E402
 import fold_overhead  # noqa: E402
 import gpu_tree_lstm  # noqa: E402
 import harness  # noqa: E402
@@ -368,3 +369,11 @@ def test_xla_profile_counts_executions_whose_operations_ran_before_the_wait(tmp_
     assert step["wall"] == pytest.approx(1.005 + 1.0) and step["operations"] == pytest.approx(1.2)
     with pytest.raises(SystemExit, match="no executed program of a whole step"):
         xla_profile.step_times(tmp_path, per_step=3)
+
+
+@pytest.mark.slow
+def test_dynamo_follows_every_kind_of_read_the_probe_tries() -> None:
+    """benchmarks/dynamo_guards.py: the reads a listed guard missed, each followed by Dynamo's guards."""
+    assert {
+        name: dynamo_guards.follows(*case) for name, case in dynamo_guards.CASES.items()
+    } == dict.fromkeys(dynamo_guards.CASES, True)

@@ -323,6 +323,7 @@ def run(
     LATE_SCALE = 1.0
     model.temperature = 1.0
     random.seed(scenario.seed)  # (the draws of the loss's random term, the same on both devices)
+    compiled_before = _compilations() if xla else 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = trainer.fit(max_steps=len(scenario.trace))
@@ -338,9 +339,19 @@ def run(
         "state": state,
         "warnings": [str(w.message) for w in caught],
         "captures": trainer.runner.captures,
+        # XLA programs compiled in this run (torch_xla's count; one per process, replicas share it)
+        "compilations": _compilations() - compiled_before if xla else 0,
         # (read from the runner: warnings.catch_warnings is not thread-safe, and replicas may be threads)
         "refused": getattr(getattr(trainer.runner, "programs", None), "refused", None),
     }
+
+
+def _compilations() -> int:
+    """XLA programs compiled so far in this process (torch_xla's own count)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
 
 
 def initial_model(scenario: Scenario, data: Path) -> _Model:
@@ -431,7 +442,8 @@ def compare(scenario: Scenario, cpu: dict[str, Any], xla: dict[str, Any]) -> tup
     if scenario.dropout:  # random numbers: the CPU's and XLA's draws differ; replays must be refused
         return ("refused", refused[0]) if refused else ("SILENT", "dropout replayed without a refusal")
     if not problems:
-        return "equal", f"{xla['captures']} programs" + (f"; refused: {refused[0]}" if refused else "")
+        captured = f"{xla['captures']} programs captured, {xla.get('compilations', 0)} compiled"
+        return "equal", captured + (f"; refused: {refused[0]}" if refused else "")
     if refused:
         return "refused", f"{refused[0]} ({'; '.join(problems)})"
     return "SILENT", "; ".join(problems)

@@ -441,6 +441,50 @@ def test_resuming_with_another_lr_rule_ref_batch_or_drop_last_names_the_option(
         assert word not in err, err
 
 
+def _with_trace(args: list[str], trace: str) -> list[str]:
+    args = list(args)
+    args[args.index("--trace") + 1] = trace
+    return args
+
+
+def test_resuming_with_a_longer_trace_trains_on_as_one_run_on_it_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace whose first steps are the checkpoint's, and more, once was refused by a fingerprint of
+    the whole trace: training longer was impossible."""
+    ck, whole = tmp_path / "ck", tmp_path / "whole"
+    code, _out, err = run_train(_with_trace(_args(tmp_path, "--checkpoint-dir", str(ck)), "12,12"), capsys)
+    assert code == 0, err  # one epoch of the 24 trees
+    code, out, err = run_train(
+        _with_trace(_args(tmp_path, "--checkpoint-dir", str(ck)), "12,12,12,18"), capsys
+    )
+    assert code == 0 and "at step 2" in out and "done: 2 steps" in out and "up to step 4" in out, out + err
+    assert (
+        run_train(_with_trace(_args(tmp_path, "--checkpoint-dir", str(whole)), "12,12,12,18"), capsys)[0] == 0
+    )
+    resumed, straight = (load_checkpoint(d / "step-00000004.pt")["model"] for d in (ck, whole))
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_resuming_with_another_trace_names_the_step_and_both_batch_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = ("--checkpoint-dir", str(tmp_path / "ck"))
+    assert run_train(_with_trace(_args(tmp_path, *ck), "12,12"), capsys)[0] == 0
+    code, _out, err = run_train(_with_trace(_args(tmp_path, *ck), "12,6,6"), capsys)
+    _usage_error(
+        code,
+        err,
+        "step-00000002.pt has taken 2 steps of another trace",
+        "its step 1 had batch size 12, and --trace 12,6,6 has 6 there",
+        "resume with a --trace whose first 2 steps are the checkpoint's (it may go on longer)",
+        "--no-resume",
+    )
+    assert "fingerprint" not in err and "sampler" not in err, err
+
+
 def test_the_log_lines_and_the_done_line_say_what_their_loss_is_a_mean_of(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -51,6 +51,7 @@ from torchfold.cli.train_options import (
     ref_batch_size,
     task_from_flags,
     trace_from_flags,
+    trace_mismatch_error,
     trainer_flags,
 )
 from torchfold.cli.train_options import default_minibatch_size as default_minibatch_size  # deprecated
@@ -60,6 +61,7 @@ from torchfold.examples.datasets import TreeParseError
 from torchfold.train.capture import StepMechanism
 from torchfold.train.data.envelope import fit_static_shapes
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import TraceMismatch
 from torchfold.train.distributed.world import RunContext, init_distributed, run_context, world
 from torchfold.train.loop.checkpoint import CheckpointDirLock, HyperparameterMismatch
 from torchfold.train.loop.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
@@ -322,6 +324,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
             )
         except HyperparameterMismatch as e:
             raise mismatch_error(e) from e
+        except TraceMismatch as e:
+            raise trace_mismatch_error(e, args) from e
         if trainer.is_main:
             print("\n".join(banner_lines(args, trace, task, loader, device, trainer.next_step)))
         return _run(args, trainer, history, task)

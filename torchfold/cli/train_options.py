@@ -21,6 +21,7 @@ from torchfold._deprecation import warn_renamed
 from torchfold._validate import positive_int
 from torchfold.examples.datasets import ENV_VAR
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import TraceMismatch
 from torchfold.train.distributed.world import default_device
 from torchfold.train.loop.arguments import fit_end
 from torchfold.train.loop.checkpoint import HyperparameterMismatch
@@ -50,6 +51,7 @@ __all__ = [
     "task_arg_names",
     "task_from_flags",
     "trace_from_flags",
+    "trace_mismatch_error",
     "trainer_flags",
 ]
 
@@ -320,8 +322,9 @@ def device_from_flag(choice: str) -> torch.device:
 
 def checkpoint_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Task) -> dict[str, object]:
     """The options a checkpoint is only valid with (the model, the data, the split), by their names."""
+    # (not --trace: the loader's state holds the steps taken, and a --trace that begins with them, a
+    # longer one too, trains on; trace_mismatch_error words a refusal)
     settings: dict[str, object] = {
-        "--trace (batch sizes fingerprint)": trace.fingerprint(),
         "training trees": len(task.train),
         "--task": BUILTIN_TASKS.get(args.task or "sst", args.task or "sst"),
     }
@@ -348,6 +351,20 @@ def ref_batch_size(args: argparse.Namespace, trace: BatchSizeTrace) -> int | Non
     if args.lr_rule == "constant":
         return None
     return args.ref_batch_size if args.ref_batch_size is not None else trace[0]
+
+
+def trace_mismatch_error(e: TraceMismatch, args: argparse.Namespace) -> ValueError:
+    """A checkpoint that took other steps than --trace's first ones, in the command line's words."""
+    differs = (
+        f"--trace {args.trace} has only {e.step} steps"
+        if e.here is None
+        else f"its step {e.step} had batch size {e.saved}, and --trace {args.trace} has {e.here} there"
+    )
+    return ValueError(
+        f"{e.source} has taken {e.taken} steps of another trace: {differs}; resume with a --trace whose first "
+        f"{e.taken} steps are the checkpoint's (it may go on longer), or start afresh (--no-resume or another "
+        "--checkpoint-dir)"
+    )
 
 
 def mismatch_error(e: HyperparameterMismatch) -> ValueError:

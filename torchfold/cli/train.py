@@ -43,6 +43,7 @@ from torchfold.cli.train_options import (
     device_from_flag,
     done_line,
     dtype_from_flags,
+    evaluation_flags,
     evaluation_line,
     handshake_settings,
     loader_flags,
@@ -65,8 +66,10 @@ from torchfold.train.data.sampler import TraceMismatch
 from torchfold.train.distributed.world import RunContext, init_distributed, run_context, world
 from torchfold.train.loop.checkpoint import CheckpointDirLock, HyperparameterMismatch
 from torchfold.train.loop.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
+from torchfold.train.loop.tensorboard import TensorBoardWriter
 from torchfold.train.loop.trainer import Preempted, TraceTrainer
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.precision import PRECISIONS, autocast
 from torchfold.train.schedule.trace import BatchSizeTrace
 from torchfold.train.task import BUILTIN_TASKS, Task
 
@@ -170,6 +173,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--override-momentum",
         action="store_true",
         help="on resume, train on with this --momentum instead of the checkpoint's (SGD)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32 (default); bf16: each minibatch's forward and loss under autocast to bfloat16 (any device); "
+        "fp16: float16 with loss scaling (CUDA only); the parameters and the update keep --dtype",
+    )
+    p.add_argument(
+        "--max-grad-norm",
+        type=positive_float,
+        metavar="NORM",
+        help="clip each step's gradient (the mean over its global batch) to this total 2-norm before the update",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write the log lines' numbers and the evaluations as TensorBoard scalars to DIR (created if missing; "
+        "needs the tensorboard extra; main rank)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="N",
+        help="evaluate the task on its held-out samples after every N steps (logged, in --history and "
+        "--tensorboard); the task needs an evaluation",
     )
     p.add_argument("--no-eval", action="store_true", help="skip the task's evaluation after training")
     p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
@@ -305,8 +334,12 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
         build = functools.partial(task.build, shapes=shapes)
     loader = StepLoader(task.train, args.minibatch_size, build=build, trace=trace, **loader_flags(args))
     history = StepHistory(args.history)  # opened once the resume step is known (main rank)
+    evaluation = evaluation_flags(args, task)
     lock: CheckpointDirLock | None = None
+    writer: TensorBoardWriter | None = None
     try:
+        if args.tensorboard is not None and world().rank == 0:  # (the trainer reports on the main rank)
+            writer = tensorboard_writer(args.tensorboard)
         # before the trainer resumes from it or sets its checkpoints aside: one run per directory
         lock = lock_checkpoint_dir(args, world().rank == 0)
         try:
@@ -320,7 +353,9 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
                 on_step=history.record if args.history else None,  # (without: a step ahead on an accelerator)
                 settings=checkpoint_settings(args, trace, task),
                 log=tqdm.write,  # (stdout, the bar kept whole)
+                on_metrics=() if writer is None else writer,
                 **trainer_flags(args),
+                **evaluation,
             )
         except HyperparameterMismatch as e:
             raise mismatch_error(e) from e
@@ -332,6 +367,8 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
     finally:
         loader.close()
         history.close()
+        if writer is not None:
+            writer.close()
         if lock is not None:
             lock.release()
 
@@ -350,5 +387,20 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: StepHistory, 
     if main_rank:
         print(done_line(steps, trainer.next_step))
         if task.evaluate is not None and not args.no_eval:
-            print(f"eval: {evaluation_line(task, trainer.model)}")
+            if steps and steps[-1].metrics:  # (--eval-every evaluated the last step)
+                line = evaluation_line(task, trainer.model, steps[-1].metrics)
+            else:
+                with autocast(
+                    trainer.precision, trainer.device
+                ):  # (as the steps ran and --eval-every evaluates)
+                    line = evaluation_line(task, trainer.model)
+            print(f"eval: {line}")
     return 0
+
+
+def tensorboard_writer(log_dir: str) -> TensorBoardWriter:
+    """--tensorboard's writer; a missing tensorboard package is a ValueError naming the flag and the extra."""
+    try:
+        return TensorBoardWriter(log_dir)
+    except ImportError as e:
+        raise ValueError(f"--tensorboard {log_dir}: {e}") from e

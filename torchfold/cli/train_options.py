@@ -12,7 +12,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ __all__ = [
     "device_from_flag",
     "done_line",
     "dtype_from_flags",
+    "evaluation_flags",
     "evaluation_line",
     "handshake_settings",
     "loader_flags",
@@ -178,7 +179,22 @@ def trainer_flags(args: argparse.Namespace) -> dict[str, Any]:
         "resume": not args.no_resume,  # the library's rule: resume, or set the old checkpoints aside
         "override_hyperparameters": [n for n in ("lr", "momentum") if getattr(args, f"override_{n}")],
         "num_threads": args.threads,  # None: the library's rule
+        "precision": args.precision,
+        "max_grad_norm": args.max_grad_norm,
     }
+
+
+def evaluation_flags(args: argparse.Namespace, task: Task) -> dict[str, Any]:
+    """The :class:`~torchfold.train.TraceTrainer` arguments of --eval-every: the task's evaluation,
+    its held-out samples and the period (none without the flag; a ValueError for a task without one)."""
+    if args.eval_every is None:
+        return {}
+    if task.evaluate is None:
+        raise ValueError(
+            f"--eval-every {args.eval_every}: task {task.name} has no evaluation (its Task has no evaluate= and "
+            "eval=); give it one, or drop --eval-every"
+        )
+    return {"evaluate": task.evaluate, "eval_data": task.eval, "eval_every": args.eval_every}
 
 
 def handshake_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Task) -> dict[str, object]:
@@ -208,6 +224,7 @@ def option_names(message: str, args: argparse.Namespace | None = None) -> str:
     (with ``args``, the sst task's too: :func:`task_arg_names`)."""
     if args is not None:
         message = task_arg_names(message, args)
+    message = re.sub(r"precision='(\w+)'", r"--precision \1", message)  # check_precision's words
     for argument, option in (
         ("the per-device maximum or max_accumulation_steps", "--max-device-batch-size or --max-accumulation"),
         ("max_accumulation_steps=", "--max-accumulation "),
@@ -277,9 +294,10 @@ def done_line(steps: Sequence[StepStats], next_step: int) -> str:
     )
 
 
-def evaluation_line(task: Task, model: torch.nn.Module) -> str:
-    """The task's evaluation of ``model`` on its eval samples, as one line."""
-    shown = ", ".join(f"{name} {value:.4f}" for name, value in task.evaluate_model(model).items())
+def evaluation_line(task: Task, model: torch.nn.Module, metrics: Mapping[str, float] | None = None) -> str:
+    """The task's evaluation of ``model`` on its eval samples (or its ``metrics``, evaluated already), as one line."""
+    found = task.evaluate_model(model) if metrics is None else metrics
+    shown = ", ".join(f"{name} {value:.4f}" for name, value in found.items())
     return f"{shown} ({len(task.eval)} held-out samples of task {task.name})"
 
 

@@ -257,6 +257,22 @@ def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path: Path, capsys: pytest
     _usage_error(code, err, f"--checkpoint-dir {a_file} is a file")
 
 
+def test_history_makes_its_missing_folder_and_refuses_one_that_is_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--history runs/h.jsonl`` once refused a missing ``runs/`` (``--checkpoint-dir`` makes its folder)."""
+    history = tmp_path / "runs" / "a" / "h.jsonl"
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--history", str(history)), capsys)
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1]
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, _out, err = run_train(
+        _args(tmp_path, "--max-steps", "1", "--history", str(a_file / "h.jsonl")), capsys
+    )
+    _usage_error(code, err, f"--history {a_file / 'h.jsonl'}: {a_file} is a file, not a directory")
+
+
 def test_an_unwritable_history_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--history", "/dev/full"), capsys)
     assert code == 1, err

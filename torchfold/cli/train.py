@@ -202,7 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-eval", action="store_true", help="skip the task's evaluation after training")
     p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
-    p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
+    p.add_argument(
+        "--history",
+        metavar="FILE",
+        help="write every step's stats as JSON lines (main rank; its folder made if missing)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--threads",

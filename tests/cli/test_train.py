@@ -616,7 +616,7 @@ def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
     assert code == 0, err
     assert "12 GENERATED trees" in out and "(5 steps)" in out
     assert (
-        "run: stops before step 4 of the trace's 5: they hold 2 complete epoch(s) of 12 trees, and the last "
+        "run: stops before step 4 of the trace's 5: they hold 2 complete epoch(s) of 12 samples, and the last "
         "1 step(s) would start one the trace cannot finish (--epochs 3 trains them too)"
     ) in out
     assert "done: 4 steps" in out

@@ -113,14 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--minibatch-size",
         type=positive_int,
-        help=f"trees per fold (default: the largest size up to {DEFAULT_MINIBATCH_SIZE} that divides every "
+        help=f"samples per fold (default: the largest size up to {DEFAULT_MINIBATCH_SIZE} that divides every "
         "batch size of the trace)",
     )
     size.add_argument(
         "--max-device-batch-size",
         type=positive_int,
         metavar="N",
-        help="elastic: instead of --minibatch-size, split each step's global batch into folds of at most N trees "
+        help="elastic: instead of --minibatch-size, split each step's global batch into folds of at most N samples "
         "over the processes present (the accumulation follows the process count)",
     )
     p.add_argument(
@@ -332,9 +332,9 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
     optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=ref_batch_size(args, trace))
     build = task.build
     if mechanism.needs_static_shapes:  # fitted to a pass over the data and frozen: none grows
-        fold_trees = args.minibatch_size or args.max_device_batch_size
+        fold_samples = args.minibatch_size or args.max_device_batch_size
         shapes = StaticShapes(pack_levels=args.pack_levels)
-        shapes = fit_static_shapes(task.train, task.build, fold_trees, shapes=shapes, seed=args.seed)
+        shapes = fit_static_shapes(task.train, task.build, fold_samples, shapes=shapes, seed=args.seed)
         build = functools.partial(task.build, shapes=shapes)
     loader = StepLoader(task.train, args.minibatch_size, build=build, trace=trace, **loader_flags(args))
     history = StepHistory(args.history)  # opened once the resume step is known (main rank)
@@ -386,7 +386,7 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: StepHistory, 
             print(f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {saved}")
     if args.history and main_rank:
         history.open(trainer.next_step if resumed is not None else None)
-    with frozen_gc():  # (the parsed trees live as long as the run)
+    with frozen_gc():  # (the loaded samples live as long as the run)
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     if main_rank:
         print(done_line(steps, trainer.next_step))

@@ -201,7 +201,7 @@ def handshake_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Ta
     """What all ranks must agree on before joining (all small): a mismatch names the option and both values."""
     return {
         "trace batch sizes (fingerprint)": trace.fingerprint(),
-        "training trees": len(task.train),
+        "training samples": len(task.train),
         **{
             f"--{k.replace('_', '-')}": v
             for k, v in vars(args).items()
@@ -243,7 +243,7 @@ def stop_line(
     epochs: int | None = args.epochs if args.epochs is not None else sampler.num_epochs
     if trace.num_steps is None or not epochs:
         return None  # an unbounded trace ends at --max-steps or --epochs, as asked; a short one at its end
-    total, trees = trace.num_steps, sampler.dataset_size
+    total, samples = trace.num_steps, sampler.dataset_size
     end, _ = fit_end(loader, next_step, args.max_steps, args.epochs)
     if end >= total:
         return None
@@ -252,8 +252,8 @@ def stop_line(
     if args.epochs is not None:
         return f"stops before step {end} of the trace's {total}: there epoch {epochs} ends (--epochs {args.epochs})"
     return (
-        f"stops before step {end} of the trace's {total}: they hold {epochs} complete epoch(s) of {trees} "
-        f"trees, and the last {total - end} step(s) would start one the trace cannot finish "
+        f"stops before step {end} of the trace's {total}: they hold {epochs} complete epoch(s) of {samples} "
+        f"samples, and the last {total - end} step(s) would start one the trace cannot finish "
         f"(--epochs {epochs + 1} trains them too)"
     )
 
@@ -343,7 +343,7 @@ def checkpoint_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: T
     # (not --trace: the loader's state holds the steps taken, and a --trace that begins with them, a
     # longer one too, trains on; trace_mismatch_error words a refusal)
     settings: dict[str, object] = {
-        "training trees": len(task.train),
+        "training samples": len(task.train),
         "--task": BUILTIN_TASKS.get(args.task or "sst", args.task or "sst"),
     }
     for name, value in task.settings.items():  # the task's own: its model's sizes, its vocabulary

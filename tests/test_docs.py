@@ -26,7 +26,7 @@ PRINTS = {
     "index.md": "tensor([1., 3., 5.])\n",
     "guide/engine.md": "Fold: 15 nodes in 4 batched groups over 4 depths\n",
     "guide/static-shapes.md": "torch.Size([3, 1]) torch.Size([16, 1])\n",
-    "guide/training.md": "[32, 64, 96, 64, 32]\n",
+    "guide/training.md": "[32, 64, 96, 64, 32]\n2\n(4, ['eval/samples'])\n",
     "guide/your-model.md": "parity 48\n",
 }
 

@@ -186,20 +186,50 @@ def test_install_leads_with_what_works_today() -> None:
 
 
 def test_the_api_map_names_modules_where_they_are() -> None:
-    """Every module the API map names imports without a warning that it moved."""
+    """Every module the API map names imports without a warning that it moved, and every name it
+    lists is found where its row says: ``from torchfold.train.schedule import BatchSizeTrace`` once
+    failed, the map having said so."""
     section = re.search(r"^## API map\n(.*?)^## |^## API map\n(.*)", README.read_text(), flags=re.S | re.M)
     assert section is not None
-    modules = []
+    rows: list[tuple[list[str], list[str]]] = []
     for row in re.findall(r"^\| (`torchfold[^|]*) \| ([^|]*) \|$", section.group(0), flags=re.M):
         names = re.findall(r"`([.\w]+)`", row[0])
-        modules.append(names[0])
         parent = names[0].rpartition(".")[0]
-        modules += [parent + name for name in names[1:]]  # `.node` beside `torchfold.engine.fold`
-        if names[0] == "torchfold.train":  # its submodules, in parentheses: `BatchSizeTrace` (`trace`)
-            modules += [f"torchfold.train.{name}" for name in re.findall(r"\(`(\w+)`", row[1])]
-    assert "torchfold.train.capture" in modules and "torchfold.engine.node" in modules, modules
-    probe = "import importlib, sys, warnings; warnings.simplefilter('error')\n" + "".join(
-        f"importlib.import_module({m!r})\n" for m in modules
+        modules = [names[0]] + [parent + name for name in names[1:]]  # `.node` beside `torchfold.engine.fold`
+        # the names it holds: every `identifier` or `dotted.path` (not `python -m torchfold`, `elastic run`);
+        # those after "`sub.module`: " are read as a reader reads them, in that submodule
+        text = re.sub(
+            r"`([\w.]+)`: ((?:`[\w.]+`(?:, )?)+)",
+            lambda m: ", ".join(f"`{m.group(1)}.{name}`" for name in re.findall(r"`([\w.]+)`", m.group(2))),
+            row[1],
+        )
+        rows.append((modules, re.findall(r"`([A-Za-z_]\w*(?:\.\w+)*)`", text)))
+    modules = [m for row_modules, _ in rows for m in row_modules]
+    listed = [name for _, names in rows for name in names]
+    assert "torchfold.engine.node" in modules and "schedule.trace.BatchSizeTrace" in listed, rows
+    assert len(listed) > 40  # the map's names were read
+    # A name resolves in one of its row's modules: an attribute, or a submodule (`schedule.trace.X`).
+    probe = (
+        "import importlib, sys, warnings; warnings.simplefilter('error')\n"
+        "def find(module, path):\n"
+        "    value = importlib.import_module(module)\n"
+        "    for part in path.split('.'):\n"
+        "        if hasattr(value, part):\n"
+        "            value = getattr(value, part)\n"
+        "        elif isinstance(value, type(sys)):\n"
+        "            try:\n"
+        "                value = importlib.import_module(f'{value.__name__}.{part}')\n"
+        "            except ModuleNotFoundError:\n"
+        "                return False\n"
+        "        else:\n"
+        "            return False\n"
+        "    return True\n"
+        "missing = []\n"
+        f"for modules, names in {rows!r}:\n"
+        "    for module in modules:\n"
+        "        importlib.import_module(module)\n"
+        "    missing += [f'{name} (in none of {modules})' for name in names if not any(find(m, name) for m in modules)]\n"
+        "assert not missing, missing\n"
     )
     env = {
         **os.environ,

@@ -35,6 +35,35 @@ def test_check_example_trace(traces_dir: Path, capsys: pytest.CaptureFixture[str
     assert "epochs 12: ok, they end after step 768" in out
 
 
+def test_check_and_plot_take_a_trace_as_train_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``trace check "steps:16x4,32x4"`` once said ``No such file or directory``: a trace is written
+    the same way everywhere (``as_trace``), on this command too."""
+    code, out, err = run(
+        ["check", "steps:16x4,32x4", "--minibatch-size", "16", "--dataset-size", "64", "--epochs", "2"],
+        capsys,
+    )
+    assert (code, err) == (0, ""), err
+    assert "trace:          steps:16x4,32x4" in out and "steps:          8" in out
+    assert "total samples:  192" in out and "epochs 2: ok, they end after step 5" in out
+    code, out, err = run(["check", "16,32,48"], capsys)
+    assert (code, err) == (0, "") and "batch size:     min 16, max 48, mean 32.0" in out
+    code, out, err = run(["check", "32", "--dataset-size", "100", "--epochs", "3"], capsys)
+    assert (code, err) == (0, ""), err
+    assert (
+        "steps:          unbounded (every step 32)" in out and "epochs 3: ok, they end after step 11" in out
+    )
+    code, out, err = run(["check", "linear:32"], capsys)
+    assert code == 1 and "bad schedule part 'linear:32'" in err and "No such file" not in err
+    code, out, err = run(["plot", "constant:32:4+constant:64:4", "-o", str(tmp_path / "t.png")], capsys)
+    assert (code, err) == (0, "") and "(8 steps)" in out, err
+    code, out, err = run(["plot", "32", "-o", str(tmp_path / "u.png")], capsys)
+    assert (
+        code == 1 and "32 is a constant batch size without an end; give it one, e.g. constant:32:1000" in err
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -257,6 +257,22 @@ def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path: Path, capsys: pytest
     _usage_error(code, err, f"--checkpoint-dir {a_file} is a file")
 
 
+def test_history_makes_its_missing_folder_and_refuses_one_that_is_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--history runs/h.jsonl`` once refused a missing ``runs/`` (``--checkpoint-dir`` makes its folder)."""
+    history = tmp_path / "runs" / "a" / "h.jsonl"
+    code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--history", str(history)), capsys)
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [0, 1]
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, _out, err = run_train(
+        _args(tmp_path, "--max-steps", "1", "--history", str(a_file / "h.jsonl")), capsys
+    )
+    _usage_error(code, err, f"--history {a_file / 'h.jsonl'}: {a_file} is a file, not a directory")
+
+
 def test_an_unwritable_history_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = run_train(_args(tmp_path, "--max-steps", "2", "--history", "/dev/full"), capsys)
     assert code == 1, err
@@ -441,6 +457,50 @@ def test_resuming_with_another_lr_rule_ref_batch_or_drop_last_names_the_option(
         assert word not in err, err
 
 
+def _with_trace(args: list[str], trace: str) -> list[str]:
+    args = list(args)
+    args[args.index("--trace") + 1] = trace
+    return args
+
+
+def test_resuming_with_a_longer_trace_trains_on_as_one_run_on_it_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace whose first steps are the checkpoint's, and more, once was refused by a fingerprint of
+    the whole trace: training longer was impossible."""
+    ck, whole = tmp_path / "ck", tmp_path / "whole"
+    code, _out, err = run_train(_with_trace(_args(tmp_path, "--checkpoint-dir", str(ck)), "12,12"), capsys)
+    assert code == 0, err  # one epoch of the 24 trees
+    code, out, err = run_train(
+        _with_trace(_args(tmp_path, "--checkpoint-dir", str(ck)), "12,12,12,18"), capsys
+    )
+    assert code == 0 and "at step 2" in out and "done: 2 steps" in out and "up to step 4" in out, out + err
+    assert (
+        run_train(_with_trace(_args(tmp_path, "--checkpoint-dir", str(whole)), "12,12,12,18"), capsys)[0] == 0
+    )
+    resumed, straight = (load_checkpoint(d / "step-00000004.pt")["model"] for d in (ck, whole))
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_resuming_with_another_trace_names_the_step_and_both_batch_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = ("--checkpoint-dir", str(tmp_path / "ck"))
+    assert run_train(_with_trace(_args(tmp_path, *ck), "12,12"), capsys)[0] == 0
+    code, _out, err = run_train(_with_trace(_args(tmp_path, *ck), "12,6,6"), capsys)
+    _usage_error(
+        code,
+        err,
+        "step-00000002.pt has taken 2 steps of another trace",
+        "its step 1 had batch size 12, and --trace 12,6,6 has 6 there",
+        "resume with a --trace whose first 2 steps are the checkpoint's (it may go on longer)",
+        "--no-resume",
+    )
+    assert "fingerprint" not in err and "sampler" not in err, err
+
+
 def test_the_log_lines_and_the_done_line_say_what_their_loss_is_a_mean_of(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -556,7 +616,7 @@ def test_the_banner_says_why_the_run_stops_before_the_last_step_of_the_trace(
     assert code == 0, err
     assert "12 GENERATED trees" in out and "(5 steps)" in out
     assert (
-        "run: stops before step 4 of the trace's 5: they hold 2 complete epoch(s) of 12 trees, and the last "
+        "run: stops before step 4 of the trace's 5: they hold 2 complete epoch(s) of 12 samples, and the last "
         "1 step(s) would start one the trace cannot finish (--epochs 3 trains them too)"
     ) in out
     assert "done: 4 steps" in out

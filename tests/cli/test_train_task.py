@@ -46,6 +46,18 @@ def test_a_task_outside_the_package_trains_and_evaluates(
     assert "eval: accuracy " in out and "(16 held-out samples of task parity)" in out
 
 
+def test_the_run_s_messages_count_samples_not_trees(
+    task_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A task of digit sequences once heard of "epoch(s) of 48 trees"."""
+    args = ["--task", SPEC, *QUICK]
+    args[args.index("--trace") + 1] = "12,12,12,12,12"
+    code, out, err = run_train(args, capsys)
+    assert code == 0, err
+    assert "they hold 1 complete epoch(s) of 48 samples, and the last 1 step(s)" in out, out
+    assert "trees" not in out, out
+
+
 def test_the_task_settings_guard_a_resume(
     task_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

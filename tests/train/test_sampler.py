@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchfold._deprecation
-from torchfold.train.data.sampler import StepSplit, TraceBatchSampler, minibatches_per_rank
+from torchfold.train.data.sampler import StepSplit, TraceBatchSampler, TraceMismatch, minibatches_per_rank
 from torchfold.train.schedule.trace import BatchSizeTrace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -399,7 +399,7 @@ def test_set_epoch_and_state_dict_errors() -> None:
 @pytest.mark.parametrize(
     ("other", "message"),
     [
-        ({"trace": [4, 4, 4, 4, 4, 8]}, "trace_fingerprint="),
+        ({"trace": [6, 4, 4, 4, 4, 4]}, "its step 0 had batch size 4, and trace '<list>' has 6 there"),
         (
             {"minibatch_size": None, "max_device_batch_size": 2},
             "saved with minibatch_size=2 but this sampler has minibatch_size=None",
@@ -434,7 +434,7 @@ def test_load_state_dict_bad_states() -> None:
     with pytest.raises(ValueError, match=re.escape("sampler state is missing ['next_step']")):
         s.load_state_dict({k: v for k, v in good.items() if k != "next_step"})
     with pytest.raises(ValueError, match="next_step=5, outside its epoch 0"):
-        s.load_state_dict({**good, "next_step": 5})
+        s.load_state_dict({**good, "next_step": 5, "trace_steps": [[4, 5]]})
     with pytest.raises(TypeError, match=r"sampler state's 'next_step' must be an int, got str '2'"):
         s.load_state_dict({**good, "next_step": "2"})  # once a raw TypeError from comparing str and int
     with pytest.raises(TypeError, match="state should be a dict"):
@@ -546,3 +546,65 @@ def test_step_plan_is_a_deprecated_alias_of_step_split() -> None:
     step = next(iter(tt.StepLoader(list(range(8)), 2, trace=[4, 4])))
     with pytest.warns(FutureWarning, match=r"Step.plan is deprecated; use Step.split"):
         assert step.plan is step.split
+
+
+def test_a_longer_trace_resumes_where_the_state_left_off_as_one_sampler_of_it_would() -> None:
+    """A state holds the batch sizes of the steps it took: a trace that begins with them (and goes on
+    longer, or differs only later) is taken, and yields what an uninterrupted sampler of it yields."""
+    saver = TraceBatchSampler(10, [4, 4, 4], minibatch_size=2, seed=3)  # ends in the epoch's last step
+    saver.seek(2)
+    state = saver.state_dict()
+    assert state["trace_steps"] == [[4, 2]]
+    longer = [4, 4, 2, 6, 4, 4, 2]
+    resumed = TraceBatchSampler(10, longer, minibatch_size=2, seed=3)
+    resumed.load_state_dict(state)
+    straight = TraceBatchSampler(10, longer, minibatch_size=2, seed=3)
+    straight.seek(2)
+    assert list(resumed) == list(straight) and [s.batch_size for s in resumed.steps()] == [2]
+    for epoch in (1,):
+        resumed.set_epoch(epoch)
+        straight.set_epoch(epoch)
+        assert list(resumed) == list(straight)
+
+
+@pytest.mark.parametrize(
+    ("trace", "difference", "message"),
+    [
+        (
+            [4, 8, 4],
+            (1, 4, 8),
+            "sampler state has taken 2 steps of another trace: its step 1 had batch size 4, and trace "
+            "'<list>' has 8 there; resume with a trace whose first 2 steps are the ones taken (it may go on longer)",
+        ),
+        (
+            [4],
+            (1, 4, None),
+            "sampler state has taken 2 steps of another trace: trace '<list>' has only 1 steps",
+        ),
+    ],
+)
+def test_a_trace_that_differs_in_the_steps_taken_is_refused_naming_the_step(
+    trace: list[int], difference: tuple[int, int, int | None], message: str
+) -> None:
+    saver = TraceBatchSampler(10, [4, 4, 4], minibatch_size=2)
+    saver.seek(2)
+    with pytest.raises(TraceMismatch, match=re.escape(message)) as caught:
+        TraceBatchSampler(10, trace, minibatch_size=2).load_state_dict(saver.state_dict())
+    assert isinstance(caught.value, ValueError)  # (a bad argument: the library's rule)
+    assert (caught.value.step, caught.value.saved, caught.value.here) == difference
+
+
+def test_a_state_without_the_steps_taken_is_checked_against_the_whole_trace() -> None:
+    saver = TraceBatchSampler(10, [4, 4, 4], minibatch_size=2)
+    saver.seek(2)
+    old = {k: v for k, v in saver.state_dict().items() if k != "trace_steps"}  # as torchfold 0.3 wrote it
+    TraceBatchSampler(10, [4, 4, 4], minibatch_size=2).load_state_dict(old)
+    with pytest.raises(
+        ValueError, match="saved with trace_num_steps=3 but this sampler has trace_num_steps=4"
+    ):
+        TraceBatchSampler(10, [4, 4, 4, 4], minibatch_size=2).load_state_dict(old)
+    for bad in ([[4, 1]], [[4, 2.0]], "4x2", [[4, 0], [4, 2]]):
+        with pytest.raises(ValueError, match="'trace_steps' is not a list of"):
+            TraceBatchSampler(10, [4, 4, 4], minibatch_size=2).load_state_dict(
+                {**saver.state_dict(), "trace_steps": bad}
+            )

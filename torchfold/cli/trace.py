@@ -20,7 +20,7 @@ from typing import Any
 
 from torchfold._validate import positive_float, positive_int
 from torchfold.train.optim.lr import LR_RULES
-from torchfold.train.schedule.trace import BatchSizeTrace
+from torchfold.train.schedule.trace import BatchSizeTrace, as_trace
 
 __all__ = ["main"]
 
@@ -43,6 +43,13 @@ class _DeprecatedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+# (check and plot read a trace as train's --trace does: one rule, as_trace)
+_TRACE_HELP = (
+    "a step,batchsize CSV file or any trace train's --trace takes: a list such as 32,64,96, a schedule such as "
+    "steps:16x4,32x4 or linear:32:256:1000, an int (a constant)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchfold trace",
@@ -51,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{check,convert,plot}")
 
     check = commands.add_parser("check", help="validate a trace and print a summary")
-    check.add_argument("file", help="step,batchsize CSV file")
+    check.add_argument("file", metavar="TRACE", help=_TRACE_HELP)
     check.add_argument(
         "--minibatch-size", type=positive_int, help="every batch size must be a multiple of it"
     )
@@ -79,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", required=True, help="output step,batchsize CSV file")
 
     plot = commands.add_parser("plot", help="plot batch size (and learning rate) over steps to a PNG")
-    plot.add_argument("file", help="step,batchsize CSV file")
+    plot.add_argument("file", metavar="TRACE", help=_TRACE_HELP)
     plot.add_argument("-o", "--output", required=True, help="output PNG file")
     plot.add_argument(
         "--lr", type=positive_float, help="base learning rate at --ref-batch-size: adds an lr panel"
@@ -110,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _summary(trace: BatchSizeTrace) -> list[str]:
     sizes = trace.batch_sizes
+    if trace.num_steps is None:
+        return [f"trace:          {trace.source}", f"steps:          unbounded (every step {sizes[0]})"]
     lines = [
         f"trace:          {trace.source}",
         f"steps:          {len(sizes)}",
@@ -125,7 +134,7 @@ def _summary(trace: BatchSizeTrace) -> list[str]:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.epochs is not None and args.dataset_size is None:
         parser.error("--epochs needs --dataset-size")
-    trace = BatchSizeTrace.from_csv(args.file)
+    trace = as_trace(args.file)
     if args.minibatch_size is not None:
         try:
             trace.check_minibatch_size(args.minibatch_size)
@@ -134,17 +143,20 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     lines = _summary(trace)
     if args.minibatch_size is not None:
         lines.append(f"minibatch size: {args.minibatch_size} (divides every batch size)")
-    if args.dataset_size is not None:
+    if args.dataset_size is not None and trace.num_steps is None:
+        lines.append(f"epochs covered: any number of {args.dataset_size} samples (the trace has no end)")
+    elif args.dataset_size is not None:
         full = trace.num_full_epochs(args.dataset_size, drop_last=args.drop_last)
         exact = trace.total_samples / args.dataset_size
         lines.append(
             f"epochs covered: {full} full epochs of {args.dataset_size} samples "
             f"({exact:.2f} dataset passes of samples, drop_last={args.drop_last})"
         )
-        if args.epochs is not None:
+    if args.dataset_size is not None and args.epochs is not None:
+        if trace.num_steps is not None:  # (an unbounded one covers any number)
             trace.split_epochs(args.dataset_size, args.epochs, drop_last=args.drop_last)  # raises if short
-            last = trace.epoch(args.epochs - 1, args.dataset_size, drop_last=args.drop_last)
-            lines.append(f"epochs {args.epochs}: ok, they end after step {last.end_step - 1}")
+        last = trace.epoch(args.epochs - 1, args.dataset_size, drop_last=args.drop_last)
+        lines.append(f"epochs {args.epochs}: ok, they end after step {last.end_step - 1}")
     print("\n".join(lines))
     return 0
 
@@ -172,7 +184,12 @@ def _convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.ref_batch_size is not None and args.lr is None:
         parser.error("--ref-batch-size needs --lr")
-    trace = BatchSizeTrace.from_csv(args.file)
+    trace = as_trace(args.file)
+    if trace.num_steps is None:
+        size = trace.batch_sizes[0]
+        raise ValueError(
+            f"{args.file} is a constant batch size without an end; give it one, e.g. constant:{size}:1000"
+        )
     trace.plot(args.output, lr=args.lr, ref_batch_size=args.ref_batch_size, rule=args.lr_rule)
     print(f"written: {args.output} ({len(trace)} steps)")
     return 0

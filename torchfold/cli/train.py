@@ -43,6 +43,7 @@ from torchfold.cli.train_options import (
     device_from_flag,
     done_line,
     dtype_from_flags,
+    evaluation_flags,
     evaluation_line,
     handshake_settings,
     loader_flags,
@@ -51,6 +52,7 @@ from torchfold.cli.train_options import (
     ref_batch_size,
     task_from_flags,
     trace_from_flags,
+    trace_mismatch_error,
     trainer_flags,
 )
 from torchfold.cli.train_options import default_minibatch_size as default_minibatch_size  # deprecated
@@ -60,11 +62,14 @@ from torchfold.examples.datasets import TreeParseError
 from torchfold.train.capture import StepMechanism
 from torchfold.train.data.envelope import fit_static_shapes
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import TraceMismatch
 from torchfold.train.distributed.world import RunContext, init_distributed, run_context, world
 from torchfold.train.loop.checkpoint import CheckpointDirLock, HyperparameterMismatch
 from torchfold.train.loop.preemption import PREEMPTED_EXIT_CODE, Terminated, terminated_on_sigterm
+from torchfold.train.loop.tensorboard import TensorBoardWriter
 from torchfold.train.loop.trainer import Preempted, TraceTrainer
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.optim.precision import PRECISIONS, autocast
 from torchfold.train.schedule.trace import BatchSizeTrace
 from torchfold.train.task import BUILTIN_TASKS, Task
 
@@ -108,14 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--minibatch-size",
         type=positive_int,
-        help=f"trees per fold (default: the largest size up to {DEFAULT_MINIBATCH_SIZE} that divides every "
+        help=f"samples per fold (default: the largest size up to {DEFAULT_MINIBATCH_SIZE} that divides every "
         "batch size of the trace)",
     )
     size.add_argument(
         "--max-device-batch-size",
         type=positive_int,
         metavar="N",
-        help="elastic: instead of --minibatch-size, split each step's global batch into folds of at most N trees "
+        help="elastic: instead of --minibatch-size, split each step's global batch into folds of at most N samples "
         "over the processes present (the accumulation follows the process count)",
     )
     p.add_argument(
@@ -169,9 +174,39 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on resume, train on with this --momentum instead of the checkpoint's (SGD)",
     )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32 (default); bf16: each minibatch's forward and loss under autocast to bfloat16 (any device); "
+        "fp16: float16 with loss scaling (CUDA only); the parameters and the update keep --dtype",
+    )
+    p.add_argument(
+        "--max-grad-norm",
+        type=positive_float,
+        metavar="NORM",
+        help="clip each step's gradient (the mean over its global batch) to this total 2-norm before the update",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write the log lines' numbers and the evaluations as TensorBoard scalars to DIR (created if missing; "
+        "needs the tensorboard extra; main rank)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="N",
+        help="evaluate the task on its held-out samples after every N steps (logged, in --history and "
+        "--tensorboard); the task needs an evaluation",
+    )
     p.add_argument("--no-eval", action="store_true", help="skip the task's evaluation after training")
     p.add_argument("--log-every", type=non_negative_int, default=10, help="steps between log lines (0: none)")
-    p.add_argument("--history", metavar="FILE", help="write every step's stats as JSON lines (main rank)")
+    p.add_argument(
+        "--history",
+        metavar="FILE",
+        help="write every step's stats as JSON lines (main rank; its folder made if missing)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--threads",
@@ -299,14 +334,18 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
     optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=ref_batch_size(args, trace))
     build = task.build
     if mechanism.needs_static_shapes:  # fitted to a pass over the data and frozen: none grows
-        fold_trees = args.minibatch_size or args.max_device_batch_size
+        fold_samples = args.minibatch_size or args.max_device_batch_size
         shapes = StaticShapes(pack_levels=args.pack_levels)
-        shapes = fit_static_shapes(task.train, task.build, fold_trees, shapes=shapes, seed=args.seed)
+        shapes = fit_static_shapes(task.train, task.build, fold_samples, shapes=shapes, seed=args.seed)
         build = functools.partial(task.build, shapes=shapes)
     loader = StepLoader(task.train, args.minibatch_size, build=build, trace=trace, **loader_flags(args))
     history = StepHistory(args.history)  # opened once the resume step is known (main rank)
+    evaluation = evaluation_flags(args, task)
     lock: CheckpointDirLock | None = None
+    writer: TensorBoardWriter | None = None
     try:
+        if args.tensorboard is not None and world().rank == 0:  # (the trainer reports on the main rank)
+            writer = tensorboard_writer(args.tensorboard)
         # before the trainer resumes from it or sets its checkpoints aside: one run per directory
         lock = lock_checkpoint_dir(args, world().rank == 0)
         try:
@@ -320,16 +359,22 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
                 on_step=history.record if args.history else None,  # (without: a step ahead on an accelerator)
                 settings=checkpoint_settings(args, trace, task),
                 log=tqdm.write,  # (stdout, the bar kept whole)
+                on_metrics=() if writer is None else writer,
                 **trainer_flags(args),
+                **evaluation,
             )
         except HyperparameterMismatch as e:
             raise mismatch_error(e) from e
+        except TraceMismatch as e:
+            raise trace_mismatch_error(e, args) from e
         if trainer.is_main:
             print("\n".join(banner_lines(args, trace, task, loader, device, trainer.next_step)))
         return _run(args, trainer, history, task)
     finally:
         loader.close()
         history.close()
+        if writer is not None:
+            writer.close()
         if lock is not None:
             lock.release()
 
@@ -343,10 +388,25 @@ def _run(args: argparse.Namespace, trainer: TraceTrainer, history: StepHistory, 
             print(f"--override-{name}: training on with --{name} {value} instead of the checkpoint's {saved}")
     if args.history and main_rank:
         history.open(trainer.next_step if resumed is not None else None)
-    with frozen_gc():  # (the parsed trees live as long as the run)
+    with frozen_gc():  # (the loaded samples live as long as the run)
         steps = trainer.fit(max_steps=args.max_steps, epochs=args.epochs)
     if main_rank:
         print(done_line(steps, trainer.next_step))
         if task.evaluate is not None and not args.no_eval:
-            print(f"eval: {evaluation_line(task, trainer.model)}")
+            if steps and steps[-1].metrics:  # (--eval-every evaluated the last step)
+                line = evaluation_line(task, trainer.model, steps[-1].metrics)
+            else:
+                with autocast(
+                    trainer.precision, trainer.device
+                ):  # (as the steps ran and --eval-every evaluates)
+                    line = evaluation_line(task, trainer.model)
+            print(f"eval: {line}")
     return 0
+
+
+def tensorboard_writer(log_dir: str) -> TensorBoardWriter:
+    """--tensorboard's writer; a missing tensorboard package is a ValueError naming the flag and the extra."""
+    try:
+        return TensorBoardWriter(log_dir)
+    except ImportError as e:
+        raise ValueError(f"--tensorboard {log_dir}: {e}") from e

@@ -12,7 +12,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torchfold._deprecation import warn_renamed
 from torchfold._validate import positive_int
 from torchfold.examples.datasets import ENV_VAR
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import TraceMismatch
 from torchfold.train.distributed.world import default_device
 from torchfold.train.loop.arguments import fit_end
 from torchfold.train.loop.checkpoint import HyperparameterMismatch
@@ -40,6 +41,7 @@ __all__ = [
     "device_from_flag",
     "done_line",
     "dtype_from_flags",
+    "evaluation_flags",
     "evaluation_line",
     "handshake_settings",
     "loader_flags",
@@ -50,6 +52,7 @@ __all__ = [
     "task_arg_names",
     "task_from_flags",
     "trace_from_flags",
+    "trace_mismatch_error",
     "trainer_flags",
 ]
 
@@ -176,14 +179,29 @@ def trainer_flags(args: argparse.Namespace) -> dict[str, Any]:
         "resume": not args.no_resume,  # the library's rule: resume, or set the old checkpoints aside
         "override_hyperparameters": [n for n in ("lr", "momentum") if getattr(args, f"override_{n}")],
         "num_threads": args.threads,  # None: the library's rule
+        "precision": args.precision,
+        "max_grad_norm": args.max_grad_norm,
     }
+
+
+def evaluation_flags(args: argparse.Namespace, task: Task) -> dict[str, Any]:
+    """The :class:`~torchfold.train.TraceTrainer` arguments of --eval-every: the task's evaluation,
+    its held-out samples and the period (none without the flag; a ValueError for a task without one)."""
+    if args.eval_every is None:
+        return {}
+    if task.evaluate is None:
+        raise ValueError(
+            f"--eval-every {args.eval_every}: task {task.name} has no evaluation (its Task has no evaluate= and "
+            "eval=); give it one, or drop --eval-every"
+        )
+    return {"evaluate": task.evaluate, "eval_data": task.eval, "eval_every": args.eval_every}
 
 
 def handshake_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Task) -> dict[str, object]:
     """What all ranks must agree on before joining (all small): a mismatch names the option and both values."""
     return {
         "trace batch sizes (fingerprint)": trace.fingerprint(),
-        "training trees": len(task.train),
+        "training samples": len(task.train),
         **{
             f"--{k.replace('_', '-')}": v
             for k, v in vars(args).items()
@@ -206,6 +224,7 @@ def option_names(message: str, args: argparse.Namespace | None = None) -> str:
     (with ``args``, the sst task's too: :func:`task_arg_names`)."""
     if args is not None:
         message = task_arg_names(message, args)
+    message = re.sub(r"precision='(\w+)'", r"--precision \1", message)  # check_precision's words
     for argument, option in (
         ("the per-device maximum or max_accumulation_steps", "--max-device-batch-size or --max-accumulation"),
         ("max_accumulation_steps=", "--max-accumulation "),
@@ -224,7 +243,7 @@ def stop_line(
     epochs: int | None = args.epochs if args.epochs is not None else sampler.num_epochs
     if trace.num_steps is None or not epochs:
         return None  # an unbounded trace ends at --max-steps or --epochs, as asked; a short one at its end
-    total, trees = trace.num_steps, sampler.dataset_size
+    total, samples = trace.num_steps, sampler.dataset_size
     end, _ = fit_end(loader, next_step, args.max_steps, args.epochs)
     if end >= total:
         return None
@@ -233,8 +252,8 @@ def stop_line(
     if args.epochs is not None:
         return f"stops before step {end} of the trace's {total}: there epoch {epochs} ends (--epochs {args.epochs})"
     return (
-        f"stops before step {end} of the trace's {total}: they hold {epochs} complete epoch(s) of {trees} "
-        f"trees, and the last {total - end} step(s) would start one the trace cannot finish "
+        f"stops before step {end} of the trace's {total}: they hold {epochs} complete epoch(s) of {samples} "
+        f"samples, and the last {total - end} step(s) would start one the trace cannot finish "
         f"(--epochs {epochs + 1} trains them too)"
     )
 
@@ -275,9 +294,10 @@ def done_line(steps: Sequence[StepStats], next_step: int) -> str:
     )
 
 
-def evaluation_line(task: Task, model: torch.nn.Module) -> str:
-    """The task's evaluation of ``model`` on its eval samples, as one line."""
-    shown = ", ".join(f"{name} {value:.4f}" for name, value in task.evaluate_model(model).items())
+def evaluation_line(task: Task, model: torch.nn.Module, metrics: Mapping[str, float] | None = None) -> str:
+    """The task's evaluation of ``model`` on its eval samples (or its ``metrics``, evaluated already), as one line."""
+    found = task.evaluate_model(model) if metrics is None else metrics
+    shown = ", ".join(f"{name} {value:.4f}" for name, value in found.items())
     return f"{shown} ({len(task.eval)} held-out samples of task {task.name})"
 
 
@@ -320,9 +340,10 @@ def device_from_flag(choice: str) -> torch.device:
 
 def checkpoint_settings(args: argparse.Namespace, trace: BatchSizeTrace, task: Task) -> dict[str, object]:
     """The options a checkpoint is only valid with (the model, the data, the split), by their names."""
+    # (not --trace: the loader's state holds the steps taken, and a --trace that begins with them, a
+    # longer one too, trains on; trace_mismatch_error words a refusal)
     settings: dict[str, object] = {
-        "--trace (batch sizes fingerprint)": trace.fingerprint(),
-        "training trees": len(task.train),
+        "training samples": len(task.train),
         "--task": BUILTIN_TASKS.get(args.task or "sst", args.task or "sst"),
     }
     for name, value in task.settings.items():  # the task's own: its model's sizes, its vocabulary
@@ -348,6 +369,20 @@ def ref_batch_size(args: argparse.Namespace, trace: BatchSizeTrace) -> int | Non
     if args.lr_rule == "constant":
         return None
     return args.ref_batch_size if args.ref_batch_size is not None else trace[0]
+
+
+def trace_mismatch_error(e: TraceMismatch, args: argparse.Namespace) -> ValueError:
+    """A checkpoint that took other steps than --trace's first ones, in the command line's words."""
+    differs = (
+        f"--trace {args.trace} has only {e.step} steps"
+        if e.here is None
+        else f"its step {e.step} had batch size {e.saved}, and --trace {args.trace} has {e.here} there"
+    )
+    return ValueError(
+        f"{e.source} has taken {e.taken} steps of another trace: {differs}; resume with a --trace whose first "
+        f"{e.taken} steps are the checkpoint's (it may go on longer), or start afresh (--no-resume or another "
+        "--checkpoint-dir)"
+    )
 
 
 def mismatch_error(e: HyperparameterMismatch) -> ValueError:

@@ -23,13 +23,19 @@ __all__ = ["StepHistory", "check_paths", "frozen_gc", "lock_checkpoint_dir"]
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Refuse --history and --checkpoint-dir paths of the wrong kind before any work is done."""
+    """Refuse --history and --checkpoint-dir paths of the wrong kind before any work is done (a
+    missing folder of either is made)."""
     if args.history is not None:
         history = Path(args.history)
         if history.is_dir():
             raise ValueError(f"--history {args.history} is a directory; give a file to write JSON lines to")
-        if not history.parent.is_dir():
-            raise ValueError(f"--history {args.history}: directory {history.parent} does not exist")
+        # (a missing folder is made when the file is opened, as --checkpoint-dir's is; one that is
+        # a file cannot be)
+        parent = next((folder for folder in history.parents if folder.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ValueError(
+                f"--history {args.history}: {parent} is a file, not a directory; give another path"
+            )
     if args.checkpoint_dir is not None:
         directory = Path(args.checkpoint_dir)
         if directory.exists() and not directory.is_dir():
@@ -73,6 +79,7 @@ class StepHistory:
         assert self.path is not None
         path = self.path
         try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # (--history runs/h.jsonl makes runs/)
             if resumed_at is None or not Path(path).is_file():
                 self._handle = open(path, "w")  # noqa: SIM115
                 return

@@ -12,10 +12,12 @@ import functools
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from torchfold.engine.fold import Fold
+from torchfold.engine.static.shapes import envelope_for
 from torchfold.examples.datadir import ENV_VAR, data_root
 from torchfold.examples.generated import generate_sst
 from torchfold.examples.models import (
@@ -37,6 +39,18 @@ __all__ = ["evaluate_roots", "evaluate_sst", "pyast_task", "sst_task"]
 _EVAL_BATCH = 256
 
 
+def _eval_fold(model: nn.Module) -> Fold:
+    """A fold to evaluate ``model`` on: on XLA padded into the model's envelope, as training's are.
+
+    An evaluation reads padded outputs (``plan.apply(model, padded=True)``) and masks the rows past
+    a batch's own: every batch then runs the same programs, where exact rows (a plain ``Fold()``,
+    padded inside ``apply`` and cut) make each batch's node count a program of its own. Elsewhere
+    nothing is padded and the outputs are exact.
+    """
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    return Fold(shapes=envelope_for("auto", model, device))
+
+
 @torch.no_grad()
 def evaluate_sst(model: nn.Module, trees: Sequence[Tree], vocab: Vocab) -> dict[str, float]:
     """Root accuracy (5 classes), binary root accuracy (non-neutral roots) and all-node accuracy of a :class:`TreeLSTM`.
@@ -46,21 +60,23 @@ def evaluate_sst(model: nn.Module, trees: Sequence[Tree], vocab: Vocab) -> dict[
     root_correct = node_correct = node_total = binary_correct = binary_total = 0
     for start in range(0, len(trees), _EVAL_BATCH):
         batch = trees[start : start + _EVAL_BATCH]
-        fold = Fold()
+        fold = _eval_fold(model)
         nodes, labels, roots = encode_trees(fold, batch, vocab)
-        [states] = fold.apply(model, [nodes])
+        plan = fold.plan([nodes])
+        [states] = plan.apply(model, padded=True)  # (the rows past the batch's own: masked below)
         logits = model.logits(states)  # type: ignore[operator]
-        gold = torch.tensor(labels, device=logits.device)
-        predicted = logits.argmax(dim=1)
-        node_correct += int((predicted == gold).sum())
+        gold = plan.pad(0, labels, fill=-1).to(logits.device)
+        is_root = np.zeros(len(labels), dtype=bool)
+        is_root[roots] = True
+        root = plan.pad(0, is_root, fill=False).to(logits.device)
+        hit = logits.argmax(dim=1) == gold  # (a padded row's gold, -1, is no class)
+        node_correct += int(hit.sum())
         node_total += len(labels)
-        index = torch.tensor(roots, device=logits.device)
-        root_gold = gold[index]
-        root_correct += int((predicted[index] == root_gold).sum())
-        probabilities = logits[index].softmax(dim=1)
+        root_correct += int((hit & root).sum())
+        probabilities = logits.softmax(dim=1)
         positive = probabilities[:, 3:].sum(dim=1) > probabilities[:, :2].sum(dim=1)
-        polar = root_gold != 2
-        binary_correct += int((positive[polar] == (root_gold[polar] > 2)).sum())
+        polar = root & (gold != 2)
+        binary_correct += int(((positive == (gold > 2)) & polar).sum())
         binary_total += int(polar.sum())
     return {
         "root_accuracy": root_correct / max(len(trees), 1),
@@ -148,11 +164,13 @@ def evaluate_roots(model: nn.Module, samples: Sequence[object]) -> dict[str, flo
     correct = 0
     for start in range(0, len(samples), _EVAL_BATCH):
         batch = samples[start : start + _EVAL_BATCH]
-        fold = Fold()  # (on XLA: padded into the model's envelope, so that the graphs repeat)
+        fold = _eval_fold(model)
         roots = [encode_ast(fold, sample.tree)[0] for sample in batch]  # type: ignore[attr-defined]
-        [states] = fold.apply(model, [roots])
-        predicted = model.logits(states).argmax(dim=1).cpu()  # type: ignore[operator]
-        correct += int((predicted == torch.tensor([s.label for s in batch])).sum())  # type: ignore[attr-defined]
+        plan = fold.plan([roots])
+        [states] = plan.apply(model, padded=True)
+        predicted = model.logits(states).argmax(dim=1)  # type: ignore[operator]
+        labels = plan.pad(0, [s.label for s in batch], fill=-1).to(predicted.device)  # type: ignore[attr-defined]
+        correct += int((predicted == labels).sum())  # (a padded row's label, -1, is no class)
     return {"accuracy": correct / max(len(samples), 1)}
 
 

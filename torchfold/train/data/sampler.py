@@ -69,12 +69,50 @@ from torchfold.train.distributed.elastic import ElasticConfig
 from torchfold.train.distributed.world import check_rank, world_or
 from torchfold.train.schedule.trace import BatchSizeTrace, EpochSteps, TraceLike, as_trace
 
-__all__ = ["StepSplit", "TraceBatchSampler", "minibatches_per_rank"]
+__all__ = ["StepSplit", "TraceBatchSampler", "TraceMismatch", "minibatches_per_rank"]
 
 _STATE_VERSION = 1
 # Settings a saved position is only valid with. The number of ranks is not one of them: a step
 # holds the same samples on any number (see the module docstring).
 _OPTIONAL_SETTINGS = {"max_device_batch_size": None, "max_accumulation_steps": None}
+
+
+class TraceMismatch(ValueError):
+    """A saved position whose steps taken are not the first steps of this run's trace.
+
+    Attributes:
+        source: what holds the position (``"sampler state"``, a checkpoint file).
+        taken: the steps the position has taken.
+        step: the first of them that differs.
+        saved: its batch size there.
+        here: its batch size in this run's trace, ``None`` where that trace has ended.
+        trace: this run's trace (its source: a file name, a spec).
+    """
+
+    def __init__(
+        self, source: str, taken: int, step: int, saved: int, here: int | None, *, trace: str
+    ) -> None:
+        self.source, self.taken, self.step, self.saved, self.here, self.trace = (
+            source,
+            taken,
+            step,
+            saved,
+            here,
+            trace,
+        )
+        differs = (
+            f"trace {trace!r} has only {step} steps"
+            if here is None
+            else f"its step {step} had batch size {saved}, and trace {trace!r} has {here} there"
+        )
+        super().__init__(
+            f"{source} has taken {taken} steps of another trace: {differs}; resume with a trace whose first "
+            f"{taken} steps are the ones taken (it may go on longer), or start afresh"
+        )
+
+    def from_source(self, source: str) -> TraceMismatch:
+        """The same difference, held by ``source`` (e.g. ``"checkpoint ck/step-8.pt"``)."""
+        return TraceMismatch(source, self.taken, self.step, self.saved, self.here, trace=self.trace)
 
 
 def minibatches_per_rank(batch_size: int, minibatch_size: int, num_replicas: int) -> tuple[int, ...]:
@@ -428,14 +466,24 @@ class TraceBatchSampler(Sampler[list[int]]):
             "epoch": self.epoch,
             "next_step": self._position,
             "num_replicas": self.num_replicas,  # for the record: a resume may have another number
+            # the batch sizes of the steps taken: a resume needs only those the same, so that a
+            # longer trace trains on (and a refusal names the step where the traces part)
+            "trace_steps": self.trace.run_lengths(self._position),
+            # the whole trace, which states without trace_steps are checked against (and which
+            # earlier versions of torchfold check)
+            **self._legacy_trace(),
             **self._settings(),
         }
 
-    def _settings(self) -> dict[str, Any]:
-        """What a saved position is only valid with (checked in this order on load)."""
+    def _legacy_trace(self) -> dict[str, Any]:
         return {
             "trace_num_steps": -1 if self.trace.num_steps is None else self.trace.num_steps,
             "trace_fingerprint": self.trace.fingerprint(),
+        }
+
+    def _settings(self) -> dict[str, Any]:
+        """What a saved position is only valid with besides the steps taken (checked in this order on load)."""
+        return {
             "dataset_size": self.dataset_size,
             "minibatch_size": self.minibatch_size,
             "max_device_batch_size": self.max_device_batch_size,
@@ -445,12 +493,38 @@ class TraceBatchSampler(Sampler[list[int]]):
             "drop_last": self.drop_last,
         }
 
+    def _check_steps_taken(self, runs: Any, next_step: int) -> None:
+        """Refuse a trace whose first ``next_step`` steps are not the saved ones (``runs``:
+        :meth:`BatchSizeTrace.run_lengths`): a :class:`TraceMismatch` naming the first that differs."""
+        if not (
+            isinstance(runs, list)
+            and all(
+                isinstance(run, (list, tuple))
+                and len(run) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in run)
+                for run in runs
+            )
+            and sum(count for _, count in runs) == next_step
+        ):
+            raise ValueError(
+                f"sampler state's 'trace_steps' is not a list of [batch size, steps] runs covering its "
+                f"{next_step} steps, got {runs!r}; expected a dict from TraceBatchSampler.state_dict()"
+            )
+        found = self.trace.first_difference(runs)
+        if found is not None:
+            raise TraceMismatch("sampler state", next_step, *found, trace=self.trace.source)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the position saved by :meth:`state_dict` (also mid-epoch), on any number of ranks.
 
+        A trace that goes on past the saved one, or differs from it only in steps not yet taken,
+        is taken: the run trains on with it.
+
         Raises:
-            ValueError: the state was saved with a different trace, dataset size, minibatch size,
-                per-device maximum, seed, shuffle or drop_last (the message names both values).
+            ValueError: this trace's first steps are not the batch sizes of the steps taken (the
+                message names the first step that differs and both sizes), or the state was saved
+                with a different dataset size, minibatch size, per-device maximum, seed, shuffle or
+                drop_last (the message names both values).
         """
         if not isinstance(state, dict):
             raise TypeError(
@@ -467,14 +541,6 @@ class TraceBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"sampler state version {state['version']!r} is not supported (expected {_STATE_VERSION})"
             )
-        for key in current:
-            if state[key] != current[key]:
-                what = "trace" if key.startswith("trace") else key
-                raise ValueError(
-                    f"sampler state was saved with {key}={state[key]!r} but this sampler has "
-                    f"{key}={current[key]!r} (trace {self.trace.source!r}); resume with the same {what} "
-                    "or start a fresh sampler"
-                )
         for key in ("epoch", "next_step"):
             check_int(
                 f"sampler state's {key!r}",
@@ -483,6 +549,18 @@ class TraceBatchSampler(Sampler[list[int]]):
                 hint="expected a dict from TraceBatchSampler.state_dict()",
             )
         epoch, next_step = state["epoch"], state["next_step"]
+        if "trace_steps" in state:
+            self._check_steps_taken(state["trace_steps"], next_step)
+        else:  # a state of torchfold 0.3 or earlier: the same trace, all of it
+            current = {**self._legacy_trace(), **current}
+        for key in current:
+            if state.get(key) != current[key]:
+                what = "trace" if key.startswith("trace") else key
+                raise ValueError(
+                    f"sampler state was saved with {key}={state.get(key)!r} but this sampler has "
+                    f"{key}={current[key]!r} (trace {self.trace.source!r}); resume with the same {what} "
+                    "or start a fresh sampler"
+                )
         steps = self.trace.epoch(epoch, self.dataset_size, drop_last=self.drop_last)
         if not steps.first_step <= next_step <= steps.end_step:
             raise ValueError(

@@ -157,8 +157,9 @@ class TraceTrainer:
             holds checkpoints already is resumed from (see ``resume``).
         resume: where ``checkpoint_dir`` holds checkpoints, ``True`` (default) continues from the
             newest (:meth:`resume`) at construction: a checkpoint of another run (other ``settings``,
-            another optimizer, ``lr`` or ``momentum``, model or trace) is refused with a ValueError
-            naming the difference; ``False`` starts at step 0 and first moves the old checkpoints to
+            another optimizer, ``lr`` or ``momentum``, model, or a trace whose first steps are not
+            the ones it took) is refused with a ValueError naming the difference (a longer trace
+            that begins with the steps taken trains on); ``False`` starts at step 0 and first moves the old checkpoints to
             a new ``checkpoint_dir/earlier-N`` (:func:`~torchfold.train.loop.checkpoint.set_aside_checkpoints`),
             so that nothing is overwritten and a later resume continues this run.
         override_hyperparameters: on resume, train on with this run's values of these

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from torchfold.train.data.loader import StepLoader
+from torchfold.train.data.sampler import TraceMismatch
 from torchfold.train.distributed.world import gather_objects, world
 from torchfold.train.loop.checkpoint import (
     check_trainer_state,
@@ -115,6 +116,8 @@ def load_trainer_state(
     for name, load in parts:
         try:
             load(state[name])
+        except TraceMismatch as e:  # (says what differs and the fix itself)
+            raise e.from_source(source) from e
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             detail = " ".join(str(e).split()).rstrip(". ")  # load_state_dict's report spans lines
             raise ValueError(

@@ -475,6 +475,52 @@ class BatchSizeTrace:
         text = f"constant:{self._sizes[0]}" if self._unbounded else ",".join(map(str, self._sizes))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def run_lengths(self, end: int) -> list[list[int]]:
+        """The batch sizes of steps ``0..end-1`` as ``[size, count]`` runs: how a checkpoint records
+        the steps it took (short for a constant or piecewise trace; ints only, for ``weights_only``).
+
+        >>> BatchSizeTrace([8, 8, 16, 8]).run_lengths(3)
+        [[8, 2], [16, 1]]
+        >>> BatchSizeTrace.constant(32).run_lengths(1000)
+        [[32, 1000]]
+        """
+        check_int("end", end, minimum=0)
+        if self._unbounded:
+            return [[self._sizes[0], end]] if end else []
+        if end > len(self._sizes):
+            raise ValueError(f"end={end} is past the trace's {len(self._sizes)} steps ({self._source!r})")
+        runs: list[list[int]] = []
+        for size in self._sizes[:end]:
+            if runs and runs[-1][0] == size:
+                runs[-1][1] += 1
+            else:
+                runs.append([size, 1])
+        return runs
+
+    def first_difference(self, runs: Sequence[Sequence[int]]) -> tuple[int, int, int | None] | None:
+        """Where this trace departs from the steps ``runs`` records (:meth:`run_lengths`): ``(step,
+        the recorded size, this trace's size)``, the last ``None`` where this trace has ended; ``None``
+        where its first steps are those (it may go on longer: a run resumed with it trains on).
+
+        >>> BatchSizeTrace([8, 8, 16, 32]).first_difference([[8, 2], [16, 1]]) is None
+        True
+        >>> BatchSizeTrace([8, 12, 16]).first_difference([[8, 2], [16, 1]])
+        (1, 8, 12)
+        >>> BatchSizeTrace([8, 8]).first_difference([[8, 2], [16, 1]])
+        (2, 16, None)
+        """
+        step = 0
+        for size, count in runs:
+            for s in range(step, step + count):
+                if self.num_steps is not None and s >= self.num_steps:
+                    return s, size, None
+                if self[s] != size:
+                    return s, size, self[s]
+                if self._unbounded:  # every step the same: one comparison speaks for the run
+                    break
+            step += count
+        return None
+
     def largest_minibatch_size(self, at_most: int = 25) -> int:
         """The largest minibatch size up to ``at_most`` that divides every batch size of this trace.
 

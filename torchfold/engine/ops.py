@@ -155,8 +155,8 @@ def dtypes_disagree(
     """The message for rows of one position whose dtypes cannot be joined (``first`` and ``other``: who gives them)."""
     return (
         f"{where}: rows disagree in dtype within the group: {first} gives {first_dtype} rows but {other} gives "
-        f"{other_dtype}; rows of one position may differ in float precision (they are promoted, as torch.cat "
-        f"does under autocast) but not in kind ({_dtype_kind(first_dtype)} vs {_dtype_kind(other_dtype)}): "
+        f"{other_dtype}; rows of one position may differ in float precision (under autocast; they are promoted, as "
+        f"torch.cat promotes them) but not in kind ({_dtype_kind(first_dtype)} vs {_dtype_kind(other_dtype)}): "
         "convert them where they are made (e.g. .float() or .long() in the op returning them), or use different "
         "ops for the two kinds"
     )

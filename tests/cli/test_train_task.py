@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _external_task import MODULE, write_task
+from _external_task import MODULE, UNPADDED_SOURCE, write_task
 from _train_cli import run_train
 
 from torchfold.train.loop.checkpoint import list_checkpoints
@@ -95,6 +95,27 @@ def test_bad_task_specs_are_one_line_naming_the_value_and_the_fix(
     assert line.startswith("torchfold train: error: "), line
     for needle in needles:
         assert needle in line, line
+
+
+@pytest.mark.parametrize("compile_", ["off", "on"])
+def test_targets_left_unpadded_are_refused_on_the_cpu_as_the_guide_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], compile_: str
+) -> None:
+    """The guide's task with ``return plan, (labels, weights)``: refused before the first step, on the
+    CPU whether its plans are padded (--compile on) or not, in the words the guide shows."""
+    write_task(tmp_path, "unpadded_parity", UNPADDED_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--task", "unpadded_parity:make_task", "--max-steps", "2", "--compile", compile_, *QUICK]
+    code, _out, err = run_train(argv, capsys)
+    assert code == 2, err
+    [line] = err.splitlines()
+    assert line.startswith(
+        "torchfold train: error: the targets of the loader's build have 6 rows (targets[0]) but the plan's "
+        "padded batch has 16 (request 0: 6 nodes padded to 16 by static shapes"
+    ), line
+    assert "pad every per-node target in build with plan.pad(request=0, values=...)" in line
+    if compile_ == "off":  # the guide's example: the CPU, eager
+        assert line in (REPO / "docs" / "guide" / "your-model.md").read_text().splitlines()
 
 
 def test_help_lists_the_built_in_tasks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,7 +50,10 @@ def build(samples, shapes=None):
     plan = fold.plan([roots])
     labels = np.array([sum(s) % 2 for s in samples], dtype=np.int64)
     weights = np.full(len(samples), 1 / len(samples))
-    return plan, (plan.pad(0, labels).numpy(), plan.pad(0, weights).numpy())
+    # padded rows weigh 0 (request=0: the first list of nodes given to fold.plan)
+    labels = plan.pad(request=0, values=labels).numpy()
+    weights = plan.pad(request=0, values=weights).numpy()
+    return plan, (labels, weights)
 
 
 def loss(model, outputs, targets):
@@ -84,8 +87,19 @@ def make_task(size: int = 48, dim: int = 8, longest: int = 6) -> Task:
 '''
 
 
-def write_task(folder: Path) -> Path:
-    """Write the task's module to ``folder`` (put it on ``PYTHONPATH``); returns the file."""
-    path = folder / f"{MODULE}.py"
-    path.write_text(SOURCE)
+#: the same task, its build forgetting to pad the targets (the guide's example of that mistake)
+UNPADDED_SOURCE = SOURCE.replace(
+    """    # padded rows weigh 0 (request=0: the first list of nodes given to fold.plan)
+    labels = plan.pad(request=0, values=labels).numpy()
+    weights = plan.pad(request=0, values=weights).numpy()
+""",
+    "",
+)
+assert UNPADDED_SOURCE != SOURCE
+
+
+def write_task(folder: Path, module: str = MODULE, source: str = SOURCE) -> Path:
+    """Write the task's module (or ``source``) to ``folder`` (put it on ``PYTHONPATH``); returns the file."""
+    path = folder / f"{module}.py"
+    path.write_text(source)
     return path

@@ -14,7 +14,9 @@ with at most two tensor operations, whatever the number of nodes:
   with no copy;
 * otherwise the sources it reads (earlier results, and tensors given to ``add``) are
   concatenated once, and one ``index_select`` picks the rows in call order (skipped when the
-  concatenation already is in call order). Positions reading common sources share both.
+  concatenation already is in call order). Positions reading common sources share both. Sources
+  of different float precision (under autocast) are promoted first, as ``torch.cat`` would
+  (:func:`~torchfold.engine.ops.gathered_dtype`).
 
 The plan counts in calls; here, once each result's rows per call is known, the indices are
 scaled to rows. So ``apply`` costs O(groups) tensor operations, not O(nodes), and its Python
@@ -34,7 +36,7 @@ from torchfold._errors import FoldError
 from torchfold.engine.devices import on_host
 from torchfold.engine.ir import Arg, Gather, GroupCall, PlanData, call_offsets, stored_index
 from torchfold.engine.node import Op
-from torchfold.engine.ops import call_op, check_outputs, tuple_used_whole
+from torchfold.engine.ops import call_op, check_outputs, dtypes_disagree, gathered_dtype, tuple_used_whole
 from torchfold.engine.resolve import device_for, resolve_ops
 
 __all__ = ["BatchedCall", "Results", "run", "run_calls"]
@@ -238,27 +240,36 @@ class _Mismatch(Exception):
 def _pieces(gather: Gather, results: _Results) -> tuple[list[_Tensor], int]:
     """The tensors a gather reads and the rows each call owns in them (the same for all)."""
     tensors: list[_Tensor] = []
-    kind = None
+    kind: tuple[Any, ...] | None = None
+    mixed = False  # rows of different dtypes: joined in their promoted dtype (gathered_dtype)
     for number, piece in enumerate(gather.pieces):
         if isinstance(piece, int):
             tensor = results.tensors[piece]
             if tensor is None:  # a tuple result used whole: name the first item reading it
                 item_piece, item_call = gather.items()
                 results.get(piece, int(item_call[np.argmax(item_piece == number)]))
-            this = results.kinds[piece]
+            this = cast(tuple[Any, ...], results.kinds[piece])  # (set with its tensor)
         else:
             tensor = piece
             this = _rows_kind(piece, piece.shape[0])
         if kind is None:
             kind = this
         elif this != kind:
-            raise _Mismatch
+            if this[:2] != kind[:2] or this[3] != kind[3]:  # rows per call, row shape, device
+                raise _Mismatch
+            mixed = True
         tensors.append(cast(_Tensor, tensor))
+    if mixed:
+        dtype = gathered_dtype([tensor.dtype for tensor in tensors])
+        if dtype is None:
+            raise _Mismatch
+        tensors = [tensor.to(dtype) for tensor in tensors]
     return tensors, cast(tuple[Any, ...], kind)[0]
 
 
 def _rows_kind(tensor: _Tensor, rows: int) -> tuple[Any, ...]:
-    """What must agree between tensors gathered together: rows per call, row shape, dtype, device."""
+    """What must agree between tensors gathered together: rows per call, row shape, dtype, device
+    (dtypes of one kind may differ: :func:`_pieces` promotes them)."""
     return (rows, tensor.shape[1:], tensor.dtype, tensor.device)
 
 
@@ -293,12 +304,22 @@ def _explain(gather: Gather, results: _Results, where: Callable[[int], str]) -> 
                     f"{rows} rows per call but {describe(piece, item)} gives {k}; every call of a group must pass "
                     "the same number of rows at each position"
                 )
-            if _rows_kind(other, k) != _rows_kind(first, rows):
+            if other.shape[1:] != first.shape[1:] or other.device != first.device:
                 return FoldError(
                     f"{where(position)}: rows disagree in shape within the group: {describe(reference, first_item)} "
                     f"gives rows of {tuple(first.shape[1:])} {first.dtype} on {first.device}, but "
                     f"{describe(piece, item)} gives {tuple(other.shape[1:])} {other.dtype} on {other.device}; calls "
                     "of one group must pass same-shaped rows at each position (use different ops for different shapes)"
+                )
+            if gathered_dtype([first.dtype, other.dtype]) is None:
+                return FoldError(
+                    dtypes_disagree(
+                        where(position),
+                        describe(reference, first_item),
+                        first.dtype,
+                        describe(piece, item),
+                        other.dtype,
+                    )
                 )
     # Unreachable: positions of one gather are linked by shared sources, so a disagreement
     # between them is one within some position, reported above.

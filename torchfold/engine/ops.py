@@ -5,7 +5,8 @@ calls each op through :func:`call_op` and checks its result with :func:`check_ou
 failing op reads the same whichever kind of plan ran it (a padded call says ``padded; static
 shapes``). It resolves ops on the module with :func:`torchfold.engine.resolve.resolve_ops`. The
 eager twin (:class:`~torchfold.EagerFold`) keeps the same rule on arguments changed in place
-(:func:`versions`, :func:`check_unchanged`).
+(:func:`versions`, :func:`check_unchanged`). Rows of one argument position that differ in float
+precision (an autocast region) are gathered in one dtype by :func:`gathered_dtype`.
 
 Everything here runs inside compiled steps too (``torch.compile`` captures the executor on padded plans):
 no branch on a tensor's value, and ``isinstance`` with tuples of types, not PEP 604 unions.
@@ -21,7 +22,15 @@ import torch
 from torchfold._errors import FoldError, add_note
 from torchfold.engine.node import describe_arg_shapes, node_label
 
-__all__ = ["call_op", "check_outputs", "check_unchanged", "tuple_used_whole", "versions"]
+__all__ = [
+    "call_op",
+    "check_outputs",
+    "check_unchanged",
+    "dtypes_disagree",
+    "gathered_dtype",
+    "tuple_used_whole",
+    "versions",
+]
 
 _Tensor = torch.Tensor
 _PADDED = " (padded; static shapes)"
@@ -102,6 +111,55 @@ def check_outputs(
                 "the same number of rows, in call order)"
             )
     return outputs
+
+
+# NOTE: under torch.autocast, ops of one model return rows of different float dtypes: an
+# nn.Embedding stays float32 while a Linear gives bfloat16. Eager PyTorch runs each call on its own
+# rows, and where it joins them (torch.cat) it promotes. A group joins the rows of its calls at each
+# position, so it promotes the same way: torch.promote_types, which widens without losing a value
+# (bfloat16 -> float32 is exact), so an op that autocasts its input (a Linear) computes what the
+# eager call computes. Promotion stays within a kind of number: rows of ints and rows of floats at
+# one position are two different kinds of input (indices and values), and joining them would change
+# what the op reads, so that group is refused, naming the dtypes.
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "bool" if dtype is torch.bool else "integer"
+
+
+def gathered_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype | None:
+    """The dtype rows of ``dtypes`` are gathered in at one position: the promoted one, or None
+    where they are of different kinds (ints and floats, say) and cannot be joined.
+
+    >>> gathered_dtype([torch.bfloat16, torch.float32])
+    torch.float32
+    >>> gathered_dtype([torch.int64, torch.float32]) is None
+    True
+    """
+    first, *others = dtypes
+    kind = _dtype_kind(first)
+    promoted = first
+    for dtype in others:
+        if dtype is not promoted:
+            if _dtype_kind(dtype) != kind:
+                return None
+            promoted = torch.promote_types(promoted, dtype)
+    return promoted
+
+
+def dtypes_disagree(
+    where: str, first: str, first_dtype: torch.dtype, other: str, other_dtype: torch.dtype
+) -> str:
+    """The message for rows of one position whose dtypes cannot be joined (``first`` and ``other``: who gives them)."""
+    return (
+        f"{where}: rows disagree in dtype within the group: {first} gives {first_dtype} rows but {other} gives "
+        f"{other_dtype}; rows of one position may differ in float precision (under autocast; they are promoted, as "
+        f"torch.cat promotes them) but not in kind ({_dtype_kind(first_dtype)} vs {_dtype_kind(other_dtype)}): "
+        "convert them where they are made (e.g. .float() or .long() in the op returning them), or use different "
+        "ops for the two kinds"
+    )
 
 
 def tuple_used_whole(what: str, name: str, depth: int, count: int) -> FoldError:

@@ -77,13 +77,19 @@ class Task:
         ...     fold = torchfold.Fold(shapes=shapes)
         ...     nodes = [fold.add("double", torch.tensor([[float(s)]])) for s in samples]
         ...     plan = fold.plan([nodes])
-        ...     return plan, torch.tensor([[2.0 * s] for s in samples])
+        ...     # a row per node of request 0 (the list given to fold.plan): padded like the plan
+        ...     wanted = plan.pad(request=0, values=[[2.0 * s] for s in samples])
+        ...     weights = plan.pad(request=0, values=[1 / len(samples)] * len(samples))  # padded rows: 0
+        ...     return plan, (wanted, weights)
         >>> def loss(model, outputs, targets):
-        ...     return ((outputs[0][: len(targets)] - targets) ** 2).mean()
+        ...     wanted, weights = targets
+        ...     return (((outputs[0] - wanted) ** 2).squeeze(1) * weights).sum()
         >>> task = Task("double", train=[1, 2, 3], build=build, model=Doubler, loss=loss)
-        >>> plan, targets = task.build(task.train)
         >>> model = task.model()
-        >>> float(task.loss(model, plan.apply(model), targets))
+        >>> for shapes in (None, torchfold.StaticShapes()):  # padded (XLA, compiled runs) or not
+        ...     plan, targets = task.build(task.train, shapes=shapes)
+        ...     print(task.loss(model, plan.apply(model, padded=True), targets).item())
+        0.0
         0.0
     """
 

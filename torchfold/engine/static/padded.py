@@ -12,7 +12,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from torchfold._errors import FoldError
 from torchfold.engine.devices import is_xla, on_host
 from torchfold.engine.executor import run_calls
 from torchfold.engine.ir import check_pad_rows, check_portable_op, check_request_number, portable_tensors
-from torchfold.engine.ops import tuple_used_whole
+from torchfold.engine.ops import dtypes_disagree, gathered_dtype, tuple_used_whole
 from torchfold.engine.resolve import device_for
 
 if TYPE_CHECKING:
@@ -338,12 +338,9 @@ class _SlotResults:
         rows = reference.shape[0] // (
             first.calls if memory is None else sum(p.calls for p in gather.pieces[:have])
         )
+        mixed = False  # rows of different float precision (autocast): promoted, as in a plain plan
         for piece, tensor in zip(gather.pieces[have:], tensors, strict=True):
-            if (
-                tensor.shape[0] != piece.calls * rows
-                or tensor.shape[1:] != reference.shape[1:]
-                or tensor.dtype != reference.dtype
-            ):
+            if tensor.shape[0] != piece.calls * rows or tensor.shape[1:] != reference.shape[1:]:
                 raise FoldError(
                     f"static shapes: an argument position reads the outputs of op {slots[first.slot].name!r} "
                     f"({rows} rows of {tuple(reference.shape[1:])} {reference.dtype} per call) and, in this or an earlier "
@@ -351,8 +348,24 @@ class _SlotResults:
                     f"{tuple(tensor.shape[1:])} {tensor.dtype} per call); one envelope pads them together, so they must "
                     "agree: give ops of different outputs different names, or use a StaticShapes per kind of graph"
                 )
+            if tensor.dtype != reference.dtype:
+                if gathered_dtype([reference.dtype, tensor.dtype]) is None:
+                    raise FoldError(
+                        dtypes_disagree(
+                            "static shapes: an argument position (one envelope pads its rows together, over "
+                            "this and earlier batches)",
+                            f"op {slots[first.slot].name!r}",
+                            reference.dtype,
+                            f"op {slots[piece.slot].name!r}",
+                            tensor.dtype,
+                        )
+                    )
+                mixed = True
         if memory is not None:
             tensors.insert(0, memory[0])
+        if mixed:
+            dtype = cast(torch.dtype, gathered_dtype([tensor.dtype for tensor in tensors]))  # (checked above)
+            tensors = [tensor.to(dtype) for tensor in tensors]
         source = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
         if gather.streams is not None:
             self.memories[gather.streams] = (source, len(gather.pieces))

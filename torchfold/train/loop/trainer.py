@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from torchfold._validate import check_int
+from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.capture import StepMechanism, StepRunner
-from torchfold.train.data.loader import Step, StepLoader, to_device
+from torchfold.train.data.loader import Minibatch, Step, StepLoader, to_device
 from torchfold.train.distributed.devices import same_device
 from torchfold.train.distributed.world import (
     RunContext,
@@ -81,6 +82,7 @@ from torchfold.train.loop.progress import (
 )
 from torchfold.train.loop.rng import derived_seed, seed_generators
 from torchfold.train.loop.stats import StepLoss, StepStats, read_loss, step_stats, summed_over_ranks
+from torchfold.train.loop.targets import check_target_rows, probe_target_rows
 from torchfold.train.loop.threads import set_intra_op_threads
 from torchfold.train.loop.trainer_state import (
     checkpoint_due,
@@ -330,6 +332,7 @@ class TraceTrainer:
             lambda held, until: self._complete(*held, until=until)
         )
         self._warned_unpadded = False
+        self._probed_targets = False  # (unpadded plans: the first minibatch's targets checked padded once)
         self.warm_up = warm_up
         self._warmed = False
         self.next_step: int = loader.next_step
@@ -581,6 +584,7 @@ class TraceTrainer:
         for minibatch in step:
             if self.seed is not None:  # the minibatch's draws, wherever it runs
                 seed_generators(derived_seed(self.seed, split.step, minibatch.position), self.device)
+            self._check_targets(minibatch)
             plan, targets = to_device(minibatch.data, self.device)
             self._warned_unpadded = self._warned_unpadded or warn_if_unpadded(plan, self.device)
             # NOTE: the runner's backward runs inside the autocast too (the eager runner's run_minibatch()
@@ -590,6 +594,20 @@ class TraceTrainer:
             nodes += len(plan)
             samples += minibatch.num_samples
         return samples, nodes
+
+    def _check_targets(self, minibatch: Minibatch[Any]) -> None:
+        """Refuse targets left unpadded (:mod:`torchfold.train.loop.targets`): those of every padded
+        plan; where plans are not padded, those of the first minibatch, built once into static shapes."""
+        data = minibatch.data
+        if not isinstance(data, tuple) or len(data) != 2:
+            return  # (the runner says what a minibatch must be)
+        plan, targets = data
+        if isinstance(plan, StaticPlan):
+            check_target_rows(plan, targets)
+        elif not self._probed_targets:
+            self._probed_targets = True
+            dataset = self.loader.dataset
+            probe_target_rows(self.loader.build, [dataset[index] for index in minibatch.indices])
 
     # -- checkpoints (what they hold and how a run resumes: torchfold.train.loop.trainer_state) ----------
 

@@ -196,3 +196,12 @@ def test_the_demo_trains_a_task_outside_the_package(
     assert "epoch 2: loss " in out and ", eval accuracy " in out
     assert demo(["--task", f"{MODULE}:nothing"]) == 2
     assert f"--task {MODULE}:nothing: module {MODULE} has no function" in capsys.readouterr().err
+
+
+def test_bf16_trains_a_task_whose_leaves_are_an_embedding(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--precision bf16`` on a task whose leaves are an ``nn.Embedding`` (float32 rows) and whose
+    ops are ``Linear`` (bfloat16 rows under autocast): a group holding both is joined promoted."""
+    argv = ["--task", "_formula_task:make_task", "--max-steps", "3", "--precision", "bf16", *QUICK]
+    code, out, err = run_train(argv, capsys)
+    assert code == 0, err
+    assert "done: 3 steps (36 samples" in out and "eval: accuracy " in out

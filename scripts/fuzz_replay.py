@@ -466,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="append one JSON line per scenario here")
     parser.add_argument("--replicas", type=int, default=1, help="XLA replicas (CPU devices) per scenario")
     parser.add_argument(
+        "--cache",
+        type=Path,
+        help="a folder for XLA's persistent compilation cache, shared by the scenarios and chunks (faster reruns)",
+    )
+    parser.add_argument(
         "--compile",
         default="auto",
         help="the XLA run's compile= (auto: the default mechanism; replay: the opt-in)",
@@ -499,10 +504,16 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if args.json:
                 command += ["--json", str(args.json)]
+            if args.cache:
+                command += ["--cache", str(args.cache)]
             failed |= subprocess.run(command, env={**os.environ, "PJRT_DEVICE": "CPU"}).returncode
         return 1 if failed else 0
     import torch_xla
 
+    if args.cache is not None:
+        import torch_xla.runtime as xr
+
+        xr.initialize_cache(str(args.cache), readonly=False)
     device = torch_xla.device()  # (before any backward on the CPU: autograd counts the devices at its first)
     # float64 throughout, Adam's step counts included: a capturable Adam's bias corrections are
     # computed in its step count's dtype, and 1 - 0.999**step in float32 differs from the CPU's

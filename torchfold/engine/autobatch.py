@@ -168,14 +168,21 @@ def _const_key(value: Any) -> Any:
 class _Op:
     """One op as the scheduler batches it: the callable, how its calls batch, what it returns."""
 
-    __slots__ = ("fn", "name", "rows", "structure", "warned")
+    __slots__ = ("fn", "name", "rows", "structure", "structure_key", "warned")
 
-    def __init__(self, fn: Callable[..., Any], name: str, rows: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], name: str, rows: bool, structure_key: Any) -> None:
         self.fn = fn
         self.name = name
         self.rows = rows  # a model method or submodule (rows along dim 0); else a torch function (vmap)
-        self.structure: Any = None  # None: not run yet; -1: a tensor; else (type, count) of a tuple
+        # what it returns: None: not known yet; -1: a tensor; else (type, count) of a tuple, kept from run
+        # to run (_STRUCTURES) so that a sample unpacking its result need not wait for it
+        self.structure_key = structure_key
+        self.structure: Any = _STRUCTURES.get(structure_key)
         self.warned = False
+
+
+# What each op returned when it last ran, by (module class, method name) or torch function.
+_STRUCTURES: dict[Any, Any] = {}
 
 
 class _Call:
@@ -216,6 +223,8 @@ class Pending:
         if call.values is None:
             _current().wait(call)
         assert call.values is not None
+        if self._out < 0 and call.op.structure != -1:
+            raise _used_whole(call)
         return call.values[max(self._out, 0)][call.row]
 
     @classmethod
@@ -309,6 +318,11 @@ class Pending:
         return len(self._value())
 
     def __iter__(self) -> Any:
+        call = self._call
+        if self._out < 0 and call.op.structure is None:
+            _current().wait(call)
+        if self._out < 0 and call.op.structure != -1:  # the whole result of an op that returned a tuple
+            return iter(_outputs(call, call.op.structure))
         return iter(self._value())
 
     def item(self) -> Any:
@@ -328,8 +342,32 @@ class Pending:
 def _real(value: Any) -> Any:
     """A leaf with any pending value replaced by its tensor (waiting for it)."""
     if value.__class__ is Pending:
+        call = value._call
+        if value._out < 0 and call.op.structure not in (None, -1):  # a returned tuple, not unpacked
+            return _real_outputs(call)
         return value._value()
     return value
+
+
+def _real_outputs(call: _Call) -> Any:
+    kind, count = call.op.structure
+    assert call.values is not None
+    items = [call.values[number][call.row] for number in range(count)]
+    return tuple(items) if kind is tuple else (items if kind is list else kind(items))
+
+
+def _outputs(call: _Call, structure: tuple[Any, int]) -> Any:
+    """The pending outputs of a call whose op returns a tuple (or list, or named tuple) of ``count``."""
+    kind, count = structure
+    items = [Pending(call, number) for number in range(count)]
+    return tuple(items) if kind is tuple else (items if kind is list else kind(items))
+
+
+def _used_whole(call: _Call) -> FoldError:
+    return FoldError(
+        f"autobatch: the result of {call.op.name!r} (sample {call.sample}) is a "
+        f"{_describe(call.op.structure)} used as one tensor; unpack it first (a, b = ...)"
+    )
 
 
 def _function_op(func: Callable[..., Any]) -> _Op:
@@ -337,7 +375,7 @@ def _function_op(func: Callable[..., Any]) -> _Op:
     op = scheduler.function_ops.get(func)
     if op is None:
         name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-        op = scheduler.function_ops[func] = _Op(func, f"torch {name}", rows=False)
+        op = scheduler.function_ops[func] = _Op(func, f"torch {name}", rows=False, structure_key=func)
     return op
 
 
@@ -410,6 +448,7 @@ class _Scheduler:
         self.method_ops: dict[tuple[int, str], _Op] = {}
         self.sample = -1  # the sample whose code runs now
         self.last_op = ""
+        self.calls = 0  # calls recorded
         self.batches = 0  # batched calls made (a call that ran alone counts as one)
         self.alone = 0  # calls that ran alone
 
@@ -419,7 +458,9 @@ class _Scheduler:
         op = self.method_ops.get((id(module), name))
         if op is None:
             label = f"{type(module).__name__}.{'forward' if name == '__call__' else name}"
-            op = self.method_ops[(id(module), name)] = _Op(getattr(module, name), label, rows=True)
+            op = self.method_ops[(id(module), name)] = _Op(
+                getattr(module, name), label, rows=True, structure_key=(type(module), name)
+            )
 
         def call(*args: Any, **kwargs: Any) -> Any:
             leaves: list[Any] = []
@@ -436,6 +477,7 @@ class _Scheduler:
         leaves: list[Any] = []
         spec = _flatten((tuple(args), kwargs), leaves)
         call = _Call(op, spec, leaves, self.sample)
+        self.calls += 1
         self.last_op = op.name
         depth = 0
         for leaf in leaves:
@@ -450,20 +492,17 @@ class _Scheduler:
         if not call.waiting:
             self.make_ready(call)
         structure = op.structure
-        if structure is None:  # the op has not run yet: wait for it, to learn what it returns
-            self.wait(call)
-            structure = op.structure
-        if structure == -1:
+        if structure is None or structure == -1:  # (unknown: unpacking it waits, see Pending.__iter__)
             return Pending(call, -1)
-        kind, count = structure
-        items = [Pending(call, number) for number in range(count)]
-        return tuple(items) if kind is tuple else (items if kind is list else kind(items))
+        return _outputs(call, structure)
 
     def make_ready(self, call: _Call) -> None:
         try:
             parts: list[Any] = [call.op]
             for leaf in call.leaves:
                 if leaf.__class__ is Pending:
+                    if leaf._out < 0 and leaf._call.op.structure != -1:
+                        raise _used_whole(leaf._call)
                     value = leaf._call.values[max(leaf._out, 0)]  # type: ignore[index]
                     parts.append((value.shape[1:], value.dtype, value.device))
                 elif isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter):
@@ -603,7 +642,7 @@ class _Scheduler:
                 "pending values must return a tensor or a tuple of tensors: read values with .item() or .tolist()"
             )
         if op.structure is None:
-            op.structure = structure
+            op.structure = _STRUCTURES[op.structure_key] = structure
         elif op.structure != structure:
             raise FoldError(
                 f"autobatch: {op.name!r} returned {_describe(structure)} in sample {calls[0].sample} but "
@@ -722,7 +761,13 @@ def _run_batched(op: _Op, calls: list[_Call]) -> Any:
     return torch.vmap(one)(*stacked)
 
 
-def autobatch(fn: Callable[[Any, Any], Any], samples: Iterable[Any], model: torch.nn.Module) -> list[Any]:
+def autobatch(
+    fn: Callable[[Any, Any], Any],
+    samples: Iterable[Any],
+    model: torch.nn.Module,
+    *,
+    stats: dict[str, int] | None = None,
+) -> list[Any]:
     """Run plain per-sample PyTorch code ``fn(model, sample)`` for every sample, batched automatically.
 
     ``fn`` is written for one sample, as you would run it eagerly, with Python recursion, loops
@@ -739,6 +784,8 @@ def autobatch(fn: Callable[[Any, Any], Any], samples: Iterable[Any], model: torc
             recursion itself, given a tree) runs as plain Python.
         samples: the samples, any Python objects.
         model: the module whose methods and submodules the samples call.
+        stats: a dict to fill with what the run did: ``calls`` (calls recorded), ``batches``
+            (op calls made, a call run alone counting as one) and ``alone`` (calls run alone).
 
     Returns:
         ``fn``'s return value for each sample, in order, with real tensors (rows of the batched
@@ -773,6 +820,8 @@ def autobatch(fn: Callable[[Any, Any], Any], samples: Iterable[Any], model: torc
             f"autobatch(model=...) must be a torch.nn.Module, got {type(model).__name__}; pass the module whose "
             "methods the per-sample function calls"
         )
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"autobatch(stats=...) must be a dict to fill, got {type(stats).__name__}")
     samples = list(samples)
     scheduler = _Scheduler()
     _ACTIVE.append(scheduler)
@@ -780,3 +829,5 @@ def autobatch(fn: Callable[[Any, Any], Any], samples: Iterable[Any], model: torc
         return scheduler.run(fn, _ModuleView(model, scheduler), samples)
     finally:
         _ACTIVE.pop()
+        if stats is not None:
+            stats.update(calls=scheduler.calls, batches=scheduler.batches, alone=scheduler.alone)

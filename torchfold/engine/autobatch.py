@@ -34,6 +34,7 @@ switch (``benchmarks/results/autobatch.md``). A greenlet switch is under a micro
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = ["Pending", "autobatch"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+_CONTAINERS = (tuple, list, dict)
 
 # Tensor methods and functions that read a value or its metadata: a sample calling one waits for
 # the value (the batched call that makes it) and gets the real answer.
@@ -137,7 +139,25 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
 
 
 def _unflatten(spec: Any, leaves: Iterable[Any]) -> Any:
+    if spec.__class__ is int:  # a call's flat positional arguments (see _Scheduler.record)
+        return tuple(leaves), {}
     return _build(spec, iter(leaves))
+
+
+def _has_tensor(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments hold a tensor or a pending value, at any depth."""
+    for arg in args:
+        cls = arg.__class__
+        if cls is Pending or isinstance(arg, _Tensor):
+            return True
+        if cls is tuple or cls is list or cls is dict:
+            break
+    else:
+        if not kwargs:
+            return False
+    leaves: list[Any] = []
+    _flatten((tuple(args), kwargs), leaves)
+    return any(leaf.__class__ is Pending or isinstance(leaf, _Tensor) for leaf in leaves)
 
 
 def _build(spec: Any, leaves: Any) -> Any:
@@ -188,7 +208,20 @@ _STRUCTURES: dict[Any, Any] = {}
 class _Call:
     """One pending call of one sample: its op, its arguments flattened, and once run, its result row."""
 
-    __slots__ = ("dependents", "depth", "key", "leaves", "op", "row", "sample", "spec", "values", "waiting")
+    __slots__ = (
+        "dependents",
+        "depth",
+        "joined",
+        "key",
+        "kinds",
+        "leaves",
+        "op",
+        "row",
+        "sample",
+        "spec",
+        "values",
+        "waiting",
+    )
 
     def __init__(self, op: _Op, spec: Any, leaves: list[Any], sample: int) -> None:
         self.op = op
@@ -199,8 +232,10 @@ class _Call:
         self.depth = 0
         self.dependents: list[_Call] = []
         self.values: list[_Tensor] | None = None  # each output's batched tensor, once run
+        self.kinds: list[Any] = []  # each output's per-sample (shape, dtype, device), once run
         self.row = 0  # this call's row in them
         self.key: Any = None
+        self.joined = False  # torch.cat(values) along dim 0: calls with any number of values batch together
 
 
 class Pending:
@@ -349,6 +384,58 @@ def _real(value: Any) -> Any:
     return value
 
 
+def _real_all(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with every pending value replaced by its tensor, the rows of each batched result
+    read together: one ``unbind`` (after one ``index_select`` unless all its rows are read), so the
+    backward pass does work for the rows read, not a full-size zero tensor per row."""
+    out = list(leaves)
+    groups: dict[int, tuple[_Tensor, list[int], list[int]]] = {}
+    for place, leaf in enumerate(leaves):
+        if leaf.__class__ is not Pending:
+            continue
+        call = leaf._call
+        if call.values is None or (leaf._out < 0 and call.op.structure != -1):
+            out[place] = _real(leaf)
+            continue
+        source = call.values[max(leaf._out, 0)]
+        group = groups.get(id(source))
+        if group is None:
+            group = groups[id(source)] = (source, [], [])
+        group[1].append(call.row)
+        group[2].append(place)
+    for source, rows, places in groups.values():
+        if len(rows) == 1:
+            parts: Sequence[_Tensor] = [source[rows[0]]]
+        elif rows == list(range(source.shape[0])):
+            parts = source.unbind(0)
+        else:
+            parts = source.index_select(0, torch.tensor(rows, device=source.device)).unbind(0)
+        for place, part in zip(places, parts, strict=True):
+            out[place] = part
+    return out
+
+
+def _run_joined(calls: list[_Call]) -> list[_Tensor]:
+    """Many ``torch.cat(values)`` along dim 0 at once: one concatenation of every value read, split per call."""
+    leaves = [leaf for call in calls for leaf in call.leaves]
+    parts = _real_all(leaves)
+    whole = torch.cat(parts)
+    sizes = [
+        sum(part.shape[0] for part in parts[start : start + len(call.leaves)])
+        for start, call in _starts(calls)
+    ]
+    return list(torch.split(whole, sizes))
+
+
+def _starts(calls: list[_Call]) -> list[tuple[int, _Call]]:
+    starts = []
+    start = 0
+    for call in calls:
+        starts.append((start, call))
+        start += len(call.leaves)
+    return starts
+
+
 def _real_outputs(call: _Call) -> Any:
     kind, count = call.op.structure
     assert call.values is not None
@@ -393,13 +480,20 @@ class _ModuleView:
 
     def __getattr__(self, name: str) -> Any:
         module = self._module
+        scheduler = self._scheduler
+        known = scheduler.attributes.get((id(module), name))  # a submodule's view, or a method's recorder
+        if known is not None:
+            return known
         value = getattr(module, name)
         if isinstance(value, torch.nn.Module):
-            return _ModuleView(value, self._scheduler)
-        func = getattr(value, "__func__", None)
-        if func is not None and getattr(value, "__self__", None) is module:
-            return self._scheduler.method(self, module, name, func)
-        return value
+            known = _ModuleView(value, scheduler)
+        else:
+            func = getattr(value, "__func__", None)
+            if func is None or getattr(value, "__self__", None) is not module:
+                return value  # a parameter, a number, ...: as it is
+            known = scheduler.method(self, module, name, func)
+        scheduler.attributes[(id(module), name)] = known
+        return known
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FoldError(
@@ -441,11 +535,15 @@ class _Scheduler:
 
     def __init__(self) -> None:
         self.main = greenlet.getcurrent()
-        self.ready: dict[Any, list[_Call]] = {}
+        self.ready: dict[Any, list[_Call]] = {}  # ready calls by batching key
+        self.ready_depth: dict[Any, int] = {}  # the shallowest depth of each key's ready calls
+        self.callers: dict[tuple[int, str], Callable[..., Any]] = {}
+        self.attributes: dict[
+            tuple[int, str], Any
+        ] = {}  # (module, name) -> a view or recorder (see _ModuleView)
         self.waiting: dict[_Call, list[greenlet.greenlet]] = {}
         self.runnable: list[tuple[greenlet.greenlet, int]] = []
         self.function_ops: dict[Any, _Op] = {}
-        self.method_ops: dict[tuple[int, str], _Op] = {}
         self.sample = -1  # the sample whose code runs now
         self.last_op = ""
         self.calls = 0  # calls recorded
@@ -455,28 +553,44 @@ class _Scheduler:
     # recording (inside a sample)
 
     def method(self, view: _ModuleView, module: torch.nn.Module, name: str, func: Any) -> Callable[..., Any]:
-        op = self.method_ops.get((id(module), name))
-        if op is None:
-            label = f"{type(module).__name__}.{'forward' if name == '__call__' else name}"
-            op = self.method_ops[(id(module), name)] = _Op(
-                getattr(module, name), label, rows=True, structure_key=(type(module), name)
-            )
+        """What ``view.name`` is: a function that records a call of the module's method ``name``."""
+        caller = self.callers.get((id(module), name))
+        if caller is not None:
+            return caller
+        label = f"{type(module).__name__}.{'forward' if name == '__call__' else name}"
+        op = _Op(getattr(module, name), label, rows=True, structure_key=(type(module), name))
+        record = self.record
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            leaves: list[Any] = []
-            _flatten((args, kwargs), leaves)
-            if func is not None and not any(
-                leaf.__class__ is Pending or isinstance(leaf, _Tensor) for leaf in leaves
-            ):
+            if func is not None and not _has_tensor(args, kwargs):
                 return func(view, *args, **kwargs)  # no tensor in: the sample's own Python code, run inline
-            return self.record(op, args, kwargs)
+            return record(op, args, kwargs)
 
+        self.callers[(id(module), name)] = call
         return call
 
     def record(self, op: _Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        leaves: list[Any] = []
-        spec = _flatten((tuple(args), kwargs), leaves)
+        flat = not kwargs
+        if flat:
+            for arg in args:
+                if arg.__class__ in _CONTAINERS:
+                    flat = False
+                    break
+        if flat:
+            leaves: list[Any] = list(args)
+            spec: Any = len(leaves)  # flat positional arguments: no structure to keep
+        else:
+            leaves = []
+            spec = _flatten((tuple(args), kwargs), leaves)
         call = _Call(op, spec, leaves, self.sample)
+        if (
+            op.fn is torch.cat
+            and args
+            and args[0].__class__ in (list, tuple)
+            and args[1:] in ((), (0,))
+            and kwargs in ({}, {"dim": 0})
+        ):
+            call.joined = True
         self.calls += 1
         self.last_op = op.name
         depth = 0
@@ -498,13 +612,15 @@ class _Scheduler:
 
     def make_ready(self, call: _Call) -> None:
         try:
+            if call.joined:
+                self.make_ready_joined(call)
+                return
             parts: list[Any] = [call.op]
             for leaf in call.leaves:
                 if leaf.__class__ is Pending:
                     if leaf._out < 0 and leaf._call.op.structure != -1:
                         raise _used_whole(leaf._call)
-                    value = leaf._call.values[max(leaf._out, 0)]  # type: ignore[index]
-                    parts.append((value.shape[1:], value.dtype, value.device))
+                    parts.append(leaf._call.kinds[max(leaf._out, 0)])
                 elif isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter):
                     parts.append((leaf.shape, leaf.dtype, leaf.device))
                 else:
@@ -524,11 +640,33 @@ class _Scheduler:
                     stacklevel=4,
                 )
         call.key = key
+        self.enqueue(key, call)
+
+    def enqueue(self, key: Any, call: _Call) -> None:
         group = self.ready.get(key)
         if group is None:
             self.ready[key] = [call]
+            self.ready_depth[key] = call.depth
         else:
             group.append(call)
+            if call.depth < self.ready_depth[key]:
+                self.ready_depth[key] = call.depth
+
+    def make_ready_joined(self, call: _Call) -> None:
+        """A ``torch.cat(values)`` along dim 0: it batches with every other such call whose values
+        share their trailing shape, dtypes and device, whatever their number."""
+        kinds = set()
+        for leaf in call.leaves:
+            if leaf.__class__ is Pending:
+                if leaf._out < 0 and leaf._call.op.structure != -1:
+                    raise _used_whole(leaf._call)
+                value = leaf._call.values[max(leaf._out, 0)]  # type: ignore[index]
+                kinds.add((value.shape[2:], value.dtype, value.device, value.dim()))
+            elif isinstance(leaf, _Tensor):
+                kinds.add((leaf.shape[1:], leaf.dtype, leaf.device, leaf.dim() + 1))
+        key = (call.op, "joined", frozenset(kinds)) if len(kinds) == 1 else call  # (mixed: alone)
+        call.key = key
+        self.enqueue(key, call)
 
     def wait(self, call: _Call) -> None:
         """Return once ``call`` has run: the current sample waits (the others go on), or, outside
@@ -575,11 +713,13 @@ class _Scheduler:
             raise FoldError("autobatch: samples wait for calls that can never run")
         leaves: list[Any] = []
         spec = _flatten(results, leaves)
-        return _unflatten(spec, [_real(leaf) for leaf in leaves])
+        return _unflatten(spec, _real_all(leaves))  # type: ignore[no-any-return]
 
     def step(self) -> None:
         """Run the ready calls of one op and shapes: those whose shallowest call is shallowest."""
-        key = min(self.ready, key=lambda k: min(call.depth for call in self.ready[k]))
+        depths = self.ready_depth
+        key = min(depths, key=depths.__getitem__)
+        del depths[key]
         calls = self.ready.pop(key)
         self.execute(calls, alone=key.__class__ is _Call)
         for call in calls:
@@ -595,6 +735,11 @@ class _Scheduler:
     def execute(self, calls: list[_Call], alone: bool) -> None:
         op = calls[0].op
         self.batches += 1
+        if (len(calls) == 1 or calls[0].joined) and not alone:  # its own arguments, no stacking
+            outs = _run_joined(calls) if len(calls) > 1 else [self.run_alone(op, calls[0])]
+            for call, one in zip(calls, outs, strict=True):
+                self.store(op, [call], one, batched=False)
+            return
         if not alone:
             try:
                 out = _run_batched(op, calls)
@@ -622,7 +767,7 @@ class _Scheduler:
             self.store(op, [call], one, batched=False)
 
     def run_alone(self, op: _Op, call: _Call) -> Any:
-        args, kwargs = _unflatten(call.spec, [_real(leaf) for leaf in call.leaves])
+        args, kwargs = _unflatten(call.spec, _real_all(call.leaves))
         try:
             return op.fn(*args, **kwargs)
         except Exception as error:
@@ -656,8 +801,10 @@ class _Scheduler:
                     "return tensors"
                 )
             values.append(value if batched else value.unsqueeze(0))
+        kinds = [(value.shape[1:], value.dtype, value.device) for value in values]
         for row, call in enumerate(calls):
             call.values = values
+            call.kinds = kinds
             call.row = row
             call.leaves = []  # what it read is no longer needed
 
@@ -677,40 +824,46 @@ def _describe(structure: Any) -> str:
 def _gather(calls: list[_Call], position: int) -> _Tensor:
     """The arguments at leaf ``position`` of ``calls``, stacked along a new dim 0 (one row per call).
 
-    Rows from one earlier batched result, in its order, pass through with no copy; otherwise the
-    sources are concatenated once and one ``index_select`` picks the rows.
+    Rows from one earlier batched result, in its order, pass through with no copy. Otherwise each
+    source gives its rows (a slice when they are consecutive, else one ``index_select``), the
+    pieces are concatenated, and one more ``index_select`` puts them in call order if they are not:
+    the work follows the rows read, not the size of the sources they are read from.
     """
-    sources: list[_Tensor] = []
-    where: dict[int, int] = {}  # id(source) -> its offset in the concatenation
-    rows: list[int] = []
-    offset = 0
+    groups: dict[int, tuple[_Tensor, list[int], list[int]]] = {}  # id(source) -> (source, rows, calls)
     loose: list[_Tensor] = []  # tensors made by the samples' own code
-    loose_rows: list[int] = []
+    loose_calls: list[int] = []
     for number, call in enumerate(calls):
         leaf = call.leaves[position]
         if leaf.__class__ is Pending:
             source = leaf._call.values[max(leaf._out, 0)]  # type: ignore[index]  # (ready: it has run)
-            start = where.get(id(source))
-            if start is None:
-                start = where[id(source)] = offset
-                sources.append(source)
-                offset += source.shape[0]
-            rows.append(start + leaf._call.row)
+            group = groups.get(id(source))
+            if group is None:
+                group = groups[id(source)] = (source, [], [])
+            group[1].append(leaf._call.row)
+            group[2].append(number)
         else:
             loose.append(leaf)
-            loose_rows.append(number)
-            rows.append(-1)
+            loose_calls.append(number)
+    count = len(calls)
+    pieces: list[_Tensor] = []
+    order: list[int] = []
+    for source, rows, numbers in groups.values():
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):
+            pieces.append(source if len(rows) == source.shape[0] else source[first : first + len(rows)])
+        else:
+            pieces.append(source.index_select(0, torch.tensor(rows, device=source.device)))
+        order.extend(numbers)
     if loose:
-        stacked = torch.stack(loose)
-        if not sources:
-            return stacked
-        for number, row in zip(loose_rows, range(offset, offset + len(loose)), strict=True):
-            rows[number] = row
-        sources.append(stacked)
-    if len(sources) == 1 and len(rows) == sources[0].shape[0] and rows == list(range(len(rows))):
-        return sources[0]
-    whole = sources[0] if len(sources) == 1 else torch.cat(sources)
-    return whole.index_select(0, torch.tensor(rows, device=whole.device))
+        pieces.append(torch.stack(loose))
+        order.extend(loose_calls)
+    whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if order == list(range(count)):
+        return whole
+    where = [0] * count
+    for place, number in enumerate(order):
+        where[number] = place
+    return whole.index_select(0, torch.tensor(where, device=whole.device))
 
 
 def _run_batched(op: _Op, calls: list[_Call]) -> Any:
@@ -825,9 +978,17 @@ def autobatch(
     samples = list(samples)
     scheduler = _Scheduler()
     _ACTIVE.append(scheduler)
+    # NOTE: a run makes a few Python objects per call (pending values, calls, their argument lists),
+    # all alive until the run ends; the cyclic collector's passes over them cost up to twice the
+    # run's own time (benchmarks/results/autobatch.md), and nothing in them is garbage before the
+    # run ends. So it is paused for the run, and the run's objects are freed when it returns.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return scheduler.run(fn, _ModuleView(model, scheduler), samples)
     finally:
+        if collecting:
+            gc.enable()
         _ACTIVE.pop()
         if stats is not None:
             stats.update(calls=scheduler.calls, batches=scheduler.batches, alone=scheduler.alone)

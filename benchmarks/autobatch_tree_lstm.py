@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 
 import torchfold
 from torchfold.examples.datasets import Tree, Vocab, generate_sst, read_sst_file

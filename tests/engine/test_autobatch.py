@@ -227,3 +227,37 @@ def test_root_exports_it() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert autobatch(lambda m, x: x, [], torch.nn.Module()) == []
+
+
+class Chains(torch.nn.Module):
+    def a(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def b(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+
+def test_readiness_batches_an_op_across_depths_where_fold_cannot() -> None:
+    # sample 0: a -> b -> a; sample 1: b -> a. Fold groups by (depth, op): a@0, b@0, b@1, a@1, a@2 = 5
+    # calls. Readiness: a (sample 0), then b of both (depths 0 and 1), then a of both: 3.
+    programs = ["aba", "ba"]
+    model = Chains()
+
+    def run(model: Any, program: str) -> Any:
+        x = torch.ones(1, 2)
+        for op in program:
+            x = getattr(model, op)(x)
+        return x
+
+    fold = torchfold.Fold()
+    roots = []
+    for program in programs:
+        node: Any = torch.ones(1, 2)
+        for op in program:
+            node = fold.add(op, node)
+        roots.append(node)
+    plan = fold.plan([roots])
+    stats: dict[str, int] = {}
+    out = autobatch(run, programs, model, stats=stats)
+    torch.testing.assert_close(torch.cat(out), plan.apply(model)[0])
+    assert (stats["batches"], len(plan.groups)) == (3, 5)

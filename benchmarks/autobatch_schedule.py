@@ -97,6 +97,7 @@ def fold_run(model: Ops, samples: list[tuple[Dag, torch.Tensor]]) -> tuple[list[
     fold = torchfold.Fold()
     roots = [fold_dag(fold, sample) for sample in samples]
     plan = fold.plan([roots])
+    assert isinstance(plan, torchfold.FoldPlan)
     return plan.apply(model), len(plan.groups)
 
 

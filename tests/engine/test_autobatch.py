@@ -257,6 +257,7 @@ def test_readiness_batches_an_op_across_depths_where_fold_cannot() -> None:
             node = fold.add(op, node)
         roots.append(node)
     plan = fold.plan([roots])
+    assert isinstance(plan, torchfold.FoldPlan)
     stats: dict[str, int] = {}
     out = autobatch(run, programs, model, stats=stats)
     torch.testing.assert_close(torch.cat(out), plan.apply(model)[0])

@@ -713,7 +713,7 @@ class _Scheduler:
             raise FoldError("autobatch: samples wait for calls that can never run")
         leaves: list[Any] = []
         spec = _flatten(results, leaves)
-        return _unflatten(spec, _real_all(leaves))  # type: ignore[no-any-return]
+        return _unflatten(spec, _real_all(leaves))  # type: ignore[no-any-return,unused-ignore]
 
     def step(self) -> None:
         """Run the ready calls of one op and shapes: those whose shallowest call is shallowest."""

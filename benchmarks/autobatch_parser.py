@@ -132,13 +132,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}: gradient differs from eager")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     times: dict[str, list[float]] = {name: [] for name in VERSIONS}
-    position = 0
-    for _ in range(args.rounds):
+    for round_number in range(args.rounds):
+        # every version trains on the same batches in a round (the model's weights differ a little)
+        chosen = [batches[(round_number * args.steps + step) % len(batches)] for step in range(args.steps)]
         for name, loss_fn in VERSIONS.items():
             start = time.perf_counter()
-            for _ in range(args.steps):
-                batch = batches[position % len(batches)]
-                position += 1
+            for batch in chosen:
                 optimizer.zero_grad()
                 loss_fn(model, batch)[0].backward()
                 optimizer.step()

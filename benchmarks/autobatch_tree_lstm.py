@@ -92,19 +92,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     times: dict[str, list[float]] = {name: [] for name in VERSIONS}
     nodes = sum(len(list(tree.nodes())) for tree in batches[0])
-    position = 0
-    for _ in range(args.rounds):
+    for round_number in range(args.rounds):
+        # every version trains on the same batches in a round (the model's weights differ a little)
+        chosen = [batches[(round_number * args.steps + step) % len(batches)] for step in range(args.steps)]
         for name, loss_fn in VERSIONS.items():
             start = time.perf_counter()
-            for _ in range(args.steps):
-                batch = batches[position % len(batches)]
-                position += 1
+            for batch in chosen:
                 optimizer.zero_grad()
                 loss_fn(model, batch, vocab).backward()
                 optimizer.step()
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    print(f"{args.batch} trees per batch ({nodes} nodes in the first), {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"{args.batch} trees per batch ({nodes} nodes in the first), {args.rounds} rounds x {args.steps} steps"
+    )
     for name, values in times.items():
         print(
             f"{name:10s} {medians[name]:8.1f} ms/step  x{medians['eager'] / medians[name]:5.2f} eager  "

@@ -718,7 +718,8 @@ class _Scheduler:
     def step(self) -> None:
         """Run the ready calls of one op and shapes: those whose shallowest call is shallowest."""
         depths = self.ready_depth
-        key = min(depths, key=depths.__getitem__)
+        wanted = self.wanted() if self.waiting else None
+        key = min(wanted or depths, key=depths.__getitem__)
         del depths[key]
         calls = self.ready.pop(key)
         self.execute(calls, alone=key.__class__ is _Call)
@@ -731,6 +732,29 @@ class _Scheduler:
             waiting = self.waiting.pop(call, None)
             if waiting:
                 self.runnable.extend((task, call.sample) for task in waiting)
+
+    def wanted(self) -> set[Any]:
+        """The keys of the ready calls that the samples waiting to read a value need first.
+
+        NOTE: while some samples wait, only what they read (and the calls it depends on) runs;
+        the other ready calls wait for more of their kind: a sample that has finished its parse
+        adds its classifier call, which then runs with every other sample's, not alone.
+        """
+        keys: set[Any] = set()
+        seen: set[int] = set()
+        todo = list(self.waiting)
+        while todo:
+            call = todo.pop()
+            if id(call) in seen:
+                continue
+            seen.add(id(call))
+            if call.key is not None:  # ready: nothing it reads is pending
+                keys.add(call.key)
+                continue
+            todo.extend(
+                leaf._call for leaf in call.leaves if leaf.__class__ is Pending and leaf._call.values is None
+            )
+        return keys
 
     def execute(self, calls: list[_Call], alone: bool) -> None:
         op = calls[0].op

@@ -262,3 +262,18 @@ def test_readiness_batches_an_op_across_depths_where_fold_cannot() -> None:
     out = autobatch(run, programs, model, stats=stats)
     torch.testing.assert_close(torch.cat(out), plan.apply(model)[0])
     assert (stats["batches"], len(plan.groups)) == (3, 5)
+
+
+def test_concatenating_any_number_of_values_batches_across_samples() -> None:
+    # torch.cat(values) along dim 0: one batched call for all samples, whatever their counts and rows
+    model = Model()
+
+    def fn(model: Any, rows: list[int]) -> Any:
+        return torch.cat([model.scale(torch.full((n, 2), float(n))) for n in rows])
+
+    samples = [[1], [2, 1, 2], [1, 1], [3]]
+    stats: dict[str, int] = {}
+    out = autobatch(fn, samples, model, stats=stats)
+    for got, rows in zip(out, samples, strict=True):
+        torch.testing.assert_close(got, fn(model, rows))
+    assert stats["batches"] == 3 + 1  # scale for 1, 2 and 3 rows; then every cat at once

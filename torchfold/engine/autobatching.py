@@ -260,7 +260,7 @@ class Pending:
         assert call.values is not None
         if self._out < 0 and call.op.structure != -1:
             raise _used_whole(call)
-        return call.values[max(self._out, 0)][call.row]
+        return call.values[(self._out if self._out > 0 else 0)][call.row]
 
     @classmethod
     def __torch_function__(
@@ -397,7 +397,7 @@ def _real_all(leaves: list[Any]) -> list[Any]:
         if call.values is None or (leaf._out < 0 and call.op.structure != -1):
             out[place] = _real(leaf)
             continue
-        source = call.values[max(leaf._out, 0)]
+        source = call.values[(leaf._out if leaf._out > 0 else 0)]
         group = groups.get(id(source))
         if group is None:
             group = groups[id(source)] = (source, [], [])
@@ -620,7 +620,7 @@ class _Scheduler:
                 if leaf.__class__ is Pending:
                     if leaf._out < 0 and leaf._call.op.structure != -1:
                         raise _used_whole(leaf._call)
-                    parts.append(leaf._call.kinds[max(leaf._out, 0)])
+                    parts.append(leaf._call.kinds[(leaf._out if leaf._out > 0 else 0)])
                 elif isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter):
                     parts.append((leaf.shape, leaf.dtype, leaf.device))
                 else:
@@ -655,15 +655,18 @@ class _Scheduler:
     def make_ready_joined(self, call: _Call) -> None:
         """A ``torch.cat(values)`` along dim 0: it batches with every other such call whose values
         share their trailing shape, dtypes and device, whatever their number."""
-        kinds = set()
+        kinds: set[Any] = set()  # each value's per-sample (shape, dtype, device): few distinct ones
         for leaf in call.leaves:
             if leaf.__class__ is Pending:
-                if leaf._out < 0 and leaf._call.op.structure != -1:
-                    raise _used_whole(leaf._call)
-                value = leaf._call.values[max(leaf._out, 0)]  # type: ignore[index]
-                kinds.add((value.shape[2:], value.dtype, value.device, value.dim()))
+                source, out = leaf._call, leaf._out
+                if out < 0:
+                    if source.op.structure != -1:
+                        raise _used_whole(source)
+                    out = 0
+                kinds.add(source.kinds[out])
             elif isinstance(leaf, _Tensor):
-                kinds.add((leaf.shape[1:], leaf.dtype, leaf.device, leaf.dim() + 1))
+                kinds.add((leaf.shape, leaf.dtype, leaf.device))
+        kinds = {(shape[1:], dtype, device, len(shape)) for shape, dtype, device in kinds}  # rows may differ
         key = (call.op, "joined", frozenset(kinds)) if len(kinds) == 1 else call  # (mixed: alone)
         call.key = key
         self.enqueue(key, call)
@@ -859,7 +862,7 @@ def _gather(calls: list[_Call], position: int) -> _Tensor:
     for number, call in enumerate(calls):
         leaf = call.leaves[position]
         if leaf.__class__ is Pending:
-            source = leaf._call.values[max(leaf._out, 0)]  # type: ignore[index]  # (ready: it has run)
+            source = leaf._call.values[(leaf._out if leaf._out > 0 else 0)]  # type: ignore[index]  # (ready: it has run)
             group = groups.get(id(source))
             if group is None:
                 group = groups[id(source)] = (source, [], [])

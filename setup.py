@@ -37,7 +37,7 @@ setup(
     # recording's and planning's common calls in C; optional: without a C compiler torchfold
     # installs and runs the same code in Python (torchfold.engine.native.BUILT says which)
     ext_modules=[Extension("torchfold.engine._record", ["torchfold/engine/_record.c"], optional=True)],
-    install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60"],
+    install_requires=["torch>=2.1", "numpy>=1.23", "tqdm>=4.60", "greenlet>=3.0"],
     extras_require={
         # Fold.draw, trace and replay plots
         "plot": ["matplotlib>=3.6"],

@@ -16,6 +16,10 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import autobatch_parser  # noqa: E402
+import autobatch_schedule  # noqa: E402
+import autobatch_tree_lstm  # noqa: E402
+import coroutine_switch  # noqa: E402
 import dynamo_guards  # noqa: E402
 import fold_overhead  # noqa: E402
 import gpu_tree_lstm  # noqa: E402
@@ -377,3 +381,28 @@ def test_dynamo_follows_every_kind_of_read_the_probe_tries() -> None:
     assert {
         name: dynamo_guards.follows(*case) for name, case in dynamo_guards.CASES.items()
     } == dict.fromkeys(dynamo_guards.CASES, True)
+
+
+def test_autobatch_tree_lstm_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    medians = autobatch_tree_lstm.main(["--quick"])  # checks equal losses and gradients first
+    assert set(medians) == {"eager", "autobatch", "fold"}
+    assert "autobatch / fold speed" in capsys.readouterr().out
+
+
+def test_autobatch_parser_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    medians = autobatch_parser.main(["--quick"])  # checks equal losses, transitions and gradients first
+    assert set(medians) == {"eager", "autobatch"}
+    assert "sentences per batch" in capsys.readouterr().out
+
+
+def test_autobatch_schedule_script_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    autobatch_schedule.main(["--quick"])  # checks autobatch's outputs against the fold's
+    out = capsys.readouterr().out
+    assert "autobatch (readiness)" not in out and "autobatch batched calls" in out and "bytes/node" in out
+
+
+def test_coroutine_switch_times_each_mechanism(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coroutine_switch, "N", 2_000)
+    assert coroutine_switch.greenlet_round_trip() > 0
+    assert coroutine_switch.generator_round_trip() > 0
+    assert coroutine_switch.thread_round_trip() > 0

@@ -70,7 +70,7 @@ def test_every_page_is_in_the_nav() -> None:
 def test_the_site_links_the_notebooks_and_the_benchmark_results() -> None:
     served = set(_hook("repo_files").repository_files())
     notebooks = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
-    assert len(notebooks) == 6 and notebooks <= served
+    assert len(notebooks) == 7 and notebooks <= served
     listed = set(re.findall(r"\]\((notebooks/[^)]+\.ipynb)\)", (DOCS / "notebooks.md").read_text()))
     assert listed == notebooks
     assert "](benchmarks/results/" in (DOCS / "contributing.md").read_text()

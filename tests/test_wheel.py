@@ -153,7 +153,7 @@ def test_wheel_holds_the_package_and_requires_no_extra(wheel: Path) -> None:
     assert "torchfold/engine/_record.pyi" in names
     assert {n.split("/")[0] for n in names} == {"torchfold", metadata.split("/")[0]}
     plain = sorted(re.split(r"[<>=! ;\[]", r)[0] for r in requires if "extra ==" not in r)
-    assert plain == ["numpy", "torch", "tqdm"]
+    assert plain == ["greenlet", "numpy", "torch", "tqdm"]
     # torch_xla imports only beside the torch it was built for: the extra pins the pair
     assert sorted(r.split(";")[0].strip() for r in requires if 'extra == "xla"' in r) == [
         "torch==2.9.0",

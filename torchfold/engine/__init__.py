@@ -6,6 +6,7 @@
 - :mod:`~torchfold.engine.static`: padding a plan into a fixed envelope of shapes (XLA, CUDA graphs,
   compiled steps), run by the same executor (``StaticLayout.run``);
 - :mod:`~torchfold.engine.ops`: calling an op and checking what it returns, for the executor;
+- :mod:`~torchfold.engine.autobatching`: plain per-sample PyTorch batched as it runs (:func:`autobatch`);
 - :mod:`~torchfold.engine.eager`: the eager twin (:class:`EagerFold`), one call per node, for tests;
 - :mod:`~torchfold.engine.draw`: pictures of a fold (needs the ``plot`` extra).
 
@@ -13,6 +14,7 @@ The engine imports nothing from :mod:`torchfold.train`, :mod:`torchfold.examples
 """
 
 from torchfold._errors import FoldError
+from torchfold.engine.autobatching import Pending, autobatch
 from torchfold.engine.eager import EagerFold, EagerNode
 from torchfold.engine.fold import Fold
 from torchfold.engine.node import Node
@@ -26,8 +28,10 @@ __all__ = [
     "FoldError",
     "FoldPlan",
     "Node",
+    "Pending",
     "StaticPlan",
     "StaticShapes",
     "StaticShapesOverflow",
     "StaticShapesWarning",
+    "autobatch",
 ]

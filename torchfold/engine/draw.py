@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchfold.engine.node import Group, Tape
+from torchfold.engine.node import Group, Recording, Tape
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from torchfold.engine.fold import Fold
 
 __all__ = ["draw_fold"]
 
@@ -37,7 +36,7 @@ def _literal(arg: Any) -> str:
 
 
 def draw_fold(
-    fold: Fold,
+    fold: Recording,
     path: str | Path | None = None,
     *,
     max_nodes: int = 60,

@@ -17,6 +17,7 @@ import torch
 from torchfold._errors import FoldError
 from torchfold.engine import native
 from torchfold.engine.devices import is_cuda
+from torchfold.engine.draw import draw_fold
 from torchfold.engine.node import (
     INT64_MAX,
     INT64_MIN,
@@ -30,7 +31,7 @@ from torchfold.engine.node import (
 )
 from torchfold.engine.plan import FoldPlan, apply_plan
 from torchfold.engine.planner import plan_fold
-from torchfold.engine.resolve import cuda_device
+from torchfold.engine.resolve import cuda_device, describe
 from torchfold.engine.static.shapes import StaticShapes, envelope_for
 
 if TYPE_CHECKING:
@@ -428,8 +429,6 @@ class Fold:
         return sum(len(group.nodes) for group in self._groups.values())
 
     def __repr__(self) -> str:
-        from torchfold.engine.resolve import describe
-
         return describe(self)
 
     def draw(self, path: str | Path | None = None, **kwargs: Any) -> Figure:
@@ -439,8 +438,6 @@ class Fold:
         A fold of more than ``max_groups=200`` groups is refused (slow, unreadable): draw a part
         of it with ``depths=range(start, stop)``.
         """
-        from torchfold.engine.draw import draw_fold
-
         return draw_fold(self, path, **kwargs)
 
 

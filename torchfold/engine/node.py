@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from torchfold._errors import FoldError
 from torchfold._validate import check_int
@@ -208,6 +208,30 @@ class Tape:
         return (
             f"{group.name}@{group.depth}{'' if output is None else f'.{output}'}{'' if batch else ' nobatch'}"
         )
+
+
+class Recording(Protocol):
+    """What planning, request checks, printing and drawing read of a recorded fold.
+
+    :class:`~torchfold.Fold` is one. The modules above the recorded graph name this, not ``Fold``,
+    so that they import downward only (``Fold`` imports them).
+    """
+
+    @property
+    def tape(self) -> Tape: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def volatile(self) -> bool: ...
+
+    @property
+    def shapes(self) -> object: ...
+
+    def groups(self) -> list[Group]: ...
+
+    def __len__(self) -> int: ...
 
 
 class Group:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -23,12 +23,16 @@ import torch
 from torchfold._errors import FoldError
 from torchfold.engine import native
 from torchfold.engine.ir import Arg, Gather, GroupCall
-from torchfold.engine.node import Group, Node, handle_of, ints_and_floats_mixed, literals_and_rows_mixed
+from torchfold.engine.node import (
+    Group,
+    Node,
+    Recording,
+    handle_of,
+    ints_and_floats_mixed,
+    literals_and_rows_mixed,
+)
 from torchfold.engine.plan import FoldPlan
 from torchfold.engine.resolve import check_requests
-
-if TYPE_CHECKING:
-    from torchfold.engine.fold import Fold
 
 __all__ = ["plan_fold"]
 
@@ -108,7 +112,7 @@ class _Planner:
     becomes numpy arrays once, and a column of handles is looked up in them as a whole.
     """
 
-    def __init__(self, fold: Fold) -> None:
+    def __init__(self, fold: Recording) -> None:
         self.groups = fold.groups()
         tape = self.tape = fold.tape
         self.source_calls = [0] * tape.sources  # calls of the group behind each source
@@ -473,7 +477,7 @@ def _concatenable(column: Sequence[_Tensor]) -> bool:
     )
 
 
-def plan_fold(fold: Fold, requests: Sequence[Sequence[Any]]) -> FoldPlan:
+def plan_fold(fold: Recording, requests: Sequence[Sequence[Any]]) -> FoldPlan:
     """The :class:`FoldPlan` that computes ``requests`` (lists of ``fold``'s nodes): what
     :meth:`Fold.plan <torchfold.Fold.plan>` returns."""
     check_requests(fold, requests)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -19,6 +19,7 @@ from torchfold.engine.node import (
     INT64_MIN,
     Node,
     Op,
+    Recording,
     Tape,
     foreign_node,
     ints_and_floats_mixed,
@@ -26,9 +27,6 @@ from torchfold.engine.node import (
     outside_int64,
     tape_ref_of,
 )
-
-if TYPE_CHECKING:
-    from torchfold.engine.fold import Fold
 
 __all__ = [
     "check_request_items",
@@ -80,7 +78,7 @@ def _resolve(nn: object, call: _Batched) -> Callable[..., Any]:
     )
 
 
-def check_requests(fold: Fold, requests: Sequence[Sequence[Any]]) -> None:
+def check_requests(fold: Recording, requests: Sequence[Sequence[Any]]) -> None:
     """Reject empty or malformed ``apply`` requests, and nodes of other folds."""
     example = "f.apply(model, [[node_a, node_b], [node_c]])"
     if isinstance(requests, Node) or not isinstance(requests, Sequence) or isinstance(requests, str):
@@ -226,7 +224,7 @@ def _describe_arg(arg: Any, tape: Tape, nodes: bool) -> str:
     return type(arg).__name__
 
 
-def describe(fold: Fold) -> str:
+def describe(fold: Recording) -> str:
     """The plan, per depth: op x count and what each argument position holds.
 
     Before ``apply`` positions are described by kind (``int``, ``tensor[1, 784]``, the producing

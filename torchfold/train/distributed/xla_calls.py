@@ -27,6 +27,7 @@ import torch
 __all__ = [
     "CAPTURE_LOCK",
     "NEEDED",
+    "compilations",
     "compile_graph",
     "data_ids",
     "device_data",
@@ -181,3 +182,12 @@ def executions() -> int:
     import torch_xla.debug.metrics as met
 
     return int(met.counter_value("ExecuteComputation") or 0)
+
+
+def compilations() -> int:
+    """How many programs torch_xla has compiled in this process: its own ``CompileTime`` metric's
+    count (every compile, the replays' captures, the all-reduce's and the host reads' alike)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0

@@ -270,3 +270,45 @@ def test_loaded_adam_step_counts_on_xla_each_have_a_buffer_of_their_own() -> Non
     assert [float(c) for c in counts] == [1.0] * 3
     buffers = [xla._get_tensors_xla_device_data_node([c])[0] for c in counts]
     assert len({tuple(b) for b in buffers}) == 3, buffers
+
+
+@pytest.mark.xla
+def test_a_host_read_is_told_by_the_thread_that_made_it_not_by_a_graph_of_another_thread() -> None:
+    """Replicas that are threads of one process share torch_xla's count of executed graphs: a
+    capture must not take another thread's graph (here a host read in a second thread, made while
+    the capture is open) for a read of its own, and must see each of its own reads."""
+    import threading
+
+    import torch_xla
+
+    from torchfold.train.distributed.xla_calls import HostReads
+
+    device = torch_xla.device()
+    x = torch.arange(4.0, device=device)
+    other_read = threading.Event()
+
+    def other_thread() -> None:
+        float((torch.arange(3.0, device=device) * 2).sum())  # runs a graph while the capture is open
+        other_read.set()
+
+    with HostReads() as reads:
+        y = (x * 3).sum()  # lazy: nothing runs
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert other_read.wait(timeout=120)
+        thread.join()
+        assert reads.count == 0
+        own = [
+            lambda: y.item(),
+            lambda: float(y),
+            lambda: (x + 1).tolist(),
+            lambda: (x - 1).cpu(),
+            lambda: bool(y),
+        ]
+        for number, read in enumerate(own, 1):
+            read()
+            assert reads.count >= number, number
+    assert reads.happened()
+    with HostReads() as quiet:
+        (x * 5).sum()
+    assert quiet.count == 0 and not quiet.happened()

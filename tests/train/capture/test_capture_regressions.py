@@ -219,26 +219,19 @@ def _train_cli(device: str, max_steps: int, checkpoints: Path) -> subprocess.Com
 
 @pytest.mark.xla
 @pytest.mark.timeout(600)  # compiles on a shared CPU
-def test_the_train_cli_on_xla_resumes_from_its_own_checkpoint(tmp_path: Path) -> None:
-    # The command read its checkpoint onto the XLA device, which torch.load cannot do, and
-    # called the file "truncated or corrupt" telling the user to delete it.
-    for steps in (1, 2):
-        done = _train_cli("xla", steps, tmp_path / "ck")
-        assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'ck' / 'step-00000001.pt'} at step 1" in done.stdout, done.stdout
-    assert "done: 1 steps (4 samples" in done.stdout
-
-
-@pytest.mark.xla
-@pytest.mark.timeout(600)  # compiles on a shared CPU
-def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back(tmp_path: Path) -> None:
+def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back_and_xla_resumes_from_its_own(tmp_path: Path) -> None:
     # The optimizer's param groups carried the device's options: a CPU checkpoint (fused Adam)
-    # failed on XLA in the fused kernel, an XLA one (capturable) on the CPU in Adam's checks.
-    for steps, device in enumerate(("cpu", "xla", "cpu"), start=1):
+    # failed on XLA in the fused kernel, an XLA one (capturable) on the CPU in Adam's checks. And the
+    # command read its own XLA checkpoint onto the XLA device, which torch.load cannot do, and called
+    # the file "truncated or corrupt" telling the user to delete it. One chain of runs, a step each:
+    # CPU, XLA (from the CPU's checkpoint), XLA (from its own), CPU (from XLA's).
+    for steps, device in enumerate(("cpu", "xla", "xla", "cpu"), start=1):
         done = _train_cli(device, steps, tmp_path / "ck")
         assert done.returncode == 0, done.stderr[-3000:]
         if steps > 1:
-            assert f"step-{steps - 1:08d}.pt at step {steps - 1}" in done.stdout, done.stdout
+            resumed = f"resumed from {tmp_path / 'ck' / f'step-{steps - 1:08d}.pt'} at step {steps - 1}"
+            assert resumed in done.stdout, done.stdout
+            assert "done: 1 steps (4 samples" in done.stdout, done.stdout
 
 
 @pytest.mark.xla

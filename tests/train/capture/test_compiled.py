@@ -84,9 +84,11 @@ def _eager_and_captured(
             torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# (8 examples of up to 3 batches: each batch that grows the envelope is a capture of seconds; 15 of
+# up to 4 took 3 minutes of the unit lane on a shared 2-core machine, for the same claim)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=4), st.integers(0, 99)
+    st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3), st.integers(0, 99)
 )
 def test_captured_loss_and_gradients_equal_the_eager_step(batches: list[list[int]], seed: int) -> None:
     torch.manual_seed(seed)

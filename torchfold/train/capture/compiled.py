@@ -122,8 +122,8 @@ class CompiledLoss:
             on the CPU, unbounded elsewhere).
 
     NOTE: on the CPU a capture is an inductor compile of the layout's whole unrolled forward and
-    backward: tens of seconds to minutes per layout, while a replayed step there ran about as fast
-    as an eager one (``benchmarks/results/trainer.md``). So the first capture there warns with
+    backward: tens of seconds to minutes per layout, while a replayed step there, padded, ran no
+    faster than an eager one (``benchmarks/results/trainer.md``). So the first capture there warns with
     what it cost, and ``max_captures`` bounds how many a run pays for: an envelope that keeps
     growing (a ``StaticShapes()`` not fitted before training) would otherwise compile at every
     growth. :attr:`captures` and :attr:`compile_seconds` say what was paid.
@@ -224,9 +224,9 @@ class CompiledLoss:
         return (
             f"compile='on' on the CPU: the first layout's forward and backward took {self.compile_seconds:.0f} s "
             "to compile, and each new static-shape layout (a deeper depth bucket, or the envelope grew) compiles "
-            f"again, up to max_captures={self.max_captures}; a replayed step is about as fast as an eager one on "
-            "the CPU. Fit the envelope before training (torchfold.train.fit_static_shapes) so that it does not "
-            "grow, or train with compile='off'"
+            f"again, up to max_captures={self.max_captures}; and a replayed step, padded, ran no faster than an "
+            "eager one on the CPU. Fit the envelope before training (torchfold.train.fit_static_shapes) so that it "
+            "does not grow, or train with compile='off'"
         )
 
     def _eager(self, plan: StaticPlan, targets: Any) -> torch.Tensor:

@@ -51,7 +51,9 @@ def _cpu_reference(rule: str) -> dict[str, object]:
     return train(make_model(seed=100), rule, mnist_rows(sum(TRACE)), TRACE, MINIBATCH, num_replicas=1, rank=0)
 
 
-@pytest.mark.parametrize("rule", RULES)
+# (linear differs from constant only in the host's rate arithmetic, the CPU lane's; the two-replica
+# test below runs every rule on XLA)
+@pytest.mark.parametrize("rule", ["constant", "adascale"])
 def test_one_xla_device_equals_the_cpu(rule: str) -> None:
     import torch_xla
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchfold.engine.devices import is_xla
+
 __all__ = [
     "CAPTURE_LOCK",
     "NEEDED",
@@ -240,7 +242,7 @@ class HostReads(TorchDispatchMode):
 
 
 def _on_xla(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+    return isinstance(value, torch.Tensor) and is_xla(value.device)
 
 
 def _reads_back(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -250,7 +252,7 @@ def _reads_back(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         return _on_xla(args[0])
     if packet is _ATEN._to_copy:
         device = kwargs.get("device")
-        return _on_xla(args[0]) and device is not None and torch.device(device).type != "xla"
+        return _on_xla(args[0]) and device is not None and not is_xla(device)
     if packet is _ATEN.copy_:
         return len(args) > 1 and _on_xla(args[1]) and not _on_xla(args[0])
     return False

@@ -18,6 +18,11 @@ DYNET_VENV ?= .venv-dynet
 DYNET_STAMP := $(DYNET_VENV)/.torchfold-installed
 DEMO_ARGS ?=
 
+# $(call timed,LANE,COMMAND): run COMMAND (shown), then say how long LANE took, passed or not, so that
+# a CI log shows where its time goes (COMMAND must not contain a comma)
+timed = echo '$(2)'; start=$$(date +%s); $(2); status=$$?; \
+	echo "[lane time] $(1): $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
+
 .PHONY: demo test check lint typecheck docs unit quick test-xla test-integrations env env-xla env-dynet clean
 
 env: $(STAMP)
@@ -51,20 +56,20 @@ demo: env
 	$(BIN)/python -m torchfold demo $(DEMO_ARGS)
 
 lint: env
-	$(BIN)/ruff check torchfold tests benchmarks scripts docs/_hooks
-	$(BIN)/ruff format --check torchfold tests benchmarks scripts docs/_hooks
+	@$(call timed,lint,$(BIN)/ruff check torchfold tests benchmarks scripts docs/_hooks && \
+		$(BIN)/ruff format --check torchfold tests benchmarks scripts docs/_hooks)
 
 typecheck: env
-	$(BIN)/mypy
+	@$(call timed,typecheck,$(BIN)/mypy)
 
 # the site goes under build/ (git-ignored); --strict turns every warning (a broken link, a
 # docstring reference that does not resolve) into a failure
 docs: env
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	@$(call timed,docs,NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet)
 
 # (the integrations lane runs apart: test-integrations)
 unit: env env-dynet
-	$(BIN)/python -m pytest -m "not xla and not integrations"
+	@$(call timed,unit,$(BIN)/python -m pytest -m "not xla and not integrations")
 
 # the unit tests without the slow (processes, notebooks, clean venvs) and the XLA ones
 quick: env
@@ -78,10 +83,11 @@ XLA_TESTS = tests/train/test_xla.py tests/train/capture/test_xla_runner.py \
 	tests/train/capture/test_replay_trust.py tests/train/capture/test_sound_steps.py
 
 test-xla: env-xla
-	@status=0; for f in $(XLA_TESTS); do \
-		echo "PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla $$f"; \
+	@lane=$$(date +%s); status=0; for f in $(XLA_TESTS); do \
+		echo "PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla $$f"; start=$$(date +%s); \
 		PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla $$f || status=1; \
-	done; exit $$status
+		echo "[lane time] xla $$f: $$(( $$(date +%s) - start )) s"; \
+	done; echo "[lane time] xla: $$(( $$(date +%s) - lane )) s (exit $$status)"; exit $$status
 
 # Lightning and accelerate, installed into .venv once (the integrations extra: under 15 s of pip
 # here); TORCHFOLD_INTEGRATIONS=require: a package that is missing fails the tests, never skips them
@@ -92,7 +98,7 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 	touch $@
 
 test-integrations: $(INTEGRATIONS_STAMP)
-	TORCHFOLD_INTEGRATIONS=require $(BIN)/python -m pytest -m integrations tests/integrations
+	@$(call timed,integrations,TORCHFOLD_INTEGRATIONS=require $(BIN)/python -m pytest -m integrations tests/integrations)
 
 test: lint typecheck docs unit test-xla test-integrations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,9 @@ def _cpu_reference(rule: str) -> dict[str, object]:
     return train(make_model(seed=100), rule, mnist_rows(sum(TRACE)), TRACE, MINIBATCH, num_replicas=1, rank=0)
 
 
-@pytest.mark.parametrize("rule", RULES)
+# (linear differs from constant only in the host's rate arithmetic, the CPU lane's; the two-replica
+# test below runs every rule on XLA)
+@pytest.mark.parametrize("rule", ["constant", "adascale"])
 def test_one_xla_device_equals_the_cpu(rule: str) -> None:
     import torch_xla
 
@@ -232,10 +235,11 @@ def test_apply_on_xla_pads_by_default_and_returns_exact_outputs() -> None:
     assert StaticShapes.of(model).plans == 1  # the XLA apply went through the module's envelope
 
 
-@pytest.mark.parametrize(("device", "packed"), [("xla", False), ("auto", False), ("xla", True)])
+# (two runs for three claims: ``auto`` and ``--pack-levels`` together, each a process of a minute)
+@pytest.mark.parametrize(("device", "packed"), [("xla", False), ("auto", True)])
 def test_the_train_cli_runs_on_xla_with_static_shapes(device: str, packed: bool) -> None:
-    """``python -m torchfold train --device xla`` (and ``auto`` with PJRT_DEVICE set, and with
-    ``--pack-levels``) trains on the XLA device."""
+    """``python -m torchfold train --device xla`` (and ``auto`` with PJRT_DEVICE set, there with
+    ``--pack-levels``) trains on the XLA device, and says how many programs torch_xla compiled."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     args = [
         *(["--pack-levels"] if packed else []),
@@ -271,6 +275,10 @@ def test_the_train_cli_runs_on_xla_with_static_shapes(device: str, packed: bool)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "device xla:0" in done.stdout and "done: 3 steps (24 samples" in done.stdout, done.stdout
     assert "unpadded plan" not in done.stderr  # the CLI's build pads
+    # torch_xla's own count (the warm-up's programs and every other graph of the run), at the end
+    assert re.search(r"^compiled: [1-9]\d* graphs by torch_xla in this run", done.stdout, re.MULTILINE), (
+        done.stdout
+    )
 
 
 def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_path: Path) -> None:
@@ -314,9 +322,9 @@ def _trainer_replicas(
     return done, [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(devices)]
 
 
-@pytest.mark.parametrize(
-    ("compile", "devices", "steps"), [("off", 2, 8), ("replay", 1, 32), ("replay", 2, 32)]
-)
+# (replayed steps on one device, against one CPU process, compiling nothing after the warm-up: the
+# resumed run of test_a_checkpoint_of_two_xla_devices_resumes_on_one_with_replayed_steps)
+@pytest.mark.parametrize(("compile", "devices", "steps"), [("off", 2, 8), ("replay", 2, 32)])
 def test_the_trainer_on_xla_devices_equals_one_cpu_process(
     tmp_path: Path, compile: str, devices: int, steps: int
 ) -> None:

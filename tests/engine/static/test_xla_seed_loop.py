@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.xla
 
-BATCHES, TREES = 40, 10
+# the envelope's warm-up (StaticShapes' warmup=20 plans), then 8 batches that must compile nothing: a
+# prefix of the 40 this ran before, whose batches 20-39 compiled nothing either
+BATCHES, TREES = 28, 10
 
 
 def _sst(data_dir: Any) -> tuple[list[list[Any]], Any]:
@@ -36,7 +38,7 @@ def _compilations() -> int:
     return 0 if data is None else int(data[0])
 
 
-@pytest.mark.timeout(900)  # 40 traced training steps: 2-4 minutes on a loaded 2-core machine
+@pytest.mark.timeout(900)  # 28 traced training steps: 2-3 minutes on a loaded 2-core machine
 def test_the_documented_seed_loop_compiles_nothing_after_the_warm_up(data_dir: Any) -> None:
     import torch_xla
 
@@ -46,7 +48,7 @@ def test_the_documented_seed_loop_compiles_nothing_after_the_warm_up(data_dir: A
     batches, vocab = _sst(data_dir)
     device = torch_xla.device()
     torch.manual_seed(0)
-    model = TreeLSTM(len(vocab), 16, 16).to(device)
+    model = TreeLSTM(len(vocab), 8, 8).to(device)  # (the graphs' structure, not their width, is the point)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     counts = [_compilations()]
     with warnings.catch_warnings():

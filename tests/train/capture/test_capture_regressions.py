@@ -219,26 +219,19 @@ def _train_cli(device: str, max_steps: int, checkpoints: Path) -> subprocess.Com
 
 @pytest.mark.xla
 @pytest.mark.timeout(600)  # compiles on a shared CPU
-def test_the_train_cli_on_xla_resumes_from_its_own_checkpoint(tmp_path: Path) -> None:
-    # The command read its checkpoint onto the XLA device, which torch.load cannot do, and
-    # called the file "truncated or corrupt" telling the user to delete it.
-    for steps in (1, 2):
-        done = _train_cli("xla", steps, tmp_path / "ck")
-        assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'ck' / 'step-00000001.pt'} at step 1" in done.stdout, done.stdout
-    assert "done: 1 steps (4 samples" in done.stdout
-
-
-@pytest.mark.xla
-@pytest.mark.timeout(600)  # compiles on a shared CPU
-def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back(tmp_path: Path) -> None:
+def test_a_checkpoint_moves_from_the_cpu_to_xla_and_back_and_xla_resumes_from_its_own(tmp_path: Path) -> None:
     # The optimizer's param groups carried the device's options: a CPU checkpoint (fused Adam)
-    # failed on XLA in the fused kernel, an XLA one (capturable) on the CPU in Adam's checks.
-    for steps, device in enumerate(("cpu", "xla", "cpu"), start=1):
+    # failed on XLA in the fused kernel, an XLA one (capturable) on the CPU in Adam's checks. And the
+    # command read its own XLA checkpoint onto the XLA device, which torch.load cannot do, and called
+    # the file "truncated or corrupt" telling the user to delete it. One chain of runs, a step each:
+    # CPU, XLA (from the CPU's checkpoint), XLA (from its own), CPU (from XLA's).
+    for steps, device in enumerate(("cpu", "xla", "xla", "cpu"), start=1):
         done = _train_cli(device, steps, tmp_path / "ck")
         assert done.returncode == 0, done.stderr[-3000:]
         if steps > 1:
-            assert f"step-{steps - 1:08d}.pt at step {steps - 1}" in done.stdout, done.stdout
+            resumed = f"resumed from {tmp_path / 'ck' / f'step-{steps - 1:08d}.pt'} at step {steps - 1}"
+            assert resumed in done.stdout, done.stdout
+            assert "done: 1 steps (4 samples" in done.stdout, done.stdout
 
 
 @pytest.mark.xla
@@ -270,3 +263,45 @@ def test_loaded_adam_step_counts_on_xla_each_have_a_buffer_of_their_own() -> Non
     assert [float(c) for c in counts] == [1.0] * 3
     buffers = [xla._get_tensors_xla_device_data_node([c])[0] for c in counts]
     assert len({tuple(b) for b in buffers}) == 3, buffers
+
+
+@pytest.mark.xla
+def test_a_host_read_is_told_by_the_thread_that_made_it_not_by_a_graph_of_another_thread() -> None:
+    """Replicas that are threads of one process share torch_xla's count of executed graphs: a
+    capture must not take another thread's graph (here a host read in a second thread, made while
+    the capture is open) for a read of its own, and must see each of its own reads."""
+    import threading
+
+    import torch_xla
+
+    from torchfold.train.distributed.xla_calls import HostReads
+
+    device = torch_xla.device()
+    x = torch.arange(4.0, device=device)
+    other_read = threading.Event()
+
+    def other_thread() -> None:
+        float((torch.arange(3.0, device=device) * 2).sum())  # runs a graph while the capture is open
+        other_read.set()
+
+    with HostReads() as reads:
+        y = (x * 3).sum()  # lazy: nothing runs
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert other_read.wait(timeout=120)
+        thread.join()
+        assert reads.count == 0
+        own = [
+            lambda: y.item(),
+            lambda: float(y),
+            lambda: (x + 1).tolist(),
+            lambda: (x - 1).cpu(),
+            lambda: bool(y),
+        ]
+        for number, read in enumerate(own, 1):
+            read()
+            assert reads.count >= number, number
+    assert reads.happened()
+    with HostReads() as quiet:
+        (x * 5).sum()
+    assert quiet.count == 0 and not quiet.happened()

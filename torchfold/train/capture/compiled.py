@@ -32,6 +32,7 @@ a few kernels.
 from __future__ import annotations
 
 import threading
+import time
 import types
 import warnings
 from collections.abc import Callable, Hashable
@@ -40,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from torchfold._errors import add_note
+from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticLayout, StaticPlan
 from torchfold.train.distributed.devices import is_cuda, is_xla, on_host, replays_steps
@@ -47,6 +49,7 @@ from torchfold.train.loss import PlanLoss
 
 __all__ = [
     "COMPILE_CHOICES",
+    "HOST_MAX_CAPTURES",
     "CompiledLoss",
     "CompiledUpdate",
     "RateTensors",
@@ -57,6 +60,8 @@ __all__ = [
 ]
 
 COMPILE_CHOICES = ("auto", "off", "on", "replay")
+#: :class:`CompiledLoss`'s default ``max_captures`` on the CPU (dynamo's own recompile limit is 8 too)
+HOST_MAX_CAPTURES = 8
 _CAPTURE_LOCK = threading.Lock()
 CompileChoice = Literal["auto", "off", "on", "replay"]
 
@@ -124,6 +129,16 @@ class CompiledLoss:
         backend: a :func:`torch.compile` backend instead of the device's (e.g. ``"aot_eager"``
             to check the capture without generating code).
         mode: the :func:`torch.compile` mode (default: the device's, see :func:`compile_backend`).
+        max_captures: capture at most this many layouts; a plan of a later layout runs eagerly
+            (the same loss and gradients), with one warning (default: :data:`HOST_MAX_CAPTURES`
+            on the CPU, unbounded elsewhere).
+
+    NOTE: on the CPU a capture is an inductor compile of the layout's whole unrolled forward and
+    backward: tens of seconds to minutes per layout, while a replayed step there, padded, ran no
+    faster than an eager one (``benchmarks/results/trainer.md``). So the first capture there warns with
+    what it cost, and ``max_captures`` bounds how many a run pays for: an envelope that keeps
+    growing (a ``StaticShapes()`` not fitted before training) would otherwise compile at every
+    growth. :attr:`captures` and :attr:`compile_seconds` say what was paid.
 
     Example:
         >>> import torch, torchfold
@@ -151,15 +166,24 @@ class CompiledLoss:
         device: torch.device | str | None = None,
         backend: str | None = None,
         mode: str | None = None,
+        max_captures: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss):
             raise TypeError(f"loss must be callable as loss(model, outputs, targets), got {loss!r}")
+        check_int("CompiledLoss(max_captures)", max_captures, 1, optional=True)
         self.model = model
         self.loss = loss
         self.device, self.backend, self.mode = _backend_for(list(model.parameters()), device, backend, mode)
+        #: the most layouts captured (None: no bound); plans of later layouts run eagerly
+        self.max_captures = (
+            max_captures if max_captures is not None or not on_host(self.device) else HOST_MAX_CAPTURES
+        )
+        #: seconds spent in the captures' first runs (dynamo, AOTAutograd and the backend compiling)
+        self.compile_seconds = 0.0
         self._compiled: dict[Hashable, Callable[..., torch.Tensor]] = {}
+        self._eager_layouts: set[Hashable] = set()
 
     @property
     def captures(self) -> int:
@@ -176,6 +200,8 @@ class CompiledLoss:
         layout = plan.layout
         fn = self._compiled.get(layout.key)
         first = fn is None
+        if fn is None and self.max_captures is not None and self.captures >= self.max_captures:
+            return self._eager(plan, targets)
         if fn is None:
             fn = self._compiled[layout.key] = self._capture(layout)
         inputs = plan.inputs(self.device)
@@ -185,8 +211,14 @@ class CompiledLoss:
         # backward, and neither is safe in two threads at once (torch_xla's replicas on one host
         # may be threads): one captured step at a time in a process.
         with _CAPTURE_LOCK:
+            started = time.perf_counter()
             try:
-                return self._backward(fn(inputs, targets), copy=cuda_graphs)
+                loss = self._backward(fn(inputs, targets), copy=cuda_graphs)
+                if first:
+                    self.compile_seconds += time.perf_counter() - started
+                    if self.captures == 1 and on_host(self.device) and self.backend == "inductor":
+                        warnings.warn(self._host_cost(), stacklevel=3)
+                return loss
             except Exception as error:
                 if first:  # a failed capture: say why, and keep nothing half-captured
                     if _is_graph_break(error):
@@ -199,6 +231,28 @@ class CompiledLoss:
                         )
                     del self._compiled[layout.key]
                 raise
+
+    def _host_cost(self) -> str:
+        return (
+            f"compile='on' on the CPU: the first layout's forward and backward took {self.compile_seconds:.0f} s "
+            "to compile, and each new static-shape layout (a deeper depth bucket, or the envelope grew) compiles "
+            f"again, up to max_captures={self.max_captures}; and a replayed step, padded, ran no faster than an "
+            "eager one on the CPU. Fit the envelope before training (torchfold.train.fit_static_shapes) so that it "
+            "does not grow, or train with compile='off'"
+        )
+
+    def _eager(self, plan: StaticPlan, targets: Any) -> torch.Tensor:
+        """A plan of a layout past ``max_captures``: its forward, loss and backward run eagerly."""
+        if not self._eager_layouts:
+            warnings.warn(
+                f"torchfold: {self.captures} layouts captured (max_captures={self.max_captures}, "
+                f"{self.compile_seconds:.0f} s compiling): layout {plan.layout.key} and later new ones run eagerly. "
+                "A growing envelope makes a new layout at each growth: fit it before training "
+                "(torchfold.train.fit_static_shapes), or raise max_captures",
+                stacklevel=3,
+            )
+        self._eager_layouts.add(plan.layout.key)
+        return self._backward(self.loss(self.model, plan.apply(self.model, padded=True), targets), copy=False)
 
     @staticmethod
     def _backward(loss: Any, copy: bool) -> torch.Tensor:
@@ -229,7 +283,10 @@ class CompiledLoss:
         return compiled
 
     def __repr__(self) -> str:
-        return f"CompiledLoss(backend={self.backend!r}, mode={self.mode!r}, captures={self.captures})"
+        return (
+            f"CompiledLoss(backend={self.backend!r}, mode={self.mode!r}, captures={self.captures}, "
+            f"max_captures={self.max_captures})"
+        )
 
 
 def uncapturable_update(optimizer: torch.optim.Optimizer) -> str | None:

@@ -52,7 +52,7 @@ from torchfold.train.data.loader import to_device
 from torchfold.train.distributed import xla_calls
 from torchfold.train.distributed.devices import is_xla
 from torchfold.train.distributed.world import all_reduce_sum_
-from torchfold.train.distributed.xla_calls import CAPTURE_LOCK, executions, materialize, replay_unavailable
+from torchfold.train.distributed.xla_calls import CAPTURE_LOCK, HostReads, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import sample_weight
 
@@ -190,7 +190,7 @@ def _compile(
     roots: list[torch.Tensor],
     position: dict[int, int],
     live: list[torch.Tensor],
-    executed: int,
+    reads: HostReads,
     *,
     run: bool = True,
 ) -> tuple[_Program, list[Any]]:
@@ -201,7 +201,7 @@ def _compile(
     outputs = [where for where, need in enumerate(changed) if need]
     kept = [roots[where] for where in outputs]
     ids, values = xla_calls.device_data(kept)
-    if executions() != executed:
+    if reads.happened():
         raise _Refused(
             "something read a value back to the host inside the step (.item(), .tolist(), float() of a "
             "tensor), which cuts the graph",
@@ -675,10 +675,10 @@ class XlaPrograms:
         self, plan: StaticPlan, targets: Any, setup: _MinibatchSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any]]:
         position = _positions(setup.live, self._computed)
-        executed = executions()
+        reads = HostReads()  # (this thread's reads: replicas may be threads)
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         trainable = setup.trainable
-        with torch.enable_grad(), linear:
+        with reads, torch.enable_grad(), linear:
             loss = check_loss(
                 self.loss(self.model, plan.layout.run(self.model, setup.inputs, padded=True), targets)
             )
@@ -692,7 +692,7 @@ class XlaPrograms:
             total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight.reshape(
                 ()
             )  # (1,)
-        return _compile([*new_accs, *setup.buffers, total], position, setup.live, executed, run=run)
+        return _compile([*new_accs, *setup.buffers, total], position, setup.live, reads, run=run)
 
     def _store_minibatch(
         self, found: list[Any], trainable: list[torch.Tensor], buffers: list[torch.Tensor], count: int
@@ -714,8 +714,8 @@ class XlaPrograms:
         self, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup, *, run: bool = True
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
         position = _positions(setup.live, self._computed)
-        executed = executions()
-        with at_rates_without_grads(self.optimizer, _rates_for(self.optimizer, setup.rates)):
+        reads = HostReads()
+        with reads, at_rates_without_grads(self.optimizer, _rates_for(self.optimizer, setup.rates)):
             for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
                 p.grad = acc / divisor.reshape(())
             if self.max_grad_norm is not None and graded:
@@ -725,7 +725,7 @@ class XlaPrograms:
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
         zeros = [torch.zeros_like(acc) for acc in setup.accs]
         program, found = _compile(
-            [*params, *(state[p][name] for p, name in slots), *zeros], position, setup.live, executed, run=run
+            [*params, *(state[p][name] for p, name in slots), *zeros], position, setup.live, reads, run=run
         )
         return program, found, slots
 

@@ -19,6 +19,7 @@ question                          CPU          CUDA        XLA
 :func:`capturable_optimizer`      False        False       True
 :func:`checkpoint_map_location`   cpu          cpu         cpu
 :func:`synchronize`               nothing      nothing     graph cut
+:func:`compiled_graphs`           dynamo's     dynamo's    torch_xla's
 ================================  ===========  ==========  =========
 """
 
@@ -29,6 +30,7 @@ from typing import Literal
 import torch
 
 from torchfold.engine.devices import DeviceLike, is_cuda, is_xla, needs_static_shapes, of_kind, on_host
+from torchfold.train.distributed.xla_calls import compilations as xla_compilations
 
 __all__ = [
     "CHECKPOINT_MAP_LOCATION",
@@ -36,6 +38,7 @@ __all__ = [
     "accumulation_dtype",
     "capturable_optimizer",
     "checkpoint_map_location",
+    "compiled_graphs",
     "fused_optimizer",
     "is_cuda",
     "is_xla",
@@ -99,6 +102,22 @@ def replays_steps(device: DeviceLike) -> bool:
     (True, True, False)
     """
     return is_xla(device) or is_cuda(device)
+
+
+def compiled_graphs(device: DeviceLike) -> int:
+    """How many graphs this process has compiled for ``device`` so far, by the compiler's own count:
+    on XLA torch_xla's (its ``CompileTime`` metric: every program, the replayed steps' and any other),
+    elsewhere :func:`torch.compile`'s (dynamo's unique graphs: each captured layout's forward and
+    backward, each update). A run reports the difference over its steps.
+
+    >>> compiled_graphs("cpu") >= 0
+    True
+    """
+    if is_xla(device):
+        return xla_compilations()
+    from torch._dynamo.utils import counters  # (not at import: loading dynamo takes a second)
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def runner_kind(device: DeviceLike) -> RunnerKind:

@@ -23,10 +23,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchfold.engine.devices import is_xla
 
 __all__ = [
     "CAPTURE_LOCK",
     "NEEDED",
+    "HostReads",
+    "compilations",
     "compile_graph",
     "data_ids",
     "device_data",
@@ -181,3 +186,73 @@ def executions() -> int:
     import torch_xla.debug.metrics as met
 
     return int(met.counter_value("ExecuteComputation") or 0)
+
+
+def compilations() -> int:
+    """How many programs torch_xla has compiled in this process: its own ``CompileTime`` metric's
+    count (every compile, the replays' captures, the all-reduce's and the host reads' alike)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+_ATEN = torch.ops.aten
+
+
+class HostReads(TorchDispatchMode):
+    """Inside ``with HostReads() as reads:``, whether the code of *this thread* read an XLA tensor's
+    value back to the host (``.item()``, ``float()``, ``bool()``, ``.tolist()``, ``.cpu()``,
+    ``print``): :meth:`happened`.
+
+    A read runs the pending graph, so torch_xla's process-wide count of executed graphs
+    (:func:`executions`) tells one in a process of one replica. Replicas that are threads of one
+    process (XLA's CPU backend with ``CPU_NUM_DEVICES``) all add to that count, so there a graph
+    another replica ran would read as a read of this one's, by chance. The ops that read a value
+    back (``_local_scalar_dense``, a copy to the host) are seen here as they are dispatched, in the
+    thread that runs them (a dispatch mode is thread-local); the count of executions is still
+    compared where no other replica can run graphs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: how many ops of this thread read an XLA tensor back to the host inside the ``with``
+        self.count = 0
+        self._executed = 0
+        self._threads = False
+
+    def __enter__(self) -> HostReads:
+        self._threads = replica_threads()
+        self._executed = executions()
+        super().__enter__()
+        return self
+
+    def happened(self) -> bool:
+        """Whether a value was read back to the host since entering (by this thread, with replicas
+        that are threads; by anything in the process otherwise)."""
+        return self.count > 0 or (not self._threads and executions() != self._executed)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _reads_back(func, args, kwargs):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _on_xla(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and is_xla(value.device)
+
+
+def _reads_back(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether the op ``func(*args, **kwargs)`` moves an XLA tensor's value to the host."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet is _ATEN._local_scalar_dense:
+        return _on_xla(args[0])
+    if packet is _ATEN._to_copy:
+        device = kwargs.get("device")
+        return _on_xla(args[0]) and device is not None and not is_xla(device)
+    if packet is _ATEN.copy_:
+        return len(args) > 1 and _on_xla(args[1]) and not _on_xla(args[0])
+    return False

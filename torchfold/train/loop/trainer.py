@@ -42,7 +42,7 @@ from torchfold._validate import check_int
 from torchfold.engine.static.shapes import StaticPlan
 from torchfold.train.capture import StepMechanism, StepRunner
 from torchfold.train.data.loader import Minibatch, Step, StepLoader, to_device
-from torchfold.train.distributed.devices import same_device
+from torchfold.train.distributed.devices import compiled_graphs, is_xla, same_device
 from torchfold.train.distributed.world import (
     RunContext,
     abort_replica_threads,
@@ -335,6 +335,9 @@ class TraceTrainer:
         self._probed_targets = False  # (unpadded plans: the first minibatch's targets checked padded once)
         self.warm_up = warm_up
         self._warmed = False
+        #: how many graphs the compiler made during the last :meth:`fit` in this process, by its own count
+        #: (:func:`~torchfold.train.distributed.devices.compiled_graphs`): reported at the end of a compiled run
+        self.compiled_graphs = 0
         self.next_step: int = loader.next_step
         broadcast_parameters(model)  # rank 0's initial values win
         #: the checkpoint this run resumed from at construction (``resume``), else None
@@ -417,6 +420,7 @@ class TraceTrainer:
         progress = StepProgress(
             self.next_step, end, self.progress, self.log_every, self.log, self.is_main, self.on_metrics
         )
+        compiled_before = compiled_graphs(self.device)
         with sigterm, progress:
             run = _FitCall(end, progress)
             while self.next_step < end and (num_epochs is None or epoch < num_epochs):
@@ -425,7 +429,17 @@ class TraceTrainer:
                 epoch += 1
             if run.history:
                 self._final_checkpoint()
+        self._report_compilations(compiled_graphs(self.device) - compiled_before)
         return run.history
+
+    def _report_compilations(self, count: int) -> None:
+        """Keep and say how many graphs the compiler made during :meth:`fit` (a compiled run, or XLA)."""
+        self.compiled_graphs = count
+        if not (self.mechanism.captures_steps or is_xla(self.device)):
+            return
+        if self.is_main and (self.progress or self.log_every):
+            compiler = "torch_xla" if is_xla(self.device) else "torch.compile"
+            self.log(f"compiled: {count} graphs by {compiler} in this run (this process)")
 
     def _fit_epoch(self, steps: Iterator[Step[Any]], run: _FitCall) -> None:
         """Run the steps of one epoch until ``run.end``, recording each in ``run``.

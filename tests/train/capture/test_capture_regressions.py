@@ -35,7 +35,7 @@ def _trainer(
     trace: list[int],
     *,
     on_step: Callable[[StepStats], None] | None = None,
-    compile: str = "replay",
+    compile: str | None = None,
 ) -> TraceTrainer:
     """A Tree-LSTM trainer on the first SST trees, with static-shape plans fitted to them."""
     trees = load_sst(split="train", max_trees=NUM_TREES)
@@ -57,7 +57,7 @@ def _trainer(
         device=device,
         progress=False,
         on_step=on_step,
-        compile=compile,
+        compile=compile or ("replay" if torch.device(device).type == "xla" else "off"),
     )
 
 

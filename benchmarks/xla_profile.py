@@ -189,7 +189,7 @@ def profile_trainer(args: argparse.Namespace, trace_dir: Path, scratch: Path) ->
     """The trainer command on XLA, its replayed steps from ``--warmup + 1`` on traced (``--steps``, and
     the one the host launched ahead of the last, when it finished before the trace stopped)."""
     whole = argparse.Namespace(**{**vars(args), "steps": args.warmup + args.steps})  # steps it trains
-    command = trainer_command(whole, "xla", "auto", scratch / "history.jsonl")
+    command = trainer_command(whole, "xla", "replay", scratch / "history.jsonl")
     command[1:3] = ["-c", _TRAINER_HOOK]  # instead of ``-m torchfold``
     env = {
         **os.environ,

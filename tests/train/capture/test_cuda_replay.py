@@ -74,8 +74,10 @@ def test_the_trainer_replays_whole_steps_on_gpus_only(data_dir: Path) -> None:
     model = _model(vocab)
     optimizer = AccumulatingOptimizer(torch.optim.Adam(model.parameters(), fused=True))
     loader = StepLoader(trees, 4, build=TreeLSTMBuild(vocab, shapes=StaticShapes()), trace=[4])
-    trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="replay")
+    trainer = TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="on")
     assert trainer.compiled is not None and trainer.replay is None  # nothing is compiled until a step
+    with pytest.raises(ValueError, match="compile='replay' replays captured steps on XLA and CUDA only"):
+        TraceTrainer(model, optimizer, loader, tree_lstm_loss, progress=False, compile="replay")
 
 
 def _batches(data_dir: Path, count: int, size: int) -> tuple[Vocab, list[tuple[Any, Any]]]:

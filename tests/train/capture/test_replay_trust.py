@@ -15,9 +15,7 @@ The guard itself (what it reads, how it names a change) is tested on the CPU at 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.train.capture.fuzzer import load_fuzzer
 from torchfold.train.capture.guards import MAX_VALUES, StepGuard, frozen_value
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -35,15 +34,6 @@ MINIBATCH = 3
 
 #: read by ``_penalized_loss`` (a global a guard follows)
 LOSS_SCALE = 1.0
-
-
-def _fuzzer() -> Any:
-    spec = importlib.util.spec_from_file_location("fuzz_replay", ROOT / "scripts" / "fuzz_replay.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_replay"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _train(
@@ -348,9 +338,9 @@ def test_the_optimizers_options_are_keyed_and_a_schedule_of_them_is_refused() ->
 @pytest.mark.xla
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
 def test_random_scenarios_of_the_fuzzer_replay_as_on_the_cpu_or_refuse(seed: int) -> None:
-    fuzz = _fuzzer()
-    scenario = fuzz.draw(seed)
-    xla = fuzz.run(scenario, _xla_device(), ROOT / "tests" / "data")
+    fuzz = load_fuzzer()
+    scenario = fuzz.draw(seed, compile="replay")
+    xla = fuzz.run(scenario, _xla_device(), ROOT / "tests" / "data", compile="replay")
     cpu = fuzz.run(scenario, torch.device("cpu"), ROOT / "tests" / "data")
     verdict, details = fuzz.compare(scenario, cpu, xla)
     assert verdict in ("equal", "refused"), f"{verdict}: {details} [{scenario}]"
@@ -452,9 +442,9 @@ def test_the_guard_costs_microseconds_per_step() -> None:
 @pytest.mark.timeout(900)
 def test_a_random_scenario_on_two_replicas_replays_as_one_cpu_process() -> None:
     # two XLA CPU devices (a fresh process: the devices are fixed when torch_xla's runtime starts)
-    fuzz = _fuzzer()
-    scenario = fuzz.draw(2, 2)
-    xla = fuzz.run_replicas(2, ROOT / "tests" / "data", 2)
+    fuzz = load_fuzzer()
+    scenario = fuzz.draw(2, 2, "replay")
+    xla = fuzz.run_replicas(2, ROOT / "tests" / "data", 2, "replay")
     assert "error" not in xla, xla.get("error")
     cpu = fuzz.run(scenario, torch.device("cpu"), ROOT / "tests" / "data")
     verdict, details = fuzz.compare(scenario, cpu, xla)

@@ -15,14 +15,14 @@ Adam's first beta.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.train.capture.fuzzer import load_fuzzer
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,15 +42,6 @@ EVERY_READ = [
 ]
 
 
-def _fuzzer() -> Any:
-    spec = importlib.util.spec_from_file_location("fuzz_replay", ROOT / "scripts" / "fuzz_replay.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_replay"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(autouse=True)
 def _float64() -> Any:
     before = torch.get_default_dtype()
@@ -65,7 +56,7 @@ def _float64() -> Any:
 def test_every_kind_of_read_trains_on_xla_as_on_the_cpu(optimizer: str) -> None:
     import torch_xla
 
-    fuzz = _fuzzer()
+    fuzz = load_fuzzer()
     device = torch_xla.device()  # (before any backward on the CPU: autograd counts devices at its first)
     scenario = fuzz.Scenario(
         seed=7,

@@ -212,8 +212,9 @@ def _moded_steps(model: _Moded, modes: list[bool]) -> tuple[list[float], Any]:
     def loss(model: Any, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs[0], targets, ignore_index=-100)
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, capturable=model.w.device.type == "xla")
-    step = torchfold.train.captured_step(model, loss, optimizer, compile="replay")
+    on_xla = model.w.device.type == "xla"
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, capturable=on_xla)
+    step = torchfold.train.captured_step(model, loss, optimizer, compile="replay" if on_xla else "off")
     results = []
     for number, training in enumerate(modes):
         model.train(training)

@@ -473,8 +473,8 @@ def test_replayed_steps_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
     """XlaPrograms: forward, loss and backward of each layout traced once (its minibatch program),
     the update once per optimizer configuration (its update program), then replayed with new
     batches and a learning rate that changes at every step; losses and parameters equal plain
-    eager steps on the CPU. A changed optimizer option is a new update program, never a stale
-    graph. SGD, whose tensor learning rate requires grad inside the trace (so torch multiplies by
+    eager steps on the CPU. A changed optimizer option is read by the same update program, never
+    a stale graph. SGD, whose tensor learning rate requires grad inside the trace (so torch multiplies by
     it instead of reading it back to the host), replays too."""
     import warnings
 
@@ -509,7 +509,7 @@ def test_replayed_steps_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
             rate = (0.01 if kind == "adam" else 0.1) * (1 + number % 3) / 2
             if number == 10 and kind == "adam":
                 for group in optimizer.param_groups + plain.param_groups:
-                    group["betas"] = (0.8, 0.99)  # an option the update program holds as a constant
+                    group["betas"] = (0.8, 0.99)  # an option: read at the step, by the same program
             plan, targets = build(trees)
             losses.append(_replayed_step(programs, plan, to_device(targets, device), [rate], len(trees)))
             for group in plain.param_groups:
@@ -528,9 +528,9 @@ def test_replayed_steps_on_xla_equal_eager_steps_on_the_cpu(kind: str) -> None:
     messages = [str(w.message) for w in caught]
     assert programs.refused is None and not messages, messages
     layouts = {build(trees)[0].layout.key for trees in batches}  # type: ignore[union-attr]
-    # a minibatch program per layout; an update program per optimizer configuration (Adam's: its
-    # betas, then the changed betas; the first update, which made the optimizer's state, is not kept)
-    assert programs.captures == len(layouts) + (2 if kind == "adam" else 1), (programs.captures, layouts)
+    # a minibatch program per layout; one update program (the first update, which made the
+    # optimizer's state, is not kept; the changed betas are the same program's inputs)
+    assert programs.captures == len(layouts) + 1, (programs.captures, layouts)
 
 
 def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right() -> None:
@@ -623,16 +623,19 @@ def test_a_replayed_step_keeps_frozen_parameters_buffers_and_a_reset_state_right
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
 
 
-def test_a_schedule_of_optimizer_options_or_a_tensor_option_is_not_replayed() -> None:
-    """Adam's betas changed at every step would be a new update program to compile at every
-    step: after a few of them the programs are refused, naming the option, and the steps still
-    train as on the CPU. A tensor in a param group would be frozen at its traced value: refused."""
+def test_a_schedule_of_optimizer_options_replays_one_program_and_a_tensor_option_is_refused() -> None:
+    """Adam's betas, eps and weight decay changed at every step (a ``OneCycleLR``'s way): the one
+    update program runs on the values they give, with no compile after the first steps, and the
+    steps equal the CPU's. A tensor in a param group would be frozen at its traced value: refused."""
+    import warnings
+
     import torch_xla
 
     from torchfold import StaticShapes
     from torchfold.examples.models import TreeLSTM, TreeLSTMBuild, tree_lstm_loss
     from torchfold.train import to_device
     from torchfold.train.capture import XlaPrograms
+    from torchfold.train.distributed.xla_calls import compilations
 
     [trees], vocab = _sst_batches(1, 4)
     shapes = StaticShapes()
@@ -648,20 +651,29 @@ def test_a_schedule_of_optimizer_options_or_a_tensor_option_is_not_replayed() ->
     programs = XlaPrograms(model, tree_lstm_loss, optimizer)
     plan, targets = TreeLSTMBuild(vocab, shapes=shapes)(trees)
     unpadded, unpadded_targets = TreeLSTMBuild(vocab)(trees)
-    losses, expected = [], []
-    with pytest.warns(UserWarning, match=r"options \(betas\) took 5 values on one layout"):
-        for number in range(7):
+    losses, expected, compiled = [], [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for number in range(8):
             for opt in (optimizer, plain):
-                opt.param_groups[0]["betas"] = (0.9 - 0.01 * number, 0.999)
+                group = opt.param_groups[0]
+                group["betas"] = (0.9 - 0.02 * number, 0.999 - 0.001 * number)
+                group["eps"], group["weight_decay"] = 1e-8 * (1 + number), 0.01 * (1 + number)
             losses.append(_replayed_step(programs, plan, to_device(targets, device), [0.01], len(trees)))
+            compiled.append(compilations())
             plain.zero_grad()
             loss = tree_lstm_loss(reference, unpadded.apply(reference), to_device(unpadded_targets, cpu))
             loss.backward()
             plain.step()
             expected.append(loss.item())
     assert losses == pytest.approx(expected, rel=1e-4)
-    # the minibatch program, and an update program per betas until refused (the first update made the state)
-    assert programs.captures <= 5 and programs.refused is not None and "betas" in programs.refused
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4)
+    assert programs.refused is None and not caught, [str(w.message) for w in caught]
+    # the minibatch program and one update program (the first update made the state: not kept);
+    # steps 0-2 capture and verify them, no later step compiles
+    assert programs.captures == 2
+    assert compiled[2:] == [compiled[2]] * 6, compiled
 
     fresh = XlaPrograms(model, tree_lstm_loss, optimizer)
     optimizer.param_groups[0]["scale"] = torch.ones((), device=device)  # an option of the user's

@@ -100,3 +100,40 @@ def test_the_opt_in_replay_says_its_contract_once_when_made() -> None:
     assert isinstance(runner, XlaRunner)
     assert [str(w.message) for w in caught] == [REPLAY_CONTRACT]
     assert "without running its Python" in REPLAY_CONTRACT and "compile='auto'" in REPLAY_CONTRACT
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_the_replay_runs_a_onecycle_schedule_on_one_update_program(optimizer: str) -> None:
+    """``OneCycleLR`` cycles Adam's first beta (SGD's momentum) at every step: the opt-in replay
+    reads them at each step on the same update program (no refusal), equal to the CPU's steps."""
+    import torch_xla
+
+    fuzz = load_fuzzer()
+    device = torch_xla.device()
+    scenario = fuzz.Scenario(
+        seed=3,
+        optimizer=optimizer,
+        lr=0.1,
+        weight_decay=0.01,
+        groups=1,
+        frozen=False,
+        dropout=False,
+        schedule="onecycle",
+        trace=[3, 3, 3, 3, 3, 3, 3, 3, 3, 3],  # one minibatch a step: one minibatch program
+        changes=[],
+        module_loss=False,
+        running_stat=False,
+        random_term=False,
+    )
+    with pytest.warns(UserWarning, match="compile='replay'"):
+        xla = fuzz.run(scenario, device, DATA, compile="replay")
+    cpu = fuzz.run(scenario, torch.device("cpu"), DATA)
+    verdict, details = fuzz.compare(scenario, cpu, xla)
+    assert verdict == "equal", details
+    refusals = [w for w in xla["warnings"] if "not replayed" in w or "took" in w]
+    assert not refusals, refusals
+    # the minibatch and update programs (captured, verified), the all-reduce's, the first update's
+    # (which makes the optimizer's state), the loss read back: never one per step of the schedule
+    assert xla["compilations"] <= 6, xla["compilations"]

@@ -1,8 +1,8 @@
 """What the replays (:mod:`~torchfold.train.capture.xla_programs`, :mod:`~torchfold.train.capture.cuda_replay`) share.
 
-A replayed step keeps the optimizer's options (its param groups' keys but the learning rates, which
-are inputs)
-as constants of its graph, reads the batch's targets as tensors in a fixed order, and steps with
+A replayed step reads the optimizer's options (its param groups' keys but the learning rates, which
+are inputs) as they are at each step (:func:`options_now`; a CUDA graph keeps them as constants:
+:func:`optimizer_options`), reads the batch's targets as tensors in a fixed order, and steps with
 learning rates it sets itself: the rules for each live here, once.
 """
 
@@ -26,6 +26,7 @@ __all__ = [
     "at_rates_without_grads",
     "gradients_into",
     "optimizer_options",
+    "options_now",
     "target_tensors",
 ]
 
@@ -88,13 +89,15 @@ MAX_OPTIONS = 4
 Options = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
 
 
-def optimizer_options(
-    optimizer: torch.optim.Optimizer, seen: dict[Hashable, list[Options]], layout: Hashable
-) -> tuple[Options, str | None]:
-    """The optimizer's options but the learning rates (constants of a replayed graph), and why
-    they cannot be replayed: a tensor among them (its value would be frozen into the graph), or
-    values that keep changing on ``layout`` (e.g. a schedule of Adam's betas: a new graph at every
-    step). ``seen`` keeps, per layout, the options already captured (this call adds to it)."""
+def options_now(optimizer: torch.optim.Optimizer) -> tuple[Options, str | None]:
+    """The optimizer's options but the learning rates, as they are now, and why they cannot be a
+    replayed step's: a tensor among them (its value would be frozen into the graph).
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> options, why = options_now(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    >>> dict(options[0])["momentum"], why
+    ('0.9', None)
+    """
     options: list[tuple[tuple[str, str], ...]] = []
     for number, group in enumerate(optimizer.param_groups):
         for name, value in group.items():
@@ -105,7 +108,19 @@ def optimizer_options(
                     "captured value; give it as a number"
                 )
         options.append(tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr"))))
-    frozen = tuple(options)
+    return tuple(options), None
+
+
+def optimizer_options(
+    optimizer: torch.optim.Optimizer, seen: dict[Hashable, list[Options]], layout: Hashable
+) -> tuple[Options, str | None]:
+    """:func:`options_now`, for a replay whose graph holds the options as constants (a CUDA graph):
+    also refused, values that keep changing on ``layout`` (e.g. a schedule of Adam's betas: a new
+    graph at every step). ``seen`` keeps, per layout, the options already captured (this call adds
+    to it)."""
+    frozen, why = options_now(optimizer)
+    if why is not None:
+        return frozen, why
     known = seen.setdefault(layout, [])
     if frozen not in known:
         if len(known) >= MAX_OPTIONS:

@@ -10,9 +10,12 @@ of programs, each captured once and replayed from XLA's compilation cache:
   per-minibatch value (the plan's packed indices and columns, the targets, the sample weight) is
   a fixed-shape device tensor input, so a step of ``k`` minibatches replays it ``k`` times and
   ``k`` never enters a program;
-* the **update program**, one per optimizer configuration: the division of the accumulated
+* the **update program**, one per optimizer state structure: the division of the accumulated
   gradients by the step's sample count (a tensor input), the optimizer's update with the
-  learning rates as tensor inputs, and the zeroing of the buffers.
+  learning rates as tensor inputs, and the zeroing of the buffers. The optimizer's other options
+  (betas, eps, momentum, weight decay...) are read at every step: when they change (a
+  ``OneCycleLR``), the update's Python is traced again, and the same compiled program runs on
+  the values they give (XLA makes a Python number a parameter of the graph, not part of it).
 
 Every tensor a program reads is an input bound by its role, never by its value or its device
 buffer: the module's parameters, buffers and tensors kept as plain attributes, the optimizer's
@@ -21,7 +24,7 @@ weights, learning rates, divisors), which are 1-element vectors made for their r
 (torch_xla shares one buffer among equal 0-dim tensors, and with a capture's own constants).
 What a program depends on besides its inputs is its key: the layout, every module parameter and
 buffer (which tensor, shape, dtype, ``requires_grad``), the batch's tensor shapes, the
-optimizer's options but the learning rate and its state's structure, and what a
+optimizer's state structure, and what a
 :class:`~torchfold.train.capture.guards.StepGuard` reads before every replay (every module's
 ``training`` flag, numbers kept in module attributes, the loss function, its closure and
 globals). A guarded value that keeps changing (more than :data:`~torchfold.train.capture.guards.MAX_VALUES` values for one
@@ -44,7 +47,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from torchfold.engine.static import StaticPlan
-from torchfold.train.capture._replay import at_rates_without_grads, optimizer_options, target_tensors
+from torchfold.train.capture._replay import Options, at_rates_without_grads, options_now, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.guards import StepGuard
 from torchfold.train.capture.xla_linear import transposed_weights
@@ -83,7 +86,7 @@ def xla_programs_unavailable() -> str | None:
 class _Program:
     """One captured graph: its hash, where each graph input comes from, which roots it returns."""
 
-    __slots__ = ("constants", "due", "graph", "outputs", "replays", "sources", "step", "verified")
+    __slots__ = ("constants", "due", "graph", "options", "outputs", "replays", "sources", "step", "verified")
 
     def __init__(self, graph: Any, sources: list[tuple[int, Any]], outputs: list[int]) -> None:
         #: the step it was captured in (the runner's count): a second capture in a later step verifies it
@@ -99,6 +102,13 @@ class _Program:
         #: replays since the last capture that checked it, and whether its next use checks it anyway
         self.replays = 0
         self.due = False
+        #: an update program's optimizer options, whose values its constants hold (None: a minibatch's)
+        self.options: Options | None = None
+
+    def rebind(self, captured: _Program) -> None:
+        """Read ``captured``'s constants from now on: a capture of the same graph whose constants
+        differ only by what the optimizer's options gave (see ``XlaPrograms.update``)."""
+        self.sources, self.constants, self.options = captured.sources, captured.constants, captured.options
 
     def run(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
         self.replays += 1
@@ -260,6 +270,8 @@ class _UpdateSetup(NamedTuple):
     slots: list[tuple[torch.Tensor, str]]
     live: list[torch.Tensor]
     key: Hashable
+    #: the optimizer's options (but the learning rates) at this step: not in the key (see ``update``)
+    options: Options
 
 
 class XlaPrograms:
@@ -330,7 +342,6 @@ class XlaPrograms:
         self.refused: str | None = None
         self._minibatch: dict[Hashable, _Program] = {}
         self._update: dict[Hashable, _Program] = {}
-        self._seen_options: dict[Hashable, list[Any]] = {}
         self._scalars: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}
         self._zero: dict[torch.device, torch.Tensor] = {}
         # tensors whose device buffer a program computed (its results): no 0-dim one of them is
@@ -452,6 +463,8 @@ class XlaPrograms:
             with CAPTURE_LOCK:
                 materialize(live)
                 program = self._update.get(key)
+                if program is not None and program.options != setup.options:
+                    program = self._for_options(program, params, graded, setup)
                 if program is not None and program.verified and self._due(program):
                     self._check(
                         program,
@@ -473,6 +486,7 @@ class XlaPrograms:
                         self._verify(program, captured)
                     elif new_slots == slots:  # a program that creates the state is not one to replay
                         captured.step = self._steps
+                        captured.options = setup.options
                         self._update[key] = captured
                     self._store_update(found, params, graded, new_slots)
                     return loss_sum
@@ -547,8 +561,30 @@ class XlaPrograms:
         captured, _, new_slots = ahead
         if new_slots != setup.slots:  # the update would create state: not the program steps replay
             return False
+        captured.options = setup.options
         self._update[setup.key] = captured
         return True
+
+    def _for_options(
+        self, program: _Program, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup
+    ) -> _Program | None:
+        """The update ``program`` for the optimizer's options now, which differ from those it was
+        captured with (a ``OneCycleLR`` cycling Adam's betas, a weight-decay schedule): the
+        optimizer's Python traced again (never run; XLA makes the options' values parameters of
+        the graph, not part of it), and ``program`` reads the new capture's constants: no new
+        program, no compile. None: the new capture is another graph (an option that selects
+        other code, e.g. a weight decay that becomes 0), dropped: the step captures it anew."""
+        try:
+            with restored_afterwards(params, self.optimizer):
+                captured, _, slots = self._capture_update(params, graded, setup, run=False)
+        except _Refused:
+            captured = None  # (the step's own capture says why)
+        if captured is None or captured.graph != program.graph or slots != setup.slots:
+            del self._update[setup.key]
+            return None
+        captured.options = setup.options
+        program.rebind(captured)
+        return program
 
     def _compile_ahead(
         self,
@@ -635,7 +671,7 @@ class XlaPrograms:
         """The update program's inputs (``live``), key and the optimizer's state slots, or why it
         cannot be replayed."""
         groups = self.optimizer.param_groups
-        options, why = optimizer_options(self.optimizer, self._seen_options, "update")
+        options, why = options_now(self.optimizer)
         why = why or uncapturable_update(self.optimizer) or _host_state(self.optimizer)
         if why is not None:
             return None, why
@@ -656,10 +692,9 @@ class XlaPrograms:
             _describe(params),
             tuple(id(p) for p in graded),
             tuple((id(p), name, tuple(t.shape), t.dtype) for (p, name), t in zip(slots, states, strict=True)),
-            options,
             self.max_grad_norm,
         )
-        return _UpdateSetup(accs, rates, divisors, slots, live, key), None
+        return _UpdateSetup(accs, rates, divisors, slots, live, key, options), None
 
     def _check_rates(self, lrs: list[float]) -> None:
         groups = self.optimizer.param_groups
@@ -715,7 +750,8 @@ class XlaPrograms:
     ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
         position = _positions(setup.live, self._computed)
         reads = HostReads()
-        with reads, at_rates_without_grads(self.optimizer, _rates_for(self.optimizer, setup.rates)):
+        rates = _rates_for(self.optimizer, setup.rates)
+        with reads, at_rates_without_grads(self.optimizer, rates), _PowersOfNumbers():
             for p, acc, divisor in zip(graded, setup.accs, setup.divisors, strict=True):
                 p.grad = acc / divisor.reshape(())
             if self.max_grad_norm is not None and graded:
@@ -887,6 +923,32 @@ class XlaPrograms:
 
     def __repr__(self) -> str:
         return f"XlaPrograms({type(self.optimizer).__name__}, captures={self.captures})"
+
+
+class _PowersOfNumbers(torch.overrides.TorchFunctionMode):
+    """Inside, a power of a Python number or to one (``beta1 ** step`` in Adam's capturable update)
+    takes the number as a 0-dim tensor: torch_xla makes such a number a constant of the graph (its
+    hash changes with it), every other op's a parameter, so a schedule of Adam's betas would be a
+    new graph at every step instead of the same program on other values."""
+
+    _POWERS = frozenset({"pow", "pow_", "__pow__", "__rpow__", "__ipow__", "float_power"})
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in self._POWERS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if tensors:
+                like = tensors[0]  # (a float in its floating dtype: a float64 step keeps its precision)
+                dtype = like.dtype if like.is_floating_point() else None
+                args = tuple(
+                    torch.tensor(a, dtype=dtype if isinstance(a, float) else None).to(like.device)
+                    if isinstance(a, int | float) and not isinstance(a, bool)
+                    else a
+                    for a in args
+                )
+        return func(*args, **kwargs)
 
 
 def _describe(params: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:

@@ -3,7 +3,8 @@
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` an ``nn.Embedding`` leaf returns float32
 rows while an op through a ``Linear`` returns bfloat16 ones, so one group of a fold reads both at
 one position. The fold joins them the way ``torch.cat`` does (promoted, float32 here); eager
-PyTorch runs each call on its own rows. Property tests run random boolean-formula DAGs (shared
+PyTorch runs each call on its own rows, so an output of a group that promoted may be float32
+where the eager call alone gives bfloat16 (never less precise). Property tests run random boolean-formula DAGs (shared
 subexpressions, leaves and ops at every depth) through a Fold, its plan and a padded plan, and
 compare outputs and gradients with the model's methods called one by one under the same
 autocast. Rows that truly cannot be joined (ints and floats) are refused with a FoldError that
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -109,7 +110,7 @@ def outputs_and_gradients(run: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
 # bfloat16 keeps 8 bits of mantissa: a few roundings apart is 1e-2 relative. A group that promotes
 # computes an elementwise op in float32 where an eager call of bfloat16 rows rounds to bfloat16.
 def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2, check_dtype=False)
 
 
 instruction = st.tuples(st.sampled_from((*OPS, "leaf")), st.integers(0, 100), st.integers(0, 100))
@@ -121,11 +122,17 @@ instruction = st.tuples(st.sampled_from((*OPS, "leaf")), st.integers(0, 100), st
     picks=st.lists(st.integers(0, 100), min_size=1, max_size=5),
     via=st.sampled_from(VIA),
 )
+# (found by the property: the padded plan's or_ at depth 2 reads and_ rows through a stream that
+# also holds depth 0's float32 leaves, and computes in float32 where eager's call gives bfloat16)
+@example(program=[("and_", 0, 0), ("or_", 0, 0), ("or_", 2, 2)], picks=[4], via="padded plan")
 def test_fold_equals_eager_under_bf16_autocast(program: Program, picks: list[int], via: str) -> None:
     expected, expected_grads = outputs_and_gradients(lambda model: eager(model, program, picks))
     out, grads = outputs_and_gradients(lambda model: folded(model, program, picks, via))
-    # the dtype torch.cat gives the eager values: promoted over the picked rows
-    assert out.dtype == expected.dtype
+    # the dtype torch.cat gives the eager values (promoted over the picked rows), or float32: a
+    # group that reads both precisions at one position computes in float32 (a padded plan
+    # promotes over every level its envelope joins at that position, the same in every batch),
+    # where an eager call that read only bfloat16 rows gives bfloat16
+    assert out.dtype in (expected.dtype, torch.float32), (out.dtype, expected.dtype)
     assert_bf16_close(out, expected)
     for grad, want in zip(grads, expected_grads, strict=True):
         scale = max(1.0, float(want.abs().max()))

@@ -288,8 +288,12 @@ def run(
             base, max_lr=[2 * group["lr"] for group in base.param_groups], total_steps=len(scenario.trace) + 1
         )
 
+    compiled_by_step: list[int] = []
+
     def on_step(stats: Any) -> None:
         global GLOBAL_SCALE, LATE_SCALE
+        if xla:
+            compiled_by_step.append(_compilations())
         model.global_step = stats.step  # an attribute no step reads
         if scheduler is not None:
             scheduler.step()
@@ -348,6 +352,11 @@ def run(
         "captures": trainer.runner.captures,
         # XLA programs compiled in this run (torch_xla's count; one per process, replicas share it)
         "compilations": _compilations() - compiled_before if xla else 0,
+        # per step (after its update): the programs compiled in it
+        "compiled_by_step": [
+            now - then
+            for now, then in zip(compiled_by_step, [compiled_before, *compiled_by_step], strict=False)
+        ],
         # (read from the runner: warnings.catch_warnings is not thread-safe, and replicas may be threads)
         "refused": getattr(getattr(trainer.runner, "programs", None), "refused", None),
     }

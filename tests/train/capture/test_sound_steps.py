@@ -137,3 +137,38 @@ def test_the_replay_runs_a_onecycle_schedule_on_one_update_program(optimizer: st
     # the minibatch and update programs (captured, verified), the all-reduce's, the first update's
     # (which makes the optimizer's state), the loss read back: never one per step of the schedule
     assert xla["compilations"] <= 6, xla["compilations"]
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+def test_the_default_compiles_a_layout_once_whatever_its_place_in_a_step() -> None:
+    """A step's later minibatch adds to the gradients the first left, and a step's sample count
+    divides them: with the buffers, the weights and the divisor as the graphs' inputs, a later
+    minibatch is the first one's graph and a step of several the update of one. One layout here:
+    steps of 1, 2 and 3 minibatches compile nothing after the first two steps."""
+    import torch_xla
+
+    fuzz = load_fuzzer()
+    device = torch_xla.device()
+    scenario = fuzz.Scenario(
+        seed=11,
+        optimizer="adam",
+        lr=0.01,
+        weight_decay=0.0,
+        groups=1,
+        frozen=False,
+        dropout=False,
+        schedule="none",
+        trace=[3, 3, 6, 9, 3],  # (24 trees: none is split)
+        changes=[],
+        module_loss=False,
+        running_stat=False,
+        random_term=False,
+    )
+    xla = fuzz.run(scenario, device, DATA)
+    cpu = fuzz.run(scenario, torch.device("cpu"), DATA)
+    verdict, details = fuzz.compare(scenario, cpu, xla)
+    assert verdict == "equal", details
+    # step 0: its minibatch and the update that makes the optimizer's state; step 1: the steady
+    # update; then steps of 2, 3 and 1 minibatches reuse them (before: 2 more at the first of two)
+    assert xla["compiled_by_step"][2:] == [0, 0, 0], xla["compiled_by_step"]

@@ -34,7 +34,7 @@ from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate, check
 from torchfold.train.capture.cuda_replay import CudaStepReplay
 from torchfold.train.capture.xla_programs import XlaPrograms
 from torchfold.train.data.loader import to_device
-from torchfold.train.distributed.devices import accumulation_dtype, synchronize
+from torchfold.train.distributed.devices import accumulation_dtype, is_xla, synchronize
 from torchfold.train.distributed.world import world
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
@@ -144,6 +144,15 @@ class EagerRunner(StepRunner):
         self.strict = strict
         #: the step's loss sum so far (None before its first minibatch)
         self._loss_sum: torch.Tensor | None = None
+        # On XLA (lazily traced steps), each minibatch's gradients and loss are added to buffers
+        # that are device data at every minibatch's start, zeros at a step's first: the first
+        # minibatch's graph is then every later one's, one program per layout whatever its
+        # position in the step (autograd's own accumulation into p.grad makes a first minibatch,
+        # which creates p.grad, another graph than a later one, which adds to it)
+        self._buffered = is_xla(self.device) and compiled is None and update is None
+        self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): the step's weighted gradient sum
+        self._zeros: dict[Any, torch.Tensor] = {}  # per parameter (id), and the loss sum's: device-data zeros
+        self._graded: list[torch.Tensor] = []  # the parameters some minibatch of the step had a gradient for
 
     @property
     def captures(self) -> int:
@@ -163,19 +172,63 @@ class EagerRunner(StepRunner):
             # cuts): a sum over the step's minibatches at the update would make the update's graph
             # depend on their number, a program per minibatch count
             dtype = torch.promote_types(loss.dtype, accumulation_dtype(loss.device))
-            weighted = loss.detach().to(dtype) * self._loss_weight(num_samples)
-            self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
+            if self._buffered:  # (the weight as the graph's input: see _zeros_of)
+                weight = self._zeros_of(("loss weight", self._loss_weight(num_samples)), (), dtype)
+                weighted = loss.detach().to(dtype) * weight
+                self._into_buffers()
+                # (from a 1-element vector: a 0-dim zero could be an XLA constant)
+                start = self._loss_sum if self._loss_sum is not None else self._zeros_of("loss", (1,), dtype)
+                self._loss_sum = start + weighted
+            else:
+                weighted = loss.detach().to(dtype) * self._loss_weight(num_samples)
+                self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
 
     def update(self) -> tuple[torch.Tensor | None, float]:
+        if self._buffered:
+            for p in self._graded:
+                p.grad = self._acc.pop(id(p))  # the step's sum, as autograd would have left it
+            self._graded.clear()
+            self._acc.clear()
         if self.compiled_update is None:
             self.optimizer.step()
         else:
             self.optimizer.computed_step(functools.partial(_compiled_update, self.compiled_update))
         self.optimizer.zero_grad()
         loss_sum, self._loss_sum = self._loss_sum, None
+        if loss_sum is not None and self._buffered:
+            loss_sum = loss_sum.reshape(())
         # on XLA, the update as a graph of its own (the same every step), not cut at the next host read
         synchronize(self.device)
         return (None, 0.0) if loss_sum is None else (loss_sum, 1.0)
+
+    def _into_buffers(self) -> None:
+        """Add this minibatch's gradients (weighted, in ``p.grad``) to the step's buffers and
+        clear ``p.grad``, inside the minibatch (whose end cuts XLA's graph)."""
+        with torch.no_grad():
+            for group in self.optimizer.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    acc = self._acc.get(id(p))
+                    if acc is None:
+                        acc = self._zeros_of(id(p), tuple(p.shape), p.dtype)
+                        self._graded.append(p)
+                    self._acc[id(p)] = acc + p.grad
+                    p.grad = None
+
+    def _zeros_of(self, role: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeros of ``shape`` and ``dtype`` on the device for ``role`` (a parameter's id, the loss
+        sum's), or the number ``role[1]`` for ``role = ("loss weight", number)``, made once and
+        sent from the host: device data of its own, never changed in place (a buffer starts from
+        them and is replaced). A Python number would be an XLA constant for 0 and 1, and share
+        one graph input with equal numbers of other roles: another graph either way."""
+        if len(self._zeros) > 4096:
+            self._zeros.clear()
+        zeros = self._zeros.get(role)
+        if zeros is None or tuple(zeros.shape) != shape or zeros.dtype != dtype:
+            value = role[1] if isinstance(role, tuple) else 0.0
+            zeros = self._zeros[role] = torch.full(shape, value, dtype=dtype).to(self.device)
+        return zeros
 
 
 class XlaRunner(StepRunner):

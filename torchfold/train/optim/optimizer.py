@@ -256,6 +256,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._hook_params(self._params())
         # This step's local state (reset by zero_grad() and after step()).
         self._weight: float | None = None  # inside minibatch(): the weight of the gradients arriving
+        self._numbers: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}  # see _number
         self._minibatch_samples = 0
         self._local_samples = 0
         self._local_minibatches = 0
@@ -464,7 +465,24 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             w = sample_weight(n, self.reduction)
             term = grad.detach().pow(2).sum() * (w * w / n)
             self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
+        if is_xla(grad.device):
+            return grad * self._number(
+                "weight", self._weight, grad
+            )  # (by 1.0 too: one graph whatever the weight)
         return grad * self._weight if self._weight != 1.0 else None
+
+    def _number(self, role: str, value: float, like: torch.Tensor) -> torch.Tensor:
+        """``value`` for ``role`` as a 0-dim tensor of ``like``'s dtype on its (XLA) device, sent
+        from the host and kept per role and value: a parameter of XLA's graph of its own, where a
+        Python number is a constant for 0 and 1 and shares one parameter with equal numbers of
+        other roles (torch_xla's scalars), either way another graph."""
+        key = (role, value, like.dtype, like.device)
+        number = self._numbers.get(key)
+        if number is None:
+            if len(self._numbers) > 256:
+                self._numbers.clear()
+            number = self._numbers[key] = torch.tensor(value, dtype=like.dtype).to(like.device)
+        return number
 
     @contextlib.contextmanager
     def minibatch(self, num_samples: int) -> Iterator[None]:
@@ -718,8 +736,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 if totals[_N_STATS + i] == 0:
                     p.grad = None  # no rank produced a gradient for it: leave it out of the update
                     continue
-                if divisor != 1.0:
-                    g.div_(divisor)  # the one place where gradients are divided
+                if is_xla(g.device):
+                    g.div_(self._number("divisor", divisor, g))  # the one place where gradients are divided
+                elif divisor != 1.0:
+                    g.div_(divisor)
                 p.grad = g
         self._finish_gradients()
         self._factor = factor

@@ -37,12 +37,14 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import greenlet
 import torch
 
 from torchfold._errors import FoldError, add_note
+
+if TYPE_CHECKING:  # (imported when autobatch first runs: ``import torchfold`` stays light)
+    import greenlet
 
 __all__ = ["Pending", "autobatch"]
 
@@ -534,6 +536,10 @@ class _Scheduler:
     """Runs the samples' greenlets and the pending calls, batched by readiness."""
 
     def __init__(self) -> None:
+        import greenlet
+
+        self._greenlet = greenlet.greenlet
+        self._current = greenlet.getcurrent
         self.main = greenlet.getcurrent()
         self.ready: dict[Any, list[_Call]] = {}  # ready calls by batching key
         self.ready_depth: dict[Any, int] = {}  # the shallowest depth of each key's ready calls
@@ -676,7 +682,7 @@ class _Scheduler:
         the samples, the scheduler runs until it has."""
         if call.values is not None:
             return
-        current = greenlet.getcurrent()
+        current = self._current()
         if current is self.main:
             while call.values is None:
                 self.step()
@@ -693,7 +699,7 @@ class _Scheduler:
             results[index] = fn(model, sample)
 
         self.runnable = [
-            (greenlet.greenlet(lambda i=index, s=sample: body(i, s), parent=self.main), index)
+            (self._greenlet(lambda i=index, s=sample: body(i, s), parent=self.main), index)
             for index, sample in enumerate(samples)
         ]
         self.runnable.reverse()

@@ -37,12 +37,14 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import greenlet
 import torch
 
 from torchfold._errors import FoldError, add_note
+
+if TYPE_CHECKING:
+    import greenlet
 
 __all__ = ["Pending", "autobatch"]
 
@@ -534,6 +536,11 @@ class _Scheduler:
     """Runs the samples' greenlets and the pending calls, batched by readiness."""
 
     def __init__(self) -> None:
+        # NOTE: greenlet loads on the first autobatch call, not with `import torchfold`.
+        import greenlet
+
+        self.getcurrent = greenlet.getcurrent
+        self.new_greenlet = greenlet.greenlet
         self.main = greenlet.getcurrent()
         self.ready: dict[Any, list[_Call]] = {}  # ready calls by batching key
         self.ready_depth: dict[Any, int] = {}  # the shallowest depth of each key's ready calls
@@ -621,7 +628,10 @@ class _Scheduler:
                     if leaf._out < 0 and leaf._call.op.structure != -1:
                         raise _used_whole(leaf._call)
                     parts.append(leaf._call.kinds[(leaf._out if leaf._out > 0 else 0)])
-                elif isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter):
+                elif leaf.__class__ is _Tensor or (
+                    isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter)
+                ):
+                    # (the exact-class test first: Parameter's isinstance check runs Python code)
                     parts.append((leaf.shape, leaf.dtype, leaf.device))
                 else:
                     parts.append(_const_key(leaf))
@@ -676,7 +686,7 @@ class _Scheduler:
         the samples, the scheduler runs until it has."""
         if call.values is not None:
             return
-        current = greenlet.getcurrent()
+        current = self.getcurrent()
         if current is self.main:
             while call.values is None:
                 self.step()
@@ -693,7 +703,7 @@ class _Scheduler:
             results[index] = fn(model, sample)
 
         self.runnable = [
-            (greenlet.greenlet(lambda i=index, s=sample: body(i, s), parent=self.main), index)
+            (self.new_greenlet(lambda i=index, s=sample: body(i, s), parent=self.main), index)
             for index, sample in enumerate(samples)
         ]
         self.runnable.reverse()
@@ -899,7 +909,9 @@ def _run_batched(op: _Op, calls: list[_Call]) -> Any:
     positions = [
         number
         for number, leaf in enumerate(first.leaves)
-        if leaf.__class__ is Pending or (isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter))
+        if leaf.__class__ is Pending
+        or leaf.__class__ is _Tensor
+        or (isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter))
     ]
     stacked = [_gather(calls, position) for position in positions]
     leaves = list(first.leaves)

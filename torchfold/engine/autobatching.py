@@ -232,9 +232,10 @@ class _Call:
         self.sample = sample
         self.waiting = 0  # pending calls it reads that have not run
         self.depth = 0
-        self.dependents: list[_Call] = []
+        # NOTE: None until a call reads it, () once none is pending: no list per call (memory per node)
+        self.dependents: list[_Call] | None = None
         self.values: list[_Tensor] | None = None  # each output's batched tensor, once run
-        self.kinds: list[Any] = []  # each output's per-sample (shape, dtype, device), once run
+        self.kinds: Sequence[Any] = ()  # each output's per-sample (shape, dtype, device), once run
         self.row = 0  # this call's row in them
         self.key: Any = None
         self.joined = False  # torch.cat(values) along dim 0: calls with any number of values batch together
@@ -448,6 +449,8 @@ def _real_outputs(call: _Call) -> Any:
 def _outputs(call: _Call, structure: tuple[Any, int]) -> Any:
     """The pending outputs of a call whose op returns a tuple (or list, or named tuple) of ``count``."""
     kind, count = structure
+    if kind is tuple and count == 2:  # the common (h, c)
+        return (Pending(call, 0), Pending(call, 1))
     items = [Pending(call, number) for number in range(count)]
     return tuple(items) if kind is tuple else (items if kind is list else kind(items))
 
@@ -606,7 +609,10 @@ class _Scheduler:
                 source = leaf._call
                 if source.values is None:
                     call.waiting += 1
-                    source.dependents.append(call)
+                    if source.dependents is None:
+                        source.dependents = [call]
+                    else:
+                        source.dependents.append(call)
                 if source.depth >= depth:
                     depth = source.depth + 1
         call.depth = depth
@@ -637,7 +643,9 @@ class _Scheduler:
                     parts.append(_const_key(leaf))
             parts.append(call.spec)
             key: Any = tuple(parts)
-            hash(key)
+            call.key = key
+            self.enqueue(key, call)  # (hashing the key raises TypeError before it changes anything)
+            return
         except TypeError:
             key = call  # an argument it cannot compare (an unhashable object): the call runs alone
             if not call.op.warned:
@@ -737,11 +745,11 @@ class _Scheduler:
         calls = self.ready.pop(key)
         self.execute(calls, alone=key.__class__ is _Call)
         for call in calls:
-            for dependent in call.dependents:
+            for dependent in call.dependents or ():
                 dependent.waiting -= 1
                 if not dependent.waiting:
                     self.make_ready(dependent)
-            call.dependents = []
+            call.dependents = None
             waiting = self.waiting.pop(call, None)
             if waiting:
                 self.runnable.extend((task, call.sample) for task in waiting)

@@ -357,7 +357,7 @@ def test_import_torchfold_is_light() -> None:
     loaded = eval(out)
     heavy = [m for m in loaded if m.startswith(("torchfold.train", "torchfold.examples", "torchfold.cli"))]
     assert heavy == []
-    others = eval(
+    modules = eval(
         subprocess.run(
             [sys.executable, "-c", "import sys, torchfold; print(sorted(sys.modules))"],
             capture_output=True,
@@ -365,8 +365,8 @@ def test_import_torchfold_is_light() -> None:
             check=True,
         ).stdout
     )
-    # matplotlib (plots) and greenlet (autobatch's samples) load when first used
-    assert "matplotlib" not in others and "greenlet" not in others
+    assert "matplotlib" not in modules
+    assert "greenlet" not in modules  # loaded by the first autobatch call
 
 
 def test_shipped_code_assumes_no_data_directory() -> None:

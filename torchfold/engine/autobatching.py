@@ -43,7 +43,7 @@ import torch
 
 from torchfold._errors import FoldError, add_note
 
-if TYPE_CHECKING:  # (imported when autobatch first runs: ``import torchfold`` stays light)
+if TYPE_CHECKING:
     import greenlet
 
 __all__ = ["Pending", "autobatch"]
@@ -232,9 +232,10 @@ class _Call:
         self.sample = sample
         self.waiting = 0  # pending calls it reads that have not run
         self.depth = 0
-        self.dependents: list[_Call] = []
+        # NOTE: None until a call reads it, () once none is pending: no list per call (memory per node)
+        self.dependents: list[_Call] | None = None
         self.values: list[_Tensor] | None = None  # each output's batched tensor, once run
-        self.kinds: list[Any] = []  # each output's per-sample (shape, dtype, device), once run
+        self.kinds: Sequence[Any] = ()  # each output's per-sample (shape, dtype, device), once run
         self.row = 0  # this call's row in them
         self.key: Any = None
         self.joined = False  # torch.cat(values) along dim 0: calls with any number of values batch together
@@ -448,6 +449,8 @@ def _real_outputs(call: _Call) -> Any:
 def _outputs(call: _Call, structure: tuple[Any, int]) -> Any:
     """The pending outputs of a call whose op returns a tuple (or list, or named tuple) of ``count``."""
     kind, count = structure
+    if kind is tuple and count == 2:  # the common (h, c)
+        return (Pending(call, 0), Pending(call, 1))
     items = [Pending(call, number) for number in range(count)]
     return tuple(items) if kind is tuple else (items if kind is list else kind(items))
 
@@ -536,10 +539,11 @@ class _Scheduler:
     """Runs the samples' greenlets and the pending calls, batched by readiness."""
 
     def __init__(self) -> None:
+        # NOTE: greenlet loads on the first autobatch call, not with `import torchfold`.
         import greenlet
 
-        self._greenlet = greenlet.greenlet
-        self._current = greenlet.getcurrent
+        self.getcurrent = greenlet.getcurrent
+        self.new_greenlet = greenlet.greenlet
         self.main = greenlet.getcurrent()
         self.ready: dict[Any, list[_Call]] = {}  # ready calls by batching key
         self.ready_depth: dict[Any, int] = {}  # the shallowest depth of each key's ready calls
@@ -605,7 +609,10 @@ class _Scheduler:
                 source = leaf._call
                 if source.values is None:
                     call.waiting += 1
-                    source.dependents.append(call)
+                    if source.dependents is None:
+                        source.dependents = [call]
+                    else:
+                        source.dependents.append(call)
                 if source.depth >= depth:
                     depth = source.depth + 1
         call.depth = depth
@@ -627,13 +634,18 @@ class _Scheduler:
                     if leaf._out < 0 and leaf._call.op.structure != -1:
                         raise _used_whole(leaf._call)
                     parts.append(leaf._call.kinds[(leaf._out if leaf._out > 0 else 0)])
-                elif isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter):
+                elif leaf.__class__ is _Tensor or (
+                    isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter)
+                ):
+                    # (the exact-class test first: Parameter's isinstance check runs Python code)
                     parts.append((leaf.shape, leaf.dtype, leaf.device))
                 else:
                     parts.append(_const_key(leaf))
             parts.append(call.spec)
             key: Any = tuple(parts)
-            hash(key)
+            call.key = key
+            self.enqueue(key, call)  # (hashing the key raises TypeError before it changes anything)
+            return
         except TypeError:
             key = call  # an argument it cannot compare (an unhashable object): the call runs alone
             if not call.op.warned:
@@ -682,7 +694,7 @@ class _Scheduler:
         the samples, the scheduler runs until it has."""
         if call.values is not None:
             return
-        current = self._current()
+        current = self.getcurrent()
         if current is self.main:
             while call.values is None:
                 self.step()
@@ -699,7 +711,7 @@ class _Scheduler:
             results[index] = fn(model, sample)
 
         self.runnable = [
-            (self._greenlet(lambda i=index, s=sample: body(i, s), parent=self.main), index)
+            (self.new_greenlet(lambda i=index, s=sample: body(i, s), parent=self.main), index)
             for index, sample in enumerate(samples)
         ]
         self.runnable.reverse()
@@ -733,11 +745,11 @@ class _Scheduler:
         calls = self.ready.pop(key)
         self.execute(calls, alone=key.__class__ is _Call)
         for call in calls:
-            for dependent in call.dependents:
+            for dependent in call.dependents or ():
                 dependent.waiting -= 1
                 if not dependent.waiting:
                     self.make_ready(dependent)
-            call.dependents = []
+            call.dependents = None
             waiting = self.waiting.pop(call, None)
             if waiting:
                 self.runnable.extend((task, call.sample) for task in waiting)
@@ -905,7 +917,9 @@ def _run_batched(op: _Op, calls: list[_Call]) -> Any:
     positions = [
         number
         for number, leaf in enumerate(first.leaves)
-        if leaf.__class__ is Pending or (isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter))
+        if leaf.__class__ is Pending
+        or leaf.__class__ is _Tensor
+        or (isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter))
     ]
     stacked = [_gather(calls, position) for position in positions]
     leaves = list(first.leaves)

@@ -54,7 +54,8 @@ class SampleLoss:
     """The ``loss`` of a per-sample task: ``forward`` on every sample under autobatch, the mean of the losses.
 
     Args:
-        forward: ``forward(model, sample) -> scalar loss`` for one sample, plain PyTorch.
+        forward: ``forward(model, sample) -> scalar loss`` for one sample, plain PyTorch. It runs
+            with the model's device as the default device, so the tensors it makes are there.
 
     Example:
         >>> import torch
@@ -86,7 +87,8 @@ class SampleLoss:
                 "build (record on torchfold.Fold(shapes=StaticShapes(...))) instead of forward",
                 stacklevel=2,
             )
-        losses = autobatch(self.forward, samples, model)
+        with device:  # the forward's own tensors (torch.tensor(...), torch.zeros(...)) on the model's device
+            losses = autobatch(self.forward, samples, model)
         for index, value in enumerate(losses):
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 got = (

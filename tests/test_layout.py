@@ -178,7 +178,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("torchfold.engine.planner",),
     ("torchfold.engine.fold", "torchfold.engine.eager", "torchfold.engine.autobatching"),
     ("torchfold.engine",),
-    ("torchfold.train.loss",),
+    ("torchfold.train.loss", "torchfold.train.persample"),
     ("torchfold.train.distributed.*",),
     ("torchfold.train.optim.*",),
     ("torchfold.train.schedule.*",),

@@ -333,7 +333,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
     base = mechanism.optimizer(optimizer_class, model.parameters(), lr=args.lr, **momentum)
     optimizer = AccumulatingOptimizer(base, lr_rule=args.lr_rule, ref_batch_size=ref_batch_size(args, trace))
     build = task.build
-    if mechanism.needs_static_shapes:  # fitted to a pass over the data and frozen: none grows
+    if mechanism.needs_static_shapes and task.forward is None:  # fitted to a pass over the data and frozen
         fold_samples = args.minibatch_size or args.max_device_batch_size
         shapes = StaticShapes(pack_levels=args.pack_levels)
         shapes = fit_static_shapes(task.train, task.build, fold_samples, shapes=shapes, seed=args.seed)

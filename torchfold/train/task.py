@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchfold.train.persample import SampleLoss, build_samples
+
 __all__ = ["BUILTIN_TASKS", "Task", "load_task", "parse_task_args"]
 
 #: The tasks that ship with torchfold: name -> ``module:function`` spec.
@@ -63,6 +65,10 @@ class Task:
         description: one line saying where the data came from, for the run's banner.
         settings: what a checkpoint is only valid with (model sizes, vocabulary size, ...): a
             resume with other values is refused, naming them.
+        forward: instead of ``build`` and ``loss``: ``forward(model, sample) -> scalar loss``,
+            plain PyTorch for one sample. The run batches each minibatch's samples with
+            :func:`torchfold.autobatch` and takes the mean of their losses, so a step equals one
+            big batch as with ``build``. Give either ``forward`` or ``build`` and ``loss``.
 
     Example:
         >>> import torch, torchfold
@@ -95,13 +101,15 @@ class Task:
 
     name: str
     train: Sequence[Any]
-    build: Callable[..., tuple[Any, Any]]
-    model: Callable[[], nn.Module]
-    loss: Callable[[nn.Module, Sequence[torch.Tensor], Any], torch.Tensor]
+    # None only until __post_init__, which fills build and loss from forward, or refuses the task
+    build: Callable[..., tuple[Any, Any]] = None  # type: ignore[assignment]
+    model: Callable[[], nn.Module] = None  # type: ignore[assignment]
+    loss: Callable[[nn.Module, Sequence[Any], Any], torch.Tensor] = None  # type: ignore[assignment]
     eval: Sequence[Any] = ()
     evaluate: Callable[[nn.Module, Sequence[Any]], Mapping[str, float]] | None = None
     description: str = ""
     settings: Mapping[str, object] = field(default_factory=dict)
+    forward: Callable[[nn.Module, Any], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -115,6 +123,25 @@ class Task:
                 )
         if len(self.train) == 0:
             raise ValueError(f"Task {self.name!r}: train holds no samples; give it the training samples")
+        if self.forward is not None:
+            if self.build is not None or self.loss is not None:
+                given = " and ".join(n for n in ("build", "loss") if getattr(self, n) is not None)
+                raise TypeError(
+                    f"Task {self.name!r}: forward is given with {given}; give either forward(model, sample) -> loss "
+                    "(per-sample, batched by torchfold.autobatch) or build and loss (a fold), not both"
+                )
+            if not callable(self.forward):
+                raise TypeError(
+                    f"Task {self.name!r}: forward must be callable, got {type(self.forward).__name__}"
+                )
+            # the run reads build and loss: a per-sample forward is those two, batched by autobatch
+            object.__setattr__(self, "build", build_samples)
+            object.__setattr__(self, "loss", SampleLoss(self.forward))
+        elif self.build is None and self.loss is None:
+            raise TypeError(
+                f"Task {self.name!r}: neither forward nor build and loss are given; give forward(model, sample) -> "
+                "loss (plain per-sample PyTorch), or build(samples, shapes=None) and loss(model, outputs, targets)"
+            )
         for name in ("build", "model", "loss"):
             if not callable(getattr(self, name)):
                 raise TypeError(

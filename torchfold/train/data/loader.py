@@ -46,6 +46,7 @@ from torchfold.engine.static.shapes import StaticPlan, StaticShapesOverflow, Sta
 from torchfold.train.data.envelope import seeded_pass
 from torchfold.train.data.sampler import StepSplit, TraceBatchSampler
 from torchfold.train.distributed.world import world_or
+from torchfold.train.persample import SampleMinibatch
 from torchfold.train.schedule.trace import TraceLike
 
 __all__ = ["Minibatch", "Step", "StepLoader", "to_device"]
@@ -305,7 +306,11 @@ class _Builder(torch.utils.data.Dataset["Minibatch[Any] | tuple[Minibatch[Any], 
         return [Minibatch(data, len(indices), list(indices))]
 
     def _check(self, data: Any, indices: list[int]) -> None:
-        if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], FoldPlan | StaticPlan)):
+        if not (
+            isinstance(data, tuple)
+            and len(data) == 2
+            and isinstance(data[0], FoldPlan | StaticPlan | SampleMinibatch)
+        ):
             got = type(data).__name__
             if isinstance(data, tuple):
                 got = f"a tuple of {len(data)} ({', '.join(type(part).__name__ for part in data)})"

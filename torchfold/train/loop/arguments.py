@@ -20,6 +20,7 @@ from torchfold.train.data.loader import StepLoader
 from torchfold.train.distributed.devices import needs_static_shapes
 from torchfold.train.distributed.world import world
 from torchfold.train.optim.optimizer import AccumulatingOptimizer
+from torchfold.train.persample import SampleMinibatch
 
 __all__ = [
     "Evaluate",
@@ -147,7 +148,8 @@ def fit_end(
 
 def warn_if_unpadded(plan: Any, device: torch.device) -> bool:
     """Whether a plan from the loader's build runs unpadded on XLA (then a warning says how to pad)."""
-    if not needs_static_shapes(device) or isinstance(plan, StaticPlan):
+    # a per-sample task's minibatch: SampleLoss warns, naming its own fix
+    if not needs_static_shapes(device) or isinstance(plan, StaticPlan | SampleMinibatch):
         return False
     warnings.warn(
         "TraceTrainer on XLA got an unpadded plan from the loader's build: every new size compiles a new "

@@ -153,9 +153,9 @@ class EagerRunner(StepRunner):
         # on one of them gave an update graph that a later such step did not repeat; measured by
         # test_xla's replica test, and left as it was)
         self._buffered = is_xla(self.device) and compiled is None and update is None and world().size == 1
-        self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): the step's weighted gradient sum
+        # per parameter (id) some minibatch of the step had a gradient for: it, and its weighted sum
+        self._acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._zeros: dict[Any, torch.Tensor] = {}  # per parameter (id), and the loss sum's: device-data zeros
-        self._graded: list[torch.Tensor] = []  # the parameters some minibatch of the step had a gradient for
 
     @property
     def captures(self) -> int:
@@ -188,9 +188,8 @@ class EagerRunner(StepRunner):
 
     def update(self) -> tuple[torch.Tensor | None, float]:
         if self._buffered:
-            for p in self._graded:
-                p.grad = self._acc.pop(id(p))  # the step's sum, as autograd would have left it
-            self._graded.clear()
+            for p, acc in self._acc.values():
+                p.grad = acc  # the step's sum, as autograd would have left it
             self._acc.clear()
         if self.compiled_update is None:
             self.optimizer.step()
@@ -212,11 +211,8 @@ class EagerRunner(StepRunner):
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    acc = self._acc.get(id(p))
-                    if acc is None:
-                        acc = self._zeros_of(id(p), tuple(p.shape), p.dtype)
-                        self._graded.append(p)
-                    self._acc[id(p)] = acc + p.grad
+                    _, acc = self._acc.get(id(p)) or (p, self._zeros_of(id(p), tuple(p.shape), p.dtype))
+                    self._acc[id(p)] = (p, acc + p.grad)
                     p.grad = None
 
     def _zeros_of(self, role: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

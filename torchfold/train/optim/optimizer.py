@@ -465,10 +465,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             w = sample_weight(n, self.reduction)
             term = grad.detach().pow(2).sum() * (w * w / n)
             self._local_sqnorm = term if self._local_sqnorm is None else self._local_sqnorm + term
-        if is_xla(grad.device):
-            return grad * self._number(
-                "weight", self._weight, grad
-            )  # (by 1.0 too: one graph whatever the weight)
+        if is_xla(grad.device):  # (by 1.0 too: one graph whatever the weight)
+            return grad * self._number("weight", self._weight, grad)
         return grad * self._weight if self._weight != 1.0 else None
 
     def _number(self, role: str, value: float, like: torch.Tensor) -> torch.Tensor:

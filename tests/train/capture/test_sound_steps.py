@@ -42,6 +42,15 @@ EVERY_READ = [
 ]
 
 
+def _scenario(fuzz: Any, **fields: Any) -> Any:
+    """A fuzzer scenario of ``fields``, the rest plain: no frozen parameter, no dropout, no changes,
+    no module loss, running statistic or random term."""
+    plain = dict(
+        frozen=False, dropout=False, changes=[], module_loss=False, running_stat=False, random_term=False
+    )
+    return fuzz.Scenario(**{**plain, **fields})
+
+
 @pytest.fixture(autouse=True)
 def _float64() -> Any:
     before = torch.get_default_dtype()
@@ -58,14 +67,13 @@ def test_every_kind_of_read_trains_on_xla_as_on_the_cpu(optimizer: str) -> None:
 
     fuzz = load_fuzzer()
     device = torch_xla.device()  # (before any backward on the CPU: autograd counts devices at its first)
-    scenario = fuzz.Scenario(
+    scenario = _scenario(
+        fuzz,
         seed=7,
         optimizer=optimizer,
         lr=0.1,
         weight_decay=0.01,
         groups=2,
-        frozen=False,
-        dropout=False,
         schedule="onecycle",
         trace=[3, 6, 9, 3, 9],  # one epoch of the 30 trees, steps of 1-3 minibatches
         changes=EVERY_READ,
@@ -112,20 +120,15 @@ def test_the_replay_runs_a_onecycle_schedule_on_one_update_program(optimizer: st
 
     fuzz = load_fuzzer()
     device = torch_xla.device()
-    scenario = fuzz.Scenario(
+    scenario = _scenario(
+        fuzz,
         seed=3,
         optimizer=optimizer,
         lr=0.1,
         weight_decay=0.01,
         groups=1,
-        frozen=False,
-        dropout=False,
         schedule="onecycle",
         trace=[3, 3, 3, 3, 3, 3, 3, 3, 3, 3],  # one minibatch a step: one minibatch program
-        changes=[],
-        module_loss=False,
-        running_stat=False,
-        random_term=False,
     )
     with pytest.warns(UserWarning, match="compile='replay'"):
         xla = fuzz.run(scenario, device, DATA, compile="replay")
@@ -150,20 +153,15 @@ def test_the_default_compiles_a_layout_once_whatever_its_place_in_a_step() -> No
 
     fuzz = load_fuzzer()
     device = torch_xla.device()
-    scenario = fuzz.Scenario(
+    scenario = _scenario(
+        fuzz,
         seed=11,
         optimizer="adam",
         lr=0.01,
         weight_decay=0.0,
         groups=1,
-        frozen=False,
-        dropout=False,
         schedule="none",
         trace=[3, 3, 6, 9, 3],  # (24 trees: none is split)
-        changes=[],
-        module_loss=False,
-        running_stat=False,
-        random_term=False,
     )
     xla = fuzz.run(scenario, device, DATA)
     cpu = fuzz.run(scenario, torch.device("cpu"), DATA)

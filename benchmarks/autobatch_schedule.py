@@ -4,7 +4,9 @@ Three measurements on random DAGs of several op types (every node an op of three
 or two earlier nodes of its sample, ops on a 16-wide state):
 
 * **calls**: how many batched calls ``torchfold.autobatch`` (readiness: the ready calls of one op
-  run together, shallowest op first) and ``Fold`` (one call per op and depth) make on the same samples;
+  run together, shallowest op first), ``Fold`` (one call per op and depth) and
+  ``Fold(schedule="ready")`` (the fold planned by readiness) make on the same samples, and the
+  two folds' time per training step (record + plan + apply + backward), median of rounds;
 * **cost per call**: a run's time per recorded call (us) from 1,000 to 100,000 calls per run, for
   autobatch and for Fold (``add`` + ``apply``), median of interleaved rounds, one thread;
 * **memory**: the Python memory a run allocates per node at its peak (``tracemalloc``), autobatch
@@ -93,24 +95,48 @@ def autobatch_run(
     return torchfold.autobatch(run_dag, samples, model, stats=stats)
 
 
-def fold_run(model: Ops, samples: list[tuple[Dag, torch.Tensor]]) -> tuple[list[torch.Tensor], int]:
-    fold = torchfold.Fold()
+def fold_run(
+    model: Ops, samples: list[tuple[Dag, torch.Tensor]], schedule: str = "depth"
+) -> tuple[list[torch.Tensor], int]:
+    fold = torchfold.Fold(schedule=schedule)
     roots = [fold_dag(fold, sample) for sample in samples]
     plan = fold.plan([roots])
     assert isinstance(plan, torchfold.FoldPlan)
     return plan.apply(model), len(plan.groups)
 
 
-def calls_table(model: Ops, rows: Sequence[tuple[int, int]]) -> None:
-    print("| samples | nodes per sample | autobatch batched calls | Fold batched calls (op x depth) |")
-    print("| --- | --- | --- | --- |")
+def step_ms(model: Ops, samples: list[tuple[Dag, torch.Tensor]], schedule: str) -> float:
+    """One training step's milliseconds on a fold of ``samples``: record, plan, apply, backward."""
+    start = time.perf_counter()
+    (out,), _ = fold_run(model, samples, schedule)
+    out.square().sum().backward()
+    return (time.perf_counter() - start) * 1e3
+
+
+def calls_table(model: Ops, rows: Sequence[tuple[int, int]], rounds: int) -> None:
+    print(
+        "| samples | nodes per sample | autobatch batched calls | Fold batched calls (op x depth) "
+        "| Fold(schedule='ready') batched calls | step ms, depth | step ms, ready | ready / depth |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for count, nodes in rows:
         samples = samples_of(count, nodes, seed=count * 1000 + nodes)
         stats: dict[str, int] = {}
         batched = autobatch_run(model, samples, stats)
         (folded,), groups = fold_run(model, samples)
+        (ready,), waves = fold_run(model, samples, "ready")
         torch.testing.assert_close(torch.cat(batched), folded)
-        print(f"| {count} | {nodes} | {stats['batches']} | {groups} |")
+        torch.testing.assert_close(ready, folded)
+        times: dict[str, list[float]] = {"depth": [], "ready": []}
+        for _ in range(rounds):  # interleaved
+            for schedule, spent in times.items():
+                spent.append(step_ms(model, samples, schedule))
+                gc.collect()
+        depth, readiness = statistics.median(times["depth"]), statistics.median(times["ready"])
+        print(
+            f"| {count} | {nodes} | {stats['batches']} | {groups} | {waves} | {depth:.2f} | {readiness:.2f} "
+            f"| {readiness / depth:.2f} |"
+        )
 
 
 def cost_table(model: Ops, totals: Sequence[int], rounds: int) -> None:
@@ -164,7 +190,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(0)
     model = Ops()
     quick = args.quick
-    calls_table(model, [(4, 10), (16, 20)] if quick else [(4, 10), (16, 20), (64, 20), (32, 60), (128, 30)])
+    calls_table(
+        model,
+        [(4, 10), (16, 20)] if quick else [(4, 10), (16, 20), (64, 20), (32, 60), (128, 30), (200, 50)],
+        1 if quick else 2 * args.rounds + 1,
+    )
     totals = [1_000, 2_000] if quick else [1_000, 10_000, 100_000]
     cost_table(model, totals, 1 if quick else args.rounds)
     memory_table(model, totals)

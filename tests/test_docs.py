@@ -24,7 +24,14 @@ def python_blocks(page: Path) -> list[str]:
 # What each page's examples print, as the page says in its comments.
 PRINTS = {
     "index.md": "tensor([1., 3., 5.])\n",
-    "guide/engine.md": "Fold: 15 nodes in 4 batched groups over 4 depths\n",
+    "guide/engine.md": (
+        "Fold: 15 nodes in 4 batched groups over 4 depths\n"
+        "  depth 0: leaf x 9 (int64[9])\n"
+        "  depth 1: node x 3 (float32[3x16], float32[3x16])\n"
+        "  depth 2: node x 2 (float32[2x16], float32[2x16])\n"
+        "  depth 3: node x 1 (float32[1x16], float32[1x16])\n"
+        "depth 5\nready 3\n"
+    ),
     "guide/static-shapes.md": "torch.Size([3, 1]) torch.Size([16, 1])\n",
     "guide/training.md": "[32, 64, 96, 64, 32]\n2\n(4, ['eval/samples'])\n",
     "guide/your-model.md": "parity 48\n",

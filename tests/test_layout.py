@@ -171,7 +171,13 @@ LAYERS: list[tuple[str, ...]] = [
     # the engine, bottom to top: the recorded graph, its plans and their execution, the front ends
     ("torchfold.engine._record", "torchfold.engine.native", "torchfold.engine.devices"),
     ("torchfold.engine.node",),
-    ("torchfold.engine.ir", "torchfold.engine.ops", "torchfold.engine.resolve", "torchfold.engine.draw"),
+    (
+        "torchfold.engine.ir",
+        "torchfold.engine.ops",
+        "torchfold.engine.resolve",
+        "torchfold.engine.draw",
+        "torchfold.engine.readiness",
+    ),
     ("torchfold.engine.executor",),
     ("torchfold.engine.static.*",),
     ("torchfold.engine.plan",),

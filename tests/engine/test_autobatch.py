@@ -237,7 +237,8 @@ class Chains(torch.nn.Module):
         return torch.tanh(x)
 
 
-def test_readiness_batches_an_op_across_depths_where_fold_cannot() -> None:
+@pytest.mark.parametrize("schedule", ["depth", "ready"])
+def test_readiness_batches_an_op_across_depths_as_a_ready_fold_does(schedule: str) -> None:
     # sample 0: a -> b -> a; sample 1: b -> a. Fold groups by (depth, op): a@0, b@0, b@1, a@1, a@2 = 5
     # calls. Readiness: a (sample 0), then b of both (depths 0 and 1), then a of both: 3.
     programs = ["aba", "ba"]
@@ -249,7 +250,7 @@ def test_readiness_batches_an_op_across_depths_where_fold_cannot() -> None:
             x = getattr(model, op)(x)
         return x
 
-    fold = torchfold.Fold()
+    fold = torchfold.Fold(schedule=schedule)
     roots = []
     for program in programs:
         node: Any = torch.ones(1, 2)
@@ -261,7 +262,7 @@ def test_readiness_batches_an_op_across_depths_where_fold_cannot() -> None:
     stats: dict[str, int] = {}
     out = autobatch(run, programs, model, stats=stats)
     torch.testing.assert_close(torch.cat(out), plan.apply(model)[0])
-    assert (stats["batches"], len(plan.groups)) == (3, 5)
+    assert (stats["batches"], len(plan.groups)) == (3, 5 if schedule == "depth" else 3)
 
 
 def test_concatenating_any_number_of_values_batches_across_samples() -> None:

@@ -1010,3 +1010,41 @@ def test_ops_run_under_inference_mode_without_version_counters() -> None:
         with torch.inference_mode():
             [out] = fold.apply(model, [[fold.add("leaf", 1), fold.add("leaf", 2)]])
         assert out.tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+
+class _Chains(torch.nn.Module):
+    def a(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def b(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+
+def _chains(fold: Fold, programs: list[str]) -> list[Any]:
+    roots = []
+    for program in programs:
+        node: Any = torch.ones(1, 2)
+        for op in program:
+            node = fold.add(op, node)
+        roots.append(node)
+    return roots
+
+
+def test_a_ready_schedule_runs_an_op_across_depths_in_one_call_and_survives_a_pickle() -> None:
+    # a -> b -> a and b -> a: by depth a@0, b@0, b@1, a@1, a@2; by readiness a, then b of both, then a of both
+    model = _Chains()
+    results = {}
+    for schedule in ("depth", "ready"):
+        fold = pickle.loads(pickle.dumps(Fold(schedule=schedule)))
+        roots = _chains(fold, ["aba", "ba"])
+        plan = fold.plan([roots])
+        assert isinstance(plan, torchfold.FoldPlan)
+        results[schedule] = (len(plan.groups), fold.apply(model, [roots])[0])
+        assert "depth 2: a x 1" in str(fold)  # print shows the recorded groups, whatever the waves
+    assert (results["depth"][0], results["ready"][0]) == (5, 3)
+    torch.testing.assert_close(results["ready"][1], results["depth"][1])
+
+
+def test_an_unknown_schedule_is_refused_naming_the_two() -> None:
+    with pytest.raises(ValueError, match=r"Fold\(schedule='agenda'\).*'depth'.*'ready'"):
+        Fold(schedule="agenda")

@@ -5,7 +5,7 @@ tensor inputs mixed with nodes at one position, a two-output op taken apart with
 a three-input op, float arguments, an op with a ``nobatch`` shared context, and repeated
 identical calls (deduplicated by Fold, recomputed by EagerFold). The same program runs on a
 Fold and on the eager EagerFold; outputs and gradients of every parameter and input tensor
-must match. Each also runs through a compiled plan (``Fold.plan``): applied once, applied a
+must match, whichever way the fold groups its calls (by depth or by readiness). Each also runs through a compiled plan (``Fold.plan``): applied once, applied a
 second time, or applied after a pickle round trip (as when built in a DataLoader worker).
 """
 
@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 import torchfold.engine.executor
 import torchfold.engine.planner
-from torchfold import EagerFold, Fold
+from torchfold import EagerFold, Fold, FoldPlan
 from torchfold.engine import native
+from torchfold.engine.readiness import SCHEDULES
 
 HIDDEN = 5
 VIA = ("apply", "plan", "plan twice", "pickled plan")
@@ -185,12 +186,13 @@ def compaction(always: bool, planner: str = "C") -> Iterator[None]:
     compact=st.booleans(),
     via=st.sampled_from(VIA),
     planner=st.sampled_from(PLANNERS),
+    schedule=st.sampled_from(SCHEDULES),
 )
 def test_fold_equals_eager_on_random_graphs(
-    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str, planner: str
+    program: list[tuple[Any, ...]], picks: list[int], compact: bool, via: str, planner: str, schedule: str
 ) -> None:
     with compaction(compact, planner):
-        folded, fold_grads = outputs_and_gradients(lambda model: Fold(), program, picks, via)
+        folded, fold_grads = outputs_and_gradients(lambda model: Fold(schedule=schedule), program, picks, via)
     eager, eager_grads = outputs_and_gradients(EagerFold, program, picks)
     assert len(folded) == len(eager)
     for a, b in zip(folded, eager, strict=True):
@@ -199,6 +201,26 @@ def test_fold_equals_eager_on_random_graphs(
         eager_grads = eager_grads[: len(fold_grads)]
     for a, b in zip(fold_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    program=st.lists(instruction, min_size=1, max_size=40), picks=st.lists(st.integers(0, 1000), max_size=12)
+)
+def test_readiness_never_makes_more_batched_calls_than_depth(
+    program: list[tuple[Any, ...]], picks: list[int]
+) -> None:
+    # Each wave runs every remaining call of its op's shallowest depth (all ready: shallower calls
+    # have run), so each wave ends a distinct (op, depth) group: never more waves than groups.
+    inputs = [torch.randn(1, HIDDEN) for _ in range(3)]
+    plans = []
+    for schedule in SCHEDULES:
+        fold = Fold(schedule=schedule)
+        plan = fold.plan(requested(run_program(fold, program, inputs), picks))
+        assert isinstance(plan, FoldPlan)
+        plans.append(plan)
+    by_depth, by_readiness = plans
+    assert len(by_readiness.groups) <= len(by_depth.groups)
 
 
 @st.composite

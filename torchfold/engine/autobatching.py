@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError, add_note
+from torchfold.engine.readiness import shallowest
 
 if TYPE_CHECKING:
     import greenlet
@@ -740,7 +741,7 @@ class _Scheduler:
         """Run the ready calls of one op and shapes: those whose shallowest call is shallowest."""
         depths = self.ready_depth
         wanted = self.wanted() if self.waiting else None
-        key = min(wanted or depths, key=depths.__getitem__)
+        key = shallowest(depths, wanted or None)
         del depths[key]
         calls = self.ready.pop(key)
         self.execute(calls, alone=key.__class__ is _Call)

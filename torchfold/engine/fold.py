@@ -31,6 +31,7 @@ from torchfold.engine.node import (
 )
 from torchfold.engine.plan import FoldPlan, apply_plan
 from torchfold.engine.planner import plan_fold
+from torchfold.engine.readiness import by_readiness, check_schedule
 from torchfold.engine.resolve import cuda_device, describe
 from torchfold.engine.static.shapes import StaticShapes, envelope_for
 
@@ -114,6 +115,10 @@ class Fold:
             once instead of once per batch; a :class:`~torchfold.StaticShapes`: pad every plan
             of this fold into it, on any device (``plan`` then returns a
             :class:`~torchfold.StaticPlan`); ``None``: never pad.
+        schedule: ``"depth"`` (default): one batched call per op and depth; ``"ready"``: the
+            calls of one op run together as soon as what they read has run (DyNet's agenda, as
+            :func:`~torchfold.autobatch` runs): the same results in fewer batched calls on graphs
+            that mix several ops, at a higher planning cost (see the engine guide).
         cuda: legacy TorchFold flag, same as ``device="cuda"``.
         volatile: legacy TorchFold flag, same as running ``apply`` under ``torch.no_grad()``.
 
@@ -134,6 +139,7 @@ class Fold:
         device: torch.device | str | None = None,
         *,
         shapes: StaticShapes | str | None = "auto",
+        schedule: str = "depth",
         cuda: bool = False,
         volatile: bool = False,
     ) -> None:
@@ -156,6 +162,7 @@ class Fold:
                 "torchfold.StaticShapes envelope"
             )
         self.shapes = shapes
+        self.schedule = check_schedule(schedule)
         self._groups: dict[tuple[int, Op, int], Group] = {}
         self._tape = Tape()  # what this Fold's nodes are numbers into (see Node)
         self._recorder = self._new_recorder()
@@ -176,6 +183,7 @@ class Fold:
         # state, so a copy can build the fold inside its tape's state. The first add (the Python
         # add: the C add leaves every call to it while there is no recorder) makes the recorder.
         self.__dict__.update(state)
+        self.__dict__.setdefault("schedule", "depth")  # (a fold pickled before schedules)
         self._recorder = None
 
     # -- recording --------------------------------------------------------------------------
@@ -349,8 +357,9 @@ class Fold:
         try:
             return apply_plan(plan, nn, shapes)
         finally:  # print(fold) shows the batched shapes of the last apply (kept here: the plan is not written)
+            same = self.schedule == "depth"  # (waves are not the recorded groups: nothing to show)
             for number, group in enumerate(self.groups()):
-                group.arg_shapes = shapes[number] if number < len(shapes) else None
+                group.arg_shapes = shapes[number] if same and number < len(shapes) else None
 
     def cuda(self) -> Fold:
         """Make int and float arguments on the GPU from now on (the original TorchFold's method); returns the fold.
@@ -381,7 +390,7 @@ class Fold:
                 nodes or with floats at one argument position, or a ``nobatch`` node not shared
                 by its group.
         """
-        plan = plan_fold(self, nodes)
+        plan = plan_fold(self if self.schedule == "depth" else by_readiness(self), nodes)
         envelope = envelope_for(self.shapes)  # "auto" decides when applied, on the module's device
         return plan if envelope is None else envelope.cover(plan)
 

@@ -171,13 +171,14 @@ class Waves:
             nodes = group.depth > 0
             arity = len(next(iter(group.nodes)))
             kind = (group.op, arity, group.num_outputs)
-            plain = (*kind, ("rows" if nodes else "int",) * arity)  # (every call of a plain group)
+            # One key for the group: its calls agree on each position's kind (the planner refuses
+            # a group whose calls do not, whichever way it is scheduled).
+            if group.plain and not (nodes and signed):  # every argument a node (an int, at depth 0)
+                key = (*kind, ("rows" if nodes else "int",) * arity)
+            else:
+                key = (*kind, _signature(next(iter(group.nodes)), nodes, source))
             for call_number, call in enumerate(group.nodes, first[number]):
-                keys[call_number] = (
-                    plain
-                    if group.plain and not (nodes and signed)
-                    else (*kind, _signature(call, nodes, source))
-                )
+                keys[call_number] = key
                 reads = 0
                 for arg in call if nodes else ():
                     if arg.__class__ is int:  # a node's handle (see Group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from torchfold.train import AccumulatingOptimizer, StepLoader, Task, TraceTrainer, captured_step
+from torchfold.train.loop.checkpoint import list_checkpoints, load_checkpoint
 from torchfold.train.persample import SampleLoss, SampleMinibatch, build_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +86,63 @@ def test_the_cli_trains_a_per_sample_task(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sst-per-sample" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("flag", ["on", "replay"])
+def test_the_cli_refuses_to_capture_a_per_sample_task_naming_the_fix(tmp_path: Path, flag: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torchfold", "train", "--task", "_sample_task:make_task", "--task-arg", "max_train=8",
+         "--trace", "4", "--minibatch-size", "2", "--max-steps", "2", "--no-progress", "--workers", "0",
+         "--compile", flag],
+        env={**os.environ, "PYTHONPATH": f"{HELPERS}:{REPO}"},
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--compile {flag} captures" in done.stderr and "drop --compile" in done.stderr, done.stderr[
+        -2000:
+    ]
+
+
+def test_loader_workers_build_a_per_sample_task_s_minibatches() -> None:
+    # SampleMinibatch crosses the worker's pipe: the same steps as built in the training process
+    task = _sample_task.make_task(max_train=12, hidden_dim=4)
+    built = {}
+    for workers in (0, 2):
+        loader = StepLoader(task.train, 3, build=task.build, trace=[6, 6], seed=1, num_workers=workers)
+        built[workers] = [[list(mb.data[0].samples) for mb in step] for step in itertools.islice(loader, 2)]
+    assert built[2] == built[0] and len(built[0][0]) == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_train_a_per_sample_task_as_one_process_does(tmp_path: Path) -> None:
+    # each rank batches its share of a step with autobatch; the all-reduced step equals one process's
+    train = ["-m", "torchfold", "train", "--task", "_sample_task:make_task", "--task-arg", "max_train=16",
+             "--trace", "8,4,8", "--minibatch-size", "2", "--max-steps", "3", "--no-progress", "--log-every", "0",
+             "--workers", "0", "--backend", "gloo", "--checkpoint-every", "3"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{HELPERS}:{REPO}", "OMP_NUM_THREADS": "1"}
+    runs = {
+        "one": [sys.executable, *train],
+        "two": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+                "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_free_port()}", *train],
+    }  # fmt: skip
+    models = {}
+    for name, command in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        command = [*command, "--checkpoint-dir", str(folder / "ckpt")]
+        done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert f"{1 if name == 'one' else 2} process(es)" in done.stdout, done.stdout[-2000:]
+        [(step, path)] = list_checkpoints(folder / "ckpt")
+        assert step == 3
+        models[name] = load_checkpoint(path)["model"]
+    torch.testing.assert_close(models["two"], models["one"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_forward_returning_no_scalar_is_refused_naming_the_sample() -> None:

@@ -319,6 +319,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context: RunContext) -> int:
     device = context.device
+    if task.forward is not None and args.compile in ("on", "replay"):
+        raise ValueError(
+            f"--compile {args.compile} captures each step's static-shape plans, and task {task.name!r} gives a "
+            "per-sample forward (batched by autobatch as it runs: no plan to capture); drop --compile "
+            "(the default, auto, runs it eagerly) or write the task with build and loss"
+        )
     mechanism = StepMechanism(device, compile=args.compile)  # how steps run: static shapes, the optimizer
     if args.pack_levels and not mechanism.needs_static_shapes:
         raise ValueError(

@@ -105,20 +105,28 @@ def fold_run(
     return plan.apply(model), len(plan.groups)
 
 
-def step_ms(model: Ops, samples: list[tuple[Dag, torch.Tensor]], schedule: str) -> float:
-    """One training step's milliseconds on a fold of ``samples``: record, plan, apply, backward."""
+def step_ms(model: Ops, samples: list[tuple[Dag, torch.Tensor]], schedule: str) -> tuple[float, float]:
+    """One training step's milliseconds on a fold of ``samples``: in all (record, plan, apply,
+    backward), and its apply and backward alone (what a step pays when loader workers plan)."""
     start = time.perf_counter()
-    (out,), _ = fold_run(model, samples, schedule)
+    fold = torchfold.Fold(schedule=schedule)
+    roots = [fold_dag(fold, sample) for sample in samples]
+    plan = fold.plan([roots])
+    planned = time.perf_counter()
+    assert isinstance(plan, torchfold.FoldPlan)
+    (out,) = plan.apply(model)
     out.square().sum().backward()
-    return (time.perf_counter() - start) * 1e3
+    end = time.perf_counter()
+    return (end - start) * 1e3, (end - planned) * 1e3
 
 
 def calls_table(model: Ops, rows: Sequence[tuple[int, int]], rounds: int) -> None:
     print(
         "| samples | nodes per sample | autobatch batched calls | Fold batched calls (op x depth) "
-        "| Fold(schedule='ready') batched calls | step ms, depth | step ms, ready | ready / depth |"
+        "| Fold(schedule='ready') batched calls | step ms, depth | step ms, ready | ready / depth "
+        "| apply + backward ms, depth | apply + backward ms, ready | ready / depth |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for count, nodes in rows:
         samples = samples_of(count, nodes, seed=count * 1000 + nodes)
         stats: dict[str, int] = {}
@@ -127,15 +135,17 @@ def calls_table(model: Ops, rows: Sequence[tuple[int, int]], rounds: int) -> Non
         (ready,), waves = fold_run(model, samples, "ready")
         torch.testing.assert_close(torch.cat(batched), folded)
         torch.testing.assert_close(ready, folded)
-        times: dict[str, list[float]] = {"depth": [], "ready": []}
+        times: dict[str, list[tuple[float, float]]] = {"depth": [], "ready": []}
         for _ in range(rounds):  # interleaved
             for schedule, spent in times.items():
                 spent.append(step_ms(model, samples, schedule))
                 gc.collect()
-        depth, readiness = statistics.median(times["depth"]), statistics.median(times["ready"])
+        step = {name: statistics.median(t for t, _ in spent) for name, spent in times.items()}
+        run = {name: statistics.median(r for _, r in spent) for name, spent in times.items()}
         print(
-            f"| {count} | {nodes} | {stats['batches']} | {groups} | {waves} | {depth:.2f} | {readiness:.2f} "
-            f"| {readiness / depth:.2f} |"
+            f"| {count} | {nodes} | {stats['batches']} | {groups} | {waves} | {step['depth']:.2f} "
+            f"| {step['ready']:.2f} | {step['ready'] / step['depth']:.2f} | {run['depth']:.2f} | {run['ready']:.2f} "
+            f"| {run['ready'] / run['depth']:.2f} |"
         )
 
 

@@ -34,7 +34,7 @@ from torchfold.train.capture.compiled import CompiledLoss, CompiledUpdate, check
 from torchfold.train.capture.cuda_replay import CudaStepReplay
 from torchfold.train.capture.xla_programs import XlaPrograms
 from torchfold.train.data.loader import to_device
-from torchfold.train.distributed.devices import accumulation_dtype, is_xla, synchronize
+from torchfold.train.distributed.devices import SentValues, accumulation_dtype, is_xla, synchronize
 from torchfold.train.distributed.world import world
 from torchfold.train.loss import PlanLoss
 from torchfold.train.optim.optimizer import AccumulatingOptimizer, sample_weight
@@ -155,7 +155,7 @@ class EagerRunner(StepRunner):
         self._buffered = is_xla(self.device) and compiled is None and update is None and world().size == 1
         # per parameter (id) some minibatch of the step had a gradient for: it, and its weighted sum
         self._acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._zeros: dict[Any, torch.Tensor] = {}  # per parameter (id), and the loss sum's: device-data zeros
+        self._sent = SentValues()  # the buffers' zeros and the loss weights, as device data
 
     @property
     def captures(self) -> int:
@@ -175,12 +175,16 @@ class EagerRunner(StepRunner):
             # cuts): a sum over the step's minibatches at the update would make the update's graph
             # depend on their number, a program per minibatch count
             dtype = torch.promote_types(loss.dtype, accumulation_dtype(loss.device))
-            if self._buffered:  # (the weight as the graph's input: see _zeros_of)
-                weight = self._zeros_of(("loss weight", self._loss_weight(num_samples)), (), dtype)
+            if self._buffered:  # (the weight as a graph input of its own: see SentValues)
+                weight = self._sent.full(
+                    "loss weight", (), self._loss_weight(num_samples), dtype, self.device
+                )
                 weighted = loss.detach().to(dtype) * weight
                 self._into_buffers()
                 # (from a 1-element vector: a 0-dim zero could be an XLA constant)
-                start = self._loss_sum if self._loss_sum is not None else self._zeros_of("loss", (1,), dtype)
+                start = self._loss_sum
+                if start is None:
+                    start = self._sent.full("loss sum", (1,), 0.0, dtype, self.device)
                 self._loss_sum = start + weighted
             else:
                 weighted = loss.detach().to(dtype) * self._loss_weight(num_samples)
@@ -211,23 +215,12 @@ class EagerRunner(StepRunner):
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    _, acc = self._acc.get(id(p)) or (p, self._zeros_of(id(p), tuple(p.shape), p.dtype))
+                    _, acc = self._acc.get(id(p)) or (
+                        p,
+                        self._sent.full(id(p), tuple(p.shape), 0.0, p.dtype, self.device),
+                    )
                     self._acc[id(p)] = (p, acc + p.grad)
                     p.grad = None
-
-    def _zeros_of(self, role: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Zeros of ``shape`` and ``dtype`` on the device for ``role`` (a parameter's id, the loss
-        sum's), or the number ``role[1]`` for ``role = ("loss weight", number)``, made once and
-        sent from the host: device data of its own, never changed in place (a buffer starts from
-        them and is replaced). A Python number would be an XLA constant for 0 and 1, and share
-        one graph input with equal numbers of other roles: another graph either way."""
-        if len(self._zeros) > 4096:
-            self._zeros.clear()
-        zeros = self._zeros.get(role)
-        if zeros is None or tuple(zeros.shape) != shape or zeros.dtype != dtype:
-            value = role[1] if isinstance(role, tuple) else 0.0
-            zeros = self._zeros[role] = torch.full(shape, value, dtype=dtype).to(self.device)
-        return zeros
 
 
 class XlaRunner(StepRunner):

@@ -53,7 +53,7 @@ from torchfold.train.capture.guards import StepGuard
 from torchfold.train.capture.xla_linear import transposed_weights
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed import xla_calls
-from torchfold.train.distributed.devices import is_xla
+from torchfold.train.distributed.devices import SentValues, is_xla
 from torchfold.train.distributed.world import all_reduce_sum_
 from torchfold.train.distributed.xla_calls import CAPTURE_LOCK, HostReads, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
@@ -342,8 +342,7 @@ class XlaPrograms:
         self.refused: str | None = None
         self._minibatch: dict[Hashable, _Program] = {}
         self._update: dict[Hashable, _Program] = {}
-        self._scalars: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}
-        self._zero: dict[torch.device, torch.Tensor] = {}
+        self._sent = SentValues()  # the programs' numbers and first loss sums (see _scalar)
         # tensors whose device buffer a program computed (its results): no 0-dim one of them is
         # torch_xla's cached scalar, so a capture need not give it a buffer of its own
         self._computed = _Computed()
@@ -835,8 +834,10 @@ class XlaPrograms:
     def _acc_of(self, p: torch.Tensor) -> torch.Tensor:
         acc = self._acc.get(id(p))
         if acc is None or acc.shape != p.shape or acc.dtype != p.dtype or acc.device != p.device:
-            # made on the host and sent: device data, not one more (tiny) program to compile
-            acc = self._acc[id(p)] = torch.zeros(p.shape, dtype=p.dtype).to(p.device)
+            # sent from the host: device data, not one more (tiny) program to compile
+            acc = self._acc[id(p)] = self._sent.full(
+                ("gradient", id(p)), tuple(p.shape), 0.0, p.dtype, p.device
+            )
         return acc
 
     def _scalar(
@@ -849,22 +850,13 @@ class XlaPrograms:
         dtype = like.dtype if like is not None else torch.float32
         where = like.device if like is not None else device
         assert where is not None
-        key = (role, value, dtype, where)
-        tensor = self._scalars.get(key)
-        if tensor is None:
-            if len(self._scalars) > 4096:
-                self._scalars.clear()
-            tensor = self._scalars[key] = torch.tensor([value], dtype=dtype).to(where)
-        return tensor
+        return self._sent.full(role, (1,), value, dtype, where)
 
     def _zero_sum(self, device: torch.device) -> torch.Tensor:
-        """A step's first loss sum: a 1-element zero vector on the device, made once (a transfer:
-        a 0-dim zero would be a constant of torch_xla's, materialized by a program of its own).
-        The loss sums a step's programs add up are 1-element vectors too."""
-        zero = self._zero.get(device)
-        if zero is None:
-            zero = self._zero[device] = torch.zeros(1).to(device)
-        return zero
+        """A step's first loss sum: a 1-element zero vector sent to the device (a 0-dim zero would
+        be a constant of torch_xla's, materialized by a program of its own). The loss sums a
+        step's programs add up are 1-element vectors too."""
+        return self._sent.full("loss sum", (1,), 0.0, torch.float32, device)
 
     def _follows(self, base: Hashable, guarded: tuple[Hashable, ...]) -> bool:
         """Whether programs may follow the guard's values ``guarded`` on ``base`` (a program per

@@ -21,11 +21,15 @@ question                          CPU          CUDA        XLA
 :func:`synchronize`               nothing      nothing     graph cut
 :func:`compiled_graphs`           dynamo's     dynamo's    torch_xla's
 ================================  ===========  ==========  =========
+
+A number a graph reads (a sample weight, a divisor, a learning rate) reaches an XLA graph as
+device data through one :class:`SentValues` cache, so that its value never selects a graph.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Hashable
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +39,7 @@ from torchfold.train.distributed.xla_calls import compilations as xla_compilatio
 __all__ = [
     "CHECKPOINT_MAP_LOCATION",
     "RunnerKind",
+    "SentValues",
     "accumulation_dtype",
     "capturable_optimizer",
     "checkpoint_map_location",
@@ -189,3 +194,40 @@ def synchronize(device: DeviceLike) -> None:
     """
     if is_xla(device):
         xla_sync()
+
+
+class SentValues:
+    """Tensors filled on the host and sent to their device, made once per role, shape, value,
+    dtype and device, and never changed in place: a graph reads each as device data.
+
+    This is how the training half gives XLA a number (a sample weight, a divisor, a learning
+    rate, an accumulator's zeros): torch_xla makes a Python number a constant when it is 0 or
+    1, and one graph input shared by equal numbers of other roles otherwise, so a weight that
+    is sometimes 1, or equal to a divisor, would make another graph; a sent tensor is a graph
+    input of its own whatever its value. ``role`` keeps roles apart (two roles of one value are
+    two tensors). At most ``limit`` are kept; past that the cache starts afresh.
+
+    Example:
+        >>> sent = SentValues()
+        >>> one = sent.full("weight", (), 1.0, torch.float32, torch.device("cpu"))
+        >>> one is sent.full("weight", (), 1.0, torch.float32, torch.device("cpu"))
+        True
+        >>> one is sent.full("divisor", (), 1.0, torch.float32, torch.device("cpu"))
+        False
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._made: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def full(
+        self, role: Hashable, shape: tuple[int, ...], value: float, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """``torch.full(shape, value, dtype=dtype)`` sent to ``device``, made once for ``role``."""
+        key = (role, shape, value, dtype, device)
+        tensor = self._made.get(key)
+        if tensor is None:
+            if len(self._made) >= self.limit:
+                self._made.clear()
+            tensor = self._made[key] = torch.full(shape, value, dtype=dtype).to(device)
+        return tensor

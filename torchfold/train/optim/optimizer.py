@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
-from torchfold.train.distributed.devices import accumulation_dtype, is_xla, synchronize, xla_sync
+from torchfold.train.distributed.devices import SentValues, accumulation_dtype, is_xla, synchronize, xla_sync
 from torchfold.train.distributed.world import all_reduce_sum_, world
 from torchfold.train.optim.lr import scaled_lr
 
@@ -256,7 +256,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._hook_params(self._params())
         # This step's local state (reset by zero_grad() and after step()).
         self._weight: float | None = None  # inside minibatch(): the weight of the gradients arriving
-        self._numbers: dict[tuple[str, float, torch.dtype, torch.device], torch.Tensor] = {}  # see _number
+        self._numbers = SentValues(limit=256)  # see _number
         self._minibatch_samples = 0
         self._local_samples = 0
         self._local_minibatches = 0
@@ -470,17 +470,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return grad * self._weight if self._weight != 1.0 else None
 
     def _number(self, role: str, value: float, like: torch.Tensor) -> torch.Tensor:
-        """``value`` for ``role`` as a 0-dim tensor of ``like``'s dtype on its (XLA) device, sent
-        from the host and kept per role and value: a parameter of XLA's graph of its own, where a
-        Python number is a constant for 0 and 1 and shares one parameter with equal numbers of
-        other roles (torch_xla's scalars), either way another graph."""
-        key = (role, value, like.dtype, like.device)
-        number = self._numbers.get(key)
-        if number is None:
-            if len(self._numbers) > 256:
-                self._numbers.clear()
-            number = self._numbers[key] = torch.tensor(value, dtype=like.dtype).to(like.device)
-        return number
+        """``value`` for ``role`` as a 0-dim tensor of ``like``'s dtype on its (XLA) device: a
+        graph input of its own whatever the value (see ``SentValues``)."""
+        return self._numbers.full(role, (), value, like.dtype, like.device)
 
     @contextlib.contextmanager
     def minibatch(self, num_samples: int) -> Iterator[None]:

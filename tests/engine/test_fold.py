@@ -1040,7 +1040,8 @@ def test_a_ready_schedule_runs_an_op_across_depths_in_one_call_and_survives_a_pi
         plan = fold.plan([roots])
         assert isinstance(plan, torchfold.FoldPlan)
         results[schedule] = (len(plan.groups), fold.apply(model, [roots])[0])
-        assert "depth 2: a x 1" in str(fold)  # print shows the recorded groups, whatever the waves
+        assert "depth 2: a x 1" in str(fold)  # print shows the recorded groups, and the waves' count
+        assert ("planned into 3 batched calls by readiness" in str(fold)) == (schedule == "ready")
     assert (results["depth"][0], results["ready"][0]) == (5, 3)
     torch.testing.assert_close(results["ready"][1], results["depth"][1])
 

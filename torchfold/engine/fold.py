@@ -438,7 +438,10 @@ class Fold:
         return sum(len(group.nodes) for group in self._groups.values())
 
     def __repr__(self) -> str:
-        return describe(self)
+        if self.schedule == "depth":
+            return describe(self)
+        waves = len(by_readiness(self).groups()) if len(self) else 0
+        return f"{describe(self)}\n  (schedule='ready': planned into {waves} batched calls by readiness)"
 
     def draw(self, path: str | Path | None = None, **kwargs: Any) -> Figure:
         """Draw the graph by depth, one box per batched group; save it to ``path`` if given.

@@ -1049,3 +1049,52 @@ def test_a_ready_schedule_runs_an_op_across_depths_in_one_call_and_survives_a_pi
 def test_an_unknown_schedule_is_refused_naming_the_two() -> None:
     with pytest.raises(ValueError, match=r"Fold\(schedule='agenda'\).*'depth'.*'ready'"):
         Fold(schedule="agenda")
+
+
+def test_a_ready_fold_on_static_shapes_warns_that_its_envelope_keeps_growing() -> None:
+    with pytest.warns(UserWarning, match=r"schedule='ready', shapes=StaticShapes.*use schedule='depth'"):
+        fold = Fold(schedule="ready", shapes=torchfold.StaticShapes())
+    roots = _chains(fold, ["aba", "ba"])
+    assert isinstance(fold.plan([roots]), torchfold.StaticPlan)  # (it still plans, padded)
+
+
+class _ThreeOps(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def mix(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(a + b))
+
+    def gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(a) * b
+
+
+def test_ready_folds_padded_into_static_shapes_equal_depth_folds_unpadded() -> None:
+    # random DAGs of two ops, batch after batch into one envelope; an op's calls at depth 0 take
+    # tensors given to add, deeper ones nodes: readiness must not merge them into one position
+    model, rng = _ThreeOps(), torch.Generator().manual_seed(3)
+    envelope = torchfold.StaticShapes()
+    for _ in range(3):
+        outs = []
+        seed = int(torch.randint(100, (1,), generator=rng))  # the batch's graphs, the same for both folds
+        with pytest.warns(UserWarning, match="keeps growing"):
+            ready = Fold(schedule="ready", shapes=envelope)
+        for fold in (Fold(shapes=None), ready):
+            roots = []
+            for sample in range(6):
+                values: list[Any] = [fold.add("input", torch.full((1, 4), float(sample)))]
+                generator = torch.Generator().manual_seed(sample + seed)
+                for _node in range(8):
+                    a, b = torch.randint(len(values), (2,), generator=generator).tolist()
+                    op = "mix" if torch.rand(1, generator=generator) < 0.5 else "gate"
+                    if b % 3:
+                        values.append(fold.add(op, values[a], values[b]))
+                    else:
+                        values.append(fold.add(op, torch.ones(1, 4), torch.full((1, 4), float(a))))
+                roots.append(values[-1])
+            outs.append(fold.apply(model, [roots])[0])
+        torch.testing.assert_close(outs[1], outs[0])

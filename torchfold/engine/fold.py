@@ -163,6 +163,13 @@ class Fold:
             )
         self.shapes = shapes
         self.schedule = check_schedule(schedule)
+        if self.schedule == "ready" and isinstance(shapes, StaticShapes):
+            warnings.warn(
+                "Fold(schedule='ready', shapes=StaticShapes(...)): readiness groups calls differently from "
+                "batch to batch, so the envelope keeps growing (more padding, and on XLA more compiles); "
+                "use schedule='depth' with static shapes",
+                stacklevel=2,
+            )
         self._groups: dict[tuple[int, Op, int], Group] = {}
         self._tape = Tape()  # what this Fold's nodes are numbers into (see Node)
         self._recorder = self._new_recorder()
@@ -390,7 +397,10 @@ class Fold:
                 nodes or with floats at one argument position, or a ``nobatch`` node not shared
                 by its group.
         """
-        plan = plan_fold(self if self.schedule == "depth" else by_readiness(self), nodes)
+        # (an envelope of its own: waves keep nodes and tensors apart; "auto" pads on XLA, which
+        # readiness is not for: see the engine guide)
+        padded = isinstance(self.shapes, StaticShapes)
+        plan = plan_fold(self if self.schedule == "depth" else by_readiness(self, padded), nodes)
         envelope = envelope_for(self.shapes)  # "auto" decides when applied, on the module's device
         return plan if envelope is None else envelope.cover(plan)
 
@@ -440,7 +450,7 @@ class Fold:
     def __repr__(self) -> str:
         if self.schedule == "depth":
             return describe(self)
-        waves = len(by_readiness(self).groups()) if len(self) else 0
+        waves = len(by_readiness(self, isinstance(self.shapes, StaticShapes)).groups()) if len(self) else 0
         return f"{describe(self)}\n  (schedule='ready': planned into {waves} batched calls by readiness)"
 
     def draw(self, path: str | Path | None = None, **kwargs: Any) -> Figure:

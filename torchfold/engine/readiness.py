@@ -57,21 +57,27 @@ def shallowest(depths: dict[_Key, int], among: Iterable[_Key] | None = None) -> 
     return min(depths if among is None else among, key=depths.__getitem__)
 
 
-def _signature(call: tuple[Any, ...], nodes: bool, source: list[int]) -> tuple[Any, ...]:
+def _signature(call: tuple[Any, ...], nodes: bool, source: list[int], padded: bool) -> tuple[Any, ...]:
     """What calls of one op must share to be batched together, beyond the op and the arity:
-    the kind of each argument position (a node or a tensor: rows; an int; a float), and at a
-    ``nobatch`` position the very handle (a group passes one ``nobatch`` node per position).
-    ``nodes``: the call is stored above depth 0, where a bare int is a node's handle (see ``Group``)."""
+    the kind of each argument position (rows, of a node or of a tensor given to ``add``; an int;
+    a float), and at a ``nobatch`` position the very handle (a group passes one ``nobatch`` node
+    per position). ``nodes``: the call is stored above depth 0, where a bare int is a node's
+    handle (see ``Group``). ``padded``: nodes and tensors apart, as static shapes pad a position
+    of nodes only or of tensors only."""
     kinds: list[Any] = []
     for arg in call:
         cls = arg.__class__
         if cls is int:
-            kinds.append(("nobatch", arg) if nodes and source[arg] < 0 else "rows" if nodes else "int")
+            kinds.append(("nobatch", arg) if nodes and source[arg] < 0 else _NODE[padded] if nodes else "int")
         elif cls is tuple:  # ("int", value) or ("float", value)
             kinds.append(arg[0])
         else:
-            kinds.append("rows")
+            kinds.append(_TENSOR[padded])
     return tuple(kinds)
+
+
+_NODE = {False: "rows", True: "node rows"}
+_TENSOR = {False: "rows", True: "tensor rows"}
 
 
 def _stored_above_depth_0(call: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -89,7 +95,7 @@ class Waves:
     else one more than the wave before it that reads one: a wave reads only waves of lower depth.
     """
 
-    def __init__(self, fold: Recording) -> None:
+    def __init__(self, fold: Recording, padded: bool = False) -> None:
         self.device = fold.device
         self.volatile = fold.volatile
         self.shapes = fold.shapes
@@ -106,7 +112,7 @@ class Waves:
         # where each call of the fold now runs: per group of the fold, per call, (group here, call)
         moved: list[list[Any]] = [[None] * len(calls) for calls in stored]
         depth = 0
-        for members in self._schedule(groups, old):
+        for members in self._schedule(groups, old, padded):
             first = groups[members[0][0]]
             reads = any(groups[member].depth for member, _ in members)
             depth += reads
@@ -139,7 +145,7 @@ class Waves:
             tape.index.append(index)
 
     @staticmethod
-    def _schedule(groups: list[Group], tape: Tape) -> list[list[tuple[int, int]]]:
+    def _schedule(groups: list[Group], tape: Tape, padded: bool) -> list[list[tuple[int, int]]]:
         """The waves, in the order they run: per wave its calls as (group number, call)."""
         source, index_of, group_of = tape.source, tape.index, tape.source_group
         # The fold's calls as numbers: group g's call i is first[g] + i.
@@ -174,9 +180,9 @@ class Waves:
             # One key for the group: its calls agree on each position's kind (the planner refuses
             # a group whose calls do not, whichever way it is scheduled).
             if group.plain and not (nodes and signed):  # every argument a node (an int, at depth 0)
-                key = (*kind, ("rows" if nodes else "int",) * arity)
+                key = (*kind, (_NODE[padded] if nodes else "int",) * arity)
             else:
-                key = (*kind, _signature(next(iter(group.nodes)), nodes, source))
+                key = (*kind, _signature(next(iter(group.nodes)), nodes, source, padded))
             for call_number, call in enumerate(group.nodes, first[number]):
                 keys[call_number] = key
                 reads = 0
@@ -220,12 +226,14 @@ class Waves:
         return self._length
 
 
-def by_readiness(fold: Recording) -> Waves:
-    """``fold`` regrouped into waves by readiness (see :class:`Waves`)."""
+def by_readiness(fold: Recording, padded: bool = False) -> Waves:
+    """``fold`` regrouped into waves by readiness (see :class:`Waves`). ``padded``: its plans are
+    padded into static shapes, which pad a position of nodes only or of tensors only, so nodes
+    and tensors given to ``add`` at one position stay in different waves."""
     collecting = gc.isenabled()
     gc.disable()  # (a few objects per call, none cyclic: the collector's passes would cost more than all)
     try:
-        return Waves(fold)
+        return Waves(fold, padded)
     finally:
         if collecting:
             gc.enable()

@@ -1098,3 +1098,79 @@ def test_ready_folds_padded_into_static_shapes_equal_depth_folds_unpadded() -> N
                 roots.append(values[-1])
             outs.append(fold.apply(model, [roots])[0])
         torch.testing.assert_close(outs[1], outs[0])
+
+
+class _Widths(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8)
+
+    def grow(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+    def inp(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def lift(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def g(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return x * k.unsqueeze(1)
+
+    def att(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return x + memory.sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_ready_fold_refuses_an_op_whose_rows_change_with_depth_naming_the_depth_schedule(
+    dtype: torch.dtype,
+) -> None:
+    # tanh of 8-wide float32 rows at depth 1 and of 4-wide (or 8-wide float64) rows at depth 0: one
+    # batched call by readiness, which must fail loudly (a float64 row silently promoted the other)
+    width = 4 if dtype == torch.float32 else 8
+    outs = {}
+    for schedule in ("depth", "ready"):
+        fold = Fold(schedule=schedule)
+        a = fold.add(torch.tanh, fold.add("grow", torch.ones(1, 4)))
+        b = fold.add(torch.tanh, torch.ones(1, width, dtype=dtype))
+        if schedule == "ready":
+            with pytest.raises(
+                FoldError, match=r"disagree in (shape|dtype).*plan it with Fold\(schedule='depth'\)"
+            ):
+                fold.apply(_Widths(), [[a], [b]])
+        else:
+            outs = dict(zip("ab", fold.apply(_Widths(), [[a], [b]]), strict=True))
+    assert outs["a"].dtype == torch.float32 and outs["b"].dtype == dtype
+
+
+def test_a_ready_fold_on_an_xla_like_device_names_the_depth_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    # shapes="auto" pads on XLA: a wave mixing an op's tensor call (depth 0) and node call cannot be padded
+    monkeypatch.setattr(torchfold.engine.static.shapes, "needs_static_shapes", lambda device: True)
+    fold = Fold(schedule="ready")
+    a, b = fold.add("lift", fold.add("inp", torch.ones(1, 4))), fold.add("lift", torch.zeros(1, 4))
+    with pytest.raises(
+        FoldError, match=r"mixes nodes and tensors.*schedule='ready'.*Fold\(schedule='depth'\)"
+    ):
+        fold.apply(_Widths(), [[a, b]])
+
+
+def test_a_ready_wave_tags_the_ints_of_depth_0_calls_and_keeps_nobatch_nodes_apart() -> None:
+    # g(tensor, 2) at depth 0 joins g(lift(...), 5) at depth 1, its int tagged as above depth 0;
+    # att(p0, first) at depth 1 and att(lift(p0), second) at depth 2 are ready together (lift runs
+    # first on the tie), but their nobatch memories differ: two batched calls, as by depth
+    model = _Widths()
+    outs, counts = {}, {}
+    for schedule in ("depth", "ready"):
+        fold = Fold(schedule=schedule)
+        lin = fold.add("lift", torch.ones(1, 4))
+        g0, g1 = fold.add("g", torch.full((1, 4), 3.0), 2), fold.add("g", lin, 5)
+        p0 = fold.add("inp", torch.ones(1, 4))
+        y_in = fold.add("lift", p0)
+        first = fold.add("inp", torch.ones(1, 4) * 2).nobatch()
+        second = fold.add("inp", torch.ones(1, 4) * 3).nobatch()
+        x, y = fold.add("att", p0, first), fold.add("att", y_in, second)
+        plan = fold.plan([[g0, g1, x, y]])
+        assert isinstance(plan, torchfold.FoldPlan)
+        counts[schedule], outs[schedule] = len(plan.groups), plan.apply(model)[0]
+    torch.testing.assert_close(outs["ready"], outs["depth"])
+    assert (counts["depth"], counts["ready"]) == (7, 6)

@@ -261,7 +261,7 @@ def _pieces(gather: Gather, results: _Results) -> tuple[list[_Tensor], int]:
         tensors.append(cast(_Tensor, tensor))
     if mixed:
         dtype = gathered_dtype([tensor.dtype for tensor in tensors])
-        if dtype is None:
+        if dtype is None or results.plan.merges_depths:  # (calls of several depths: never promoted)
             raise _Mismatch
         tensors = [tensor.to(dtype) for tensor in tensors]
     return tensors, cast(tuple[Any, ...], kind)[0]
@@ -311,6 +311,11 @@ def _explain(gather: Gather, results: _Results, where: Callable[[int], str]) -> 
                     f"{describe(piece, item)} gives {tuple(other.shape[1:])} {other.dtype} on {other.device}; calls "
                     "of one group must pass same-shaped rows at each position (use different ops for different shapes)"
                 )
+            if plan.merges_depths and first.dtype != other.dtype:  # (never promoted: see PlanData)
+                return FoldError(
+                    f"{where(position)}: rows disagree in dtype within the group: {describe(reference, first_item)} "
+                    f"gives {first.dtype} rows but {describe(piece, item)} gives {other.dtype}"
+                )
             if gathered_dtype([first.dtype, other.dtype]) is None:
                 return FoldError(
                     dtypes_disagree(
@@ -333,7 +338,14 @@ def _gathered(
     try:
         tensors, rows = _pieces(gather, results)
     except _Mismatch:
-        raise _explain(gather, results, where) from None
+        error = _explain(gather, results, where)
+        if results.plan.merges_depths:
+            error = FoldError(
+                f"{error}; this fold is planned with schedule='ready', which batches an op's calls of every "
+                "depth together: plan it with Fold(schedule='depth') (the default) where an op's rows change "
+                "shape or dtype with depth"
+            )
+        raise error from None
     index = gather.index
     if len(tensors) > 1:
         first = tensors[0]

@@ -400,7 +400,10 @@ class Fold:
         # (an envelope of its own: waves keep nodes and tensors apart; "auto" pads on XLA, which
         # readiness is not for: see the engine guide)
         padded = isinstance(self.shapes, StaticShapes)
-        plan = plan_fold(self if self.schedule == "depth" else by_readiness(self, padded), nodes)
+        if self.schedule == "depth":
+            plan = plan_fold(self, nodes)
+        else:
+            plan = plan_fold(by_readiness(self, padded), nodes, merges_depths=True)
         envelope = envelope_for(self.shapes)  # "auto" decides when applied, on the module's device
         return plan if envelope is None else envelope.cover(plan)
 

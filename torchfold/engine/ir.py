@@ -215,6 +215,11 @@ class PlanData:
         # On an XLA device, pad into the module's StaticShapes envelope (Fold(shapes="auto"))
         self.pad_on_xla = pad_on_xla
 
+    #: planned by readiness (``Fold(schedule="ready")``): a group may hold an op's calls of several
+    #: depths, so rows that disagree in dtype are refused, not promoted (the executor); a class
+    #: attribute, so that plans pickled before it load as depth plans
+    merges_depths = False
+
     @property
     def steps(self) -> list[GroupCall]:
         """Deprecated name of :attr:`groups` (a plan's batched calls, one per group)."""

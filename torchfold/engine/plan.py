@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from torchfold._errors import FoldError
 from torchfold.engine.executor import run
 from torchfold.engine.ir import PlanData, check_pad_rows, check_request_number
 from torchfold.engine.resolve import device_for
@@ -96,6 +97,16 @@ def apply_plan(
     is never written."""
     device = device_for(nn, plan.device)
     envelope = envelope_for("auto" if plan.pad_on_xla else None, nn, device)
+    if envelope is not None and plan.merges_depths:
+        try:
+            padded = envelope.cover(plan)
+        except FoldError as error:
+            raise FoldError(
+                f"{error}; this fold is planned with schedule='ready', whose batched calls mix an op's depths "
+                f"and change from batch to batch: on {device.type} (static shapes) plan it with "
+                "Fold(schedule='depth') (the default)"
+            ) from None
+        return padded.apply(nn)
     if envelope is not None:
         return envelope.cover(plan).apply(nn)
     if plan.volatile and torch.is_grad_enabled():

@@ -477,13 +477,17 @@ def _concatenable(column: Sequence[_Tensor]) -> bool:
     )
 
 
-def plan_fold(fold: Recording, requests: Sequence[Sequence[Any]]) -> FoldPlan:
+def plan_fold(fold: Recording, requests: Sequence[Sequence[Any]], merges_depths: bool = False) -> FoldPlan:
     """The :class:`FoldPlan` that computes ``requests`` (lists of ``fold``'s nodes): what
-    :meth:`Fold.plan <torchfold.Fold.plan>` returns."""
+    :meth:`Fold.plan <torchfold.Fold.plan>` returns. ``merges_depths``: ``fold`` is regrouped by
+    readiness (see ``PlanData.merges_depths``)."""
     check_requests(fold, requests)
     planner = _Planner(fold)
     groups = [planner.group_call(group) for group in planner.groups]
     planned = [planner.request(request, number) for number, request in enumerate(requests)]
-    return FoldPlan(
+    plan = FoldPlan(
         groups, planned, planner.source_owner, len(fold), fold.device, fold.volatile, fold.shapes == "auto"
     )
+    if merges_depths:
+        plan.merges_depths = True
+    return plan

@@ -834,10 +834,9 @@ class XlaPrograms:
     def _acc_of(self, p: torch.Tensor) -> torch.Tensor:
         acc = self._acc.get(id(p))
         if acc is None or acc.shape != p.shape or acc.dtype != p.dtype or acc.device != p.device:
-            # sent from the host: device data, not one more (tiny) program to compile
-            acc = self._acc[id(p)] = self._sent.full(
-                ("gradient", id(p)), tuple(p.shape), 0.0, p.dtype, p.device
-            )
+            # sent from the host: device data, not one more (tiny) program to compile; its own
+            # tensor, not a SentValues one (an all-reduce sums into the accumulators in place)
+            acc = self._acc[id(p)] = torch.zeros(p.shape, dtype=p.dtype).to(p.device)
         return acc
 
     def _scalar(

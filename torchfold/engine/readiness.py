@@ -11,7 +11,9 @@ cell) the two orders are the same.
 ``autobatch`` schedules by readiness as its samples run; ``Fold(schedule="ready")`` plans a
 recorded graph the same way: :func:`by_readiness` regroups it into *waves* (a wave is one
 batched call, its number the new "depth"), and the planner and executor run the waves as they
-run depth groups.
+run depth groups. Unlike ``autobatch``, a plan does not know the shapes its nodes will have: a
+wave may join an op's calls whose rows differ in shape or dtype by depth, which the executor
+then refuses (``PlanData.merges_depths``) instead of promoting.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchfold._errors import FoldError, add_note
-from torchfold.engine.readiness import shallowest
+from torchfold.engine.readiness import Agenda
 
 if TYPE_CHECKING:
     import greenlet
@@ -546,8 +546,7 @@ class _Scheduler:
         self.getcurrent = greenlet.getcurrent
         self.new_greenlet = greenlet.greenlet
         self.main = greenlet.getcurrent()
-        self.ready: dict[Any, list[_Call]] = {}  # ready calls by batching key
-        self.ready_depth: dict[Any, int] = {}  # the shallowest depth of each key's ready calls
+        self.ready: Agenda[Any, _Call] = Agenda()  # ready calls by batching key
         self.callers: dict[tuple[int, str], Callable[..., Any]] = {}
         self.attributes: dict[
             tuple[int, str], Any
@@ -645,7 +644,9 @@ class _Scheduler:
             parts.append(call.spec)
             key: Any = tuple(parts)
             call.key = key
-            self.enqueue(key, call)  # (hashing the key raises TypeError before it changes anything)
+            self.ready.add(
+                key, call, call.depth
+            )  # (hashing the key raises TypeError before it changes anything)
             return
         except TypeError:
             key = call  # an argument it cannot compare (an unhashable object): the call runs alone
@@ -659,17 +660,7 @@ class _Scheduler:
                     stacklevel=4,
                 )
         call.key = key
-        self.enqueue(key, call)
-
-    def enqueue(self, key: Any, call: _Call) -> None:
-        group = self.ready.get(key)
-        if group is None:
-            self.ready[key] = [call]
-            self.ready_depth[key] = call.depth
-        else:
-            group.append(call)
-            if call.depth < self.ready_depth[key]:
-                self.ready_depth[key] = call.depth
+        self.ready.add(key, call, call.depth)
 
     def make_ready_joined(self, call: _Call) -> None:
         """A ``torch.cat(values)`` along dim 0: it batches with every other such call whose values
@@ -688,7 +679,7 @@ class _Scheduler:
         kinds = {(shape[1:], dtype, device, len(shape)) for shape, dtype, device in kinds}  # rows may differ
         key = (call.op, "joined", frozenset(kinds)) if len(kinds) == 1 else call  # (mixed: alone)
         call.key = key
-        self.enqueue(key, call)
+        self.ready.add(key, call, call.depth)
 
     def wait(self, call: _Call) -> None:
         """Return once ``call`` has run: the current sample waits (the others go on), or, outside
@@ -739,11 +730,8 @@ class _Scheduler:
 
     def step(self) -> None:
         """Run the ready calls of one op and shapes: those whose shallowest call is shallowest."""
-        depths = self.ready_depth
         wanted = self.wanted() if self.waiting else None
-        key = shallowest(depths, wanted or None)
-        del depths[key]
-        calls = self.ready.pop(key)
+        key, calls = self.ready.pop(wanted or None)
         self.execute(calls, alone=key.__class__ is _Call)
         for call in calls:
             for dependent in call.dependents or ():

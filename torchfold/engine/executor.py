@@ -37,6 +37,7 @@ from torchfold.engine.devices import on_host
 from torchfold.engine.ir import Arg, Gather, GroupCall, PlanData, call_offsets, stored_index
 from torchfold.engine.node import Op
 from torchfold.engine.ops import call_op, check_outputs, dtypes_disagree, gathered_dtype, tuple_used_whole
+from torchfold.engine.readiness import refused_by_readiness
 from torchfold.engine.resolve import device_for, resolve_ops
 
 __all__ = ["BatchedCall", "Results", "run", "run_calls"]
@@ -340,11 +341,8 @@ def _gathered(
     except _Mismatch:
         error = _explain(gather, results, where)
         if results.plan.merges_depths:
-            error = FoldError(
-                f"{error}; this fold is planned with schedule='ready', which batches an op's calls of every "
-                "depth together: plan it with Fold(schedule='depth') (the default) where an op's rows change "
-                "shape or dtype with depth"
-            )
+            why = "which batches an op's calls of every depth together, and this op's rows change with depth"
+            error = refused_by_readiness(error, why)
         raise error from None
     index = gather.index
     if len(tensors) > 1:

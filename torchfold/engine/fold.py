@@ -31,7 +31,7 @@ from torchfold.engine.node import (
 )
 from torchfold.engine.plan import FoldPlan, apply_plan
 from torchfold.engine.planner import plan_fold
-from torchfold.engine.readiness import by_readiness, check_schedule
+from torchfold.engine.readiness import Waves, by_readiness, check_schedule
 from torchfold.engine.resolve import cuda_device, describe
 from torchfold.engine.static.shapes import StaticShapes, envelope_for
 
@@ -397,13 +397,10 @@ class Fold:
                 nodes or with floats at one argument position, or a ``nobatch`` node not shared
                 by its group.
         """
-        # (an envelope of its own: waves keep nodes and tensors apart; "auto" pads on XLA, which
-        # readiness is not for: see the engine guide)
-        padded = isinstance(self.shapes, StaticShapes)
         if self.schedule == "depth":
             plan = plan_fold(self, nodes)
         else:
-            plan = plan_fold(by_readiness(self, padded), nodes, merges_depths=True)
+            plan = plan_fold(self._waves(), nodes, merges_depths=True)
         envelope = envelope_for(self.shapes)  # "auto" decides when applied, on the module's device
         return plan if envelope is None else envelope.cover(plan)
 
@@ -450,10 +447,16 @@ class Fold:
     def __len__(self) -> int:
         return sum(len(group.nodes) for group in self._groups.values())
 
+    def _waves(self) -> Waves:
+        """This fold regrouped by readiness (``schedule="ready"``); with an envelope of its own, its
+        waves keep nodes and tensors apart (``"auto"`` pads on XLA, which readiness is not for:
+        see the engine guide)."""
+        return by_readiness(self, padded=isinstance(self.shapes, StaticShapes))
+
     def __repr__(self) -> str:
         if self.schedule == "depth":
             return describe(self)
-        waves = len(by_readiness(self, isinstance(self.shapes, StaticShapes)).groups()) if len(self) else 0
+        waves = len(self._waves().groups()) if len(self) else 0
         return f"{describe(self)}\n  (schedule='ready': planned into {waves} batched calls by readiness)"
 
     def draw(self, path: str | Path | None = None, **kwargs: Any) -> Figure:

@@ -14,6 +14,7 @@ import torch
 from torchfold._errors import FoldError
 from torchfold.engine.executor import run
 from torchfold.engine.ir import PlanData, check_pad_rows, check_request_number
+from torchfold.engine.readiness import refused_by_readiness
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import envelope_for
 
@@ -97,18 +98,15 @@ def apply_plan(
     is never written."""
     device = device_for(nn, plan.device)
     envelope = envelope_for("auto" if plan.pad_on_xla else None, nn, device)
-    if envelope is not None and plan.merges_depths:
+    if envelope is not None:
         try:
             padded = envelope.cover(plan)
         except FoldError as error:
-            raise FoldError(
-                f"{error}; this fold is planned with schedule='ready', whose batched calls mix an op's depths "
-                f"and change from batch to batch: on {device.type} (static shapes) plan it with "
-                "Fold(schedule='depth') (the default)"
-            ) from None
+            if not plan.merges_depths:
+                raise
+            why = f"whose batched calls mix an op's depths and change from batch to batch, on {device.type} (static shapes)"
+            raise refused_by_readiness(error, why) from None
         return padded.apply(nn)
-    if envelope is not None:
-        return envelope.cover(plan).apply(nn)
     if plan.volatile and torch.is_grad_enabled():
         with torch.no_grad():
             return run(plan, nn, arg_shapes, device)

@@ -20,16 +20,26 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Hashable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
+from torchfold._errors import FoldError
 from torchfold.engine.node import Group, Recording, Tape
 
-__all__ = ["SCHEDULES", "Waves", "by_readiness", "check_schedule", "shallowest"]
+__all__ = [
+    "SCHEDULES",
+    "Agenda",
+    "Waves",
+    "by_readiness",
+    "check_schedule",
+    "refused_by_readiness",
+    "shallowest",
+]
 
 #: the ways a :class:`~torchfold.Fold` may group its calls into batched calls
 SCHEDULES = ("depth", "ready")
 
 _Key = TypeVar("_Key", bound=Hashable)
+_Item = TypeVar("_Item")
 
 
 def check_schedule(schedule: object) -> str:
@@ -48,6 +58,14 @@ def check_schedule(schedule: object) -> str:
     return str(schedule)
 
 
+def refused_by_readiness(error: Exception, why: str) -> FoldError:
+    """``error`` of a plan made by readiness, with why readiness caused it and the fix."""
+    return FoldError(
+        f"{error}; this fold is planned with schedule='ready', {why}: plan it with Fold(schedule='depth') "
+        "(the default)"
+    )
+
+
 def shallowest(depths: dict[_Key, int], among: Iterable[_Key] | None = None) -> _Key:
     """The batch to run next: the key (an op and what else must agree) whose shallowest ready
     call is shallowest, among ``among`` when given (else all of ``depths``); the first such key
@@ -57,6 +75,45 @@ def shallowest(depths: dict[_Key, int], among: Iterable[_Key] | None = None) -> 
     'leaf'
     """
     return min(depths if among is None else among, key=depths.__getitem__)
+
+
+class Agenda(Generic[_Key, _Item]):
+    """The ready calls by batching key, and each key's shallowest ready depth: what both front
+    ends schedule from (``autobatch`` as its samples run, :class:`Waves` on a recorded fold).
+
+    >>> agenda = Agenda()
+    >>> agenda.add("cell", "c1", 2)
+    >>> agenda.add("leaf", "l1", 0)
+    >>> agenda.add("cell", "c2", 1)
+    >>> agenda.pop(), agenda.pop(), bool(agenda)
+    (('leaf', ['l1']), ('cell', ['c1', 'c2']), False)
+    """
+
+    __slots__ = ("depths", "items")
+
+    def __init__(self) -> None:
+        self.items: dict[_Key, list[_Item]] = {}
+        self.depths: dict[_Key, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def add(self, key: _Key, item: _Item, depth: int) -> None:
+        """``item``, a call at ``depth`` whose inputs have all run, waits under ``key``."""
+        items = self.items.get(key)
+        if items is None:
+            self.items[key] = [item]
+            self.depths[key] = depth
+        else:
+            items.append(item)
+            if depth < self.depths[key]:
+                self.depths[key] = depth
+
+    def pop(self, among: Iterable[_Key] | None = None) -> tuple[_Key, list[_Item]]:
+        """The next batch (see :func:`shallowest`): its key and its calls, taken off the agenda."""
+        key = shallowest(self.depths, among)
+        del self.depths[key]
+        return key, self.items.pop(key)
 
 
 def _signature(call: tuple[Any, ...], nodes: bool, source: list[int], padded: bool) -> tuple[Any, ...]:
@@ -159,20 +216,12 @@ class Waves:
         number_of = {id(group): number for number, group in enumerate(groups)}
         pending = [0] * len(owner)  # per call, how many calls it reads have not run
         dependents: list[list[int] | None] = [None] * len(owner)
-        keys: list[Any] = [None] * len(owner)
-        ready: dict[Any, list[int]] = {}  # ready calls by batching key
-        ready_depth: dict[Any, int] = {}  # per key, the depth of its shallowest ready call
+        keys: list[Any] = []  # per group, the batching key of its calls
+        ready: Agenda[Any, int] = Agenda()
 
         def make_ready(call: int) -> None:
-            key, depth = keys[call], groups[owner[call]].depth
-            calls = ready.get(key)
-            if calls is None:
-                ready[key] = [call]
-                ready_depth[key] = depth
-            else:
-                calls.append(call)
-                if depth < ready_depth[key]:
-                    ready_depth[key] = depth
+            number = owner[call]
+            ready.add(keys[number], call, groups[number].depth)
 
         signed = bool(tape.nobatch_of)  # (a nobatch handle makes a call's signature its own)
         for number, group in enumerate(groups):
@@ -182,11 +231,10 @@ class Waves:
             # One key for the group: its calls agree on each position's kind (the planner refuses
             # a group whose calls do not, whichever way it is scheduled).
             if group.plain and not (nodes and signed):  # every argument a node (an int, at depth 0)
-                key = (*kind, (_NODE[padded] if nodes else "int",) * arity)
+                keys.append((*kind, (_NODE[padded] if nodes else "int",) * arity))
             else:
-                key = (*kind, _signature(next(iter(group.nodes)), nodes, source, padded))
+                keys.append((*kind, _signature(next(iter(group.nodes)), nodes, source, padded)))
             for call_number, call in enumerate(group.nodes, first[number]):
-                keys[call_number] = key
                 reads = 0
                 for arg in call if nodes else ():
                     if arg.__class__ is int:  # a node's handle (see Group)
@@ -205,9 +253,7 @@ class Waves:
                     make_ready(call_number)
         waves: list[list[tuple[int, int]]] = []
         while ready:
-            key = shallowest(ready_depth)
-            del ready_depth[key]
-            calls = ready.pop(key)
+            _, calls = ready.pop()
             waves.append([(owner[call], call - first[owner[call]]) for call in calls])
             for done in calls:
                 for dependent in dependents[done] or ():

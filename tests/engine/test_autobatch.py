@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchfold
+from tests.engine.test_fold import Chains, chains
 from torchfold import FoldError, autobatch
 
 DEVICES = [
@@ -229,14 +230,6 @@ def test_root_exports_it() -> None:
         assert autobatch(lambda m, x: x, [], torch.nn.Module()) == []
 
 
-class Chains(torch.nn.Module):
-    def a(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2 + 1
-
-    def b(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x)
-
-
 @pytest.mark.parametrize("schedule", ["depth", "ready"])
 def test_readiness_batches_an_op_across_depths_as_a_ready_fold_does(schedule: str) -> None:
     # sample 0: a -> b -> a; sample 1: b -> a. Fold groups by (depth, op): a@0, b@0, b@1, a@1, a@2 = 5
@@ -251,12 +244,7 @@ def test_readiness_batches_an_op_across_depths_as_a_ready_fold_does(schedule: st
         return x
 
     fold = torchfold.Fold(schedule=schedule)
-    roots = []
-    for program in programs:
-        node: Any = torch.ones(1, 2)
-        for op in program:
-            node = fold.add(op, node)
-        roots.append(node)
+    roots = chains(fold, programs)
     plan = fold.plan([roots])
     assert isinstance(plan, torchfold.FoldPlan)
     stats: dict[str, int] = {}

@@ -1012,7 +1012,9 @@ def test_ops_run_under_inference_mode_without_version_counters() -> None:
         assert out.tolist() == [[1.0, 1.0], [2.0, 2.0]]
 
 
-class _Chains(torch.nn.Module):
+class Chains(torch.nn.Module):
+    """Two ops of one row each; ``chains`` records programs of them (shared with test_autobatch)."""
+
     def a(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
 
@@ -1020,7 +1022,8 @@ class _Chains(torch.nn.Module):
         return torch.tanh(x)
 
 
-def _chains(fold: Fold, programs: list[str]) -> list[Any]:
+def chains(fold: Any, programs: list[str]) -> list[Any]:
+    """Each program (a string of op names) applied in turn to a row of ones; the last node of each."""
     roots = []
     for program in programs:
         node: Any = torch.ones(1, 2)
@@ -1032,11 +1035,11 @@ def _chains(fold: Fold, programs: list[str]) -> list[Any]:
 
 def test_a_ready_schedule_runs_an_op_across_depths_in_one_call_and_survives_a_pickle() -> None:
     # a -> b -> a and b -> a: by depth a@0, b@0, b@1, a@1, a@2; by readiness a, then b of both, then a of both
-    model = _Chains()
+    model = Chains()
     results = {}
     for schedule in ("depth", "ready"):
         fold = pickle.loads(pickle.dumps(Fold(schedule=schedule)))
-        roots = _chains(fold, ["aba", "ba"])
+        roots = chains(fold, ["aba", "ba"])
         plan = fold.plan([roots])
         assert isinstance(plan, torchfold.FoldPlan)
         results[schedule] = (len(plan.groups), fold.apply(model, [roots])[0])
@@ -1054,7 +1057,7 @@ def test_an_unknown_schedule_is_refused_naming_the_two() -> None:
 def test_a_ready_fold_on_static_shapes_warns_that_its_envelope_keeps_growing() -> None:
     with pytest.warns(UserWarning, match=r"schedule='ready', shapes=StaticShapes.*use schedule='depth'"):
         fold = Fold(schedule="ready", shapes=torchfold.StaticShapes())
-    roots = _chains(fold, ["aba", "ba"])
+    roots = chains(fold, ["aba", "ba"])
     assert isinstance(fold.plan([roots]), torchfold.StaticPlan)  # (it still plans, padded)
 
 

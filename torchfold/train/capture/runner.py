@@ -215,9 +215,11 @@ class EagerRunner(StepRunner):
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    _, acc = self._acc.get(id(p)) or (
-                        p,
-                        self._sent.full(id(p), tuple(p.shape), 0.0, p.dtype, self.device),
+                    held = self._acc.get(id(p))
+                    acc = (
+                        held[1]
+                        if held is not None
+                        else self._sent.full(id(p), tuple(p.shape), 0.0, p.dtype, self.device)
                     )
                     self._acc[id(p)] = (p, acc + p.grad)
                     p.grad = None

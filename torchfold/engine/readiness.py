@@ -171,7 +171,7 @@ class Waves:
         # where each call of the fold now runs: per group of the fold, per call, (group here, call)
         moved: list[list[Any]] = [[None] * len(calls) for calls in stored]
         depth = 0
-        for members in self._schedule(groups, old, padded):
+        for members in self._schedule(groups, number_of, old, padded):
             first = groups[members[0][0]]
             reads = any(groups[member].depth for member, _ in members)
             depth += reads
@@ -204,8 +204,11 @@ class Waves:
             tape.index.append(index)
 
     @staticmethod
-    def _schedule(groups: list[Group], tape: Tape, padded: bool) -> list[list[tuple[int, int]]]:
-        """The waves, in the order they run: per wave its calls as (group number, call)."""
+    def _schedule(
+        groups: list[Group], number_of: dict[int, int], tape: Tape, padded: bool
+    ) -> list[list[tuple[int, int]]]:
+        """The waves, in the order they run: per wave its calls as (group number, call);
+        ``number_of``: each group's number, by its id."""
         source, index_of, group_of = tape.source, tape.index, tape.source_group
         # The fold's calls as numbers: group g's call i is first[g] + i.
         first: list[int] = []
@@ -213,7 +216,6 @@ class Waves:
         for number, group in enumerate(groups):
             first.append(len(owner))
             owner.extend([number] * len(group.nodes))
-        number_of = {id(group): number for number, group in enumerate(groups)}
         pending = [0] * len(owner)  # per call, how many calls it reads have not run
         dependents: list[list[int] | None] = [None] * len(owner)
         keys: list[Any] = []  # per group, the batching key of its calls

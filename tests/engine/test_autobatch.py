@@ -253,16 +253,73 @@ def test_readiness_batches_an_op_across_depths_as_a_ready_fold_does(schedule: st
     assert (stats["batches"], len(plan.groups)) == (3, 5 if schedule == "depth" else 3)
 
 
-def test_concatenating_any_number_of_values_batches_across_samples() -> None:
-    # torch.cat(values) along dim 0: one batched call for all samples, whatever their counts and rows
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 3), min_size=1, max_size=4),  # the rows of each value the sample makes
+            st.lists(st.integers(0, 5), min_size=1, max_size=6),  # which of them it concatenates, in order
+            st.booleans(),  # and a tensor of its own code among them
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_concatenating_any_number_of_values_batches_across_samples(samples: list[Any]) -> None:
+    # torch.cat(values) along dim 0: one batched call for all samples, whatever their counts, rows
+    # and order (a value read twice, out of order, or a tensor the sample made); gradients equal eager's
     model = Model()
 
-    def fn(model: Any, rows: list[int]) -> Any:
-        return torch.cat([model.scale(torch.full((n, 2), float(n))) for n in rows])
+    def fn(model: Any, sample: Any) -> Any:
+        rows, picks, own = sample
+        # (every row of every value distinct: a row read from the wrong place shows)
+        values = [
+            model.scale(torch.arange(2.0 * n).reshape(n, 2) * 0.1 + 0.01 * k) for k, n in enumerate(rows)
+        ]
+        chosen = [values[p % len(values)] for p in picks]
+        if own:
+            chosen.insert(len(chosen) // 2, torch.linspace(0.0, 1.0, 2).unsqueeze(0))
+        return torch.cat(chosen)
 
-    samples = [[1], [2, 1, 2], [1, 1], [3]]
     stats: dict[str, int] = {}
     out = autobatch(fn, samples, model, stats=stats)
-    for got, rows in zip(out, samples, strict=True):
-        torch.testing.assert_close(got, fn(model, rows))
-    assert stats["batches"] == 3 + 1  # scale for 1, 2 and 3 rows; then every cat at once
+    eager = [fn(model, sample) for sample in samples]
+    for got, want in zip(out, eager, strict=True):
+        torch.testing.assert_close(got, want)
+    weights = [torch.arange(float(w.numel())).reshape(w.shape) for w in eager]  # every row weighed apart
+    got = gradients(model, sum((o * w).sum() for o, w in zip(out, weights, strict=True)))
+    want = gradients(model, sum((e * w).sum() for e, w in zip(eager, weights, strict=True)))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    widths = len({n for rows, _, _ in samples for n in rows})
+    assert stats["batches"] == widths + 1  # scale once per number of rows; then every cat at once
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4), st.integers(0, 4)), min_size=2, max_size=6))
+def test_arguments_read_from_any_output_of_any_earlier_result_equal_eager(samples: list[Any]) -> None:
+    # Each sample passes two of five values: the two outputs of one batched call (h, c), and
+    # results of other calls with as many rows (scale(h), scale(scale(h)), tanh(c)). Where the
+    # rows read line up with the calls, they must still come from the value each sample chose
+    # (and from a value with as many rows as there are calls).
+    model = Model()
+
+    def fn(model: Any, sample: Any) -> Any:
+        word, first, second = sample
+        h, c = model.leaf(torch.tensor([word]))
+        g = model.scale(h)
+        values = [h, c, g, model.scale(g), torch.tanh(c)]
+        if word % 3 == 0:  # (some samples make no node call: fewer calls than the values have rows)
+            return values[first] * 2.0
+        return model.node(values[first], values[second])
+
+    stats: dict[str, int] = {}
+    out = autobatch(fn, samples, model, stats=stats)
+    assert stats["alone"] == 0  # every call batched
+    eager = [fn(model, sample) for sample in samples]
+    for got, want in zip(out, eager, strict=True):
+        torch.testing.assert_close(got, want)
+    got = gradients(model, torch.stack(out).sum())
+    want = gradients(model, torch.stack(eager).sum())
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -422,22 +422,59 @@ def _real_all(leaves: list[Any]) -> list[Any]:
 def _run_joined(calls: list[_Call]) -> list[_Tensor]:
     """Many ``torch.cat(values)`` along dim 0 at once: one concatenation of every value read, split per call."""
     leaves = [leaf for call in calls for leaf in call.leaves]
-    parts = _real_all(leaves)
-    whole = torch.cat(parts)
-    sizes = [
-        sum(part.shape[0] for part in parts[start : start + len(call.leaves)])
-        for start, call in _starts(calls)
-    ]
+    whole, lengths = _joined_rows(leaves)
+    sizes = []
+    start = 0
+    for call in calls:
+        end = start + len(call.leaves)
+        sizes.append(sum(lengths[start:end]))
+        start = end
     return list(torch.split(whole, sizes))
 
 
-def _starts(calls: list[_Call]) -> list[tuple[int, _Call]]:
+def _joined_rows(leaves: list[Any]) -> tuple[_Tensor, list[int]]:
+    """The values of ``leaves`` concatenated along dim 0, and each one's length along it.
+
+    A value is a row of an earlier batched result (or a tensor of the samples' own code). Rows read
+    from one result are taken together (the whole result when all its rows are read in order, else
+    one ``index_select``), the pieces concatenated, and one more ``index_select`` puts them in the
+    order of ``leaves`` if they are not: no tensor per value, so the backward pass does no work per
+    value either (``unbind`` then ``cat`` would).
+    """
+    groups: dict[int, tuple[_Tensor, list[int], int]] = {}  # id(source) -> (source, rows read, its piece)
+    pieces: list[_Tensor] = []
+    where: list[tuple[int, int]] = []  # each leaf's piece, and its place among the rows read from it
+    for leaf in leaves:
+        if leaf.__class__ is Pending:
+            call = leaf._call
+            source = call.values[(leaf._out if leaf._out > 0 else 0)]  # type: ignore[index]  # (ready: it has run)
+            group = groups.get(id(source))
+            if group is None:
+                group = groups[id(source)] = (source, [], len(pieces))
+                pieces.append(source)  # (the rows read, below)
+            where.append((group[2], len(group[1])))
+            group[1].append(call.row)
+        else:
+            where.append((len(pieces), 0))
+            pieces.append(leaf.unsqueeze(0))
+    for source, rows, number in groups.values():
+        if rows != list(range(source.shape[0])):
+            pieces[number] = source.index_select(0, torch.tensor(rows, device=source.device))
+    lengths = [pieces[number].shape[1] for number, _ in where]
     starts = []
     start = 0
-    for call in calls:
-        starts.append((start, call))
-        start += len(call.leaves)
-    return starts
+    for tensor in pieces:
+        starts.append(start)
+        start += tensor.shape[0] * tensor.shape[1]
+    order: list[int] = []
+    for (number, place), length in zip(where, lengths, strict=True):
+        first = starts[number] + place * length
+        order.extend(range(first, first + length))
+    flat = [tensor.flatten(0, 1) for tensor in pieces]
+    whole = flat[0] if len(flat) == 1 else torch.cat(flat)
+    if order == list(range(whole.shape[0])):
+        return whole, lengths
+    return whole.index_select(0, torch.tensor(order, device=whole.device)), lengths
 
 
 def _real_outputs(call: _Call) -> Any:
@@ -676,8 +713,17 @@ class _Scheduler:
                 kinds.add(source.kinds[out])
             elif isinstance(leaf, _Tensor):
                 kinds.add((leaf.shape, leaf.dtype, leaf.device))
+            else:
+                kinds.add(None)  # not a tensor: it runs alone, and fails as eager does
+                break
+        if None in kinds:
+            call.key = call
+            self.ready.add(call, call, call.depth)
+            return
         kinds = {(shape[1:], dtype, device, len(shape)) for shape, dtype, device in kinds}  # rows may differ
-        key = (call.op, "joined", frozenset(kinds)) if len(kinds) == 1 else call  # (mixed: alone)
+        # (mixed kinds, or 0-dim values: the call runs alone, and fails as eager does)
+        joinable = len(kinds) == 1 and next(iter(kinds))[3] > 0
+        key = (call.op, "joined", frozenset(kinds)) if joinable else call
         call.key = key
         self.ready.add(key, call, call.depth)
 
@@ -770,7 +816,7 @@ class _Scheduler:
         op = calls[0].op
         self.batches += 1
         if (len(calls) == 1 or calls[0].joined) and not alone:  # its own arguments, no stacking
-            outs = _run_joined(calls) if len(calls) > 1 else [self.run_alone(op, calls[0])]
+            outs = _run_joined(calls) if calls[0].joined else [self.run_alone(op, calls[0])]
             for call, one in zip(calls, outs, strict=True):
                 self.store(op, [call], one, batched=False)
             return
@@ -855,49 +901,98 @@ def _describe(structure: Any) -> str:
     return "a tensor" if structure == -1 else f"a {structure[0].__name__} of {structure[1]}"
 
 
-def _gather(calls: list[_Call], position: int) -> _Tensor:
-    """The arguments at leaf ``position`` of ``calls``, stacked along a new dim 0 (one row per call).
+def _gather(calls: list[_Call], positions: list[int]) -> list[_Tensor]:
+    """The arguments at leaf ``positions`` of ``calls``, each stacked along a new dim 0 (one row per call).
 
-    Rows from one earlier batched result, in its order, pass through with no copy. Otherwise each
-    source gives its rows (a slice when they are consecutive, else one ``index_select``), the
-    pieces are concatenated, and one more ``index_select`` puts them in call order if they are not:
-    the work follows the rows read, not the size of the sources they are read from.
+    Positions whose values have one kind (shape, dtype, device) are gathered together: the rows
+    each earlier batched result gives them all (the whole result when that is all of it in order,
+    a slice when they are consecutive, else one ``index_select``), the pieces concatenated once,
+    one more ``index_select`` to put them in position and call order if they are not, and a split
+    into positions. Rows of one result passed to one position in order need no copy at all. So the
+    work follows the rows read and the number of results read, not the number of calls or positions.
     """
-    groups: dict[int, tuple[_Tensor, list[int], list[int]]] = {}  # id(source) -> (source, rows, calls)
-    loose: list[_Tensor] = []  # tensors made by the samples' own code
-    loose_calls: list[int] = []
-    for number, call in enumerate(calls):
-        leaf = call.leaves[position]
-        if leaf.__class__ is Pending:
-            source = leaf._call.values[(leaf._out if leaf._out > 0 else 0)]  # type: ignore[index]  # (ready: it has run)
-            group = groups.get(id(source))
-            if group is None:
-                group = groups[id(source)] = (source, [], [])
-            group[1].append(leaf._call.row)
-            group[2].append(number)
-        else:
-            loose.append(leaf)
-            loose_calls.append(number)
     count = len(calls)
+    first = calls[0]
+    gathered: dict[int, _Tensor] = {}
+    by_kind: dict[Any, list[int]] = {}
+    for position in positions:
+        leaf = first.leaves[position]
+        whole = _passed_through(calls, position, count)
+        if whole is not None:
+            gathered[position] = whole
+            continue
+        if leaf.__class__ is Pending:
+            kind = leaf._call.kinds[(leaf._out if leaf._out > 0 else 0)]
+        else:
+            kind = (leaf.shape, leaf.dtype, leaf.device)
+        by_kind.setdefault(kind, []).append(position)
+    for together in by_kind.values():
+        for position, tensor in zip(together, _gather_kind(calls, together, count), strict=True):
+            gathered[position] = tensor
+    return [gathered[position] for position in positions]
+
+
+def _passed_through(calls: list[_Call], position: int, count: int) -> _Tensor | None:
+    """The earlier batched result whose rows are, all of them in order, the values at ``position``; or None."""
+    leaf = calls[0].leaves[position]
+    if leaf.__class__ is not Pending or leaf._call.row != 0:
+        return None
+    out = leaf._out
+    values = leaf._call.values
+    assert values is not None  # (ready: it has run)
+    source = values[(out if out > 0 else 0)]
+    if source.shape[0] != count:
+        return None
+    for row, call in enumerate(calls):
+        leaf = call.leaves[position]
+        if (
+            leaf.__class__ is not Pending
+            or leaf._call.row != row
+            or leaf._call.values is not values
+            or leaf._out != out
+        ):
+            return None
+    return source
+
+
+def _gather_kind(calls: list[_Call], positions: list[int], count: int) -> list[_Tensor]:
+    groups: dict[int, tuple[_Tensor, list[int], list[int]]] = {}  # id(source) -> (source, rows, items)
+    loose: list[_Tensor] = []  # tensors made by the samples' own code
+    loose_items: list[int] = []
+    item = 0  # (position, call) in position-major order
+    for position in positions:
+        for call in calls:
+            leaf = call.leaves[position]
+            if leaf.__class__ is Pending:
+                source = leaf._call.values[(leaf._out if leaf._out > 0 else 0)]  # type: ignore[index]  # (ready: it has run)
+                group = groups.get(id(source))
+                if group is None:
+                    group = groups[id(source)] = (source, [], [])
+                group[1].append(leaf._call.row)
+                group[2].append(item)
+            else:
+                loose.append(leaf)
+                loose_items.append(item)
+            item += 1
     pieces: list[_Tensor] = []
     order: list[int] = []
-    for source, rows, numbers in groups.values():
-        first = rows[0]
-        if rows == list(range(first, first + len(rows))):
-            pieces.append(source if len(rows) == source.shape[0] else source[first : first + len(rows)])
+    for source, rows, items in groups.values():
+        start = rows[0]
+        if rows == list(range(start, start + len(rows))):
+            pieces.append(source if len(rows) == source.shape[0] else source[start : start + len(rows)])
         else:
             pieces.append(source.index_select(0, torch.tensor(rows, device=source.device)))
-        order.extend(numbers)
+        order.extend(items)
     if loose:
         pieces.append(torch.stack(loose))
-        order.extend(loose_calls)
+        order.extend(loose_items)
     whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    if order == list(range(count)):
-        return whole
-    where = [0] * count
-    for place, number in enumerate(order):
-        where[number] = place
-    return whole.index_select(0, torch.tensor(where, device=whole.device))
+    if order != list(range(item)):
+        where = [0] * item
+        for place, number in enumerate(order):
+            where[number] = place
+        whole = whole.index_select(0, torch.tensor(where, device=whole.device))
+    return list(whole.split(count)) if len(positions) > 1 else [whole]
 
 
 def _run_batched(op: _Op, calls: list[_Call]) -> Any:
@@ -910,7 +1005,7 @@ def _run_batched(op: _Op, calls: list[_Call]) -> Any:
         or leaf.__class__ is _Tensor
         or (isinstance(leaf, _Tensor) and not isinstance(leaf, _Parameter))
     ]
-    stacked = [_gather(calls, position) for position in positions]
+    stacked = _gather(calls, positions)
     leaves = list(first.leaves)
 
     def with_args(tensors: Sequence[_Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:

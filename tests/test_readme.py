@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -147,31 +146,6 @@ def cli_argv(command: str, data: Path, python: str) -> list[str]:
     task = argv[argv.index("--task") + 1] if "--task" in argv else None
     quick = TASK_QUICK[task] if task is not None else CLI_QUICK.get(argv[3], [])
     return [python, *argv[1:], *quick]
-
-
-@pytest.mark.slow
-def test_the_command_line_section_runs_as_written(tmp_path: Path, data_dir: Path) -> None:
-    commands = cli_commands()
-    words = [c.split()[3] for c in commands]
-    assert words == ["demo", "trace", "trace", "trace", "train", "train", "train", "elastic"], words
-    write_task_module(tmp_path)  # the current folder: where --task my_tasks:make_task is found
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")]),
-    }
-    for command in commands:  # in order: train reads the trace that convert wrote
-        done = subprocess.run(
-            cli_argv(command, data_dir, sys.executable),
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    assert (tmp_path / "tpu.csv").is_file() and (tmp_path / "tpu.png").is_file()
-    assert list((tmp_path / "runs" / "tpu").glob("*")), "train wrote no checkpoint"
-    assert (tmp_path / "runs" / "elastic" / "steps.csv").is_file()
 
 
 def test_install_leads_with_what_works_today() -> None:

@@ -223,8 +223,13 @@ def test_clean_install_runs_the_readme_outside_the_repository(work: Path, wheel:
     run([python, "readme_blocks.py"], outside)
     data = work / "data"
     shutil.copytree(ROOT / "tests" / "data", data)
+    # (the one run of that section: the installed package, outside the repository, as a reader runs it)
     commands = cli_commands()
-    write_task_module(outside)
+    words = [c.split()[3] for c in commands]
+    assert words == ["demo", "trace", "trace", "trace", "train", "train", "train", "elastic"], words
+    write_task_module(outside)  # the current folder: where --task my_tasks:make_task is found
     for command in commands:  # in order: train reads the trace that convert wrote
         run(cli_argv(command, data, str(python)), outside)
-    assert (outside / "tpu.png").is_file() and (outside / "runs" / "elastic" / "steps.csv").is_file()
+    assert (outside / "tpu.csv").is_file() and (outside / "tpu.png").is_file()
+    assert list((outside / "runs" / "tpu").glob("*")), "train wrote no checkpoint"
+    assert (outside / "runs" / "elastic" / "steps.csv").is_file()

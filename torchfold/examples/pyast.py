@@ -200,7 +200,11 @@ def python_functions(
         seed: which subset (a seeded shuffle of each split).
         root, min_nodes, max_nodes: as :func:`load_functions`.
 
-    >>> train, held_out = python_functions(20, 10)
+    With ``root``, another folder of Python files (here the standard library's ``email`` package,
+    a quick example; the default reads the whole standard library):
+
+    >>> import email, pathlib
+    >>> train, held_out = python_functions(20, 10, root=pathlib.Path(email.__file__).parent)
     >>> len(train), len(held_out), {s.label for s in train} <= {0, 1}
     (20, 10, True)
     """

@@ -281,6 +281,29 @@ def test_the_train_cli_runs_on_xla_with_static_shapes(device: str, packed: bool)
     )
 
 
+def test_the_train_cli_fits_one_layout_for_lazy_steps_so_no_deeper_batch_compiles_late(
+    tmp_path: Path,
+) -> None:
+    """A lazily traced step (the default on XLA) cannot compile a layout before a batch meets it,
+    so the CLI's envelope has one layout of every level (``StepMechanism.static_shapes``): on a
+    trace of 1 to 4 minibatches per step, 4 graphs in 16 steps (6 with depth buckets: the steps
+    that first meet a deeper bucket compile again)."""
+    args = ["--device", "xla", "--trace", "steps:4x4,16x4,8x4,12x4", "--minibatch-size", "4"]
+    args += ["--max-train", "400", "--max-steps", "16", "--embedding-dim", "8", "--hidden-dim", "8"]
+    args += ["--no-progress", "--workers", "0", "--log-every", "1", "--no-resume"]
+    done = subprocess.run(
+        [sys.executable, "-m", "torchfold", "train", "--data", str(DATA_DIR), *args],
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: 16 steps (160 samples" in done.stdout, done.stdout
+    assert re.search(r"^compiled: 4 graphs by torch_xla in this run", done.stdout, re.MULTILINE), done.stdout
+
+
 def test_a_default_step_loader_splits_every_step_between_two_xla_replicas(tmp_path: Path) -> None:
     # Defaults only: num_replicas and rank must both come from torch_xla (they once came
     # from two places: 2 replicas, both rank 0, half of every step never read).

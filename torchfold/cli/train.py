@@ -57,7 +57,6 @@ from torchfold.cli.train_options import (
 )
 from torchfold.cli.train_options import default_minibatch_size as default_minibatch_size  # deprecated
 from torchfold.cli.train_run import StepHistory, check_paths, frozen_gc, lock_checkpoint_dir
-from torchfold.engine.static.shapes import StaticShapes
 from torchfold.examples.datasets import TreeParseError
 from torchfold.train.capture import StepMechanism
 from torchfold.train.data.envelope import fit_static_shapes
@@ -341,7 +340,7 @@ def _train(args: argparse.Namespace, trace: BatchSizeTrace, task: Task, context:
     build = task.build
     if mechanism.needs_static_shapes and task.forward is None:  # fitted to a pass over the data and frozen
         fold_samples = args.minibatch_size or args.max_device_batch_size
-        shapes = StaticShapes(pack_levels=args.pack_levels)
+        shapes = mechanism.static_shapes(pack_levels=args.pack_levels)
         shapes = fit_static_shapes(task.train, task.build, fold_samples, shapes=shapes, seed=args.seed)
         build = functools.partial(task.build, shapes=shapes)
     loader = StepLoader(task.train, args.minibatch_size, build=build, trace=trace, **loader_flags(args))

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from torchfold._validate import check_int
+from torchfold.engine.static.shapes import StaticShapes
 from torchfold.train.capture.compiled import (
     COMPILE_CHOICES,
     CompiledLoss,
@@ -127,6 +128,26 @@ class StepMechanism:
         :func:`~torchfold.train.fit_static_shapes`): on XLA always (its graphs repeat only then),
         elsewhere where steps are captured (a capture replays one static-shape layout)."""
         return needs_static_shapes(self.device) or self.captures_steps
+
+    def static_shapes(self, **options: Any) -> StaticShapes:
+        """The envelope to fit for these steps: ``StaticShapes(**options)``, with one layout of every
+        level (``depth_buckets=False``) on XLA when steps are traced lazily (every ``compile=`` but
+        ``"replay"``), else one layout per depth bucket (``options`` given here win).
+
+        XLA compiles a layout at the first step that meets it, and a lazily traced step cannot
+        compile the others ahead without running the user's step on a batch it was not given: with
+        depth buckets a layout first met late stalls the run for a compilation (about 5 s each for
+        the SST Tree-LSTM on torch_xla's CPU backend; ``benchmarks/results/xla.md``). One layout pads
+        shallow batches to every level instead. Replayed steps keep depth buckets: their warm-up
+        compiles every layout once the optimizer has its state.
+
+        >>> StepMechanism("xla").static_shapes().depth_buckets, StepMechanism("xla", compile="replay").static_shapes().depth_buckets
+        (False, True)
+        >>> StepMechanism("cpu", compile="on").static_shapes(min_rows=4).depth_buckets
+        True
+        """
+        lazy_xla = runner_kind(self.device) == "xla" and self.compile != "replay"
+        return StaticShapes(**{"depth_buckets": not lazy_xla, **options})
 
     @property
     def defers_losses(self) -> bool:

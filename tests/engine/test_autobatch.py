@@ -260,18 +260,21 @@ def test_readiness_batches_an_op_across_depths_as_a_ready_fold_does(schedule: st
             st.lists(st.integers(1, 3), min_size=1, max_size=4),  # the rows of each value the sample makes
             st.lists(st.integers(0, 5), min_size=1, max_size=6),  # which of them it concatenates, in order
             st.booleans(),  # and a tensor of its own code among them
+            st.sampled_from([(), (0,)]),  # torch.cat(values) or torch.cat(values, 0)
+            st.booleans(),  # (or dim=0 by name)
         ),
         min_size=1,
         max_size=5,
     )
 )
 def test_concatenating_any_number_of_values_batches_across_samples(samples: list[Any]) -> None:
-    # torch.cat(values) along dim 0: one batched call for all samples, whatever their counts, rows
-    # and order (a value read twice, out of order, or a tensor the sample made); gradients equal eager's
+    # torch.cat(values) along dim 0 (named or not): one batched call for all samples, whatever their
+    # counts, rows and order (a value read twice, out of order, or a tensor the sample made);
+    # gradients equal eager's
     model = Model()
 
     def fn(model: Any, sample: Any) -> Any:
-        rows, picks, own = sample
+        rows, picks, own, dim, by_name = sample
         # (every row of every value distinct: a row read from the wrong place shows)
         values = [
             model.scale(torch.arange(2.0 * n).reshape(n, 2) * 0.1 + 0.01 * k) for k, n in enumerate(rows)
@@ -279,7 +282,7 @@ def test_concatenating_any_number_of_values_batches_across_samples(samples: list
         chosen = [values[p % len(values)] for p in picks]
         if own:
             chosen.insert(len(chosen) // 2, torch.linspace(0.0, 1.0, 2).unsqueeze(0))
-        return torch.cat(chosen)
+        return torch.cat(chosen, dim=0) if by_name else torch.cat(chosen, *dim)
 
     stats: dict[str, int] = {}
     out = autobatch(fn, samples, model, stats=stats)
@@ -291,7 +294,7 @@ def test_concatenating_any_number_of_values_batches_across_samples(samples: list
     want = gradients(model, sum((e * w).sum() for e, w in zip(eager, weights, strict=True)))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
-    widths = len({n for rows, _, _ in samples for n in rows})
+    widths = len({n for rows, *_ in samples for n in rows})
     assert stats["batches"] == widths + 1  # scale once per number of rows; then every cat at once
 
 
@@ -323,3 +326,25 @@ def test_arguments_read_from_any_output_of_any_earlier_result_equal_eager(sample
     want = gradients(model, torch.stack(eager).sum())
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_method_that_changes_its_arguments_in_place_runs_batched() -> None:
+    # Arguments of one kind are gathered together: each must still be a tensor the op may change
+    # in place (views of one split may not be), as eager's own tensors may.
+    class InPlace(Model):
+        def pair(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.relu_(a * 1.0 + 0.0) + torch.nn.functional.relu(b, inplace=True) * 0.0 + a.tanh_()
+
+    model = InPlace()
+
+    def fn(model: Any, words: tuple[int, int]) -> Any:
+        x = model.scale(torch.full((1, 4), float(words[0])) - 2.0)
+        y = model.scale(torch.full((1, 4), float(words[1])) - 2.0)
+        return model.pair(x * 1.0, y * 1.0)
+
+    samples = [(0, 1), (3, 2), (4, 4)]
+    stats: dict[str, int] = {}
+    out = autobatch(fn, samples, model, stats=stats)
+    assert stats["alone"] == 0
+    for got, sample in zip(out, samples, strict=True):
+        torch.testing.assert_close(got, fn(model, sample))

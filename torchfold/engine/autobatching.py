@@ -438,8 +438,8 @@ def _joined_rows(leaves: list[Any]) -> tuple[_Tensor, list[int]]:
     A value is a row of an earlier batched result (or a tensor of the samples' own code). Rows read
     from one result are taken together (the whole result when all its rows are read in order, else
     one ``index_select``), the pieces concatenated, and one more ``index_select`` puts them in the
-    order of ``leaves`` if they are not: no tensor per value, so the backward pass does no work per
-    value either (``unbind`` then ``cat`` would).
+    order of ``leaves`` if they are not: no tensor per value read from an earlier result, so the
+    backward pass does no work per value either (``unbind`` then ``cat`` would).
     """
     groups: dict[int, tuple[_Tensor, list[int], int]] = {}  # id(source) -> (source, rows read, its piece)
     pieces: list[_Tensor] = []
@@ -617,6 +617,15 @@ class _Scheduler:
         return call
 
     def record(self, op: _Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        joined = (
+            op.fn is torch.cat
+            and len(args) > 0
+            and args[0].__class__ in (list, tuple)
+            and args[1:] in ((), (0,))
+            and kwargs in ({}, {"dim": 0})
+        )
+        if joined:  # torch.cat(values) along dim 0 (its default): the values are its leaves
+            args, kwargs = (list(args[0]),), {}
         flat = not kwargs
         if flat:
             for arg in args:
@@ -630,14 +639,7 @@ class _Scheduler:
             leaves = []
             spec = _flatten((tuple(args), kwargs), leaves)
         call = _Call(op, spec, leaves, self.sample)
-        if (
-            op.fn is torch.cat
-            and args
-            and args[0].__class__ in (list, tuple)
-            and args[1:] in ((), (0,))
-            and kwargs in ({}, {"dim": 0})
-        ):
-            call.joined = True
+        call.joined = joined
         self.calls += 1
         self.last_op = op.name
         depth = 0
@@ -714,7 +716,7 @@ class _Scheduler:
             elif isinstance(leaf, _Tensor):
                 kinds.add((leaf.shape, leaf.dtype, leaf.device))
             else:
-                kinds.add(None)  # not a tensor: it runs alone, and fails as eager does
+                kinds.add(None)  # not a tensor: alone, failing as eager does (torch.cat's TypeError)
                 break
         if None in kinds:
             call.key = call
@@ -992,7 +994,9 @@ def _gather_kind(calls: list[_Call], positions: list[int], count: int) -> list[_
         for place, number in enumerate(order):
             where[number] = place
         whole = whole.index_select(0, torch.tensor(where, device=whole.device))
-    return list(whole.split(count)) if len(positions) > 1 else [whole]
+    # (narrow, not split: an op may change one of its arguments in place, which autograd refuses on
+    # the views of one split)
+    return [whole.narrow(0, number * count, count) for number in range(len(positions))]
 
 
 def _run_batched(op: _Op, calls: list[_Call]) -> Any:

@@ -9,8 +9,11 @@ step against the median of its count, the ratio of steps ``--warmup``.. to the C
 largest relative loss difference to the CPU run, step by step.
 
 The envelope of static shapes is fitted to a pass over the data and frozen first
-(:func:`torchfold.train.fit_static_shapes`, what ``python -m torchfold train`` does): a
-minibatch that does not fit it is split, so it never grows in training.
+(:func:`torchfold.train.fit_static_shapes`, as ``python -m torchfold train`` does): a
+minibatch that does not fit it is split, so it never grows in training. It has depth buckets
+unless ``--one-layout`` is given; ``python -m torchfold train`` fits one layout for lazily traced
+XLA steps (``--compile auto``) and depth buckets for replayed ones
+(:meth:`torchfold.train.StepMechanism.static_shapes`).
 
 Usage::
 

@@ -276,7 +276,8 @@ class TreeLSTMBuild:
     With ``shapes``, plans are padded into that :class:`~torchfold.StaticShapes` envelope (for
     XLA: the graphs repeat) and so are the targets, padded rows weighing 0. Each loader worker
     pads into its own copy of the envelope: fit it to the dataset first and freeze it
-    (:func:`tree_lstm_shapes`, as ``python -m torchfold train --device xla`` does); the loader
+    (:func:`tree_lstm_shapes`, as ``python -m torchfold train --device xla`` does with the
+    envelope :meth:`~torchfold.train.StepMechanism.static_shapes` gives); the loader
     then splits a minibatch that does not fit into smaller ones that do, and the copies grow
     (with a warning, and graphs of their own) only for a tree that does not fit alone.
 
@@ -313,13 +314,16 @@ def tree_lstm_shapes(
     minibatch_size: int,
     *,
     pack_levels: bool = False,
+    depth_buckets: bool = True,
     max_minibatches: int | None = None,
     seed: int = 0,
 ) -> StaticShapes:
     """An envelope for :class:`TreeLSTMBuild`, fitted to the minibatches of a pass over ``trees`` and frozen.
 
     :func:`~torchfold.train.fit_static_shapes` with this model's build (see there); pass the
-    result as ``TreeLSTMBuild(vocab, shapes=...)``.
+    result as ``TreeLSTMBuild(vocab, shapes=...)``. ``pack_levels`` and ``depth_buckets`` are
+    :class:`~torchfold.StaticShapes`' (for steps traced lazily on XLA, ``depth_buckets=False``:
+    :meth:`~torchfold.train.StepMechanism.static_shapes` says why).
 
     >>> from torchfold.examples.datasets import generate_sst
     >>> trees = generate_sst(30, seed=0)
@@ -331,7 +335,7 @@ def tree_lstm_shapes(
         trees,
         TreeLSTMBuild(vocab),
         minibatch_size,
-        shapes=StaticShapes(pack_levels=pack_levels),
+        shapes=StaticShapes(pack_levels=pack_levels, depth_buckets=depth_buckets),
         max_minibatches=max_minibatches,
         seed=seed,
     )

@@ -139,7 +139,9 @@ class StepMechanism:
         depth buckets a layout first met late stalls the run for a compilation (about 5 s each for
         the SST Tree-LSTM on torch_xla's CPU backend; ``benchmarks/results/xla.md``). One layout pads
         shallow batches to every level instead. Replayed steps keep depth buckets: their warm-up
-        compiles every layout once the optimizer has its state.
+        compiles every layout once the optimizer has its state. (The rule reads ``compile=``: a replay
+        that falls back to lazy steps, :meth:`runner` warning why, keeps depth buckets; on the CPU
+        and CUDA, ``compile="on"`` keeps them too, unmeasured against one layout there.)
 
         >>> StepMechanism("xla").static_shapes().depth_buckets, StepMechanism("xla", compile="replay").static_shapes().depth_buckets
         (False, True)

@@ -422,7 +422,7 @@ def _real_all(leaves: list[Any]) -> list[Any]:
 def _run_joined(calls: list[_Call]) -> list[_Tensor]:
     """Many ``torch.cat(values)`` along dim 0 at once: one concatenation of every value read, split per call."""
     leaves = [leaf for call in calls for leaf in call.leaves]
-    whole, lengths = _joined_rows(leaves)
+    whole, lengths = _concatenated(leaves, stack=False)
     sizes = []
     start = 0
     for call in calls:
@@ -432,18 +432,21 @@ def _run_joined(calls: list[_Call]) -> list[_Tensor]:
     return list(torch.split(whole, sizes))
 
 
-def _joined_rows(leaves: list[Any]) -> tuple[_Tensor, list[int]]:
-    """The values of ``leaves`` concatenated along dim 0, and each one's length along it.
+def _concatenated(leaves: list[Any], stack: bool) -> tuple[_Tensor, list[int]]:
+    """The values of ``leaves`` concatenated along dim 0 (``stack``: each value one row, stacked
+    along a new dim 0), and each one's length along it.
 
-    A value is a row of an earlier batched result (or a tensor of the samples' own code). Rows read
-    from one result are taken together (the whole result when all its rows are read in order, else
-    one ``index_select``), the pieces concatenated, and one more ``index_select`` puts them in the
-    order of ``leaves`` if they are not: no tensor per value read from an earlier result, so the
-    backward pass does no work per value either (``unbind`` then ``cat`` would).
+    A value is a row of an earlier batched result, or a tensor of the samples' own code. Rows read
+    from one result are taken together (the whole result when that is all of it in order, a slice
+    when they are consecutive, else one ``index_select``), the pieces concatenated once, and one
+    more ``index_select`` puts them in the order of ``leaves`` if they are not: no tensor per value
+    read from an earlier result, so the backward pass does no work per value either (``unbind``
+    then ``cat`` would), and the work follows the rows read, not the size of the results.
     """
     groups: dict[int, tuple[_Tensor, list[int], int]] = {}  # id(source) -> (source, rows read, its piece)
-    pieces: list[_Tensor] = []
-    where: list[tuple[int, int]] = []  # each leaf's piece, and its place among the rows read from it
+    pieces: list[_Tensor] = []  # values along dim 0 (with stack each one row, else (values, length, ...))
+    where: list[tuple[int, int]] = []  # each leaf's piece, and its place among the values of that piece
+    loose: list[_Tensor] = []  # with stack, the tensors of the samples' own code
     for leaf in leaves:
         if leaf.__class__ is Pending:
             call = leaf._call
@@ -454,24 +457,41 @@ def _joined_rows(leaves: list[Any]) -> tuple[_Tensor, list[int]]:
                 pieces.append(source)  # (the rows read, below)
             where.append((group[2], len(group[1])))
             group[1].append(call.row)
+        elif stack:  # (stacked together below: one piece for all of them)
+            where.append((-1, len(loose)))
+            loose.append(leaf)
         else:
             where.append((len(pieces), 0))
             pieces.append(leaf.unsqueeze(0))
+    if loose:
+        where = [(len(pieces), place) if number < 0 else (number, place) for number, place in where]
+        pieces.append(torch.stack(loose))
     for source, rows, number in groups.values():
-        if rows != list(range(source.shape[0])):
+        start = rows[0]
+        if rows != list(range(start, start + len(rows))):
             pieces[number] = source.index_select(0, torch.tensor(rows, device=source.device))
-    lengths = [pieces[number].shape[1] for number, _ in where]
+        elif len(rows) != source.shape[0]:
+            pieces[number] = source[start : start + len(rows)]
     starts = []
     start = 0
-    for tensor in pieces:
-        starts.append(start)
-        start += tensor.shape[0] * tensor.shape[1]
-    order: list[int] = []
-    for (number, place), length in zip(where, lengths, strict=True):
-        first = starts[number] + place * length
-        order.extend(range(first, first + length))
-    flat = [tensor.flatten(0, 1) for tensor in pieces]
-    whole = flat[0] if len(flat) == 1 else torch.cat(flat)
+    if stack:  # each value one row
+        for tensor in pieces:
+            starts.append(start)
+            start += tensor.shape[0]
+        lengths = [1] * len(where)
+        order = [starts[number] + place for number, place in where]
+        whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    else:
+        lengths = [pieces[number].shape[1] for number, _ in where]
+        for tensor in pieces:
+            starts.append(start)
+            start += tensor.shape[0] * tensor.shape[1]
+        order = []
+        for (number, place), length in zip(where, lengths, strict=True):
+            first = starts[number] + place * length
+            order.extend(range(first, first + length))
+        flat = [tensor.flatten(0, 1) for tensor in pieces]
+        whole = flat[0] if len(flat) == 1 else torch.cat(flat)
     if order == list(range(whole.shape[0])):
         return whole, lengths
     return whole.index_select(0, torch.tensor(order, device=whole.device)), lengths
@@ -715,13 +735,10 @@ class _Scheduler:
                 kinds.add(source.kinds[out])
             elif isinstance(leaf, _Tensor):
                 kinds.add((leaf.shape, leaf.dtype, leaf.device))
-            else:
-                kinds.add(None)  # not a tensor: alone, failing as eager does (torch.cat's TypeError)
-                break
-        if None in kinds:
-            call.key = call
-            self.ready.add(call, call, call.depth)
-            return
+            else:  # not a tensor: alone, failing as eager does (torch.cat's TypeError)
+                call.key = call
+                self.ready.add(call, call, call.depth)
+                return
         kinds = {(shape[1:], dtype, device, len(shape)) for shape, dtype, device in kinds}  # rows may differ
         # (mixed kinds, or 0-dim values: the call runs alone, and fails as eager does)
         joinable = len(kinds) == 1 and next(iter(kinds))[3] > 0
@@ -906,12 +923,10 @@ def _describe(structure: Any) -> str:
 def _gather(calls: list[_Call], positions: list[int]) -> list[_Tensor]:
     """The arguments at leaf ``positions`` of ``calls``, each stacked along a new dim 0 (one row per call).
 
-    Positions whose values have one kind (shape, dtype, device) are gathered together: the rows
-    each earlier batched result gives them all (the whole result when that is all of it in order,
-    a slice when they are consecutive, else one ``index_select``), the pieces concatenated once,
-    one more ``index_select`` to put them in position and call order if they are not, and a split
-    into positions. Rows of one result passed to one position in order need no copy at all. So the
-    work follows the rows read and the number of results read, not the number of calls or positions.
+    Positions whose values have one kind (shape, dtype, device) are gathered together, in one
+    :func:`_concatenated` (each earlier result read once), then cut into positions. Rows of one
+    result passed to one position in order need no copy at all. So the work follows the rows read
+    and the number of results read, not the number of calls or positions.
     """
     count = len(calls)
     first = calls[0]
@@ -958,42 +973,8 @@ def _passed_through(calls: list[_Call], position: int, count: int) -> _Tensor | 
 
 
 def _gather_kind(calls: list[_Call], positions: list[int], count: int) -> list[_Tensor]:
-    groups: dict[int, tuple[_Tensor, list[int], list[int]]] = {}  # id(source) -> (source, rows, items)
-    loose: list[_Tensor] = []  # tensors made by the samples' own code
-    loose_items: list[int] = []
-    item = 0  # (position, call) in position-major order
-    for position in positions:
-        for call in calls:
-            leaf = call.leaves[position]
-            if leaf.__class__ is Pending:
-                source = leaf._call.values[(leaf._out if leaf._out > 0 else 0)]  # type: ignore[index]  # (ready: it has run)
-                group = groups.get(id(source))
-                if group is None:
-                    group = groups[id(source)] = (source, [], [])
-                group[1].append(leaf._call.row)
-                group[2].append(item)
-            else:
-                loose.append(leaf)
-                loose_items.append(item)
-            item += 1
-    pieces: list[_Tensor] = []
-    order: list[int] = []
-    for source, rows, items in groups.values():
-        start = rows[0]
-        if rows == list(range(start, start + len(rows))):
-            pieces.append(source if len(rows) == source.shape[0] else source[start : start + len(rows)])
-        else:
-            pieces.append(source.index_select(0, torch.tensor(rows, device=source.device)))
-        order.extend(items)
-    if loose:
-        pieces.append(torch.stack(loose))
-        order.extend(loose_items)
-    whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    if order != list(range(item)):
-        where = [0] * item
-        for place, number in enumerate(order):
-            where[number] = place
-        whole = whole.index_select(0, torch.tensor(where, device=whole.device))
+    leaves = [call.leaves[position] for position in positions for call in calls]
+    whole, _ = _concatenated(leaves, stack=True)
     # (narrow, not split: an op may change one of its arguments in place, which autograd refuses on
     # the views of one split)
     return [whole.narrow(0, number * count, count) for number in range(len(positions))]

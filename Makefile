@@ -101,12 +101,17 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 test-integrations: $(INTEGRATIONS_STAMP)
 	@$(call timed,integrations,TORCHFOLD_INTEGRATIONS=require $(BIN)/python -m pytest -m integrations tests/integrations)
 
-# the three environments at once, before the lanes: their downloads and installs overlap (on a
-# 2-core machine, 95 s from nothing against 223 s one after the other)
+# the environments at once, before the lanes: their downloads and installs overlap (on a 2-core
+# machine, 95 s from nothing against 223 s one after the other); the integrations extra goes into
+# .venv here, before any lane imports from it
 envs:
-	@$(call timed,environments,$(MAKE) --no-print-directory -j3 env env-xla env-dynet)
+	@$(call timed,environments,$(MAKE) --no-print-directory -j3 env env-xla env-dynet $(INTEGRATIONS_STAMP))
 
-test: envs lint typecheck docs unit test-xla test-integrations
+# the lanes two at a time once the environments are there, the two long ones first (the unit and
+# the XLA lanes, each mostly one busy thread, overlap); each lane's output is printed whole when
+# it ends
+test: envs
+	@$(call timed,lanes,$(MAKE) --no-print-directory -j2 --output-sync=target unit test-xla lint typecheck docs test-integrations)
 
 check: lint typecheck quick
 

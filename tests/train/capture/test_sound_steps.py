@@ -170,3 +170,136 @@ def test_the_default_compiles_a_layout_once_whatever_its_place_in_a_step() -> No
     # step 0: its minibatch and the update that makes the optimizer's state; step 1: the steady
     # update; then steps of 2, 3 and 1 minibatches reuse them (before: 2 more at the first of two)
     assert xla["compiled_by_step"][2:] == [0, 0, 0], xla["compiled_by_step"]
+
+
+class _Scaled(torch.nn.Module):
+    """The example Tree-LSTM (its fold ops), and a class attribute its loss reads."""
+
+    scale = 1.0
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        from torchfold.examples.models import TreeLSTM
+
+        self.tree = TreeLSTM(vocab, 8, 8)
+        self.center = torch.zeros(8)  # a running statistic the loss rebinds at every call
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.tree, name)
+
+
+_FACTOR = 1.0  # a global the loss reads
+
+
+def _compiled_run(device: torch.device, compile: str, *, changes: bool, random_term: bool) -> dict[str, Any]:
+    """Train ``_Scaled`` on 60 SST trees, four steps; ``changes``: the class attribute and the global
+    change after step 0. Its losses, final parameters, captures and warnings."""
+    import random
+    import warnings
+
+    from torchfold.examples.datasets import Vocab, load_sst
+    from torchfold.examples.models import TreeLSTMBuild, tree_lstm_loss
+    from torchfold.train import (
+        AccumulatingOptimizer,
+        StepLoader,
+        StepMechanism,
+        TraceTrainer,
+        fit_static_shapes,
+    )
+    from torchfold.train.schedule.trace import BatchSizeTrace
+
+    global _FACTOR
+    _FACTOR, _Scaled.scale = 1.0, 1.0
+    fuzz_compilations = load_fuzzer()._compilations  # (torch_xla's count of compilations so far)
+    trees = load_sst(DATA, max_trees=60)
+    vocab = Vocab.build(trees)
+    mechanism = StepMechanism(device, compile=compile)
+    build = TreeLSTMBuild(
+        vocab, shapes=fit_static_shapes(trees, TreeLSTMBuild(vocab), 10, shapes=mechanism.static_shapes())
+    )
+    torch.manual_seed(0)
+    random.seed(0)
+    model = _Scaled(len(vocab)).to(device)
+    model.center = model.center.to(device)
+    optimizer = AccumulatingOptimizer(mechanism.optimizer(torch.optim.Adam, model.parameters(), lr=0.01))
+    trace = BatchSizeTrace.from_schedule("steps:10x2,20x2")
+
+    def loss(m: Any, outputs: Any, targets: Any) -> torch.Tensor:
+        base = tree_lstm_loss(m.tree, outputs, targets)
+        head = m.tree.classifier.weight
+        m.center = 0.5 * m.center + 0.5 * head.detach().mean(0)
+        total = base * m.scale * _FACTOR + ((head - m.center) ** 2).sum()
+        if random_term and random.random() < 0.5:
+            total = total + (head**2).sum()
+        return total
+
+    compiled_by_step: list[int] = []
+
+    def on_step(stats: Any) -> None:
+        global _FACTOR
+        if device.type == "xla":
+            compiled_by_step.append(fuzz_compilations())
+        if changes and stats.step == 0:
+            _Scaled.scale = 3.0
+            _FACTOR = 0.5
+
+    loader = StepLoader(trees, 10, build=build, trace=trace, seed=0, num_workers=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = TraceTrainer(
+            model, optimizer, loader, loss, progress=False, on_step=on_step, compile=compile, seed=0
+        )
+        with loader:
+            history = trainer.fit(epochs=1)
+    _FACTOR, _Scaled.scale = 1.0, 1.0
+    return {
+        "losses": [stats.loss for stats in history],
+        "params": [p.detach().cpu() for p in model.parameters()],
+        "center": model.center.cpu(),
+        "captures": trainer.runner.captures,
+        "warnings": [str(w.message) for w in caught],
+        "compiled_by_step": [b - a for a, b in zip([0, *compiled_by_step], compiled_by_step, strict=False)],
+    }
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("random_term", [False, True])
+def test_torch_compile_on_xla_reads_what_eager_code_reads_or_runs_the_python(random_term: bool) -> None:
+    """``compile="on"`` on XLA: TorchDynamo's guards follow a class attribute and a global changed
+    mid-run, and its side effects rebind the running statistic, as the eager CPU run does; a step it
+    cannot trace whole (Python's ``random``) runs its Python instead, with one warning naming it."""
+    import torch_xla
+
+    device = torch_xla.device()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(
+        torch.float32
+    )  # (the openxla backend's float64 graphs: see docs/design/capture.md)
+    try:
+        xla = _compiled_run(device, "on", changes=True, random_term=random_term)
+        cpu = _compiled_run(torch.device("cpu"), "off", changes=True, random_term=random_term)
+        unchanged = _compiled_run(torch.device("cpu"), "off", changes=False, random_term=random_term)
+    finally:
+        torch.set_default_dtype(before)
+    fell_back = [w for w in xla["warnings"] if "not through torch.compile" in w]
+    if random_term:
+        assert xla["captures"] == 0 and len(fell_back) == 1 and "random" in fell_back[0], xla["warnings"]
+    else:
+        assert xla["captures"] == 1 and not fell_back, xla["warnings"]
+        # step 1 compiles again (the guards saw the changes); the steps of 2 minibatches after it
+        # compile nothing: the gradients go through the buffers the lazy step uses, so a later
+        # minibatch is the first one's graph
+        assert xla["compiled_by_step"][1] > 0 and xla["compiled_by_step"][2:] == [0, 0], xla[
+            "compiled_by_step"
+        ]
+    assert xla["losses"] == pytest.approx(cpu["losses"], rel=1e-4)
+    for a, b in zip(xla["params"], cpu["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(xla["center"], cpu["center"], rtol=1e-4, atol=1e-5)
+    # the changes did change the run
+    assert unchanged["losses"][0] == pytest.approx(cpu["losses"][0], rel=1e-6)
+    assert unchanged["losses"][1:] != pytest.approx(cpu["losses"][1:], rel=1e-3)

@@ -132,6 +132,11 @@ class CompiledLoss:
         max_captures: capture at most this many layouts; a plan of a later layout runs eagerly
             (the same loss and gradients), with one warning (default: :data:`HOST_MAX_CAPTURES`
             on the CPU, unbounded elsewhere).
+        fallback: a step whose forward TorchDynamo cannot trace as one graph (a graph break:
+            Python's ``random``, a host read such as ``.item()``) or the backend cannot compile
+            runs its Python op by op from then on, for every layout, with one warning naming the
+            reason and the line (:attr:`refused`), instead of raising. Nothing of the step has run
+            when either fails, so the step then runs once, eagerly.
 
     NOTE: on the CPU a capture is an inductor compile of the layout's whole unrolled forward and
     backward: tens of seconds to minutes per layout, while a replayed step there, padded, ran no
@@ -167,6 +172,7 @@ class CompiledLoss:
         backend: str | None = None,
         mode: str | None = None,
         max_captures: int | None = None,
+        fallback: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -182,6 +188,9 @@ class CompiledLoss:
         )
         #: seconds spent in the captures' first runs (dynamo, AOTAutograd and the backend compiling)
         self.compile_seconds = 0.0
+        self.fallback = fallback
+        #: why steps run op by op instead (with ``fallback``, a graph break), or None
+        self.refused: str | None = None
         self._compiled: dict[Hashable, Callable[..., torch.Tensor]] = {}
         self._eager_layouts: set[Hashable] = set()
 
@@ -197,6 +206,8 @@ class CompiledLoss:
                 f"a captured step needs a static-shape plan (a StaticPlan, from Fold(shapes=StaticShapes(...)) or "
                 f"StaticShapes.cover), got {type(plan).__name__}; build padded plans, or train with compile='off'"
             )
+        if self.refused is not None:
+            return self._run_python(plan, targets)
         layout = plan.layout
         fn = self._compiled.get(layout.key)
         first = fn is None
@@ -213,24 +224,39 @@ class CompiledLoss:
         with _CAPTURE_LOCK:
             started = time.perf_counter()
             try:
-                loss = self._backward(fn(inputs, targets), copy=cuda_graphs)
-                if first:
-                    self.compile_seconds += time.perf_counter() - started
-                    if self.captures == 1 and on_host(self.device) and self.backend == "inductor":
-                        warnings.warn(self._host_cost(), stacklevel=3)
-                return loss
+                forward = fn(inputs, targets)
             except Exception as error:
-                if first:  # a failed capture: say why, and keep nothing half-captured
-                    if _is_graph_break(error):
-                        add_note(
-                            error,
-                            f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
-                            f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
-                            "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
-                            "train with compile='off'",
-                        )
+                if first:  # a failed capture: keep nothing half-captured
+                    del self._compiled[layout.key]
+                if self.fallback and _before_running(error):
+                    self.refused = f"{_first_line(error)}{_user_line(error)}"
+                    warnings.warn(
+                        f"torchfold: steps run their Python op by op from here on (on XLA, traced lazily), "
+                        f"not through torch.compile (backend {self.backend!r}), which cannot capture the step as "
+                        f"one graph: {self.refused}",
+                        stacklevel=3,
+                    )
+                    return self._run_python(plan, targets)  # (none of the step had run)
+                if first and _is_graph_break(error):
+                    add_note(
+                        error,
+                        f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
+                        f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
+                        "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
+                        "train with compile='off'",
+                    )
+                raise
+            try:
+                loss = self._backward(forward, copy=cuda_graphs)
+            except Exception:
+                if first:
                     del self._compiled[layout.key]
                 raise
+            if first:
+                self.compile_seconds += time.perf_counter() - started
+                if self.captures == 1 and on_host(self.device) and self.backend == "inductor":
+                    warnings.warn(self._host_cost(), stacklevel=3)
+            return loss
 
     def _host_cost(self) -> str:
         return (
@@ -252,6 +278,9 @@ class CompiledLoss:
                 stacklevel=3,
             )
         self._eager_layouts.add(plan.layout.key)
+        return self._run_python(plan, targets)
+
+    def _run_python(self, plan: StaticPlan, targets: Any) -> torch.Tensor:
         return self._backward(self.loss(self.model, plan.apply(self.model, padded=True), targets), copy=False)
 
     @staticmethod
@@ -447,6 +476,15 @@ def _backend_for(
 
 def _is_graph_break(error: BaseException) -> bool:
     return type(error).__module__.startswith("torch._dynamo")
+
+
+def _before_running(error: BaseException) -> bool:
+    """Whether a compiled forward failed before any of it ran: TorchDynamo stopped tracing the frame
+    (``fullgraph``: a graph break) or the backend failed to compile the graph it traced. (Dynamo
+    applies a frame's side effects, such as an attribute rebound, after its graph has run.)"""
+    from torch._dynamo.exc import BackendCompilerFailed, Unsupported
+
+    return isinstance(error, (Unsupported, BackendCompilerFailed))
 
 
 def _user_line(error: BaseException) -> str:

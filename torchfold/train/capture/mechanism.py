@@ -74,9 +74,10 @@ class StepMechanism:
         device: where the model runs.
         compile: ``"auto"`` (default): every step's Python runs (eagerly on the CPU and CUDA,
             lazily on XLA, whose compiler caches a program per graph it builds), so whatever the
-            step reads is read anew; ``"on"``: :func:`torch.compile` on the CPU and CUDA (its guards
-            follow what the step's code reads), as ``"auto"`` on XLA; ``"replay"`` (XLA and CUDA,
-            opt-in): each step captured once and replayed without running its Python
+            step reads is read anew; ``"on"``: :func:`torch.compile` (its guards follow what the
+            step's code reads; on XLA its ``openxla`` backend, and a step Dynamo cannot capture as
+            one graph runs its Python lazily instead, with one warning); ``"replay"`` (XLA and
+            CUDA, opt-in): each step captured once and replayed without running its Python
             (:data:`REPLAY_CONTRACT` says what that assumes); ``"off"``: eager
             (:attr:`compile_choices`).
         backend: a :func:`torch.compile` backend instead of the device's (e.g. ``"aot_eager"``).
@@ -141,7 +142,8 @@ class StepMechanism:
         shallow batches to every level instead. Replayed steps keep depth buckets: their warm-up
         compiles every layout once the optimizer has its state. (The rule reads ``compile=``: a replay
         that falls back to lazy steps, :meth:`runner` warning why, keeps depth buckets; on the CPU
-        and CUDA, ``compile="on"`` keeps them too, unmeasured against one layout there.)
+        and CUDA, ``compile="on"`` keeps them too, unmeasured against one layout there; on XLA it
+        captures a layout at the first step that meets it, so it gets one layout as lazy steps do.)
 
         >>> StepMechanism("xla").static_shapes().depth_buckets, StepMechanism("xla", compile="replay").static_shapes().depth_buckets
         (False, True)
@@ -189,7 +191,7 @@ class StepMechanism:
         """The :class:`~torchfold.train.capture.runner.StepRunner` that runs the steps of ``model``,
         ``loss`` and ``optimizer`` here: the step's Python at every step
         (:class:`~torchfold.train.capture.runner.EagerRunner`; on XLA, lazily), through
-        :func:`torch.compile` with ``compile="on"`` on the CPU and CUDA, and with
+        :func:`torch.compile` with ``compile="on"`` (on XLA with the lazy step as its fallback), and with
         ``compile="replay"`` replayed programs on XLA
         (:class:`~torchfold.train.capture.runner.XlaRunner`) or a step of one minibatch replayed whole
         on one GPU (:class:`~torchfold.train.capture.runner.CudaRunner`).
@@ -199,8 +201,7 @@ class StepMechanism:
         """
         compile, device, backend = self.compile, self.device, self.backend
         kind = runner_kind(device)
-        if not self.captures_steps or (kind == "xla" and compile == "on" and backend is None):
-            # (on XLA, a step's lazy graph is XLA's to compile: torch_xla keeps a program per graph)
+        if not self.captures_steps:
             return EagerRunner(model, loss, optimizer, device=device)
         if optimizer.grad_scaler is not None:
             warnings.warn(
@@ -247,7 +248,8 @@ class StepMechanism:
                 stacklevel=3,
             )
             return EagerRunner(model, loss, optimizer, device=device)
-        compiled = CompiledLoss(model, loss, device=device, backend=backend)
+        # (on XLA a step Dynamo cannot trace whole runs its Python lazily instead, sound as well)
+        compiled = CompiledLoss(model, loss, device=device, backend=backend, fallback=kind == "xla")
         update = None
         if kind != "cuda":
             reason = uncapturable_update(optimizer.optimizer)

@@ -144,7 +144,8 @@ class EagerRunner(StepRunner):
         self.strict = strict
         #: the step's loss sum so far (None before its first minibatch)
         self._loss_sum: torch.Tensor | None = None
-        # On XLA (lazily traced steps), each minibatch's gradients and loss are added to buffers
+        # On XLA (lazily traced steps, or compiled ones: their gradients reach p.grad through
+        # autograd too), each minibatch's gradients and loss are added to buffers
         # that are device data at every minibatch's start, zeros at a step's first: the first
         # minibatch's graph is then every later one's, one program per layout whatever its
         # position in the step (autograd's own accumulation into p.grad makes a first minibatch,
@@ -152,7 +153,7 @@ class EagerRunner(StepRunner):
         # (one replica: with two XLA devices as threads of one process, a step with no minibatch
         # on one of them gave an update graph that a later such step did not repeat; measured by
         # test_xla's replica test, and left as it was)
-        self._buffered = is_xla(self.device) and compiled is None and update is None and world().size == 1
+        self._buffered = is_xla(self.device) and world().size == 1
         # per parameter (id) some minibatch of the step had a gradient for: it, and its weighted sum
         self._acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sent = SentValues()  # the buffers' zeros and the loss weights, as device data

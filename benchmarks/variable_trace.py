@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, device_name: str, trees: list[Any], vocab: Voc
     loader = StepLoader(
         trees,
         args.minibatch_size,
-        build=TreeLSTMBuild(vocab, shapes=shapes if xla or args.compile == "on" else None),
+        build=TreeLSTMBuild(vocab, shapes=shapes if xla else None),  # (the CPU: eager, unpadded)
         trace=trace,
         seed=0,
         num_workers=args.workers,
@@ -140,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=10, help="steps counted as warm-up")
     parser.add_argument("--devices", default="cpu,xla", help="comma-separated: cpu, xla")
-    parser.add_argument("--compile", default="auto", help="the XLA run's compile= (auto, off, on)")
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        help="the XLA run's compile= (auto: lazy; on: torch.compile's openxla, TorchDynamo's guards; replay)",
+    )
     parser.add_argument(
         "--one-layout",
         action="store_true",

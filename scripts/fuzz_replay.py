@@ -459,6 +459,10 @@ def compare(scenario: Scenario, cpu: dict[str, Any], xla: dict[str, Any]) -> tup
         return ("refused", refused[0]) if refused else ("SILENT", "dropout replayed without a refusal")
     if not problems:
         captured = f"{xla['captures']} programs captured, {xla.get('compilations', 0)} compiled"
+        # (compile='on' on XLA: a step TorchDynamo cannot capture whole runs its Python lazily instead)
+        lazily = [w for w in xla["warnings"] if "not through torch.compile" in w]
+        if lazily:
+            captured += f"; ran its Python instead: {lazily[0].partition('one graph: ')[2][:160]}"
         return "equal", captured + (f"; refused: {refused[0]}" if refused else "")
     if refused:
         return "refused", f"{refused[0]} ({'; '.join(problems)})"
@@ -489,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile",
         default="auto",
-        help="the XLA run's compile= (auto: the default mechanism; replay: the opt-in)",
+        help="the XLA run's compile= (auto: the default mechanism; on: torch.compile, TorchDynamo's guards; "
+        "replay: the opt-in replay)",
     )
     parser.add_argument("--replica-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)

@@ -109,9 +109,9 @@ envs:
 
 # the lanes two at a time once the environments are there, the two long ones first (the unit and
 # the XLA lanes, each mostly one busy thread, overlap); each lane's output is printed whole when
-# it ends
+# it ends; -k: a failing lane does not keep the others from running and reporting
 test: envs
-	@$(call timed,lanes,$(MAKE) --no-print-directory -j2 --output-sync=target unit test-xla lint typecheck docs test-integrations)
+	@$(call timed,lanes,$(MAKE) --no-print-directory -k -j2 --output-sync=target unit test-xla lint typecheck docs test-integrations)
 
 check: lint typecheck quick
 

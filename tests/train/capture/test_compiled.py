@@ -369,3 +369,57 @@ def test_an_update_that_cannot_be_captured_is_named_with_its_fix() -> None:
     with pytest.warns(UserWarning, match=r"the optimizer's update now runs uncaptured: Adam param group 0"):
         update()
     assert params[0].detach().tolist() == pytest.approx([0.9, 0.9])
+
+
+def test_a_compiled_update_of_sgd_with_momentum_weight_decay_and_two_groups_equals_the_plain_step() -> None:
+    """The optimizer the differential fuzzer found silently wrong when TorchDynamo compiled its
+    update on XLA (SGD with momentum, weight decay 0.1, two param groups, a rate changed by a rule):
+    on the CPU the compiled update equals the plain one step by step; where torch.compile fails on
+    it (torch 2.14's Dynamo: a speculation-log divergence at the momentum buffers' store), the
+    update runs uncompiled from then on, with one warning saying why, never a crash."""
+    torch.manual_seed(5)
+    ours = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(3)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.01}]
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.1)
+
+    compiled, plain = CompiledUpdate(make(ours), backend=BACKEND), make(theirs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            grads = [torch.randn_like(p) for p in ours]
+            for optimizer, params in ((compiled.optimizer, ours), (plain, theirs)):
+                optimizer.param_groups[0]["lr"] = 0.05 * 0.5 ** (step // 2)  # (a StepLR's rates)
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g.clone()
+            compiled()
+            plain.step()
+            for p, q in zip(ours, theirs, strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    said = [str(w.message) for w in caught if "runs uncompiled" in str(w.message)]
+    assert len(said) <= 1 and all("torch.compile failed on SGD.step" in text for text in said), said
+
+
+def test_with_fallback_a_step_dynamo_cannot_capture_runs_its_python_with_one_warning() -> None:
+    """``fallback=True`` (what ``compile="on"`` uses on XLA): a loss that reads a value back to the
+    host breaks Dynamo's graph before anything runs; the step then runs its Python, equal to the
+    eager step, and so does every later one, with one warning naming the line."""
+    model = Chain()
+
+    def syncing(model: torch.nn.Module, outputs: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        values = outputs[0].tolist()  # a host read: Dynamo cannot trace it into a graph
+        return _loss(model, outputs, targets) * len(values) / len(values)
+
+    fold = Fold(shapes=StaticShapes(min_rows=4))
+    plan = fold.plan([_forest(fold, [2], 0)])
+    captured = CompiledLoss(model, syncing, backend=BACKEND, fallback=True)
+    with pytest.warns(UserWarning, match=r"not through torch.compile .*test_compiled.py:") as caught:
+        _eager_and_captured(plan, torch.ones(4), captured, model)
+    assert len([w for w in caught if "not through torch.compile" in str(w.message)]) == 1
+    assert captured.captures == 0 and captured.refused is not None and "tolist" in captured.refused
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        _eager_and_captured(plan, torch.ones(4), captured, model)

@@ -247,15 +247,18 @@ def _compiled_run(device: torch.device, compile: str, *, changes: bool, random_t
             _FACTOR = 0.5
 
     loader = StepLoader(trees, 10, build=build, trace=trace, seed=0, num_workers=0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = TraceTrainer(
-            model, optimizer, loader, loss, progress=False, on_step=on_step, compile=compile, seed=0
-        )
-        with loader:
-            history = trainer.fit(epochs=1)
-    _FACTOR, _Scaled.scale = 1.0, 1.0
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = TraceTrainer(
+                model, optimizer, loader, loss, progress=False, on_step=on_step, compile=compile, seed=0
+            )
+            with loader:
+                history = trainer.fit(epochs=1)
+    finally:
+        _FACTOR, _Scaled.scale = 1.0, 1.0
     return {
+        "update": getattr(trainer.runner, "compiled_update", None),
         "losses": [stats.loss for stats in history],
         "params": [p.detach().cpu() for p in model.parameters()],
         "center": model.center.cpu(),
@@ -290,6 +293,7 @@ def test_torch_compile_on_xla_reads_what_eager_code_reads_or_runs_the_python(ran
         assert xla["captures"] == 0 and len(fell_back) == 1 and "random" in fell_back[0], xla["warnings"]
     else:
         assert xla["captures"] == 1 and not fell_back, xla["warnings"]
+        assert xla["update"] is None  # (the update stays lazy on XLA: see CompiledUpdate's module)
         # step 1 compiles again (the guards saw the changes); the steps of 2 minibatches after it
         # compile nothing: the gradients go through the buffers the lazy step uses, so a later
         # minibatch is the first one's graph

@@ -22,11 +22,12 @@ CUDAGraphs that has been overwritten by a subsequent run"), also with
 ``benchmarks/results/gpu.md``). Pass ``mode=`` to choose them anyway; the losses returned are
 then copies.
 
-The optimizer's update is captured separately, by :class:`CompiledUpdate`: on XLA it would
-otherwise be recorded op by op at every step too (a few ops per parameter). It runs after the
+The optimizer's update can be captured separately, by :class:`CompiledUpdate`. It runs after the
 all-reduce, once per step, so the minibatch graphs stay the same whatever the number of
-minibatches. On CUDA the update stays eager: a fused optimizer (``Adam(fused=True)``) is already
-a few kernels.
+minibatches. ``compile="on"`` uses it on the CPU only: on CUDA a fused optimizer
+(``Adam(fused=True)``) is already a few kernels, and on XLA the update stays lazy, since the
+differential fuzzer (``scripts/fuzz_replay.py --compile on``) found TorchDynamo's compiled update of
+SGD with momentum silently different from the eager one there (``benchmarks/results/xla.md``).
 """
 
 from __future__ import annotations
@@ -228,35 +229,36 @@ class CompiledLoss:
             except Exception as error:
                 if first:  # a failed capture: keep nothing half-captured
                     del self._compiled[layout.key]
-                if self.fallback and _before_running(error):
-                    self.refused = f"{_first_line(error)}{_user_line(error)}"
-                    warnings.warn(
-                        f"torchfold: steps run their Python op by op from here on (on XLA, traced lazily), "
-                        f"not through torch.compile (backend {self.backend!r}), which cannot capture the step as "
-                        f"one graph: {self.refused}",
-                        stacklevel=3,
-                    )
-                    return self._run_python(plan, targets)  # (none of the step had run)
-                if first and _is_graph_break(error):
-                    add_note(
-                        error,
-                        f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
-                        f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
-                        "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
-                        "train with compile='off'",
-                    )
-                raise
-            try:
-                loss = self._backward(forward, copy=cuda_graphs)
-            except Exception:
+                if not (self.fallback and _before_running(error)):
+                    if first and _is_graph_break(error):
+                        add_note(
+                            error,
+                            f"torchfold: the step of layout {layout.key} cannot be captured as one graph "
+                            f"(torch.compile backend {self.backend!r}): {_first_line(error)}{_user_line(error)}. "
+                            "Keep host reads (.item(), .tolist(), print, numpy) out of the ops and the loss, or "
+                            "train with compile='off'",
+                        )
+                    raise
+                self.refused = f"{_first_line(error)}{_user_line(error)}"
+            else:
+                try:
+                    loss = self._backward(forward, copy=cuda_graphs)
+                except Exception:
+                    if first:
+                        del self._compiled[layout.key]
+                    raise
                 if first:
-                    del self._compiled[layout.key]
-                raise
-            if first:
-                self.compile_seconds += time.perf_counter() - started
-                if self.captures == 1 and on_host(self.device) and self.backend == "inductor":
-                    warnings.warn(self._host_cost(), stacklevel=3)
-            return loss
+                    self.compile_seconds += time.perf_counter() - started
+                    if self.captures == 1 and on_host(self.device) and self.backend == "inductor":
+                        warnings.warn(self._host_cost(), stacklevel=3)
+                return loss
+        # the fallback (none of the step had run): its Python, outside the lock and the error
+        warnings.warn(
+            f"torchfold: steps run their Python op by op from here on (on XLA, traced lazily), not through "
+            f"torch.compile (backend {self.backend!r}), which cannot capture the step as one graph: {self.refused}",
+            stacklevel=3,
+        )
+        return self._run_python(plan, targets)
 
     def _host_cost(self) -> str:
         return (
@@ -426,6 +428,8 @@ class CompiledUpdate:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.device, self.backend, self.mode = _backend_for(params, device, backend, mode)
         self._warned = False
+        #: why the update runs uncompiled (torch.compile failed on it), or None
+        self._uncompiled: str | None = None
         self._rates = RateTensors()  # per group: its last rate, as a tensor
         # Not fullgraph: torch.optim's step breaks the graph on purpose once, before the update.
         self._step: Callable[[], Any] = torch.compile(optimizer.step, backend=self.backend, mode=self.mode)
@@ -433,6 +437,9 @@ class CompiledUpdate:
     def __call__(self) -> None:
         """Run the update (a step of the wrapped optimizer); uncompiled, with a warning, if the
         optimizer can no longer be captured (a loaded state dict turned ``capturable`` off)."""
+        if self._uncompiled is not None:
+            self.optimizer.step()
+            return
         reason = uncapturable_update(self.optimizer)
         if reason is not None:
             if not self._warned:
@@ -444,15 +451,29 @@ class CompiledUpdate:
         # each group's goes in as a 0-dim tensor for the step, and is a float again afterwards
         groups = self.optimizer.param_groups
         rates = [group["lr"] for group in groups]
+        failed: Exception | None = None
         try:
             for number, (group, rate) in enumerate(zip(groups, rates, strict=True)):
                 if not isinstance(rate, torch.Tensor) and group["params"]:
                     group["lr"] = self._rates(number, rate, group["params"][0])
             with _CAPTURE_LOCK:  # torch.compile is not safe in two threads at once (replicas may be threads)
-                self._step()
+                try:
+                    self._step()
+                except Exception as error:
+                    if not _is_graph_break(error):
+                        raise
+                    failed = error  # (TorchDynamo failed tracing or compiling the update's frame, before running it)
         finally:
             for group, rate in zip(groups, rates, strict=True):
                 group["lr"] = rate
+        if failed is not None:
+            self._uncompiled = f"{type(failed).__name__}: {_first_line(failed)}"
+            warnings.warn(
+                f"the optimizer's update runs uncompiled from here on: torch.compile failed on "
+                f"{type(self.optimizer).__name__}.step ({self._uncompiled})",
+                stacklevel=2,
+            )
+            self.optimizer.step()
 
     def __repr__(self) -> str:
         return (

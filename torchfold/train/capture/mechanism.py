@@ -277,8 +277,9 @@ def step_runner(
     compile: str = "auto",
     backend: str | None = None,
 ) -> StepRunner:
-    """The runner for ``compile=`` on ``device`` (``"auto"``: replayed steps on XLA and CUDA,
-    eager on the CPU; ``"on"``: :func:`torch.compile` anywhere; ``"off"``: eager), chosen once:
+    """The runner for ``compile=`` on ``device`` (``"auto"``: the step's Python at every step, lazily
+    on XLA; ``"on"``: :func:`torch.compile` anywhere; ``"replay"``: replayed steps on XLA and CUDA;
+    ``"off"``: eager), chosen once:
     ``StepMechanism(device, compile=compile, backend=backend).runner(model, loss, optimizer)``
     (:meth:`StepMechanism.runner`).
 

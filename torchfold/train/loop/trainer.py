@@ -219,8 +219,9 @@ class TraceTrainer:
             when :meth:`fit` starts, and said once in the log.
         compile: how steps run (:class:`~torchfold.train.StepMechanism`): ``"auto"`` (default)
             runs every step's Python, so whatever it reads is read anew (on XLA lazily: XLA
-            compiles a program per graph and reuses it); ``"on"``: :func:`torch.compile` on the CPU
-            and CUDA (its guards follow what the step reads); ``"replay"`` (XLA and CUDA, opt-in):
+            compiles a program per graph and reuses it); ``"on"``: :func:`torch.compile` (its guards
+            follow what the step reads; on XLA its ``openxla`` backend, the step's Python run lazily
+            where it cannot capture the step whole); ``"replay"`` (XLA and CUDA, opt-in):
             each step captured once per static-shape layout and replayed without running its
             Python, faster where the host's time per step counts, for a step that reads nothing
             but its inputs and the values its guard lists (its warning says the contract);

@@ -2,7 +2,7 @@
 
 The captures here use torch.compile's ``aot_eager`` backend: dynamo and AOTAutograd capture the
 forward and backward graphs exactly as on XLA or CUDA, without generating code (fast on a CPU).
-The XLA lane (tests/train/test_xla.py) runs the real ``openxla`` backend.
+The XLA lane (tests/train/test_xla.py, tests/train/capture/test_sound_steps.py) runs the real XLA backends.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def test_compile_choices() -> None:
         ValueError, match=r"compile must be one of \('auto', 'off', 'on', 'replay'\), got 'yes'"
     ):
         wants_compile("yes", cpu)
-    assert compile_backend(xla) == ("openxla", None)
+    assert compile_backend(xla) == ("torchfold_xla", None)
     assert compile_backend(cuda) == ("inductor", None)  # CUDA graphs: CudaStepReplay's
 
 

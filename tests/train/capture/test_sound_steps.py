@@ -194,9 +194,12 @@ class _Scaled(torch.nn.Module):
 _FACTOR = 1.0  # a global the loss reads
 
 
-def _compiled_run(device: torch.device, compile: str, *, changes: bool, random_term: bool) -> dict[str, Any]:
+def _compiled_run(
+    device: torch.device, compile: str, *, changes: bool, random_term: bool, one_layout: bool = True
+) -> dict[str, Any]:
     """Train ``_Scaled`` on 60 SST trees, four steps; ``changes``: the class attribute and the global
-    change after step 0. Its losses, final parameters, captures and warnings."""
+    change after step 0; ``one_layout``: one static-shape layout (else the mechanism's, depth
+    buckets for ``"on"``). Its losses, final parameters, captures and warnings."""
     import random
     import warnings
 
@@ -217,9 +220,8 @@ def _compiled_run(device: torch.device, compile: str, *, changes: bool, random_t
     trees = load_sst(DATA, max_trees=60)
     vocab = Vocab.build(trees)
     mechanism = StepMechanism(device, compile=compile)
-    build = TreeLSTMBuild(
-        vocab, shapes=fit_static_shapes(trees, TreeLSTMBuild(vocab), 10, shapes=mechanism.static_shapes())
-    )
+    shapes = mechanism.static_shapes(**({"depth_buckets": False} if one_layout else {}))
+    build = TreeLSTMBuild(vocab, shapes=fit_static_shapes(trees, TreeLSTMBuild(vocab), 10, shapes=shapes))
     torch.manual_seed(0)
     random.seed(0)
     model = _Scaled(len(vocab)).to(device)
@@ -263,9 +265,36 @@ def _compiled_run(device: torch.device, compile: str, *, changes: bool, random_t
         "params": [p.detach().cpu() for p in model.parameters()],
         "center": model.center.cpu(),
         "captures": trainer.runner.captures,
+        "layouts": len(loader.layout_examples()),
         "warnings": [str(w.message) for w in caught],
         "compiled_by_step": [b - a for a, b in zip([0, *compiled_by_step], compiled_by_step, strict=False)],
     }
+
+
+@pytest.mark.xla
+@pytest.mark.timeout(900)
+def test_torch_compile_on_xla_compiles_every_layout_in_the_warm_up_and_changes_nothing() -> None:
+    """``compile="on"`` on XLA with depth buckets: the trainer's warm-up has TorchDynamo trace
+    every layout and compiles its program without running it (the running statistic the loss
+    rebinds is not rebound by it), so no step after the second compiles, and the run equals the
+    eager CPU run."""
+    import torch_xla
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        xla = _compiled_run(torch_xla.device(), "on", changes=False, random_term=False, one_layout=False)
+        cpu = _compiled_run(torch.device("cpu"), "off", changes=False, random_term=False, one_layout=False)
+    finally:
+        torch.set_default_dtype(before)
+    assert xla["layouts"] >= 2 and xla["captures"] == xla["layouts"], (xla["layouts"], xla["captures"])
+    assert xla["losses"] == pytest.approx(cpu["losses"], rel=1e-4)
+    for a, b in zip(xla["params"], cpu["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(xla["center"], cpu["center"], rtol=1e-4, atol=1e-5)
+    # step 0 (its layout, the update that makes the optimizer's state), the warm-up and the steady
+    # update at step 1; then steps of two minibatches of other layouts compile nothing
+    assert xla["compiled_by_step"][2:] == [0, 0], xla["compiled_by_step"]
 
 
 @pytest.mark.xla

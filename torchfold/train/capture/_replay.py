@@ -17,6 +17,7 @@ import torch
 
 from torchfold.engine.static import StaticPlan
 from torchfold.train.capture.compiled import check_loss
+from torchfold.train.capture.xla_capture import Options
 from torchfold.train.loss import PlanLoss
 
 __all__ = [
@@ -86,7 +87,6 @@ def gradients_into(loss: torch.Tensor, params: list[torch.Tensor]) -> None:
 # options (other than learning rates) captured for one layout before an option that keeps changing
 # is refused: a few changes are a new graph each, a schedule is not.
 MAX_OPTIONS = 4
-Options = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
 
 
 def options_now(optimizer: torch.optim.Optimizer) -> tuple[Options, str | None]:

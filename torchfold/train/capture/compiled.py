@@ -45,6 +45,7 @@ from torchfold._errors import add_note
 from torchfold._validate import check_int
 from torchfold.engine.resolve import device_for
 from torchfold.engine.static import StaticLayout, StaticPlan
+from torchfold.train.capture.dynamo_programs import XlaGraphPrograms
 from torchfold.train.distributed.devices import is_cuda, is_xla, on_host, replays_steps
 from torchfold.train.loss import PlanLoss
 
@@ -64,6 +65,9 @@ COMPILE_CHOICES = ("auto", "off", "on", "replay")
 #: :class:`CompiledLoss`'s default ``max_captures`` on the CPU (dynamo's own recompile limit is 8 too)
 HOST_MAX_CAPTURES = 8
 _CAPTURE_LOCK = threading.Lock()
+#: ``compile="on"``'s backend on XLA: TorchDynamo's guards, the graph run as a captured program
+#: with its backward (:class:`~torchfold.train.capture.dynamo_programs.XlaGraphPrograms`)
+XLA_PROGRAMS = "torchfold_xla"
 CompileChoice = Literal["auto", "off", "on", "replay"]
 
 
@@ -107,7 +111,7 @@ def compile_backend(device: torch.device) -> tuple[str, str | None]:
     ('inductor', None)
     """
     if is_xla(device):
-        return "openxla", None
+        return XLA_PROGRAMS, None
     return "inductor", None
 
 
@@ -194,6 +198,10 @@ class CompiledLoss:
         self.refused: str | None = None
         self._compiled: dict[Hashable, Callable[..., torch.Tensor]] = {}
         self._eager_layouts: set[Hashable] = set()
+        #: with the backend ``"torchfold_xla"``, the programs its graphs run as
+        self.programs: XlaGraphPrograms | None = None
+        if self.backend == XLA_PROGRAMS:
+            self.programs = XlaGraphPrograms(lambda: list(model.parameters()))
 
     @property
     def captures(self) -> int:
@@ -224,6 +232,8 @@ class CompiledLoss:
         # may be threads): one captured step at a time in a process.
         with _CAPTURE_LOCK:
             started = time.perf_counter()
+            if self.programs is not None:
+                self.programs.begin()
             try:
                 forward = fn(inputs, targets)
             except Exception as error:
@@ -242,7 +252,10 @@ class CompiledLoss:
                 self.refused = f"{_first_line(error)}{_user_line(error)}"
             else:
                 try:
-                    loss = self._backward(forward, copy=cuda_graphs)
+                    if self.programs is not None and self.programs.finish(check_loss(forward)):
+                        loss = forward.detach()  # (the program ran the backward too)
+                    else:
+                        loss = self._backward(forward, copy=cuda_graphs)
                 except Exception:
                     if first:
                         del self._compiled[layout.key]
@@ -259,6 +272,26 @@ class CompiledLoss:
             stacklevel=3,
         )
         return self._run_python(plan, targets)
+
+    def warm_up(self, plan: StaticPlan, targets: Any) -> bool:
+        """Compile the program of ``plan``'s layout now, without running a step (nothing changes),
+        if that layout has not been met yet: with the backend ``"torchfold_xla"`` only (else
+        nothing is compiled ahead); whether a program was compiled. A layout's first step then
+        finds its program in XLA's cache."""
+        if self.programs is None or self.refused is not None or not isinstance(plan, StaticPlan):
+            return False
+        key = plan.layout.key
+        if key in self._compiled or (self.max_captures is not None and self.captures >= self.max_captures):
+            return False
+        fn = self._capture(plan.layout)
+        inputs = plan.inputs(self.device)
+        with _CAPTURE_LOCK:
+            try:
+                compiled = self.programs.warm_up(lambda: fn(inputs, targets))
+            except Exception:  # (TorchDynamo cannot trace it: the layout's first step says why)
+                return False
+        self._compiled[key] = fn
+        return compiled
 
     def _host_cost(self) -> str:
         return (
@@ -308,8 +341,9 @@ class CompiledLoss:
             step.__closure__,
         )
         # fullgraph: a graph break would leave part of the step run op by op, silently slow
+        backend: Any = self.programs if self.programs is not None else self.backend
         compiled: Callable[..., torch.Tensor] = torch.compile(
-            own, backend=self.backend, mode=self.mode, fullgraph=True, dynamic=False
+            own, backend=backend, mode=self.mode, fullgraph=True, dynamic=False
         )
         return compiled
 
@@ -490,7 +524,7 @@ def _backend_for(
     device = device_for(params, device)
     default_backend, default_mode = compile_backend(device)
     chosen = backend if backend is not None else default_backend
-    if chosen == "openxla":
+    if chosen in ("openxla", XLA_PROGRAMS):
         _check_torch_xla()
     return device, chosen, mode if mode is not None or backend is not None else default_mode
 

@@ -132,25 +132,24 @@ class StepMechanism:
 
     def static_shapes(self, **options: Any) -> StaticShapes:
         """The envelope to fit for these steps: ``StaticShapes(**options)``, with one layout of every
-        level (``depth_buckets=False``) on XLA when steps are traced lazily (every ``compile=`` but
-        ``"replay"``), else one layout per depth bucket (``options`` given here win).
+        level (``depth_buckets=False``) on XLA when steps are traced lazily (``compile="auto"`` and
+        ``"off"``), else one layout per depth bucket (``options`` given here win).
 
         XLA compiles a layout at the first step that meets it, and a lazily traced step cannot
         compile the others ahead without running the user's step on a batch it was not given: with
         depth buckets a layout first met late stalls the run for a compilation (about 5 s each for
         the SST Tree-LSTM on torch_xla's CPU backend; ``benchmarks/results/xla.md``). One layout pads
-        shallow batches to every level instead. Replayed steps keep depth buckets: their warm-up
-        compiles every layout once the optimizer has its state. (The rule reads ``compile=``: a replay
-        that falls back to lazy steps, :meth:`runner` warning why, keeps depth buckets; on the CPU
-        and CUDA, ``compile="on"`` keeps them too, unmeasured against one layout there; on XLA it
-        captures a layout at the first step that meets it, so it gets one layout as lazy steps do.)
+        shallow batches to every level instead. Captured steps (``"on"``, ``"replay"``) keep depth
+        buckets: their warm-up compiles every layout once the optimizer has its state. (The rule
+        reads ``compile=``: a capture that falls back to lazy steps, with a warning saying why,
+        keeps depth buckets; on the CPU and CUDA, ``compile="on"`` keeps them too.)
 
-        >>> StepMechanism("xla").static_shapes().depth_buckets, StepMechanism("xla", compile="replay").static_shapes().depth_buckets
+        >>> StepMechanism("xla").static_shapes().depth_buckets, StepMechanism("xla", compile="on").static_shapes().depth_buckets
         (False, True)
         >>> StepMechanism("cpu", compile="on").static_shapes(min_rows=4).depth_buckets
         True
         """
-        lazy_xla = runner_kind(self.device) == "xla" and self.compile != "replay"
+        lazy_xla = runner_kind(self.device) == "xla" and self.compile in ("auto", "off")
         return StaticShapes(**{"depth_buckets": not lazy_xla, **options})
 
     @property

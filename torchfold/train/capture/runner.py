@@ -162,6 +162,20 @@ class EagerRunner(StepRunner):
     def captures(self) -> int:
         return self.compiled.captures if self.compiled is not None else 0
 
+    @property
+    def compiles_ahead(self) -> bool:
+        # (a compiled step of the user's own, any callable, compiles nothing ahead)
+        return isinstance(self.compiled, CompiledLoss) and self.compiled.programs is not None
+
+    def warm_up(self, examples: Sequence[Any]) -> int:
+        if not isinstance(self.compiled, CompiledLoss):
+            return 0
+        compiled = 0
+        for example in examples:
+            plan, targets = to_device(example.data, self.device)
+            compiled += self.compiled.warm_up(plan, targets)
+        return compiled
+
     def run_minibatch(
         self, plan: Any, targets: Any, num_samples: int, *, sole_minibatch: bool = False
     ) -> None:

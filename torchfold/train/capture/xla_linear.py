@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchfold.train.distributed.devices import is_xla, of_kind
 
-__all__ = ["transposed_weights"]
+__all__ = ["transposed_weights", "transposes_here"]
 
 
 class _Linear(torch.autograd.Function):
@@ -111,6 +111,14 @@ def _linear_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
     named = dict(zip(("input", "weight", "bias"), args, strict=False))
     named.update(kwargs)
     return named.get("input"), named.get("weight"), named.get("bias")
+
+
+def transposes_here() -> bool:
+    """Whether XLA's products want :func:`transposed_weights`: on its CPU backend (on a TPU, XLA
+    lays out the weight itself). Starts torch_xla's runtime."""
+    import torch_xla.runtime
+
+    return str(torch_xla.runtime.device_type()).upper() == "CPU"
 
 
 @contextlib.contextmanager

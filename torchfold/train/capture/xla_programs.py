@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -50,10 +49,20 @@ from torchfold.engine.static import StaticPlan
 from torchfold.train.capture._replay import Options, at_rates_without_grads, options_now, target_tensors
 from torchfold.train.capture.compiled import check_loss, uncapturable_update
 from torchfold.train.capture.guards import StepGuard
-from torchfold.train.capture.xla_linear import transposed_weights
+from torchfold.train.capture.xla_capture import (
+    Computed,
+    Program,
+    Refused,
+    compile_program,
+    graph_sources,
+    positions,
+    restored_afterwards,
+    same_constants,
+)
+from torchfold.train.capture.xla_linear import transposed_weights, transposes_here
 from torchfold.train.data.loader import to_device
 from torchfold.train.distributed import xla_calls
-from torchfold.train.distributed.devices import SentValues, is_xla
+from torchfold.train.distributed.devices import SentValues
 from torchfold.train.distributed.world import all_reduce_sum_
 from torchfold.train.distributed.xla_calls import CAPTURE_LOCK, HostReads, materialize, replay_unavailable
 from torchfold.train.loss import PlanLoss
@@ -63,7 +72,6 @@ __all__ = [
     "VERIFY_EVERY",
     "XlaPrograms",
     "graph_sources",
-    "restored_afterwards",
     "xla_programs_unavailable",
 ]
 
@@ -83,165 +91,10 @@ def xla_programs_unavailable() -> str | None:
     return replay_unavailable()
 
 
-class _Program:
-    """One captured graph: its hash, where each graph input comes from, which roots it returns."""
-
-    __slots__ = ("constants", "due", "graph", "options", "outputs", "replays", "sources", "step", "verified")
-
-    def __init__(self, graph: Any, sources: list[tuple[int, Any]], outputs: list[int]) -> None:
-        #: the step it was captured in (the runner's count): a second capture in a later step verifies it
-        self.step = -1
-        self.graph = graph
-        # per graph input: (0, position among the live tensors) or (1, a constant of the capture)
-        self.sources = sources
-        # the positions (among the roots of the capture) of the results the graph returns
-        self.outputs = outputs
-        # the capture's constants as host values, compared with the second capture's (then verified)
-        self.constants: list[torch.Tensor] = [value.cpu() for kind, value in sources if kind == 1]
-        self.verified = False
-        #: replays since the last capture that checked it, and whether its next use checks it anyway
-        self.replays = 0
-        self.due = False
-        #: an update program's optimizer options, whose values its constants hold (None: a minibatch's)
-        self.options: Options | None = None
-
-    def rebind(self, captured: _Program) -> None:
-        """Read ``captured``'s constants from now on: a capture of the same graph whose constants
-        differ only by what the optimizer's options gave (see ``XlaPrograms.update``)."""
-        self.sources, self.constants, self.options = captured.sources, captured.constants, captured.options
-
-    def run(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
-        self.replays += 1
-        return xla_calls.run_graph(
-            self.graph, [live[where] if kind == 0 else where for kind, where in self.sources]
-        )
-
-
-class _Computed:
-    """The tensors known to hold a device buffer that a program computed, by identity (a
-    tensor's ``==`` is elementwise, so no set of tensors), held weakly."""
-
-    def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
-
-    def add(self, tensor: torch.Tensor) -> None:
-        if len(self._refs) > 4096:  # (drop the dead)
-            self._refs = {key: ref for key, ref in self._refs.items() if ref() is not None}
-        self._refs[id(tensor)] = weakref.ref(tensor)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        ref = self._refs.get(id(tensor))
-        return ref is not None and ref() is tensor
-
-
-class _Refused(Exception):
-    """A capture that cannot be replayed; its message says why, ``roots`` are the captured step's results
-    (pending: a sync runs them op by op, as without capture)."""
-
-    def __init__(self, why: str, roots: list[torch.Tensor], *, host_read: bool = False) -> None:
-        super().__init__(why)
-        self.roots = roots
-        #: refused for a graph run during the capture (a read back to the host, or, with replicas
-        #: that are threads, possibly another replica's graph)
-        self.host_read = host_read
-
-
 def _sync() -> None:
     import torch_xla
 
     torch_xla.sync()
-
-
-def _positions(live: list[torch.Tensor], computed: _Computed) -> dict[int, int]:
-    """Each live tensor's position, by the id of the device data it holds (the id a captured graph
-    names its input by), taken just before a capture: each tensor is given a buffer of its own
-    first (:func:`~torchfold.train.distributed.xla_calls.own_buffers`; ``computed``: the tensors
-    that hold one already), so that no two roles, nor a role and a constant of the capture, share one."""
-    for tensor in xla_calls.own_buffers(live, computed.holds):
-        computed.add(tensor)
-    ids = xla_calls.data_ids(live)
-    position: dict[int, int] = {}
-    for number, data in enumerate(ids):
-        first = position.setdefault(data, number)
-        if first != number and live[first] is not live[number]:
-            raise RuntimeError(
-                f"the inputs {first} and {number} of a program to capture hold one device buffer; "
-                "please report this torch_xla version"
-            )
-    return position
-
-
-def graph_sources(
-    ids: Sequence[int], values: Sequence[torch.Tensor], position: dict[int, int], live: Sequence[torch.Tensor]
-) -> list[tuple[int, Any]]:
-    """Per graph input: ``(0, its position among the live tensors)``, or ``(1, the value)`` for a
-    constant of the capture (device data that no live tensor held before it, e.g. a Python number).
-
-    An input bound to a live tensor must have its shape and dtype: anything else is a binding
-    error, raised here rather than replayed."""
-    sources: list[tuple[int, Any]] = []
-    for number, value in zip(ids, values, strict=True):
-        where = position.get(number)
-        if where is None:
-            sources.append((1, value))
-            continue
-        tensor = live[where]
-        if tensor.shape != value.shape or tensor.dtype != value.dtype:
-            raise RuntimeError(
-                f"a captured program's input of shape {tuple(value.shape)} and dtype {value.dtype} was bound to "
-                f"live tensor {where} of shape {tuple(tensor.shape)} and dtype {tensor.dtype}; please report this "
-                "torch_xla version"
-            )
-        sources.append((0, where))
-    return sources
-
-
-def _compile(
-    roots: list[torch.Tensor],
-    position: dict[int, int],
-    live: list[torch.Tensor],
-    reads: HostReads,
-    *,
-    run: bool = True,
-) -> tuple[_Program, list[Any]]:
-    """Compile the captured graph ending in ``roots`` (those that changed: the others are returned
-    as ``None``), run it once on its own inputs; the program and each root's value (``run=False``:
-    compiled only, every value ``None``; the caller drops the capture)."""
-    changed = xla_calls.needs_materialization(roots)
-    outputs = [where for where, need in enumerate(changed) if need]
-    kept = [roots[where] for where in outputs]
-    ids, values = xla_calls.device_data(kept)
-    if reads.happened():
-        raise _Refused(
-            "something read a value back to the host inside the step (.item(), .tolist(), float() of a "
-            "tensor), which cuts the graph",
-            list(roots),
-            host_read=True,
-        )
-    if xla_calls.seed_id() in ids:
-        raise _Refused(
-            "it draws random numbers (dropout?), and a replay would repeat the draws of its capture",
-            list(roots),
-        )
-    graph = xla_calls.graph_hash(kept)
-    xla_calls.compile_graph(kept)
-    program = _Program(graph, graph_sources(ids, values, position, live), outputs)
-    found: list[Any] = [None] * len(roots)
-    if not run:
-        return program, found
-    results = xla_calls.run_graph(graph, values)
-    for where, value in zip(outputs, results, strict=True):
-        found[where] = value
-    return program, found
-
-
-def _same_constants(program: _Program, other: _Program) -> bool:
-    if program.graph != other.graph or len(program.constants) != len(other.constants):
-        return False
-    return all(
-        a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-        for a, b in zip(program.constants, other.constants, strict=True)
-    )
 
 
 class _MinibatchSetup(NamedTuple):
@@ -328,9 +181,7 @@ class XlaPrograms:
         self.unit = float(minibatch_unit)
         self.reduction = reduction
         if transpose_weights is None:
-            import torch_xla.runtime
-
-            transpose_weights = str(torch_xla.runtime.device_type()).upper() == "CPU"
+            transpose_weights = transposes_here()
         self.transpose_weights = transpose_weights
         #: replays of a program between two captures that check it (0: never)
         self.verify_every = verify_every
@@ -340,12 +191,12 @@ class XlaPrograms:
         self.guard = StepGuard(model, loss)
         #: why steps are no longer replayed (then they run lazily, op by op), or None
         self.refused: str | None = None
-        self._minibatch: dict[Hashable, _Program] = {}
-        self._update: dict[Hashable, _Program] = {}
+        self._minibatch: dict[Hashable, Program] = {}
+        self._update: dict[Hashable, Program] = {}
         self._sent = SentValues()  # the programs' numbers and first loss sums (see _scalar)
         # tensors whose device buffer a program computed (its results): no 0-dim one of them is
         # torch_xla's cached scalar, so a capture need not give it a buffer of its own
-        self._computed = _Computed()
+        self._computed = Computed()
         self._acc: dict[int, torch.Tensor] = {}  # per parameter (id): its accumulated gradient
         self._has_grad: set[int] = set()  # parameters some minibatch of this step had a gradient for
         self._loss_sum: torch.Tensor | None = None
@@ -391,7 +242,7 @@ class XlaPrograms:
             else:
                 try:
                     captured, found = self._capture_minibatch(plan, targets, setup)
-                except _Refused as refusal:  # this minibatch's capture still counts: run as it is
+                except Refused as refusal:  # this minibatch's capture still counts: run as it is
                     self._refuse(str(refusal))
                     self._store_minibatch(refusal.roots, trainable, buffers, len(refusal.roots))
                     _sync()
@@ -474,7 +325,7 @@ class XlaPrograms:
                 if program is None or not program.verified:
                     try:
                         captured, found, new_slots = self._capture_update(params, graded, setup)
-                    except _Refused as refusal:  # this update's capture still counts: run as it is
+                    except Refused as refusal:  # this update's capture still counts: run as it is
                         self._refuse(str(refusal))
                         state = self.optimizer.state
                         made = [(p, name) for p in params for name in sorted(state.get(p, {}))]
@@ -565,8 +416,8 @@ class XlaPrograms:
         return True
 
     def _for_options(
-        self, program: _Program, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup
-    ) -> _Program | None:
+        self, program: Program, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup
+    ) -> Program | None:
         """The update ``program`` for the optimizer's options now, which differ from those it was
         captured with (a ``OneCycleLR`` cycling Adam's betas, a weight-decay schedule): the
         optimizer's Python traced again (never run; XLA makes the options' values parameters of
@@ -576,7 +427,7 @@ class XlaPrograms:
         try:
             with restored_afterwards(params, self.optimizer):
                 captured, _, slots = self._capture_update(params, graded, setup, run=False)
-        except _Refused:
+        except Refused:
             captured = None  # (the step's own capture says why)
         if captured is None or captured.graph != program.graph or slots != setup.slots:
             del self._update[setup.key]
@@ -587,7 +438,7 @@ class XlaPrograms:
 
     def _compile_ahead(
         self,
-        programs: dict[Hashable, _Program],
+        programs: dict[Hashable, Program],
         live: list[torch.Tensor],
         key: Hashable,
         changed: list[torch.Tensor],
@@ -605,7 +456,7 @@ class XlaPrograms:
                 try:
                     with restored_afterwards(changed, self.optimizer):
                         return capture()
-                except _Refused as refusal:
+                except Refused as refusal:
                     # (replicas that are threads count each other's graphs: a capture put back
                     # unchanged may be tried again)
                     if refusal.host_read and attempt < 2 and xla_calls.replica_threads():
@@ -707,8 +558,8 @@ class XlaPrograms:
 
     def _capture_minibatch(
         self, plan: StaticPlan, targets: Any, setup: _MinibatchSetup, *, run: bool = True
-    ) -> tuple[_Program, list[Any]]:
-        position = _positions(setup.live, self._computed)
+    ) -> tuple[Program, list[Any]]:
+        position = positions(setup.live, self._computed)
         reads = HostReads()  # (this thread's reads: replicas may be threads)
         linear = transposed_weights() if self.transpose_weights else contextlib.nullcontext()
         trainable = setup.trainable
@@ -726,7 +577,7 @@ class XlaPrograms:
             total = setup.loss_sum + loss.detach().to(setup.loss_sum.dtype) * setup.loss_weight.reshape(
                 ()
             )  # (1,)
-        return _compile([*new_accs, *setup.buffers, total], position, setup.live, reads, run=run)
+        return compile_program([*new_accs, *setup.buffers, total], position, setup.live, reads, run=run)
 
     def _store_minibatch(
         self, found: list[Any], trainable: list[torch.Tensor], buffers: list[torch.Tensor], count: int
@@ -746,8 +597,8 @@ class XlaPrograms:
 
     def _capture_update(
         self, params: list[torch.Tensor], graded: list[torch.Tensor], setup: _UpdateSetup, *, run: bool = True
-    ) -> tuple[_Program, list[Any], list[tuple[torch.Tensor, str]]]:
-        position = _positions(setup.live, self._computed)
+    ) -> tuple[Program, list[Any], list[tuple[torch.Tensor, str]]]:
+        position = positions(setup.live, self._computed)
         reads = HostReads()
         rates = _rates_for(self.optimizer, setup.rates)
         with reads, at_rates_without_grads(self.optimizer, rates), _PowersOfNumbers():
@@ -759,7 +610,7 @@ class XlaPrograms:
         state = self.optimizer.state
         slots = [(p, name) for p in params for name in sorted(state.get(p, {}))]
         zeros = [torch.zeros_like(acc) for acc in setup.accs]
-        program, found = _compile(
+        program, found = compile_program(
             [*params, *(state[p][name] for p, name in slots), *zeros], position, setup.live, reads, run=run
         )
         return program, found, slots
@@ -865,11 +716,11 @@ class XlaPrograms:
             self._refuse(why)
         return why is None
 
-    def _due(self, program: _Program) -> bool:
+    def _due(self, program: Program) -> bool:
         return program.due or (self.verify_every > 0 and program.replays >= self.verify_every)
 
     def _check(
-        self, program: _Program, kind: str, changed: list[torch.Tensor], capture: Callable[[], _Program]
+        self, program: Program, kind: str, changed: list[torch.Tensor], capture: Callable[[], Program]
     ) -> None:
         """Capture ``program``'s step again (never run: ``changed`` and the optimizer's state are put
         back) and compare: a program that no longer matches its new capture has replayed a value that
@@ -879,13 +730,13 @@ class XlaPrograms:
         try:
             with restored_afterwards(changed, self.optimizer):
                 captured = capture()
-        except _Refused as refusal:
+        except Refused as refusal:
             if refusal.host_read and xla_calls.replica_threads():
                 program.due = True  # (maybe another replica's graph: the next use checks again)
                 return
             why = str(refusal)
         else:
-            if _same_constants(program, captured):
+            if same_constants(program, captured):
                 return
             why = "its new capture is another graph, or reads other constants"
         raise RuntimeError(
@@ -896,10 +747,10 @@ class XlaPrograms:
             "buffer (see the capture guide), or train with compile='off'"
         )
 
-    def _verify(self, program: _Program, captured: _Program) -> None:
+    def _verify(self, program: Program, captured: Program) -> None:
         """``program`` may be replayed if a second capture of it is the same graph on the same
         constants; otherwise a value it reads is not among its inputs: refused."""
-        if _same_constants(program, captured):
+        if same_constants(program, captured):
             program.verified = True
         else:
             self._refuse(
@@ -966,44 +817,3 @@ def _host_state(optimizer: torch.optim.Optimizer) -> str | None:
                     f"parameters on {p.device}"
                 )
     return None
-
-
-@contextlib.contextmanager
-def restored_afterwards(tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Inside, a step may be captured (never run): afterwards ``tensors`` (materialized: device
-    data) and the optimizer's state are what they were before, whatever the capture did to them in
-    place (an update), and state the capture created is gone; gradients are ``None``.
-
-    The capture's pending operations are dropped with it: a program compiled from it waits in
-    XLA's cache for the step that will run it (:meth:`XlaPrograms.warm_up`), or is compared with
-    the program a step replays (:meth:`XlaPrograms.check`).
-    """
-
-    def held(value: Any) -> Any:  # a tensor's device data as a tensor of its own (in-place ops leave it)
-        if not isinstance(value, torch.Tensor):
-            return value
-        if not is_xla(value.device):
-            return value.clone()
-        return xla_calls.device_data([value])[1][0]
-
-    kept = [held(t) for t in tensors]
-    state = optimizer.state
-    # each state tensor, and its device data: the same objects are put back (a program's inputs
-    # may be these objects), their data as it was (the capture changed some in place)
-    before = {p: {name: (value, held(value)) for name, value in entry.items()} for p, entry in state.items()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in zip(tensors, kept, strict=True):
-                tensor.data = value
-                tensor.grad = None
-            for p in [p for p in state if p not in before]:
-                del state[p]
-            for p, entry in before.items():
-                restored: dict[str, Any] = {}
-                for name, (value, data) in entry.items():
-                    if isinstance(value, torch.Tensor):
-                        value.data = data
-                    restored[name] = value
-                state[p] = restored

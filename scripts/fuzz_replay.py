@@ -189,13 +189,15 @@ def _make_loss(model: _Model, scenario: Scenario) -> tuple[Any, Any]:
     from torchfold.examples.models import tree_lstm_loss
 
     weight = 1.0  # a closure variable the loss reads
+    reads_numpy = any(kind == "numpy scalar" for _, kind, _ in scenario.changes)
 
     def loss(m: Any, outputs: Any, targets: Any) -> torch.Tensor:
         base = tree_lstm_loss(m.tree, [m.drop(o) for o in outputs], targets)
         head = m.tree.classifier.weight
         penalty = sum((p**2).sum() for p in m.tree.classifier.parameters())
         scale = weight * m.alpha * GLOBAL_SCALE * LATE_SCALE * m.temperature
-        scale = scale * float(m.np_scale)
+        if reads_numpy:  # (read only where it changes: under compile='on' a graph reading it runs lazily)
+            scale = scale * float(m.np_scale)
         total = base * scale * m.cls_scale * m.cfg.loss.weight + 0.01 * penalty + (m.scale * m.offset).sum()
         total = total + 0.01 * m.act(head).sum()
         if scenario.running_stat:  # a running statistic, rebound at every call

@@ -225,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=StepMechanism.compile_choices,
         default="auto",
         help="auto (default): run every step's Python (on XLA lazily: XLA compiles a program per graph and reuses "
-        "it); on: torch.compile (on XLA its openxla backend, the step's Python run lazily where TorchDynamo cannot "
-        "capture it whole); replay (XLA and CUDA, opt-in): capture each step once per "
+        "it); on: torch.compile (on XLA a program captured from each graph, replayed while TorchDynamo's guards "
+        "hold; the step's Python run lazily where TorchDynamo cannot capture it whole); replay (XLA and CUDA, opt-in): capture each step once per "
         "static-shape layout and replay it without running its Python (for a step that reads nothing but its "
         "inputs: its warning says the contract); off: eager",
     )

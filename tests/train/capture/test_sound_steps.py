@@ -93,6 +93,45 @@ def test_every_kind_of_read_trains_on_xla_as_on_the_cpu(optimizer: str) -> None:
 
 
 @pytest.mark.xla
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("numpy_scalar", [False, True])
+def test_every_kind_of_read_trains_under_torch_compile_on_xla_as_on_the_cpu(numpy_scalar: bool) -> None:
+    """``compile="on"``: TorchDynamo's guards and side effects, torchfold's programs behind them,
+    against every kind of change the fuzzer makes (a tensor attribute made or changed in place
+    between steps is a pending computation, run before it is a program's input), equal to the
+    eager CPU run. A loss that reads a numpy scalar (TorchDynamo makes it a host tensor read with
+    ``.item()``, which a program would keep) runs lazily, with one warning saying so."""
+    import torch_xla
+
+    fuzz = load_fuzzer()
+    device = torch_xla.device()
+    changes = [change for change in EVERY_READ if numpy_scalar or change[1] != "numpy scalar"]
+    scenario = _scenario(
+        fuzz,
+        seed=7,
+        optimizer="adam",
+        lr=0.1,
+        weight_decay=0.01,
+        groups=2,
+        schedule="onecycle",
+        trace=[3, 6, 9, 3, 9],
+        changes=[*changes, (2, "tensor attribute", 0.5)],
+        module_loss=True,
+        running_stat=True,
+    )
+    xla = fuzz.run(scenario, device, DATA, compile="on")
+    cpu = fuzz.run(scenario, torch.device("cpu"), DATA)
+    verdict, details = fuzz.compare(scenario, cpu, xla)
+    assert verdict == "equal", details
+    assert not [w for w in xla["warnings"] if "not through torch.compile" in w], xla["warnings"]
+    lazily = [w for w in xla["warnings"] if "runs a step's graph lazily" in w]
+    if numpy_scalar:
+        assert len(lazily) == 1 and "on the host" in lazily[0], xla["warnings"]
+    else:
+        assert not lazily and xla["captures"] >= 1, xla["warnings"]
+
+
+@pytest.mark.xla
 def test_the_opt_in_replay_says_its_contract_once_when_made() -> None:
     import torch_xla
 

@@ -12,7 +12,10 @@ graph, and gradients accumulate in ``.grad`` as usual, so
 :class:`~torchfold.train.AccumulatingOptimizer`'s weighting, the all-reduce and the update stay as
 they are: a step with a new number of minibatches creates no new program.
 
-Backends: XLA uses ``openxla``; CUDA and a CPU (when asked, ``compile="on"``; it stays eager by
+Backends: XLA uses :data:`XLA_PROGRAMS`, a backend of torchfold's own
+(:class:`~torchfold.train.capture.dynamo_programs.XlaGraphPrograms`: TorchDynamo's guards decide
+when a program captured from the graph, forward, loss and backward in one, replays; pass
+``backend="openxla"`` for torch_xla's); CUDA and a CPU (when asked, ``compile="on"``; it stays eager by
 default) use ``inductor``'s default mode. On CUDA, CUDA graphs come from
 :class:`~torchfold.train.capture.cuda_replay.CudaStepReplay`, which replays a whole step of one minibatch;
 inductor's own CUDA graphs (``mode="reduce-overhead"``) are not the default: in the trainer,

@@ -21,6 +21,7 @@ graph's inputs and the model's parameters, bound by position, never by value.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from torchfold.train.capture.xla_capture import (
 )
 from torchfold.train.capture.xla_linear import transposed_weights, transposes_here
 from torchfold.train.distributed import xla_calls
+from torchfold.train.distributed.devices import is_xla
 from torchfold.train.distributed.xla_calls import HostReads
 
 __all__ = ["WarmedUp", "XlaGraphPrograms"]
@@ -102,6 +104,7 @@ class XlaGraphPrograms:
         self._pending: _Pending | None = None
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._warming = False
+        self._warned: set[str] = set()  # the reasons a graph runs lazily, said once each
         self._loss_at = 0  # where the last graph captured had its loss (a warm-up's guess)
         self._computed = Computed()
         # on XLA's CPU backend, products read transposed copies of the weights (see xla_linear)
@@ -134,6 +137,20 @@ class XlaGraphPrograms:
         if graph.refused is not None:
             return graph.gm(*args)
         params = list(self._params())
+        if graph.program is None:
+            host = [value for value in args if isinstance(value, torch.Tensor) and not is_xla(value.device)]
+            if host:
+                # (a numpy value becomes a host tensor whose value the graph reads with .item():
+                # a program would keep the value of its capture)
+                self._refuse(
+                    graph,
+                    f"its graph reads a tensor on the host ({host[0].device}, shape {tuple(host[0].shape)}; "
+                    "TorchDynamo makes a numpy value one), whose value a program would keep",
+                )
+                return graph.gm(*args)
+        # a program's inputs are device data: a pending one (changed in place since, e.g. by a
+        # hook or the user's code between steps) is run first
+        xla_calls.materialize([value for value in (*args, *params) if isinstance(value, torch.Tensor)])
         if graph.program is not None and graph.params != _identities(params):
             graph.program = None  # (parameters added, replaced or frozen since: captured again)
         if graph.program is None:
@@ -156,6 +173,18 @@ class XlaGraphPrograms:
             for place, value in zip(graph.graded, found[count + len(graph.mutated) :], strict=True)
         ]
         return tuple(found[:count])
+
+    def _refuse(self, graph: _Graph, why: str) -> None:
+        """``graph`` runs lazily at every call from now on, with a warning saying why (once per reason)."""
+        graph.refused = why
+        if why in self._warned:
+            return
+        self._warned.add(why)
+        warnings.warn(
+            f"torchfold: compile='on' runs a step's graph lazily (its Python traced at every step), not as a "
+            f"captured program: {why}",
+            stacklevel=5,
+        )
 
     def _trace(self, graph: _Graph, args: list[Any], params: list[torch.Tensor]) -> _Pending:
         """Run ``graph`` lazily on ``args``, with grad: the step a capture is made of."""
@@ -247,18 +276,18 @@ class XlaGraphPrograms:
         at = [place for place, value in enumerate(outputs) if value is loss]
         roots, mutated, graded, lazy = self._roots(pending, loss)
         if not at:
-            graph.refused = "the step's loss is not one of its graph's outputs"
+            self._refuse(graph, "the step's loss is not one of its graph's outputs")
             _add_grads(lazy)
             return True
         try:
             program, found = compile_program(roots, pending.position, pending.live, pending.reads)
         except Refused as why:
-            graph.refused = str(why)
+            self._refuse(graph, str(why))
             _add_grads(lazy)
             return True
         if any(value is None for value in found[: len(outputs)]):
             # (an output that is an input as it was: no program needed for it, left lazy, rare)
-            graph.refused = "an output of the step's graph is one of its inputs"
+            self._refuse(graph, "an output of the step's graph is one of its inputs")
             _add_grads(lazy)
             return True
         graph.program, graph.loss_at, graph.outputs = program, at[0], len(outputs)

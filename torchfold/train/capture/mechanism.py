@@ -75,8 +75,9 @@ class StepMechanism:
         compile: ``"auto"`` (default): every step's Python runs (eagerly on the CPU and CUDA,
             lazily on XLA, whose compiler caches a program per graph it builds), so whatever the
             step reads is read anew; ``"on"``: :func:`torch.compile` (its guards follow what the
-            step's code reads; on XLA its ``openxla`` backend, and a step Dynamo cannot capture as
-            one graph runs its Python lazily instead, with one warning); ``"replay"`` (XLA and
+            step's code reads; on XLA a program captured from each graph, replayed while its guards
+            hold, and a step Dynamo cannot capture as one graph runs its Python lazily instead, with
+            one warning); ``"replay"`` (XLA and
             CUDA, opt-in): each step captured once and replayed without running its Python
             (:data:`REPLAY_CONTRACT` says what that assumes); ``"off"``: eager
             (:attr:`compile_choices`).

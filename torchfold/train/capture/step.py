@@ -80,8 +80,8 @@ def captured_step(
     ``loss(model, outputs, targets) -> scalar`` gets ``plan.apply(model, padded=True)``'s outputs,
     as in :class:`~torchfold.train.TraceTrainer`. With ``compile="auto"`` every step's Python runs
     (on XLA lazily, XLA compiling a program per graph and reusing it); ``compile="on"``:
-    :func:`torch.compile` (on XLA its ``openxla`` backend, the step's Python run lazily where it
-    cannot capture the step whole); ``compile="replay"`` (XLA and CUDA, opt-in): every
+    :func:`torch.compile` (on XLA, TorchDynamo's guards in front of programs captured from its
+    graphs; the step's Python run lazily where it cannot capture the step whole); ``compile="replay"`` (XLA and CUDA, opt-in): every
     step replayed from programs captured once per static-shape layout (plans from
     ``Fold(shapes=StaticShapes(...))``) without running its Python, however many minibatches it
     has on XLA, a step of one minibatch from one CUDA graph on a GPU

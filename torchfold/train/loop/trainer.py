@@ -220,8 +220,8 @@ class TraceTrainer:
         compile: how steps run (:class:`~torchfold.train.StepMechanism`): ``"auto"`` (default)
             runs every step's Python, so whatever it reads is read anew (on XLA lazily: XLA
             compiles a program per graph and reuses it); ``"on"``: :func:`torch.compile` (its guards
-            follow what the step reads; on XLA its ``openxla`` backend, the step's Python run lazily
-            where it cannot capture the step whole); ``"replay"`` (XLA and CUDA, opt-in):
+            follow what the step reads; on XLA a program captured from each graph replays while
+            its guards hold, the step's Python run lazily where it cannot capture the step whole); ``"replay"`` (XLA and CUDA, opt-in):
             each step captured once per static-shape layout and replayed without running its
             Python, faster where the host's time per step counts, for a step that reads nothing
             but its inputs and the values its guard lists (its warning says the contract);
@@ -232,9 +232,9 @@ class TraceTrainer:
             replay.
             A :class:`~torchfold.train.StepMechanism` made for this run's device (as ``train`` makes
             one to pad its folds and build its optimizer) is taken as it is: the run decides once.
-        compile_backend: a :func:`torch.compile` backend instead of the device's (``openxla``
-            on XLA, ``inductor`` elsewhere), e.g. ``"aot_eager"`` to check a capture quickly.
-        warm_up: with steps replayed (XLA, ``compile="replay"``), compile the programs of every static-shape layout
+        compile_backend: a :func:`torch.compile` backend instead of the device's (``"torchfold_xla"``
+            on XLA, ``inductor`` elsewhere; ``"openxla"`` is torch_xla's), e.g. ``"aot_eager"`` to check a capture quickly.
+        warm_up: with steps captured on XLA (``compile="on"`` or ``"replay"``), compile the programs of every static-shape layout
             that a pass over the dataset makes (:meth:`StepLoader.layout_examples()
             <torchfold.train.StepLoader.layout_examples>`) once the optimizer has its state
             (after the first step, or at a resume), so that no later step stops to compile

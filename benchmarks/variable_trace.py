@@ -12,7 +12,7 @@ The envelope of static shapes is fitted to a pass over the data and frozen first
 (:func:`torchfold.train.fit_static_shapes`, as ``python -m torchfold train`` does): a
 minibatch that does not fit it is split, so it never grows in training. It has depth buckets
 unless ``--one-layout`` is given; ``python -m torchfold train`` fits one layout for lazily traced
-XLA steps (``--compile auto``) and depth buckets for replayed ones
+XLA steps (``--compile auto``) and depth buckets for captured ones (``on``, ``replay``)
 (:meth:`torchfold.train.StepMechanism.static_shapes`).
 
 Usage::
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile",
         default="auto",
-        help="the XLA run's compile= (auto: lazy; on: torch.compile's openxla, TorchDynamo's guards; replay)",
+        help="the XLA run's compile= (auto: lazy; on: TorchDynamo's guards in front of captured programs; replay)",
     )
     parser.add_argument(
         "--one-layout",

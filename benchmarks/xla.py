@@ -12,7 +12,7 @@ each tree weighing the same) on consecutive SST training batches, one Fold per b
 * ``xla static, fitted``: the same, after fitting the envelope to the first ``--warmup`` batches'
   plans on the host (``StaticShapes.fit``: no tensor op, milliseconds), so warm-up compiles once;
 * ``xla captured``: fitted static shapes, and the forward, loss and backward captured once per
-  layout (``torchfold.train.capture.compiled.CompiledLoss``, torch.compile's ``openxla`` backend) and
+  layout (``torchfold.train.capture.compiled.CompiledLoss``, torch.compile on XLA: its default backend) and
   replayed with each batch's index tensors: no op is recorded per batch; the update stays lazy;
 * ``xla captured and update``: the same, and the optimizer's update compiled too
   (``torchfold.train.capture.compiled.CompiledUpdate``, Adam with ``capturable=True``);

@@ -266,7 +266,7 @@ CAPTURE_NAMES_OUTSIDE = {
     "captured_step",
 }
 # Benchmarks that time one mechanism itself (a program, a capture), not a run of the trainer.
-MECHANISM_BENCHMARKS = {"xla.py", "xla_profile.py", "xla_dots.py", "gpu_tree_lstm.py"}
+MECHANISM_BENCHMARKS = {"xla.py", "xla_profile.py", "xla_dots.py", "gpu_tree_lstm.py", "dynamo_guard_cost.py"}
 CAPTURE = "torchfold.train.capture"
 
 

@@ -81,7 +81,7 @@ XLA_TESTS = tests/train/test_xla.py tests/train/capture/test_xla_runner.py \
 	tests/train/capture/test_capture_regressions.py tests/engine/static/test_xla_seed_loop.py \
 	tests/train/capture/test_xla_user_loop.py tests/cli/test_train_task_xla.py \
 	tests/train/capture/test_replay_trust.py tests/train/capture/test_sound_steps.py \
-	tests/train/test_persample_xla.py
+	tests/train/test_persample_xla.py tests/train/capture/test_dynamo_programs.py
 
 test-xla: env-xla
 	@lane=$$(date +%s); status=0; for f in $(XLA_TESTS); do \

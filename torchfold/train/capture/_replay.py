@@ -17,8 +17,9 @@ import torch
 
 from torchfold.engine.static import StaticPlan
 from torchfold.train.capture.compiled import check_loss
-from torchfold.train.capture.xla_capture import Options
 from torchfold.train.loss import PlanLoss
+
+Options = tuple[tuple[tuple[str, str], ...], ...]  # per param group: (name, repr of value), sorted
 
 __all__ = [
     "MAX_OPTIONS",

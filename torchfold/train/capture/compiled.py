@@ -286,13 +286,19 @@ class CompiledLoss:
         key = plan.layout.key
         if key in self._compiled or (self.max_captures is not None and self.captures >= self.max_captures):
             return False
+        import torch._dynamo
+
+        if torch._dynamo.config.disable:  # (TORCHDYNAMO_DISABLE: a call would run the step itself)
+            return False
         fn = self._capture(plan.layout)
         inputs = plan.inputs(self.device)
         with _CAPTURE_LOCK:
             try:
                 compiled = self.programs.warm_up(lambda: fn(inputs, targets))
-            except Exception:  # (TorchDynamo cannot trace it: the layout's first step says why)
-                return False
+            except Exception as error:
+                if not _is_graph_break(error):
+                    raise
+                return False  # (TorchDynamo cannot trace it: the layout's first step says why, or falls back)
         self._compiled[key] = fn
         return compiled
 
@@ -464,6 +470,10 @@ class CompiledUpdate:
         self.optimizer = optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.device, self.backend, self.mode = _backend_for(params, device, backend, mode)
+        if self.backend == XLA_PROGRAMS:
+            # (XlaGraphPrograms captures a step's loss with its backward; an update on XLA goes
+            # through torch_xla's own backend)
+            self.backend = "openxla"
         self._warned = False
         #: why the update runs uncompiled (torch.compile failed on it), or None
         self._uncompiled: str | None = None
@@ -527,6 +537,11 @@ def _backend_for(
     device = device_for(params, device)
     default_backend, default_mode = compile_backend(device)
     chosen = backend if backend is not None else default_backend
+    if chosen == XLA_PROGRAMS and not is_xla(device):
+        raise ValueError(
+            f"backend={XLA_PROGRAMS!r} captures programs on XLA devices only, not on {device}; leave backend out "
+            "(the device's own) or name a torch.compile backend"
+        )
     if chosen in ("openxla", XLA_PROGRAMS):
         _check_torch_xla()
     return device, chosen, mode if mode is not None or backend is not None else default_mode
@@ -565,7 +580,7 @@ def _first_line(error: BaseException) -> str:
 
 def _check_torch_xla() -> None:
     try:
-        import torch_xla  # registers the openxla backend
+        import torch_xla  # (registers the openxla backend; XLA_PROGRAMS captures through it too)
     except ImportError as error:
         raise ImportError(
             "compiled steps on XLA need torch_xla (pip install 'torchfold[xla]'); or train with compile='off'"
@@ -573,7 +588,7 @@ def _check_torch_xla() -> None:
     version = getattr(torch_xla, "__version__", "0")
     if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (2, 3):
         warnings.warn(
-            f"torch_xla {version} is older than 2.3, whose openxla backend compiles training steps; "
+            f"torch_xla {version} is older than 2.3, with which compiled training steps were not tried; "
             "expect graph breaks",
             stacklevel=3,
         )

@@ -35,6 +35,7 @@ from torchfold._validate import check_int
 from torchfold.engine.static.shapes import StaticShapes
 from torchfold.train.capture.compiled import (
     COMPILE_CHOICES,
+    XLA_PROGRAMS,
     CompiledLoss,
     CompiledUpdate,
     uncapturable_update,
@@ -141,16 +142,21 @@ class StepMechanism:
         depth buckets a layout first met late stalls the run for a compilation (about 5 s each for
         the SST Tree-LSTM on torch_xla's CPU backend; ``benchmarks/results/xla.md``). One layout pads
         shallow batches to every level instead. Captured steps (``"on"``, ``"replay"``) keep depth
-        buckets: their warm-up compiles every layout once the optimizer has its state. (The rule
-        reads ``compile=``: a capture that falls back to lazy steps, with a warning saying why,
-        keeps depth buckets; on the CPU and CUDA, ``compile="on"`` keeps them too.)
+        buckets: their warm-up compiles every layout ahead (not with a ``backend=`` of the user's,
+        e.g. ``"openxla"``: one layout then). (The rule reads ``compile=``: a capture that falls back
+        to lazy steps, with a warning saying why, keeps depth buckets; on the CPU and CUDA,
+        ``compile="on"`` keeps them too.)
 
         >>> StepMechanism("xla").static_shapes().depth_buckets, StepMechanism("xla", compile="on").static_shapes().depth_buckets
         (False, True)
         >>> StepMechanism("cpu", compile="on").static_shapes(min_rows=4).depth_buckets
         True
         """
-        lazy_xla = runner_kind(self.device) == "xla" and self.compile in ("auto", "off")
+        # (compile="on" with a backend of the user's, openxla say, compiles nothing ahead)
+        lazy_xla = runner_kind(self.device) == "xla" and (
+            self.compile in ("auto", "off")
+            or (self.compile == "on" and self.backend not in (None, XLA_PROGRAMS))
+        )
         return StaticShapes(**{"depth_buckets": not lazy_xla, **options})
 
     @property

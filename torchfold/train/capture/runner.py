@@ -94,6 +94,12 @@ class StepRunner:
         """Whether :meth:`warm_up` compiles anything (worth building its layout examples)."""
         return False
 
+    @property
+    def ready_to_warm_up(self) -> bool:
+        """Whether :meth:`warm_up` can compile now: once the optimizer has its state (a program
+        of the update compiled ahead needs it: after the first step, or at a resume)."""
+        return bool(self.optimizer.optimizer.state)
+
     def warm_up(self, examples: Sequence[Any]) -> int:
         """Compile the programs of each example's layout now, without running a step (nothing
         changes), so that no step after it compiles; the number of programs compiled (0 for a
@@ -166,6 +172,15 @@ class EagerRunner(StepRunner):
     def compiles_ahead(self) -> bool:
         # (a compiled step of the user's own, any callable, compiles nothing ahead)
         return isinstance(self.compiled, CompiledLoss) and self.compiled.programs is not None
+
+    @property
+    def ready_to_warm_up(self) -> bool:
+        # once a step has captured a program (the minibatch's programs only: the update is not
+        # compiled ahead). (torch_xla hashed the first graph of a process differently when a
+        # warm-up traced it than when the step that replays it did: one compile more.)
+        return isinstance(self.compiled, CompiledLoss) and bool(
+            self.compiled.programs and self.compiled.programs.programs
+        )
 
     def warm_up(self, examples: Sequence[Any]) -> int:
         if not isinstance(self.compiled, CompiledLoss):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +20,6 @@ import torch
 from torchfold.train.distributed import xla_calls
 from torchfold.train.distributed.devices import is_xla
 from torchfold.train.distributed.xla_calls import HostReads
-
-#: an update program's optimizer options: per param group, (name, repr of value), sorted
-Options = tuple[tuple[tuple[str, str], ...], ...]
 
 __all__ = [
     "Computed",
@@ -55,7 +52,7 @@ class Program:
         self.replays = 0
         self.due = False
         #: an update program's optimizer options, whose values its constants hold (None: a minibatch's)
-        self.options: Options | None = None
+        self.options: Hashable | None = None
 
     def rebind(self, captured: Program) -> None:
         """Read ``captured``'s constants from now on: a capture of the same graph whose constants
@@ -84,6 +81,11 @@ class Computed:
     def holds(self, tensor: torch.Tensor) -> bool:
         ref = self._refs.get(id(tensor))
         return ref is not None and ref() is tensor
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        """``tensor`` no longer holds a buffer a program computed (another was put back in it)."""
+        if self.holds(tensor):
+            del self._refs[id(tensor)]
 
 
 class Refused(Exception):
@@ -192,11 +194,15 @@ def same_constants(program: Program, other: Program) -> bool:
 
 @contextlib.contextmanager
 def restored_afterwards(
-    tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+    tensors: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None = None,
+    computed: Computed | None = None,
 ) -> Iterator[None]:
     """Inside, a step may be captured (never run): afterwards ``tensors`` (materialized: device
-    data) and the optimizer's state (if given) are what they were before, whatever the capture did
-    to them in place (an update), and state the capture created is gone; gradients are ``None``.
+    data), their gradients and the optimizer's state (if given) are what they were before, whatever
+    the capture did to them in place (an update), and state the capture created is gone. Each
+    tensor put back is dropped from ``computed`` (its buffer may again be one torch_xla shares, as
+    before the capture gave it one of its own).
 
     The capture's pending operations are dropped with it: a program compiled from it waits in
     XLA's cache for the step that will run it (:meth:`XlaPrograms.warm_up`), or is compared with
@@ -211,6 +217,7 @@ def restored_afterwards(
         return xla_calls.device_data([value])[1][0]
 
     kept = [held(t) for t in tensors]
+    grads = [t.grad for t in tensors]
     state = optimizer.state if optimizer is not None else {}
     # each state tensor, and its device data: the same objects are put back (a program's inputs
     # may be these objects), their data as it was (the capture changed some in place)
@@ -219,9 +226,11 @@ def restored_afterwards(
         yield
     finally:
         with torch.no_grad():
-            for tensor, value in zip(tensors, kept, strict=True):
+            for tensor, value, grad in zip(tensors, kept, grads, strict=True):
                 tensor.data = value
-                tensor.grad = None
+                tensor.grad = grad
+                if computed is not None:
+                    computed.discard(tensor)
             for p in [p for p in state if p not in before]:
                 del state[p]
             for p, entry in before.items():
@@ -229,5 +238,7 @@ def restored_afterwards(
                 for name, (value, data) in entry.items():
                     if isinstance(value, torch.Tensor):
                         value.data = data
+                        if computed is not None:
+                            computed.discard(value)
                     restored[name] = value
                 state[p] = restored

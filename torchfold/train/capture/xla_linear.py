@@ -9,8 +9,9 @@ the product, so writing ``x @ W.t()`` changes nothing. Inside :func:`transposed_
 back by an optimization barrier; the backward pass multiplies by ``W`` itself. Values and
 gradients are those of ``F.linear``, up to the order of floating-point sums.
 
-:class:`~torchfold.train.capture.xla_programs.XlaPrograms` captures its programs inside it on XLA's CPU
-backend (on a TPU, XLA lays out the weight itself).
+:class:`~torchfold.train.capture.xla_programs.XlaPrograms` (``compile="replay"``) and
+:class:`~torchfold.train.capture.dynamo_programs.XlaGraphPrograms` (``compile="on"``) capture their
+programs inside it on XLA's CPU backend (on a TPU, XLA lays out the weight itself).
 """
 
 from __future__ import annotations

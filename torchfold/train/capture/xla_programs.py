@@ -425,7 +425,7 @@ class XlaPrograms:
         program, no compile. None: the new capture is another graph (an option that selects
         other code, e.g. a weight decay that becomes 0), dropped: the step captures it anew."""
         try:
-            with restored_afterwards(params, self.optimizer):
+            with restored_afterwards(params, self.optimizer, self._computed):
                 captured, _, slots = self._capture_update(params, graded, setup, run=False)
         except Refused:
             captured = None  # (the step's own capture says why)
@@ -454,7 +454,7 @@ class XlaPrograms:
                 return None
             for attempt in range(3):
                 try:
-                    with restored_afterwards(changed, self.optimizer):
+                    with restored_afterwards(changed, self.optimizer, self._computed):
                         return capture()
                 except Refused as refusal:
                     # (replicas that are threads count each other's graphs: a capture put back
@@ -728,7 +728,7 @@ class XlaPrograms:
         since = program.replays
         program.replays, program.due = 0, False
         try:
-            with restored_afterwards(changed, self.optimizer):
+            with restored_afterwards(changed, self.optimizer, self._computed):
                 captured = capture()
         except Refused as refusal:
             if refusal.host_read and xla_calls.replica_threads():

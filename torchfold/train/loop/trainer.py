@@ -236,8 +236,9 @@ class TraceTrainer:
             on XLA, ``inductor`` elsewhere; ``"openxla"`` is torch_xla's), e.g. ``"aot_eager"`` to check a capture quickly.
         warm_up: with steps captured on XLA (``compile="on"`` or ``"replay"``), compile the programs of every static-shape layout
             that a pass over the dataset makes (:meth:`StepLoader.layout_examples()
-            <torchfold.train.StepLoader.layout_examples>`) once the optimizer has its state
-            (after the first step, or at a resume), so that no later step stops to compile
+            <torchfold.train.StepLoader.layout_examples>`) after the first step (with
+            ``"replay"``, once the optimizer has its state: after the first step, or at a
+            resume), so that no later step stops to compile
             (default ``True``); the compiling counts in the time of the step before.
 
     Example:
@@ -475,8 +476,9 @@ class TraceTrainer:
                     raise Preempted(self.next_step, self._final_checkpoint())
 
     def _warm_up_once(self) -> None:
-        """The runner's programs for every layout, compiled once the optimizer has its state (see ``warm_up``)."""
-        if self._warmed or not self.warm_up or not self.optimizer.optimizer.state:
+        """The runner's programs for every layout, compiled once the runner is ready to (after the
+        first step; see ``warm_up``)."""
+        if self._warmed or not self.warm_up or not self.runner.ready_to_warm_up:
             return
         self._warmed = True
         if not self.runner.compiles_ahead:  # (no layout examples to build for nothing)

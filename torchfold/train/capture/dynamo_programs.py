@@ -56,12 +56,11 @@ __all__ = ["WarmedUp", "XlaGraphPrograms"]
 class _Graph:
     """One graph TorchDynamo traced, and the program captured from it (once its loss is known)."""
 
-    __slots__ = ("gm", "graded", "loss_at", "mutated", "outputs", "params", "program", "refused")
+    __slots__ = ("gm", "graded", "mutated", "outputs", "params", "program", "refused")
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         self.program: Program | None = None
-        self.loss_at = -1  # the loss's place among the graph's outputs
         self.outputs = 0  # how many outputs the graph has
         self.mutated: list[int] = []  # inputs the graph changes in place (their places among the inputs)
         self.graded: list[int] = []  # the trainable parameters it gives a gradient (their places among them)
@@ -342,7 +341,7 @@ class XlaGraphPrograms:
             # (a root that is an input as it was: the program would not give it back, rare)
             self._refuse(graph, "a result of the step's graph is one of its inputs as it was")
             return False
-        graph.program, graph.loss_at, graph.outputs = program, at[0], len(outputs)
+        graph.program, graph.outputs = program, len(outputs)
         graph.mutated, graph.graded = mutated, graded
         graph.params = _identities(pending.live[len(pending.args) :])
         self._loss_at = at[0]
